@@ -1,0 +1,156 @@
+"""The public entry points: ``build_loader`` and ``read_image``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+from .backends import BackendName, check_name, cpu_decoder, require_backend, rule_of_thumb
+from .data.device import DeviceStage
+from .data.loader import CpuLoader, Loader
+from .data.sampler import ShardSampler
+from .data.scan import scan
+from .recipe import Recipe
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = torch.distributed
+    if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return rank or 0, world_size or 1
+
+
+def build_loader(
+    root: str | os.PathLike,
+    backend: BackendName = "pillow",
+    *,
+    batch_size: int = 256,
+    train: bool = True,
+    image_size: int = 224,
+    device: str | torch.device | None = None,
+    num_workers: int | None = None,
+    seed: int = 0,
+    drop_last: bool | None = None,
+    normalize: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+    on_error: Literal["raise", "skip"] = "raise",
+    recipe: Recipe | None = None,
+    transforms: Sequence[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    channels_last: bool = False,
+    max_pixels: int | None = None,
+    pin_memory: bool | None = None,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool | None = None,
+    allow_outside_root: bool = False,
+) -> Loader:
+    """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalised (uint8 with
+    ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
+
+    Args:
+        root: an ImageFolder directory, or a CSV file list (``path,label``, paths relative to the file).
+        backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``
+            (the fastest in the latest ``gpupipe bench`` result for this machine and data, else a stated rule).
+        train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).
+        image_size: the output side ``S``.
+        device: where batches are delivered; ``None`` picks CUDA when available.
+        num_workers: decode workers (or DALI threads); ``None`` uses every usable core.
+        seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
+        drop_last: ``None`` means True for train, False for eval.
+        normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
+        rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
+        on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
+        recipe: override the recipe's scale, ratio, crop_pct, mean or std (``image_size`` wins over ``recipe.size``).
+        transforms: callables (e.g. torchvision v2 transforms) applied to each device batch, for every backend.
+        channels_last: deliver batches in ``torch.channels_last`` memory format.
+        max_pixels: refuse images with more pixels (checked from the header); default PIL's limit.
+        pin_memory, prefetch_factor, persistent_workers: DataLoader settings; ``None`` picks what suits the device.
+        allow_outside_root: let a CSV list name files outside its folder.
+    """
+    name = check_name(backend)
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    dev = _resolve_device(device)
+    dataset = scan(root, allow_outside_root=allow_outside_root)
+    if name == "auto":
+        from .bench.store import best_backend
+
+        name = best_backend(dataset.root, dev, train) or rule_of_thumb(dev)
+    require_backend(name)
+    recipe = Recipe(image_size) if recipe is None else Recipe(**{**recipe.__dict__, "size": image_size})
+    rank, world_size = _resolve_rank(rank, world_size)
+    sampler = ShardSampler(len(dataset), batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size,
+                           drop_last=train if drop_last is None else drop_last)
+    stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, transforms=transforms or ())
+    workers = usable_cores() if num_workers is None else num_workers
+    if workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {workers}")
+    common = (dataset, sampler, stage, recipe, on_error)
+    if name == "synthetic":
+        from .backends.synthetic import SyntheticLoader
+
+        return SyntheticLoader(*common, seed=seed)
+    if name == "dali":
+        from .backends.dali import DaliLoader  # defer: DALI is heavy and optional
+
+        return DaliLoader(*common, seed=seed, num_threads=workers or 1)
+    dl_kwargs = {"num_workers": workers, "pin_memory": dev.type == "cuda" if pin_memory is None else pin_memory}
+    if workers > 0:
+        dl_kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
+        dl_kwargs["prefetch_factor"] = prefetch_factor or 4
+    if name == "nvjpeg":
+        from .backends.nvjpeg import NvjpegLoader
+
+        return NvjpegLoader(*common, seed=seed, max_pixels=max_pixels, dataloader_kwargs=dl_kwargs)
+    return CpuLoader(*common, decoder=cpu_decoder(name, max_pixels), seed=seed, dataloader_kwargs=dl_kwargs)
+
+
+def read_image(src: str | os.PathLike | bytes, backend: str = "pillow", *, max_pixels: int | None = None) -> torch.Tensor:
+    """Decode one image to a ``torch.uint8`` tensor (3, H, W): RGB, EXIF orientation applied.
+
+    ``backend`` is ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA, returns a CUDA tensor)
+    or ``dali`` (a one-image DALI pipeline: slow to start, for checks rather than loops).
+    """
+    name = check_name(backend)
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data, path = bytes(src), "<bytes>"
+    else:
+        path = os.fspath(src)
+        with open(path, "rb") as f:
+            data = f.read()
+    if name in ("dali", "nvjpeg"):
+        require_backend(name)
+        from .backends import gpu_read
+
+        return gpu_read.read_image(data, path, name, max_pixels)
+    if name in ("synthetic", "auto"):
+        raise ValueError(f"read_image needs a decoding backend, not {name!r}")
+    import numpy as np
+
+    img = cpu_decoder(name, max_pixels).decode(data, path)
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous()
+
+

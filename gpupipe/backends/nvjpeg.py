@@ -1,0 +1,121 @@
+"""torchvision's batched nvJPEG decode on CUDA, with the recipe's crop, flip and resize as tensor ops on the GPU.
+
+No extra package: the GPU path for users who cannot install DALI. Workers read the bytes and the header (size,
+EXIF orientation, pixel limit); the main process decodes the whole batch on the GPU in one call. Files nvJPEG
+cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as fallbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..data.loader import Batch, Loader
+from ..errors import DecodeError
+from ..recipe import Recipe, sample_rng
+from ._image import default_max_pixels, is_jpeg, probe, to_rgb, upright
+from .pillow import PillowDecoder
+
+_GPU_MODES = ("RGB", "L")
+
+
+class _BytesDataset(torch.utils.data.Dataset):
+    def __init__(self, samples, recipe: Recipe, train: bool, seed: int, max_pixels: int):
+        self.samples, self.recipe, self.train, self.seed = samples, recipe, train, seed
+        self.max_pixels = max_pixels
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        path, label = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            header = probe(data, path, "nvjpeg", self.max_pixels)
+            uh, uw = header.upright_size
+            box = self.recipe.train_box(uh, uw, sample_rng(self.seed, epoch, index)) if self.train else \
+                self.recipe.eval_box(uh, uw)
+            if is_jpeg(data) and header.image.mode in _GPU_MODES:
+                return path, label, np.frombuffer(data, np.uint8), header.orientation, box, None
+            img = upright(to_rgb(PillowDecoder(self.max_pixels)._load(header.image, path)), header.orientation)
+            return path, label, np.asarray(img), 0, box, None  # orientation 0: already decoded, on the CPU
+        except DecodeError as e:
+            return path, label, None, 0, None, e.reason
+        except OSError as e:
+            return path, label, None, 0, None, f"cannot read the file ({e.strerror or e})"
+
+
+def _collate(items):
+    return items
+
+
+def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """EXIF orientation on a (3,H,W) tensor: the same transposes as PIL's ``exif_transpose``."""
+    if orientation in (5, 6, 7, 8):
+        img = img.transpose(-1, -2)
+    if orientation in (2, 3, 6, 7):
+        img = img.flip(-1)
+    if orientation in (3, 4, 7, 8):
+        img = img.flip(-2)
+    return img
+
+
+class NvjpegLoader(Loader):
+    backend = "nvjpeg"
+
+    def __init__(self, dataset, sampler, stage, recipe, on_error, *, seed: int, max_pixels: int | None,
+                 dataloader_kwargs: dict):
+        if stage.device.type != "cuda":
+            raise ValueError("backend 'nvjpeg' decodes on CUDA: pass device='cuda' (or use 'dali' or 'turbojpeg')")
+        super().__init__(dataset, sampler, stage, recipe, on_error)
+        self._data = _BytesDataset(dataset.samples, recipe, self.train, seed, max_pixels or default_max_pixels())
+        self._kwargs = dataloader_kwargs
+        self._dataloader = None
+
+    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+        from torchvision.transforms.v2 import functional as F
+
+        if self._dataloader is None:
+            kwargs = {**self._kwargs, "pin_memory": False}
+            self._dataloader = torch.utils.data.DataLoader(self._data, batch_sampler=self.sampler,
+                                                           collate_fn=_collate, **kwargs)
+        self.sampler.set_epoch(epoch, start_batch)
+        device, S = self.stage.device, self.recipe.size
+        for items in self._dataloader:
+            errors = [(p, r) for p, _, a, _, _, r in items if a is None]
+            good = [it for it in items if it[2] is not None]
+            gpu = [it for it in good if it[3] != 0]
+            decoded = {}
+            if gpu:
+                try:
+                    out = decode_jpeg([torch.from_numpy(it[2].copy()) for it in gpu], mode=ImageReadMode.RGB,
+                                      device=device)
+                    decoded = {id(it): img for it, img in zip(gpu, out)}
+                except RuntimeError:  # find the culprit one by one: nvJPEG reports the batch
+                    for it in gpu:
+                        try:
+                            decoded[id(it)] = decode_jpeg(torch.from_numpy(it[2].copy()), mode=ImageReadMode.RGB,
+                                                          device=device)
+                        except RuntimeError as e:
+                            errors.append((it[0], f"nvJPEG: {e}"))
+            crops, labels, fallbacks = [], [], 0
+            for it in good:
+                path, label, arr, orientation, box, _ = it
+                if orientation == 0:
+                    img = torch.from_numpy(arr).to(device, non_blocking=True).permute(2, 0, 1)
+                    fallbacks += 1
+                elif id(it) in decoded:
+                    img = _upright_chw(decoded[id(it)], orientation)
+                else:
+                    continue
+                out = F.resized_crop(img, round(box.top), round(box.left), round(box.height), round(box.width),
+                                     [S, S], antialias=True)
+                crops.append(out.flip(-1) if box.flip else out)
+                labels.append(label)
+            images = torch.stack(crops) if crops else torch.empty(0, 3, S, S, dtype=torch.uint8, device=device)
+            yield Batch(images, torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks)

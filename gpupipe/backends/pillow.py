@@ -1,0 +1,56 @@
+"""Pillow (and pillow-simd, which installs as the same ``PIL``): decode, crop-aware DCT-reduced JPEG decode, resize."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import PIL
+from PIL import Image
+
+from ..errors import DecodeError
+from ..recipe import Box, dct_scale
+from ._image import default_max_pixels, probe, resize_box, to_rgb, upright
+
+
+def pil_is_simd() -> bool:
+    """pillow-simd versions carry a ``.postN`` suffix that upstream Pillow never uses."""
+    return ".post" in PIL.__version__
+
+
+class PillowDecoder:
+    """Decodes with whatever ``PIL`` is installed. Picklable, so DataLoader workers get their own copy."""
+
+    name = "pillow"
+
+    def __init__(self, max_pixels: int | None = None, reduced_decode: bool = True):
+        self.max_pixels = max_pixels or default_max_pixels()
+        self.reduced_decode = reduced_decode
+
+    def decode(self, data: bytes, path: str) -> Image.Image:
+        """The whole image: RGB, upright."""
+        header = probe(data, path, self.name, self.max_pixels)
+        return upright(to_rgb(self._load(header.image, path)), header.orientation)
+
+    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
+        """``plan(height, width)`` picks the crop from the upright size; returns (size x size x 3 uint8, fell_back)."""
+        header = probe(data, path, self.name, self.max_pixels)
+        box = plan(*header.upright_size)
+        img = header.image
+        if header.is_jpeg and self.reduced_decode:
+            denom = dct_scale(box, size)
+            if denom > 1:  # libjpeg scales in the IDCT: 1/denom of the work, and no resolution the crop needs is lost
+                img.draft(None, (header.width // denom, header.height // denom))
+        img = upright(to_rgb(self._load(img, path)), header.orientation)
+        return resize_box(img, box, header.upright_size, size), False
+
+    def _load(self, img: Image.Image, path: str) -> Image.Image:
+        try:
+            img.load()
+        except Exception as e:  # truncated data, corrupt Huffman codes, unsupported variants...
+            raise DecodeError(path, self.name, f"{type(e).__name__}: {e}") from None
+        return img
+
+
+class PillowSimdDecoder(PillowDecoder):
+    name = "pillow-simd"

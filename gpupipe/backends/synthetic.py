@@ -1,0 +1,29 @@
+"""Random batches made on the device, no I/O and no decode: the compute ceiling a real backend is measured against."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..data.loader import Batch, Loader
+
+
+class SyntheticLoader(Loader):
+    backend = "synthetic"
+
+    def __init__(self, dataset, sampler, stage, recipe, on_error, *, seed: int):
+        super().__init__(dataset, sampler, stage, recipe, on_error)
+        self.seed = seed
+        self._images: torch.Tensor | None = None
+        self._labels = torch.tensor(dataset.targets, dtype=torch.int64)
+
+    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        device = self.stage.device
+        if self._images is None:  # made once: the point is to cost nothing per step
+            g = torch.Generator(device=device).manual_seed(self.seed)
+            shape = (self.sampler.batch_size, 3, self.recipe.size, self.recipe.size)
+            self._images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
+        labels = self._labels.to(device)
+        for idx in self.sampler.batches(epoch, start_batch):
+            yield Batch(self._images[: len(idx)], labels[torch.tensor(idx, device=device)], "NCHW")

@@ -1,0 +1,64 @@
+"""The device side of every loader: copy uint8 batches on a side CUDA stream, then layout, dtype and
+normalisation on the device, where they cost microseconds instead of CPU milliseconds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from ..recipe import Recipe
+
+
+class DeviceStage:
+    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalised (or uint8) on ``device`` out."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        recipe: Recipe,
+        *,
+        normalize: bool = True,
+        channels_last: bool = False,
+        transforms: Sequence[Callable[[torch.Tensor], torch.Tensor]] = (),
+    ):
+        self.device = device
+        self.normalize = normalize
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.transforms = list(transforms)
+        shape = (1, 3, 1, 1)
+        self.mean = torch.tensor([m * 255 for m in recipe.mean], device=device).view(shape)
+        self.inv_std = torch.tensor([1 / (s * 255) for s in recipe.std], device=device).view(shape)
+
+    def finish(self, images: torch.Tensor, layout: str) -> torch.Tensor:
+        if layout == "NHWC":
+            images = images.permute(0, 3, 1, 2)
+        images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
+        if self.normalize:
+            images = images.float().sub_(self.mean).mul_(self.inv_std)
+        for t in self.transforms:
+            images = t(images)
+        return images
+
+    def iterate(self, batches: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield finished (images, labels); on CUDA the next batch is copied and normalised on a side stream
+        while the caller computes on the current one (timm's PrefetchLoader pattern)."""
+        if self.device.type != "cuda":
+            for b in batches:
+                yield self.finish(b.images.to(self.device), b.layout), b.labels.to(self.device)
+            return
+        stream = torch.cuda.Stream(self.device)
+        pending = None
+        for b in batches:
+            with torch.cuda.stream(stream):
+                images = self.finish(b.images.to(self.device, non_blocking=True), b.layout)
+                labels = b.labels.to(self.device, non_blocking=True)
+            if pending is not None:
+                yield pending
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(stream)
+            images.record_stream(current)  # memory made on the side stream is used on this one
+            labels.record_stream(current)
+            pending = (images, labels)
+        if pending is not None:
+            yield pending

@@ -1,0 +1,81 @@
+"""Which samples each rank reads, in which order, epoch by epoch: one sampler for every backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ShardSampler:
+    """Seeded, epoch-dependent shuffling with DDP sharding and equal step counts on every rank.
+
+    Like ``DistributedSampler``: with ``drop_last`` the tail that does not divide evenly is dropped, otherwise
+    the order wraps around to pad it, so every rank takes exactly ``len(self)`` batches (an unequal count
+    hangs DDP). Yields lists of ``(epoch, index)`` keys, so persistent workers see the epoch without
+    being told, and a sample's augmentation depends on its key alone.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if num_samples < 1:
+            raise ValueError("the data set has no samples")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.rank, self.world_size = rank, world_size
+        per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
+        self.per_rank = per_rank
+        self.num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+        if self.num_batches == 0:
+            raise ValueError(
+                f"{num_samples} samples over {world_size} rank(s) make no full batch of {batch_size} with "
+                "drop_last=True: use a smaller batch_size or drop_last=False"
+            )
+        self.epoch = 0
+        self.start_batch = 0
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Select the epoch's order; ``start_batch`` skips batches already consumed (mid-epoch resume)."""
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch must be in [0, {self.num_batches}], got {start_batch}")
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def rank_indices(self, epoch: int) -> list[int]:
+        """This rank's sample indices for ``epoch``, padded or cut to a whole number of equal shares."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self.num_samples, generator=g).tolist()
+        else:
+            order = list(range(self.num_samples))
+        total = self.per_rank * self.world_size
+        if total > len(order):  # pad by wrapping around, as DistributedSampler does
+            order += (order * math.ceil(total / len(order)))[: total - len(order)]
+        mine = order[:total][self.rank :: self.world_size]
+        if self.drop_last:
+            mine = mine[: self.num_batches * self.batch_size]
+        return mine
+
+    def batches(self, epoch: int, start_batch: int = 0) -> list[list[int]]:
+        idx = self.rank_indices(epoch)
+        b = self.batch_size
+        return [idx[i : i + b] for i in range(start_batch * b, len(idx), b)]
+
+    def __iter__(self):
+        for batch in self.batches(self.epoch, self.start_batch):
+            yield [(self.epoch, i) for i in batch]

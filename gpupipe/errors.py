@@ -1,0 +1,30 @@
+"""gpupipe's own exceptions: raised in the main process, naming the file, the backend and the cause."""
+
+from __future__ import annotations
+
+
+class GpupipeError(Exception):
+    """Base class of gpupipe's errors."""
+
+
+class DecodeError(GpupipeError):
+    """A file could not be turned into an image.
+
+    Attributes:
+        path: the file (or ``"<bytes>"`` for in-memory input).
+        backend: the backend that tried.
+        reason: the cause, in words.
+    """
+
+    def __init__(self, path: str, backend: str, reason: str):
+        self.path = str(path)
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"{self.path}: cannot decode with backend {backend!r}: {reason}")
+
+    def __reduce__(self):  # picklable across DataLoader workers
+        return (type(self), (self.path, self.backend, self.reason))
+
+
+class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
+    """A known backend cannot be built on this machine; the message says how to fix it."""
