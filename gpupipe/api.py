@@ -128,7 +128,9 @@ def build_loader(
     return CpuLoader(*common, decoder=cpu_decoder(name, max_pixels), seed=seed, dataloader_kwargs=dl_kwargs)
 
 
-def read_image(src: str | os.PathLike | bytes, backend: str = "pillow", *, max_pixels: int | None = None) -> torch.Tensor:
+def read_image(
+    src: str | os.PathLike | bytes, backend: str = "pillow", *, max_pixels: int | None = None
+) -> torch.Tensor:
     """Decode one image to a ``torch.uint8`` tensor (3, H, W): RGB, EXIF orientation applied.
 
     ``backend`` is ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA, returns a CUDA tensor)

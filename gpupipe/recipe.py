@@ -62,17 +62,17 @@ class Recipe:
         for _ in range(10):
             target_area = area * rng.uniform(*self.scale)
             aspect = math.exp(rng.uniform(*log_ratio))
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
             if 0 < w <= width and 0 < h <= height:
                 top = rng.randint(0, height - h)
                 left = rng.randint(0, width - w)
                 return Box(top, left, h, w, rng.random() < self.flip_p)
         in_ratio = width / height
         if in_ratio < min(self.ratio):
-            w, h = width, int(round(width / min(self.ratio)))
+            w, h = width, round(width / min(self.ratio))
         elif in_ratio > max(self.ratio):
-            h, w = height, int(round(height * max(self.ratio)))
+            h, w = height, round(height * max(self.ratio))
         else:
             w, h = width, height
         return Box((height - h) // 2, (width - w) // 2, h, w, rng.random() < self.flip_p)
@@ -87,8 +87,8 @@ class Recipe:
         """(resized_h, resized_w, top, left) of torchvision ``Resize`` + ``CenterCrop(size)``."""
         rh, rw = self.eval_resize(height, width)
         # CenterCrop pads images smaller than the crop; resize_size >= size makes that impossible here.
-        top = int(round((rh - self.size) / 2.0))
-        left = int(round((rw - self.size) / 2.0))
+        top = round((rh - self.size) / 2.0)
+        left = round((rw - self.size) / 2.0)
         return rh, rw, top, left
 
     def eval_box(self, height: int, width: int) -> Box:

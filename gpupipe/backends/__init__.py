@@ -16,7 +16,7 @@ CPU_DECODERS: tuple[str, ...] = ("pillow", "pillow-simd", "turbojpeg")
 def check_name(name: str) -> str:
     name = name.lower()
     if name not in BACKENDS and name != "auto":
-        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(('auto',) + BACKENDS)}")
+        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(('auto', *BACKENDS))}")
     return name
 
 

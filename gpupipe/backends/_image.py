@@ -63,7 +63,9 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
     if width < 1 or height < 1:
         raise DecodeError(path, backend, f"image has no pixels ({width}x{height})")
     if width * height > max_pixels:
-        raise DecodeError(path, backend, f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}")
+        raise DecodeError(
+            path, backend, f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
+        )
     try:
         orientation = int(img.getexif().get(0x0112, 1))
     except Exception:  # a broken EXIF block is not a broken image: treat it as upright

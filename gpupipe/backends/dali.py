@@ -54,7 +54,9 @@ def build_pipeline(files, recipe, *, train: bool, batch_size: int, device: str, 
     decode_kw = {"hw_decoder_load": hw_decoder_load} if gpu else {}
     S = recipe.size
 
-    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=torch.cuda.current_device() if gpu else None,
+    device_id = torch.cuda.current_device() if gpu else None
+
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                   seed=seed, prefetch_queue_depth=_PREFETCH, exec_dynamic=True)
     def pipe():
         jpegs, pos = fn.readers.file(files=files, labels=list(range(len(files))), random_shuffle=False,
@@ -158,3 +160,22 @@ class DaliLoader(Loader):
             first = dali_message.strip().splitlines()[0] if dali_message.strip() else "unknown error"
             raise GpupipeError(f"DALI failed on a batch that Pillow decodes without error: {first}")
         return bad
+
+
+def dali_decode_counts(files: list[str], cfg) -> Iterator[int]:
+    """``gpupipe bench``'s decode pipeline for DALI: read + decode to RGB, nothing else; yields batch sizes."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    gpu = cfg.device.type == "cuda"
+
+    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), seed=0,
+                  device_id=torch.cuda.current_device() if gpu else None)
+    def pipe():
+        jpegs, _ = fn.readers.file(files=files, random_shuffle=False, name="Reader")
+        return fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+
+    p = pipe()
+    p.build()
+    while True:
+        (out,) = p.run()
+        yield len(out)

@@ -95,7 +95,7 @@ class NvjpegLoader(Loader):
                 try:
                     out = decode_jpeg([torch.from_numpy(it[2].copy()) for it in gpu], mode=ImageReadMode.RGB,
                                       device=device)
-                    decoded = {id(it): img for it, img in zip(gpu, out)}
+                    decoded = {id(it): img for it, img in zip(gpu, out, strict=False)}
                 except RuntimeError:  # find the culprit one by one: nvJPEG reports the batch
                     for it in gpu:
                         try:
@@ -105,7 +105,7 @@ class NvjpegLoader(Loader):
                             errors.append((it[0], f"nvJPEG: {e}"))
             crops, labels, fallbacks = [], [], 0
             for it in good:
-                path, label, arr, orientation, box, _ = it
+                _path, label, arr, orientation, box, _ = it
                 if orientation == 0:
                     img = torch.from_numpy(arr).to(device, non_blocking=True).permute(2, 0, 1)
                     fallbacks += 1
@@ -119,3 +119,21 @@ class NvjpegLoader(Loader):
                 labels.append(label)
             images = torch.stack(crops) if crops else torch.empty(0, 3, S, S, dtype=torch.uint8, device=device)
             yield Batch(images, torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks)
+
+
+def nvjpeg_decode_counts(files: list[str], cfg) -> Iterator[int]:
+    """``gpupipe bench``'s decode pipeline for nvJPEG: batched decode on CUDA from bytes held in memory."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    data = []
+    for path in files:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if is_jpeg(raw):
+            data.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    if not data:
+        raise ValueError("no JPEG files to decode with nvjpeg")
+    while True:
+        for i in range(0, len(data), cfg.batch_size):
+            out = decode_jpeg(data[i : i + cfg.batch_size], mode=ImageReadMode.RGB, device=cfg.device)
+            yield len(out)

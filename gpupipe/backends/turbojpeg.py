@@ -32,7 +32,9 @@ def turbojpeg_handle():
     except (OSError, RuntimeError) as e:
         from ..errors import BackendUnavailableError
 
-        raise BackendUnavailableError(f"PyTurboJPEG cannot load libturbojpeg ({e}); apt-get install libturbojpeg0") from e
+        raise BackendUnavailableError(
+            f"PyTurboJPEG cannot load libturbojpeg ({e}); apt-get install libturbojpeg0"
+        ) from e
 
 
 class TurboJpegDecoder:

@@ -69,6 +69,7 @@ class Loader:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.set_epoch(int(state["epoch"]), int(state["batch"]))
+        self._position = int(state["batch"])
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch, start = self.sampler.epoch, self.sampler.start_batch
@@ -143,7 +144,7 @@ class _SampleDataset(torch.utils.data.Dataset):
                 data = f.read()
             if self.train:
                 rng = sample_rng(self.seed, epoch, index)
-                plan = lambda h, w: self.recipe.train_box(h, w, rng)  # noqa: E731
+                plan = lambda h, w: self.recipe.train_box(h, w, rng)
             else:
                 plan = self.recipe.eval_box
             image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)

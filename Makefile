@@ -1,0 +1,49 @@
+# Two commands on a fresh Debian/Ubuntu machine: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+DATA   ?= data/sample
+EXTRAS ?= all,dev
+
+.PHONY: setup system-deps demo test lint bench-cpu clean
+
+# System libraries the backends load at run time (TurboJPEG's C library); installed when run as root.
+system-deps:
+	@if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libturbojpeg0"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libturbojpeg0 >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libturbojpeg0 >/dev/null; }; \
+	  else echo "note: libturbojpeg0 is missing (apt-get install libturbojpeg0): the turbojpeg backend stays unavailable"; fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	$(MAKE) system-deps
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(DATA)/.complete: | $(STAMP)
+	$(VENV)/bin/gpupipe sample-data $(DATA)
+	touch $@
+
+# The main job: the benchmark table over every available backend, on the embedded sample data.
+demo: setup $(DATA)/.complete
+	$(VENV)/bin/gpupipe info
+	$(VENV)/bin/gpupipe bench --data $(DATA) --seconds 3 --json runs/demo/bench.json --plot runs/demo/bench.png
+
+lint: setup
+	$(VENV)/bin/ruff check gpupipe tests bench
+	$(VENV)/bin/hadolint docker/Dockerfile
+
+test: setup lint
+	$(VENV)/bin/python -m pytest
+
+bench-cpu: setup $(DATA)/.complete
+	bash bench/run_cpu.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

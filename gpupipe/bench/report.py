@@ -1,0 +1,79 @@
+"""Bench output: the terminal table, the JSON report and the PNG chart."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def report(results: list, machine: dict, config: dict) -> dict:
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine, "config": config, "results": [r.as_dict() for r in results]}
+
+
+def print_table(rep: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    m = rep["machine"]
+    cfg = rep["config"]
+    title = (f"gpupipe bench — {m['cpu']}, {cfg['workers']} worker(s), device {cfg['device']}, "
+             f"batch {cfg['batch_size']}, {m['cores_usable']} usable cores")
+    table = Table(title=title)
+    for col, justify in [("pipeline", "left"), ("backend", "left"), ("img/s", "right"), ("spread", "right"),
+                         ("MP/s", "right"), ("img/s/worker", "right"), ("vs baseline", "right"), ("GPU util", "right"),
+                         ("vs synthetic", "right"), ("data-wait", "right")]:
+        table.add_column(col, justify=justify)
+    for r in rep["results"]:
+        def fmt(v, spec):
+            return "" if v is None else format(v, spec)
+
+        table.add_row(r["pipeline"], r["backend"], fmt(r["images_per_s"], ",.0f"),
+                      f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}", fmt(r["megapixels_per_s"], ",.1f"),
+                      fmt(r["images_per_s_per_worker"], ",.0f"), fmt(r.get("vs_baseline"), ".2f") + ("x" if
+                      r.get("vs_baseline") is not None else ""), fmt(r.get("gpu_util"), ".0f"),
+                      fmt(r.get("vs_synthetic"), ".2f"), fmt(r.get("data_wait"), ".0%"))
+    console.print(table)
+
+
+def write_json(rep: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rep, indent=1) + "\n")
+
+
+def plot(rep: dict, path: str | Path) -> None:
+    """A grouped bar chart: images/s by backend, one group per pipeline."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ModuleNotFoundError('--plot needs matplotlib: pip install "gpupipe[bench]"') from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rep["results"]
+    pipelines = list(dict.fromkeys(r["pipeline"] for r in rows))
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    width = 0.8 / max(len(backends), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(pipelines) * max(1, len(backends) / 3)), 4), dpi=120)
+    for i, b in enumerate(backends):
+        xs, ys = [], []
+        for j, p in enumerate(pipelines):
+            hit = [r for r in rows if r["backend"] == b and r["pipeline"] == p]
+            if hit:
+                xs.append(j + (i - (len(backends) - 1) / 2) * width)
+                ys.append(hit[0]["images_per_s"])
+        bars = ax.bar(xs, ys, width, label=b)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, rotation=90, padding=2)
+    ax.set_xticks(range(len(pipelines)), pipelines)
+    ax.set_ylabel("images / s")
+    m, cfg = rep["machine"], rep["config"]
+    ax.set_title(f"gpupipe bench: {cfg['workers']} worker(s), {cfg['device']}, {m['cpu'][:40]}", fontsize=9)
+    ax.legend(fontsize=8, ncol=min(len(backends), 4))
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,227 @@
+"""The decode / train / eval benchmark suites, the torchvision baseline, and the end-to-end training mode.
+
+Every figure is a median over timed windows after a warm-up, with the spread, and train/eval figures are
+also given as a ratio to the baseline measured in the same run, so they hold on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..api import build_loader, usable_cores
+from ..data.scan import scan
+
+PIPELINES = ("decode", "train", "eval")
+
+
+@dataclass
+class Config:
+    data: str
+    backends: list[str]
+    pipelines: list[str]
+    workers: int
+    device: torch.device
+    batch_size: int = 64
+    seconds: float = 6.0
+    repeats: int = 3
+    image_size: int = 224
+    model: str | None = None
+
+
+@dataclass
+class Result:
+    backend: str
+    pipeline: str
+    device: str
+    workers: int
+    images_per_s: float
+    spread: tuple[float, float]
+    megapixels_per_s: float
+    images_per_s_per_worker: float
+    vs_baseline: float | None = None
+    gpu_util: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d["spread"] = list(self.spread)
+        return {**d, **self.extra}
+
+
+class _GpuSampler:
+    """Samples GPU utilisation every 100 ms through NVML while a measurement runs."""
+
+    def __init__(self, device: torch.device):
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            except Exception:  # no nvidia-ml-py or no driver: report no figure rather than fail
+                self._handle = None
+
+    def __enter__(self):
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.1):
+            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def _forever(make: Callable[[], Iterable]) -> Iterator:
+    while True:
+        yield from make()
+
+
+def _measure(batches: Iterator, cfg: Config, sync: Callable[[], None]) -> tuple[float, tuple[float, float]]:
+    """Warm up, then ``repeats`` windows of ``seconds / repeats``; images/s median and (min, max)."""
+    warm_until = time.perf_counter() + max(1.0, cfg.seconds / 4)
+    for _ in batches:
+        if time.perf_counter() > warm_until:
+            break
+    rates = []
+    window = cfg.seconds / cfg.repeats
+    for _ in range(cfg.repeats):
+        sync()
+        t0, count = time.perf_counter(), 0
+        for n in batches:
+            count += n
+            if time.perf_counter() - t0 >= window:
+                break
+        sync()
+        rates.append(count / (time.perf_counter() - t0))
+    return statistics.median(rates), (min(rates), max(rates))
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _loader_counts(cfg: Config, backend: str, train: bool) -> Iterator[int]:
+    loader = build_loader(cfg.data, backend, batch_size=cfg.batch_size, train=train, image_size=cfg.image_size,
+                          device=cfg.device, num_workers=cfg.workers, drop_last=False)
+    return (len(y) for _, y in _forever(lambda: loader))
+
+
+def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
+    """What most users run today: ImageFolder + Pillow + torchvision transforms, float maths on the CPU."""
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    s = cfg.image_size
+    tf = (T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip(), T.ToTensor(), norm]) if train
+          else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm]))
+    ds = datasets.ImageFolder(cfg.data, tf)
+    cuda = cfg.device.type == "cuda"
+    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, shuffle=train, num_workers=cfg.workers,
+                                     pin_memory=cuda, persistent_workers=cfg.workers > 0)
+    for x, y in _forever(lambda: dl):
+        x.to(cfg.device, non_blocking=cuda)
+        yield len(y)
+
+
+def _decode_counts(cfg: Config, backend: str) -> Iterator[int]:
+    """Decode to uint8 RGB at full size, nothing else."""
+    data = scan(cfg.data)
+    if backend == "dali":
+        from ..backends.dali import dali_decode_counts
+
+        return dali_decode_counts([p for p, _ in data.samples], cfg)
+    if backend == "nvjpeg":
+        from ..backends.nvjpeg import nvjpeg_decode_counts
+
+        return nvjpeg_decode_counts([p for p, _ in data.samples], cfg)
+    from ..backends import cpu_decoder
+
+    ds = _DecodeOnly([p for p, _ in data.samples], cpu_decoder(backend))
+    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, num_workers=cfg.workers,
+                                     collate_fn=len, persistent_workers=cfg.workers > 0)
+    return _forever(lambda: dl)
+
+
+class _DecodeOnly(torch.utils.data.Dataset):
+    def __init__(self, paths, decoder):
+        self.paths, self.decoder = paths, decoder
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        with open(self.paths[i], "rb") as f:
+            img = self.decoder.decode(f.read(), self.paths[i])
+        img.getpixel((0, 0))  # decoded, and nothing more
+        return 0
+
+
+def mean_megapixels(data: str) -> float:
+    from PIL import Image
+
+    samples = scan(data).samples
+    step = max(1, len(samples) // 200)
+    sizes = []
+    for path, _ in samples[::step]:
+        with Image.open(path) as im:
+            sizes.append(im.size[0] * im.size[1])
+    return sum(sizes) / len(sizes) / 1e6
+
+
+def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[Result]:
+    """Every (backend, pipeline) of the config, plus the baseline for train and eval."""
+    mp = mean_megapixels(cfg.data)
+    sync = _sync_for(cfg.device)
+    jobs: list[tuple[str, str, Callable[[], Iterator[int]]]] = []
+    for pipeline in cfg.pipelines:
+        if pipeline not in PIPELINES:
+            raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
+        if pipeline != "decode":
+            jobs.append(("baseline", pipeline, lambda p=pipeline: _baseline_counts(cfg, p == "train")))
+        for b in cfg.backends:
+            if pipeline == "decode" and b == "synthetic":
+                continue
+            if pipeline == "decode":
+                jobs.append((b, pipeline, lambda b=b: _decode_counts(cfg, b)))
+            else:
+                jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
+    results: list[Result] = []
+    for i, (backend, pipeline, make) in enumerate(jobs, 1):
+        progress(f"[{i}/{len(jobs)}] {backend} {pipeline}")
+        with _GpuSampler(cfg.device) as gpu:
+            rate, spread = _measure(make(), cfg, sync)
+        w = max(cfg.workers, 1)
+        results.append(Result(backend, pipeline, cfg.device.type, cfg.workers, rate, spread, rate * mp, rate / w,
+                              gpu_util=gpu.mean))
+    base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
+    for r in results:
+        if r.pipeline in base:
+            r.vs_baseline = r.images_per_s / base[r.pipeline]
+    if cfg.model:
+        from .end_to_end import run_end_to_end
+
+        results += run_end_to_end(cfg, progress, mp)
+    return results
+
+
+def default_workers() -> int:
+    return usable_cores()

@@ -1,0 +1,63 @@
+"""``gpupipe check DIR``: find unreadable and unusual files before a training run finds them."""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+
+from .backends._image import default_max_pixels, is_jpeg, probe, to_rgb, upright
+from .backends.pillow import PillowDecoder
+from .errors import DecodeError
+
+TINY = 32  # shorter side below this: valid, but a 224 crop of it is mostly interpolation
+ELONGATED = 4.0  # aspect ratio above this: valid, but RandomResizedCrop falls back to a centre crop
+
+
+def inspect(path: str, max_pixels: int | None = None) -> dict:
+    """One file: ``{"path", "ok", "reason"?, "notes": [...]}``; ``notes`` lists what is unusual but valid."""
+    limit = max_pixels or default_max_pixels()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        header = probe(data, path, "check", limit)
+        img = header.image
+        notes = []
+        suffix = path.lower().rsplit(".", 1)[-1]
+        if suffix in ("jpg", "jpeg") and not is_jpeg(data):
+            notes.append(f"{img.format} data under a .{suffix} name")
+        if img.mode not in ("RGB",):
+            notes.append(f"mode {img.mode}")
+        if header.is_jpeg:
+            if img.info.get("progressive") or img.info.get("progression"):
+                notes.append("progressive JPEG")
+            if getattr(img, "layers", 3) == 4:
+                notes.append("CMYK/YCCK JPEG (TurboJPEG and nvJPEG fall back to Pillow)")
+        if header.orientation != 1:
+            notes.append(f"EXIF orientation {header.orientation} (applied)")
+        h, w = header.upright_size
+        if min(h, w) < TINY:
+            notes.append(f"tiny ({w}x{h})")
+        if max(h, w) / min(h, w) > ELONGATED:
+            notes.append(f"elongated ({w}x{h})")
+        decoded = upright(to_rgb(PillowDecoder(limit)._load(img, path)), header.orientation)
+        decoded.getpixel((0, 0))
+        return {"path": path, "ok": True, "notes": notes, "size": [w, h]}
+    except DecodeError as e:
+        return {"path": path, "ok": False, "reason": e.reason, "notes": []}
+    except OSError as e:
+        return {"path": path, "ok": False, "reason": f"cannot read the file ({e.strerror or e})", "notes": []}
+
+
+def check(paths: list[str], workers: int, on_result=lambda r: None) -> list[dict]:
+    results = []
+    if workers <= 1:
+        for p in paths:
+            results.append(inspect(p))
+            on_result(results[-1])
+        return results
+    with ProcessPoolExecutor(workers) as pool:
+        for r in pool.map(inspect, paths, chunksize=16):
+            results.append(r)
+            on_result(r)
+    return results
+
+

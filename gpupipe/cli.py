@@ -1,0 +1,211 @@
+"""The command line: ``gpupipe info | sample-data | bench | train | check``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+import typing
+from dataclasses import fields
+
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def _cmd_info(args) -> int:
+    from .info import backend_status, machine_info
+
+    info = {"machine": machine_info(), "backends": {k: (v or "available") for k, v in backend_status().items()}}
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    out = Console()
+    for k, v in info["machine"].items():
+        out.print(f"[bold]{k:14}[/] {v}")
+    out.print("[bold]backends[/]")
+    for name, reason in backend_status().items():
+        out.print(f"  {name:12} " + ("[green]available[/]" if reason is None else f"[red]unavailable[/]: {reason}"))
+    return 0
+
+
+def _cmd_sample_data(args) -> int:
+    from .sample_data import make_sample_data
+
+    root = make_sample_data(args.dir, args.classes, args.per_class, args.seed)
+    console.print(f"sample data in {root} ({args.classes} classes x {args.per_class} JPEGs)")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    import torch
+
+    from .api import _resolve_device
+    from .backends import BACKENDS, available_backends, check_name
+    from .bench import report, store, suite
+    from .info import machine_info
+    from .sample_data import DEFAULT_DIR, make_sample_data
+
+    data = args.data
+    if data is None:
+        data = str(make_sample_data(DEFAULT_DIR))
+    device = _resolve_device(args.device)
+    avail = available_backends()
+    if args.backends:
+        backends = [check_name(b) for b in args.backends.split(",")]
+        missing = [b for b in backends if b not in avail]
+        if missing:
+            from .backends import unavailable_reason
+
+            for b in missing:
+                console.print(f"[red]{b}[/]: {unavailable_reason(b)}")
+            return 2
+    else:
+        backends = [b for b in BACKENDS if b in avail and not (b == "nvjpeg" and device.type != "cuda")]
+    workers = suite.default_workers() if args.workers is None else args.workers
+    cfg = suite.Config(data, backends, args.pipelines.split(","), workers, device, args.batch_size, args.seconds,
+                       args.repeats, args.image_size, args.model)
+    if args.model and device.type != "cuda":
+        console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
+    with console.status("benchmarking") as status:
+        results = suite.run(cfg, progress=lambda s: status.update(f"benchmarking: {s}"))
+    rep = report.report(results, machine_info(), {
+        "data": data, "workers": workers, "device": device.type, "batch_size": cfg.batch_size,
+        "seconds": cfg.seconds, "repeats": cfg.repeats, "image_size": cfg.image_size, "model": cfg.model,
+        "torch_threads": torch.get_num_threads()})
+    report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
+    store.save_latest(rep, data, device)  # what backend="auto" reads
+    if args.json:
+        report.write_json(rep, args.json)
+        console.print(f"JSON: {args.json}")
+    if args.plot:
+        report.plot(rep, args.plot)
+        console.print(f"chart: {args.plot}")
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from rich.progress import Progress
+
+    from .api import usable_cores
+    from .check import check
+    from .data.scan import scan
+
+    paths = [p for p, _ in scan(args.dir).samples]
+    workers = usable_cores() if args.workers is None else args.workers
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("checking", total=len(paths))
+        results = check(paths, workers, on_result=lambda r: progress.advance(task))
+    bad = [r for r in results if not r["ok"]]
+    unusual = [r for r in results if r["ok"] and r["notes"]]
+    if args.json:
+        print(json.dumps({"files": len(results), "unreadable": bad, "unusual": unusual}, indent=1))
+    else:
+        out = Console()
+        for r in bad:
+            out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
+        for r in unusual:
+            out.print(f"[yellow]unusual[/]    {r['path']}: {'; '.join(r['notes'])}")
+        out.print(f"{len(results)} files: {len(bad)} unreadable, {len(unusual)} unusual but usable")
+    return 1 if bad else 0
+
+
+def _optional(tp) -> tuple[type, bool]:
+    """(inner type, is_optional) of a dataclass field annotation such as ``int | None``."""
+    if isinstance(tp, str):
+        tp = eval(tp, {"typing": typing})  # dataclass annotations are strings under `from __future__`
+    args = typing.get_args(tp)
+    if (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given")."""
+    from .train.config import TrainConfig
+
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        tp, _ = _optional(f.type)
+        if tp is bool:
+            p.add_argument(flag, action="store_true", default=None, help=f"(default {f.default})")
+        else:
+            p.add_argument(flag, type=tp, default=None, help=f"(default {f.default})")
+    p.add_argument("--config", help="a YAML file whose keys override the defaults")
+    p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
+
+
+def _cmd_train(args) -> int:
+    from .train.config import TrainConfig, load_config, to_yaml
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from .train.loop import train
+
+    train(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks "
+                                     "and a training core.")
+    parser.add_argument("--version", action="version", version=f"gpupipe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="versions, cores, CUDA devices, and which backends work here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("sample-data", help="write the embedded default data set (an ImageFolder of JPEGs)")
+    p.add_argument("dir", nargs="?", default="data/sample")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sample_data)
+
+    p = sub.add_parser("bench", help="which backend is fastest on this machine and data")
+    p.add_argument("--data", help="ImageFolder directory or CSV list (default: the sample data, made on first use)")
+    p.add_argument("--backends", help="comma-separated (default: every available backend)")
+    p.add_argument("--pipelines", default="decode,train,eval")
+    p.add_argument("--workers", type=int, help="decode workers (default: every usable core)")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per measurement (after warm-up)")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per measurement; the median is reported")
+    p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
+    p.add_argument("--json", help="write the results as JSON")
+    p.add_argument("--plot", help="write a PNG bar chart")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("train", help="train a timm model fed by any backend (AMP, accumulation, DDP, resume)")
+    _add_train_args(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
+    p.add_argument("dir")
+    p.add_argument("--workers", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import GpupipeError
+
+    try:
+        return args.func(args)
+    except (GpupipeError, ValueError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Checkpoints that lose nothing: written atomically (temp file, fsync, rename), loaded with ``weights_only``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+def save_atomic(state: dict, path: str | Path) -> None:
+    """A crash at any moment leaves either the previous file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: str | Path, map_location="cpu") -> dict:
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def rng_state() -> dict:
+    import random
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,133 @@
+"""The batch contract, the same for every backend."""
+
+import pytest
+import torch
+from torchvision.datasets import ImageFolder
+
+import gpupipe
+
+from .conftest import CPU_LOADER_BACKENDS, cpu_and_cuda
+
+ALL = [*CPU_LOADER_BACKENDS, "synthetic"]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("backend", ALL)
+def test_eval_contract(folder, backend, device):
+    loader = gpupipe.build_loader(folder, backend, batch_size=5, train=False, image_size=32, num_workers=1,
+                                  device=device)
+    assert loader.dataset.samples == ImageFolder(str(folder)).samples
+    batches = list(loader)
+    assert len(batches) == len(loader) == 5  # 24 samples, last batch partial
+    images = torch.cat([x for x, _ in batches])
+    labels = torch.cat([y for _, y in batches])
+    assert images.shape == (24, 3, 32, 32) and images.dtype == torch.float32
+    assert images.device.type == device
+    assert labels.dtype == torch.int64 and labels.shape == (24,)
+    assert labels.tolist() == [label for _, label in loader.dataset.samples]  # dataset order
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("backend", ALL)
+def test_uint8_batches(folder, backend, device):
+    loader = gpupipe.build_loader(folder, backend, batch_size=8, train=True, image_size=40, num_workers=0,
+                                  normalize=False, device=device)
+    x, y = next(iter(loader))
+    assert x.shape == (8, 3, 40, 40) and x.dtype == torch.uint8 and y.shape == (8,)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_train_epoch_holds_every_sample_once_in_a_new_order(unique_folder, backend):
+    loader = gpupipe.build_loader(unique_folder, backend, batch_size=4, train=True, image_size=24, num_workers=1,
+                                  drop_last=False, device="cpu", seed=3)
+    orders = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        orders.append(torch.cat([y for _, y in loader]).tolist())
+    n = len(loader.dataset)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert len({tuple(o) for o in orders}) == 3
+    loader.set_epoch(1)
+    assert torch.cat([y for _, y in loader]).tolist() == orders[1]  # seeded: the same epoch again
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_two_shards_take_equal_steps_and_cover_the_data(unique_folder, backend):
+    seen, steps = [], []
+    for rank in range(2):
+        loader = gpupipe.build_loader(unique_folder, backend, batch_size=3, train=True, image_size=24, num_workers=0,
+                                      rank=rank, world_size=2, drop_last=False, device="cpu")
+        labels = [y for _, y in loader]
+        steps.append(len(labels))
+        seen.append(set(torch.cat(labels).tolist()))
+    assert steps[0] == steps[1]
+    assert seen[0] | seen[1] == set(range(13))
+    assert len(seen[0] & seen[1]) <= 1  # 13 over 2 ranks: one sample pads the short shard
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_eval_pixels_agree_with_pillow(folder, backend):
+    def pixels(b):
+        loader = gpupipe.build_loader(folder, b, batch_size=8, train=False, image_size=64, num_workers=0,
+                                      normalize=False, device="cpu")
+        return torch.cat([x for x, _ in loader]).float()
+
+    assert (pixels(backend) - pixels("pillow")).abs().mean() <= 1.0
+
+
+def test_eval_pixels_agree_with_torchvision(folder):
+    from torchvision import transforms as T
+
+    tv = ImageFolder(str(folder), T.Compose([T.Resize(73), T.CenterCrop(64), T.PILToTensor()]))
+    ref = torch.stack([tv[i][0] for i in range(len(tv))]).float()
+    loader = gpupipe.build_loader(folder, "pillow", batch_size=8, train=False, image_size=64, num_workers=0,
+                                  normalize=False, device="cpu")
+    assert (torch.cat([x for x, _ in loader]).float() - ref).abs().mean() <= 1.0
+
+
+def test_normalisation_and_transforms(folder):
+    raw = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0,
+                               normalize=False, device="cpu")
+    norm = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0,
+                                device="cpu", transforms=[lambda x: x * 2], channels_last=True)
+    x8, _ = next(iter(raw))
+    xf, _ = next(iter(norm))
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    torch.testing.assert_close(xf, (x8.float() / 255 - mean) / std * 2, rtol=1e-5, atol=1e-5)
+    assert xf.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_resume_mid_epoch_gives_the_same_batches(folder):
+    kw = dict(batch_size=4, train=True, image_size=24, num_workers=0, normalize=False, device="cpu", seed=5)
+    loader = gpupipe.build_loader(folder, "pillow", **kw)
+    loader.set_epoch(2)
+    straight = list(loader)
+    again = gpupipe.build_loader(folder, "pillow", **kw)
+    again.load_state_dict({"epoch": 2, "batch": 3})
+    rest = list(again)
+    assert len(rest) == len(straight) - 3
+    for (a, la), (b, lb) in zip(straight[3:], rest, strict=False):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_unknown_backend_and_bad_options(folder):
+    with pytest.raises(ValueError, match="valid names: auto, pillow"):
+        gpupipe.build_loader(folder, "pil")
+    with pytest.raises(ValueError, match="on_error"):
+        gpupipe.build_loader(folder, "pillow", on_error="ignore")
+    with pytest.raises(ValueError, match="no full batch"):
+        gpupipe.build_loader(folder, "pillow", batch_size=1000, train=True, device="cpu")
+
+
+def test_missing_dependency_says_how_to_install(folder):
+    if "pillow-simd" in gpupipe.available_backends():
+        pytest.skip("pillow-simd is installed here")
+    with pytest.raises(ModuleNotFoundError, match="pillow-simd"):
+        gpupipe.build_loader(folder, "pillow-simd", device="cpu")
+
+
+def test_auto_picks_a_usable_backend(folder):
+    loader = gpupipe.build_loader(folder, "auto", batch_size=4, train=False, image_size=24, num_workers=0,
+                                  device="cpu")
+    assert loader.backend in gpupipe.available_backends()
