@@ -33,7 +33,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):

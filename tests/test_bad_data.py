@@ -1,0 +1,139 @@
+"""One policy for bad and unusual files, on every backend."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import gpupipe
+
+from .conftest import CPU_LOADER_BACKENDS, DECODERS, make_folder, photo
+
+READERS = [*DECODERS, *(["dali"] if "dali" in gpupipe.available_backends() else [])]
+
+
+def _jpeg(img, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def _with_orientation(img: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return _jpeg(img, quality=95, exif=exif)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return photo(np.random.default_rng(7), 60, 90)
+
+
+VALID = {
+    "cmyk": lambda b: _jpeg(b.convert("CMYK"), quality=95),
+    "gray": lambda b: _jpeg(b.convert("L"), quality=95),
+    "progressive": lambda b: _jpeg(b, quality=95, progressive=True),
+    "444": lambda b: _jpeg(b, quality=95, subsampling=0),
+    "422": lambda b: _jpeg(b, quality=95, subsampling=1),
+    "png_as_jpg": lambda b: _save(b, "PNG"),
+    "webp_as_jpg": lambda b: _save(b, "WEBP", lossless=True),
+    "bmp_as_jpg": lambda b: _save(b, "BMP"),
+    "rgba_png": lambda b: _save(b.convert("RGBA"), "PNG"),
+    "png16": lambda b: _save(Image.fromarray(np.asarray(b.convert("L")).astype(np.uint16) * 257), "PNG"),
+    "tiny": lambda b: _jpeg(b.resize((3, 2)), quality=95),
+    "elongated": lambda b: _jpeg(b.resize((400, 8)), quality=95),
+}
+
+
+def _save(img, fmt, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("kind", sorted(VALID))
+def test_unusual_valid_files_decode_to_rgb(base, backend, kind):
+    data = VALID[kind](base)
+    img = gpupipe.read_image(data, backend)
+    ref = gpupipe.read_image(data, "pillow")
+    assert img.dtype == torch.uint8 and img.shape[0] == 3 and img.shape == ref.shape
+    assert (img.float() - ref.float()).abs().mean() < 3
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_everywhere(base, backend, orientation):
+    data = _with_orientation(base, orientation)
+    img = gpupipe.read_image(data, backend)
+    upright = torch.from_numpy(np.asarray(__import__("PIL.ImageOps").ImageOps.exif_transpose(
+        Image.open(io.BytesIO(data)).convert("RGB"))).copy()).permute(2, 0, 1)
+    assert img.shape == upright.shape
+    assert (img.float() - upright.float()).abs().mean() < 3
+
+
+INVALID = {
+    "truncated": lambda b: _jpeg(b, quality=95)[:-400],
+    "empty": lambda b: b"",
+    "not_an_image": lambda b: b"hello, this is text" * 10,
+    "corrupt_after_marker": lambda b: _jpeg(b, quality=95)[:200] + bytes(range(256)) * 8,
+}
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("kind", sorted(INVALID))
+def test_invalid_files_raise_decode_error_naming_the_file(tmp_path, base, backend, kind):
+    path = tmp_path / f"{kind}.jpg"
+    path.write_bytes(INVALID[kind](base))
+    with pytest.raises(gpupipe.DecodeError) as e:
+        gpupipe.read_image(path, backend)
+    assert str(path) in str(e.value) and e.value.backend == backend
+
+
+@pytest.mark.parametrize("backend", READERS)
+def test_pixel_limit_is_checked_from_the_header(tmp_path, backend):
+    path = tmp_path / "big.png"
+    Image.new("L", (3000, 2000)).save(path)
+    with pytest.raises(gpupipe.DecodeError, match="exceeds the limit"):
+        gpupipe.read_image(path, backend, max_pixels=1_000_000)
+
+
+@pytest.fixture()
+def dirty_folder(tmp_path, base):
+    root = make_folder(tmp_path / "data", 2, 5)
+    (root / "c00" / "zz_truncated.jpg").write_bytes(INVALID["truncated"](base))
+    (root / "c01" / "zz_empty.jpg").write_bytes(b"")
+    (root / "c01" / "zz_cmyk.jpg").write_bytes(VALID["cmyk"](base))
+    return root
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_raises_in_the_main_process(dirty_folder, backend):
+    loader = gpupipe.build_loader(dirty_folder, backend, batch_size=4, train=False, image_size=32, num_workers=1,
+                                  device="cpu")
+    with pytest.raises(gpupipe.DecodeError, match=r"zz_truncated\.jpg|zz_empty\.jpg"):
+        list(loader)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_skips_refills_and_reports(dirty_folder, backend):
+    loader = gpupipe.build_loader(dirty_folder, backend, batch_size=4, train=True, image_size=32, num_workers=1,
+                                  device="cpu", on_error="skip", drop_last=False)
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    assert [len(y) for _, y in batches] == [len(b) for b in loader.sampler.batches(0)]  # full batches, equal steps
+    assert sorted(p.rsplit("/", 1)[-1] for p, _ in loader.skipped) == ["zz_empty.jpg", "zz_truncated.jpg"]
+    assert all(reason for _, reason in loader.skipped)
+
+
+def test_check_command_reports_and_fails(dirty_folder, capsys):
+    import json
+
+    from gpupipe.cli import main
+
+    assert main(["check", str(dirty_folder), "--json", "--workers", "2"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert {r["path"].rsplit("/", 1)[-1] for r in report["unreadable"]} == {"zz_empty.jpg", "zz_truncated.jpg"}
+    assert any("CMYK" in " ".join(r["notes"]) for r in report["unusual"])
