@@ -131,3 +131,22 @@ def test_auto_picks_a_usable_backend(folder):
     loader = gpupipe.build_loader(folder, "auto", batch_size=4, train=False, image_size=24, num_workers=0,
                                   device="cpu")
     assert loader.backend in gpupipe.available_backends()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+def test_gpu_backends_contract_and_parity(folder, backend):
+    def run(b, device):
+        loader = gpupipe.build_loader(folder, b, batch_size=8, train=False, image_size=64, num_workers=1,
+                                      normalize=False, device=device)
+        batches = list(loader)
+        return torch.cat([x.cpu() for x, _ in batches]).float(), torch.cat([y.cpu() for _, y in batches])
+
+    x, y = run(backend, "cuda")
+    ref_x, ref_y = run("pillow", "cpu")
+    assert torch.equal(y, ref_y)
+    assert (x - ref_x).abs().mean() <= 1.0
+    train = gpupipe.build_loader(folder, backend, batch_size=8, train=True, image_size=64, num_workers=1,
+                                 device="cuda")
+    images, labels = next(iter(train))
+    assert images.is_cuda and images.shape == (8, 3, 64, 64) and labels.dtype == torch.int64
