@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 
-from .backends._image import default_max_pixels, is_jpeg, probe, to_rgb, upright
+from .backends._image import default_max_pixels, is_jpeg, probe
 from .backends.pillow import PillowDecoder
 from .errors import DecodeError
 
@@ -38,7 +38,7 @@ def inspect(path: str, max_pixels: int | None = None) -> dict:
             notes.append(f"tiny ({w}x{h})")
         if max(h, w) / min(h, w) > ELONGATED:
             notes.append(f"elongated ({w}x{h})")
-        decoded = upright(to_rgb(PillowDecoder(limit)._load(img, path)), header.orientation)
+        decoded = PillowDecoder(limit).decode_opened(header, path)
         decoded.getpixel((0, 0))
         return {"path": path, "ok": True, "notes": notes, "size": [w, h]}
     except DecodeError as e:

@@ -130,10 +130,11 @@ class DaliLoader(Loader):
                 it = self._iterator(files, epoch)
                 if not self.train:
                     self._eval_cache = (files, it)
+            todo_t = torch.tensor(todo)  # once per pipeline: positions -> dataset indices
             try:
                 for out in it:
                     images, pos = out[0]["images"], out[0]["pos"].view(-1).long().cpu()
-                    index = torch.tensor(todo)[pos]
+                    index = todo_t[pos]
                     done += len(pos)
                     yield Batch(images, self._labels[index], "NCHW")
             except (RuntimeError, StopIteration) as e:

@@ -15,7 +15,7 @@ import torch
 from ..data.loader import Batch, Loader
 from ..errors import DecodeError
 from ..recipe import Recipe, sample_rng
-from ._image import default_max_pixels, is_jpeg, probe, to_rgb, upright
+from ._image import default_max_pixels, is_jpeg, probe
 from .pillow import PillowDecoder
 
 _GPU_MODES = ("RGB", "L")
@@ -25,6 +25,7 @@ class _BytesDataset(torch.utils.data.Dataset):
     def __init__(self, samples, recipe: Recipe, train: bool, seed: int, max_pixels: int):
         self.samples, self.recipe, self.train, self.seed = samples, recipe, train, seed
         self.max_pixels = max_pixels
+        self._fallback = PillowDecoder(max_pixels)  # for what nvJPEG cannot take; made once, not per sample
 
     def __len__(self):
         return len(self.samples)
@@ -41,7 +42,7 @@ class _BytesDataset(torch.utils.data.Dataset):
                 self.recipe.eval_box(uh, uw)
             if is_jpeg(data) and header.image.mode in _GPU_MODES:
                 return path, label, np.frombuffer(data, np.uint8), header.orientation, box, None
-            img = upright(to_rgb(PillowDecoder(self.max_pixels)._load(header.image, path)), header.orientation)
+            img = self._fallback.decode_opened(header, path)
             return path, label, np.asarray(img), 0, box, None  # orientation 0: already decoded, on the CPU
         except DecodeError as e:
             return path, label, None, 0, None, e.reason

@@ -10,7 +10,7 @@ from PIL import Image
 
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
-from ._image import default_max_pixels, probe, resize_box, to_rgb, upright
+from ._image import Header, default_max_pixels, probe, resize_box, to_rgb, upright
 
 
 def pil_is_simd() -> bool:
@@ -29,7 +29,10 @@ class PillowDecoder:
 
     def decode(self, data: bytes, path: str) -> Image.Image:
         """The whole image: RGB, upright."""
-        header = probe(data, path, self.name, self.max_pixels)
+        return self.decode_opened(probe(data, path, self.name, self.max_pixels), path)
+
+    def decode_opened(self, header: Header, path: str) -> Image.Image:
+        """Finish decoding a probed file: load the pixels, RGB, upright."""
         return upright(to_rgb(self._load(header.image, path)), header.orientation)
 
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:

@@ -53,13 +53,13 @@ class TurboJpegDecoder:
 
     def _decode_array(self, data: bytes, path: str, denom: int) -> np.ndarray:
         if self._tj is None:
-            self._tj = turbojpeg_handle()
-        from turbojpeg import TJPF_RGB
+            from turbojpeg import TJPF_RGB
 
+            self._tj, self._rgb = turbojpeg_handle(), TJPF_RGB
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a truncated JPEG is a warning in libjpeg-turbo
-                return self._tj.decode(data, pixel_format=TJPF_RGB, scaling_factor=(1, denom) if denom > 1 else None)
+                return self._tj.decode(data, pixel_format=self._rgb, scaling_factor=(1, denom) if denom > 1 else None)
         except (OSError, Warning, ValueError) as e:
             raise DecodeError(path, self.name, f"{type(e).__name__}: {e}") from None
 
