@@ -16,10 +16,10 @@ from PIL import Image
 from .._deps import require
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
-from ._image import default_max_pixels, is_jpeg, probe, resize_box, upright
+from ._image import crop_resize, default_max_pixels, is_jpeg, probe, upright, upright_array
 from .pillow import PillowDecoder
 
-_TJ_MODES = ("RGB", "L")  # what TurboJPEG can turn into RGB; CMYK and YCCK cannot
+_EXIF = b"Exif\x00\x00"  # the APP1 marker's identifier
 
 
 def turbojpeg_handle():
@@ -51,32 +51,54 @@ class TurboJpegDecoder:
     def __getstate__(self):
         return {**self.__dict__, "_tj": None}  # ctypes handles do not pickle; each worker opens its own
 
-    def _decode_array(self, data: bytes, path: str, denom: int) -> np.ndarray:
+    def _handle(self):
         if self._tj is None:
-            from turbojpeg import TJPF_RGB
+            from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
 
-            self._tj, self._rgb = turbojpeg_handle(), TJPF_RGB
+            self._tj, self._rgb, self._no_rgb = turbojpeg_handle(), TJPF_RGB, (TJCS_CMYK, TJCS_YCCK)
+        return self._tj
+
+    def _decode_array(self, data: bytes, path: str, denom: int) -> np.ndarray:
+        tj = self._handle()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a truncated JPEG is a warning in libjpeg-turbo
-                return self._tj.decode(data, pixel_format=self._rgb, scaling_factor=(1, denom) if denom > 1 else None)
+                return tj.decode(data, pixel_format=self._rgb, scaling_factor=(1, denom) if denom > 1 else None)
         except (OSError, Warning, ValueError) as e:
             raise DecodeError(path, self.name, f"{type(e).__name__}: {e}") from None
 
-    def _usable(self, data: bytes, header) -> bool:
-        return is_jpeg(data) and header.image.mode in _TJ_MODES
+    def _header(self, data: bytes, path: str) -> tuple[int, int, int] | None:
+        """(height, width, orientation) from libjpeg-turbo's header reader (C, no Python marker parsing), or None
+        when TurboJPEG cannot take the file (not a JPEG, CMYK/YCCK, or a header it rejects: Pillow then decides)."""
+        if not is_jpeg(data):
+            return None
+        try:
+            width, height, _, colorspace = self._handle().decode_header(data)
+        except OSError:
+            return None
+        if colorspace in self._no_rgb:
+            return None
+        if width * height > self.max_pixels:
+            raise DecodeError(
+                path, self.name, f"{width}x{height} = {width * height} pixels exceeds the limit of {self.max_pixels}"
+            )
+        # Only an APP1 "Exif" block can rotate a JPEG: without those bytes the image is upright (no PIL needed)
+        orientation = probe(data, path, self.name, self.max_pixels).orientation if _EXIF in data else 1
+        return height, width, orientation
 
     def decode(self, data: bytes, path: str) -> Image.Image:
-        header = probe(data, path, self.name, self.max_pixels)
-        if not self._usable(data, header):
+        header = self._header(data, path)
+        if header is None:
             return self._fallback.decode(data, path)
-        return upright(Image.fromarray(self._decode_array(data, path, 1)), header.orientation)
+        return upright(Image.fromarray(self._decode_array(data, path, 1)), header[2])
 
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
-        header = probe(data, path, self.name, self.max_pixels)
-        if not self._usable(data, header):
+        header = self._header(data, path)
+        if header is None:
             return self._fallback.crop(data, path, plan, size)[0], True
-        box = plan(*header.upright_size)
+        height, width, orientation = header
+        upright_hw = (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+        box = plan(*upright_hw)
         denom = dct_scale(box, size) if self.reduced_decode else 1
-        img = upright(Image.fromarray(self._decode_array(data, path, denom)), header.orientation)
-        return resize_box(img, box, header.upright_size, size), False
+        arr = upright_array(self._decode_array(data, path, denom), orientation)
+        return crop_resize(arr, box, upright_hw, size), False

@@ -72,6 +72,7 @@ class _GpuSampler:
                 self._handle = None
 
     def __enter__(self):
+        self._stop = threading.Event()  # entered once per timed window
         if self._handle is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
@@ -94,24 +95,26 @@ def _forever(make: Callable[[], Iterable]) -> Iterator:
         yield from make()
 
 
-def _measure(batches: Iterator, cfg: Config, sync: Callable[[], None]) -> tuple[float, tuple[float, float]]:
-    """Warm up, then ``repeats`` windows of ``seconds / repeats``; images/s median and (min, max)."""
-    warm_until = time.perf_counter() + max(1.0, cfg.seconds / 4)
+def _warm(batches: Iterator, seconds: float) -> None:
+    until = time.perf_counter() + seconds
     for _ in batches:
-        if time.perf_counter() > warm_until:
+        if time.perf_counter() > until:
             break
-    rates = []
-    window = cfg.seconds / cfg.repeats
-    for _ in range(cfg.repeats):
-        sync()
-        t0, count = time.perf_counter(), 0
-        for n in batches:
-            count += n
-            if time.perf_counter() - t0 >= window:
-                break
-        sync()
-        rates.append(count / (time.perf_counter() - t0))
-    return statistics.median(rates), (min(rates), max(rates))
+
+
+def _window(batches: Iterator, seconds: float, drain: int, sync: Callable[[], None]) -> float:
+    """images/s over one window. The first ``drain`` batches are taken untimed: they were made while another
+    job was being timed (prefetch queues), and counting them would inflate the figure."""
+    for _, _ in zip(range(drain), batches, strict=False):
+        pass
+    sync()
+    t0, count = time.perf_counter(), 0
+    for n in batches:
+        count += n
+        if time.perf_counter() - t0 >= seconds:
+            break
+    sync()
+    return count / (time.perf_counter() - t0)
 
 
 def _sync_for(device: torch.device) -> Callable[[], None]:
@@ -204,14 +207,34 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
                 jobs.append((b, pipeline, lambda b=b: _decode_counts(cfg, b)))
             else:
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
+    # Interleaved: the jobs of one pipeline are all started, then timed in turns (one window each per round), so a
+    # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold.
     results: list[Result] = []
-    for i, (backend, pipeline, make) in enumerate(jobs, 1):
-        progress(f"[{i}/{len(jobs)}] {backend} {pipeline}")
-        with _GpuSampler(cfg.device) as gpu:
-            rate, spread = _measure(make(), cfg, sync)
-        w = max(cfg.workers, 1)
-        results.append(Result(backend, pipeline, cfg.device.type, cfg.workers, rate, spread, rate * mp, rate / w,
-                              gpu_util=gpu.mean))
+    window = cfg.seconds / cfg.repeats
+    drain = 2 * max(cfg.workers, 1) + 2  # DataLoader keeps prefetch_factor (2) batches per worker
+    for pipeline in cfg.pipelines:
+        group = [(b, make) for b, p, make in jobs if p == pipeline]
+        streams, rates = [], []
+        for backend, make in group:
+            progress(f"{pipeline}: starting {backend}")
+            streams.append(make())
+            _warm(streams[-1], max(1.0, cfg.seconds / 4))
+            rates.append([])
+        gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
+        for r in range(cfg.repeats):
+            for i, (backend, _) in enumerate(group):
+                progress(f"{pipeline}: {backend}, window {r + 1}/{cfg.repeats}")
+                with gpu_samplers[i]:
+                    rates[i].append(_window(streams[i], window, drain, sync))
+        for (backend, _), rs, gpu in zip(group, rates, gpu_samplers, strict=True):
+            rate = statistics.median(rs)
+            w = max(cfg.workers, 1)
+            results.append(
+                Result(backend, pipeline, cfg.device.type, cfg.workers, rate, (min(rs), max(rs)), rate * mp, rate / w,
+                       gpu_util=gpu.mean)
+            )
+        for stream in streams:
+            stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
     base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
     for r in results:
         if r.pipeline in base:

@@ -163,12 +163,12 @@ class _Collate:
 
     def __call__(self, items) -> Batch:
         good = [it for it in items if it[2] is not None]
-        images = torch.empty((len(good), self.size, self.size, 3), dtype=torch.uint8)
+        images = torch.empty((len(good), 3, self.size, self.size), dtype=torch.uint8)
         if good:
             np.stack([it[2] for it in good], out=images.numpy())  # one copy, into the batch
         labels = torch.tensor([it[1] for it in good], dtype=torch.int64)
         errors = [(it[0], it[3]) for it in items if it[2] is None]
-        return Batch(images, labels, "NHWC", errors, sum(it[4] for it in items))
+        return Batch(images, labels, "NCHW", errors, sum(it[4] for it in items))
 
 
 class CpuLoader(Loader):

@@ -26,6 +26,19 @@ def save_atomic(state: dict, path: str | Path) -> None:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+    _remove_torn(path)
+
+
+def _remove_torn(path: Path) -> None:
+    """Delete temp files that a killed writer left beside ``path`` (their process is gone; the file is useless)."""
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # raises when no such process: the writer is dead
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, PermissionError):  # not our naming, or a live process of another user: leave it
+            pass
 
 
 def load(path: str | Path, map_location="cpu") -> dict:

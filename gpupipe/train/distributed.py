@@ -42,6 +42,16 @@ class Distributed:
         dist.all_reduce(t)
         return t.tolist()
 
+    def average_buffers(self, module: torch.nn.Module) -> None:
+        """Average floating-point buffers (BatchNorm running statistics) over ranks, as timm's ``distribute_bn``:
+        each rank's last forward updated its own, so without this the ranks (and the checkpoint) disagree."""
+        if not self.enabled:
+            return
+        for b in module.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b)
+                b.div_(self.world_size)
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

@@ -180,6 +180,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
                     loss_acc.zero_()
                     save(running, {"epoch": epoch, "batch": i + 1})
             metrics = epoch_metrics(epoch, running, dist)
+            dist.average_buffers(model)
             if val_loader is not None:
                 metrics.update(evaluate(run_model, val_loader, precision, dist))
             metrics["lr"] = scheduler.get_last_lr()[0]
