@@ -1,0 +1,124 @@
+"""Run from tests/test_train.py in subprocesses: the training core with probes and injected faults.
+
+Under ``torchrun``, every mode records per rank the train samples seen, the gradient all-reduces DDP made and the
+final parameters (``OUT/probe-rank{R}.pt``).
+
+    torchrun --nproc_per_node 2 tests/probe.py cli -- <gpupipe train arguments>
+    torchrun --nproc_per_node 2 tests/probe.py tiny64 OUT INIT.pt DATA BATCH ACCUM
+    python tests/probe.py kill-in-save N -- <gpupipe train arguments>   # SIGKILL inside the Nth checkpoint write
+    python tests/probe.py rank-exits RANK K -- <gpupipe train arguments>  # that rank exits after K train batches
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from gpupipe.data.sampler import ShardSampler
+
+
+class Tiny(nn.Module):
+    """No BatchNorm: micro-batches and one big batch must give the same gradients."""
+
+    def __init__(self, classes=4):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x):
+        return self.head(self.conv(x).relu().mean((2, 3)))
+
+
+seen: list[tuple[int, int]] = []
+allreduces = [0]
+models: list[nn.Module] = []
+
+_sampler_iter = ShardSampler.__iter__
+
+
+def _recording_iter(self):
+    for keys in _sampler_iter(self):
+        if self.shuffle:  # the train loader's sampler
+            seen.extend(keys)
+        yield keys
+
+
+class _ProbeDDP(nn.parallel.DistributedDataParallel):
+    def __init__(self, module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        models.append(module)
+
+        def counting_hook(state, bucket):
+            allreduces[0] += 1
+            return allreduce_hook(state, bucket)
+
+        self.register_comm_hook(None, counting_hook)
+
+
+def _kill_in_save(n: int) -> None:
+    """The Nth ``torch.save`` writes part of its data, then the process is SIGKILLed: a kill during the write."""
+    real_save, calls = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            f.write(b"PK\x03\x04 half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+def _rank_exits(rank: int, after: int) -> None:
+    def iter_then_exit(self):
+        for i, keys in enumerate(_sampler_iter(self)):
+            if self.shuffle and self.rank == rank and i == after:
+                os._exit(3)  # no clean-up, no goodbye to the other ranks: as a crash
+            yield keys
+
+    ShardSampler.__iter__ = iter_then_exit
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode in ("kill-in-save", "rank-exits"):
+        if mode == "kill-in-save":
+            _kill_in_save(int(sys.argv[2]))
+        else:
+            _rank_exits(int(sys.argv[2]), int(sys.argv[3]))
+        from gpupipe.cli import main as cli_main
+
+        sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
+    ShardSampler.__iter__ = _recording_iter
+    nn.parallel.DistributedDataParallel = _ProbeDDP
+    if mode == "cli":
+        from gpupipe.cli import main as cli_main
+
+        args = sys.argv[sys.argv.index("--") + 1 :]
+        out = args[args.index("--out") + 1]
+        cli_main(args)
+    else:
+        from gpupipe.train.config import TrainConfig
+        from gpupipe.train.loop import train
+
+        out, init, data, batch, accum = sys.argv[2:7]
+        model = Tiny().double()
+        model.load_state_dict(torch.load(init, weights_only=True))
+        model.register_forward_pre_hook(lambda m, args: (args[0].double(),))
+        cfg = TrainConfig(data=data, out=out, model="tiny", epochs=1, batch_size=int(batch), accum=int(accum),
+                          image_size=32, workers=0, device="cpu", lr=0.05, warmup_epochs=0.5, log_every=1,
+                          optimizer="sgd", momentum=0.0, clip=None)
+        train(cfg, model=model)
+    rank = int(os.environ["RANK"])
+    state = {k: v.detach().clone() for k, v in models[0].state_dict().items()}
+    torch.save({"params": state, "seen": seen, "allreduces": allreduces[0]}, f"{out}/probe-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
