@@ -7,14 +7,16 @@ EXTRAS ?= all,dev
 
 .PHONY: setup system-deps demo test lint bench-cpu clean
 
-# System libraries the backends load at run time (TurboJPEG's C library); installed when run as root.
+# System packages, installed when run as root: TurboJPEG's C library (the turbojpeg backend loads it at run time)
+# and libjpeg-turbo's tools (the tests make an arithmetic-coded JPEG with jpegtran).
+APT_PKGS := libturbojpeg0 libjpeg-turbo-progs
 system-deps:
-	@if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg; then \
+	@if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg || ! command -v jpegtran >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing libturbojpeg0"; \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libturbojpeg0 >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libturbojpeg0 >/dev/null; }; \
-	  else echo "note: libturbojpeg0 is missing (apt-get install libturbojpeg0): the turbojpeg backend stays unavailable"; fi; \
+	    echo "installing $(APT_PKGS)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PKGS) >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PKGS) >/dev/null; }; \
+	  else echo "note: apt-get install $(APT_PKGS): without them the turbojpeg backend is unavailable and the arithmetic-JPEG test is skipped"; fi; \
 	fi
 
 $(STAMP): pyproject.toml

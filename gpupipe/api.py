@@ -116,7 +116,7 @@ def build_loader(
     if name == "dali":
         from .backends.dali import DaliLoader  # defer: DALI is heavy and optional
 
-        return DaliLoader(*common, seed=seed, num_threads=workers or 1)
+        return DaliLoader(*common, seed=seed, num_threads=workers or 1, max_pixels=max_pixels)
     dl_kwargs = {"num_workers": workers, "pin_memory": dev.type == "cuda" if pin_memory is None else pin_memory}
     if workers > 0:
         dl_kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers

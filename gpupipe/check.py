@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 
-from .backends._image import default_max_pixels, is_jpeg, probe
+from .backends._image import ARITHMETIC_SOF, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
 from .errors import DecodeError
 
@@ -29,6 +29,8 @@ def inspect(path: str, max_pixels: int | None = None) -> dict:
         if header.is_jpeg:
             if img.info.get("progressive") or img.info.get("progression"):
                 notes.append("progressive JPEG")
+            if jpeg_sof(data) in ARITHMETIC_SOF:
+                notes.append("arithmetic-coded JPEG (nvJPEG falls back to Pillow)")
             if getattr(img, "layers", 3) == 4:
                 notes.append("CMYK/YCCK JPEG (TurboJPEG and nvJPEG fall back to Pillow)")
         if header.orientation != 1:

@@ -1,6 +1,8 @@
 """One policy for bad and unusual files, on every backend."""
 
 import io
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -35,6 +37,7 @@ VALID = {
     "cmyk": lambda b: _jpeg(b.convert("CMYK"), quality=95),
     "gray": lambda b: _jpeg(b.convert("L"), quality=95),
     "progressive": lambda b: _jpeg(b, quality=95, progressive=True),
+    "arithmetic": lambda b: _arithmetic(_jpeg(b, quality=95)),
     "444": lambda b: _jpeg(b, quality=95, subsampling=0),
     "422": lambda b: _jpeg(b, quality=95, subsampling=1),
     "png_as_jpg": lambda b: _save(b, "PNG"),
@@ -45,6 +48,15 @@ VALID = {
     "tiny": lambda b: _jpeg(b.resize((3, 2)), quality=95),
     "elongated": lambda b: _jpeg(b.resize((400, 8)), quality=95),
 }
+
+
+def _arithmetic(baseline: bytes) -> bytes:
+    """Arithmetic-coded JPEG (Pillow cannot write one): libjpeg-turbo's jpegtran, which `make test` installs."""
+    if shutil.which("jpegtran") is None:
+        pytest.skip("jpegtran is missing (apt-get install libjpeg-turbo-progs)")
+    out = subprocess.run(["jpegtran", "-arithmetic"], input=baseline, capture_output=True, check=True).stdout
+    assert out[:2] == b"\xff\xd8" and b"\xff\xc9" in out  # SOF9: arithmetic sequential
+    return out
 
 
 def _save(img, fmt, **kw) -> bytes:
@@ -105,7 +117,8 @@ def dirty_folder(tmp_path, base):
     root = make_folder(tmp_path / "data", 2, 5)
     (root / "c00" / "zz_truncated.jpg").write_bytes(INVALID["truncated"](base))
     (root / "c01" / "zz_empty.jpg").write_bytes(b"")
-    (root / "c01" / "zz_cmyk.jpg").write_bytes(VALID["cmyk"](base))
+    for i, (kind, make) in enumerate(sorted(VALID.items())):  # every valid oddity, beside the broken files
+        (root / f"c0{i % 2}" / f"zz_valid_{kind}.jpg").write_bytes(make(base))
     return root
 
 
@@ -136,4 +149,20 @@ def test_check_command_reports_and_fails(dirty_folder, capsys):
     assert main(["check", str(dirty_folder), "--json", "--workers", "2"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert {r["path"].rsplit("/", 1)[-1] for r in report["unreadable"]} == {"zz_empty.jpg", "zz_truncated.jpg"}
-    assert any("CMYK" in " ".join(r["notes"]) for r in report["unusual"])
+    notes = " ".join(n for r in report["unusual"] for n in r["notes"])
+    assert "CMYK" in notes and "arithmetic" in notes and "PNG data under a .jpg name" in notes
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_pixel_limit_from_the_header(tmp_path, backend):
+    """A picture over the limit is refused from its header by every loader (DALI included: it has no limit of its
+    own), raised in the main process or skipped and reported."""
+    root = make_folder(tmp_path / "data", 2, 4)
+    Image.new("RGB", (1200, 1000)).save(root / "c01" / "zz_big.jpg")
+    kw = dict(batch_size=4, image_size=32, num_workers=1, device="cpu", max_pixels=1_000_000)
+    with pytest.raises(gpupipe.DecodeError, match=r"zz_big\.jpg.*1200x1000 = 1200000 pixels exceeds the limit"):
+        list(gpupipe.build_loader(root, backend, train=False, **kw))
+    loader = gpupipe.build_loader(root, backend, train=True, on_error="skip", drop_last=False, **kw)
+    batches = list(loader)
+    assert [len(y) for _, y in batches] == [4, 4, 1]
+    assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]

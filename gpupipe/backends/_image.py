@@ -4,6 +4,7 @@ to RGB, and the one-pass crop + resize that turns a decoded image into the recip
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -73,6 +74,43 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
     except Exception:  # a broken EXIF block is not a broken image: treat it as upright
         orientation = 1
     return Header(img, width, height, orientation if orientation in _ORIENT else 1, img.format == "JPEG")
+
+
+def _header_problem(path: str, max_pixels: int) -> str | None:
+    """Why one file cannot be decoded, judged from its header alone (PIL reads only the first bytes): empty, not an
+    image, or more pixels than ``max_pixels``; None when the header is fine."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+    except Image.DecompressionBombError:
+        return "more pixels than PIL allows (decompression bomb)"
+    except OSError as e:
+        if os.path.exists(path) and os.path.getsize(path) == 0:
+            return "empty file"
+        return f"not a readable image ({type(e).__name__}: {e})"
+    except Exception as e:  # PIL raises SyntaxError, ValueError... on broken headers
+        return f"not a readable image ({type(e).__name__}: {e})"
+    if width * height > max_pixels:
+        return f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
+    return None
+
+
+def header_problems(paths: list[str], max_pixels: int, workers: int = 1) -> dict[str, str]:
+    """``{path: reason}`` for the files whose header is unusable or declares more than ``max_pixels`` pixels: the
+    check that pipelines decoding inside their own graph (DALI) need before any decode. Parallel on large sets."""
+    from functools import partial
+
+    check = partial(_header_problem, max_pixels=max_pixels)
+    if workers <= 1 or len(paths) < 4096:
+        reasons = list(map(check, paths))
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers) as pool:
+            reasons = list(pool.map(check, paths, chunksize=512))
+    return {p: r for p, r in zip(paths, reasons, strict=True) if r is not None}
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -174,3 +212,26 @@ def crop_resize(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, 
 
 def is_jpeg(data: bytes) -> bool:
     return data[:3] == _JPEG_MAGIC
+
+
+ARITHMETIC_SOF = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})  # start-of-frame markers of arithmetic coding
+
+
+def jpeg_sof(data: bytes) -> int | None:
+    """The JPEG's start-of-frame marker (0xC0 baseline, 0xC2 progressive, 0xC9 arithmetic...), found by walking the
+    segment headers up to the first scan; None when there is none (PIL parses these too, but keeps only
+    "progressive"). nvJPEG cannot decode arithmetic coding, so its path needs to know."""
+    i, n = 2, len(data)
+    while i + 4 <= n and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # segments without a length
+            i += 2
+        elif marker == 0xDA:  # start of scan: no frame header before it
+            return None
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
+        else:
+            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return None

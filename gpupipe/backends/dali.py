@@ -17,6 +17,7 @@ import torch
 from .._deps import require
 from ..data.loader import Batch, Loader
 from ..errors import DecodeError, GpupipeError
+from ._image import default_max_pixels, header_problems
 from .pillow import PillowDecoder
 
 _PREFETCH = 2  # DALI's prefetch_queue_depth: a failure can surface this many batches after the one in flight
@@ -99,7 +100,7 @@ class DaliLoader(Loader):
     backend = "dali"
 
     def __init__(self, dataset, sampler, stage, recipe, on_error, *, seed: int, num_threads: int,
-                 hw_decoder_load: float = 0.65):
+                 max_pixels: int | None = None, hw_decoder_load: float = 0.65):
         require("nvidia.dali", "dali")
         super().__init__(dataset, sampler, stage, recipe, on_error)
         self.seed, self.num_threads, self.hw_decoder_load = seed, max(1, num_threads), hw_decoder_load
@@ -107,6 +108,8 @@ class DaliLoader(Loader):
         self._labels = torch.tensor(dataset.targets, dtype=torch.int64)
         self._eval_cache = None  # eval order never changes: build once, reset between epochs
         self._bad: set[str] = set()
+        self.max_pixels = max_pixels or default_max_pixels()
+        self._unusable: dict[str, str] | None = None  # DALI has no pixel limit: headers are read once, up front
 
     def _iterator(self, files, epoch):
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -118,8 +121,18 @@ class DaliLoader(Loader):
                                    last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        if self._unusable is None:
+            from ..api import usable_cores
+
+            paths = [p for p, _ in self.dataset.samples]
+            self._unusable = header_problems(paths, self.max_pixels, usable_cores())
         indices = [i for b in self.sampler.batches(epoch, start_batch) for i in b]
-        indices = [i for i in indices if self.dataset.samples[i][0] not in self._bad]
+        over = [(p, self._unusable[p]) for p in (self.dataset.samples[i][0] for i in indices) if p in self._unusable]
+        if over:  # reported (raise, or skip and refill) before DALI could decode them
+            yield Batch(torch.empty(0, 3, self.recipe.size, self.recipe.size, dtype=torch.uint8),
+                        torch.empty(0, dtype=torch.int64), "NCHW", errors=over)
+        excluded = self._bad | self._unusable.keys()
+        indices = [i for i in indices if self.dataset.samples[i][0] not in excluded]
         done = 0  # positions in ``indices`` already delivered
         while done < len(indices):
             todo = indices[done:]
@@ -140,27 +153,30 @@ class DaliLoader(Loader):
             except (RuntimeError, StopIteration) as e:
                 if self._eval_cache and self._eval_cache[1] is it:
                     self._eval_cache = None
-                bad = self._find_bad(todo[: (1 + _PREFETCH) * self.batch_size], str(e))
+                bad = self._find_bad(todo, str(e))
                 self._bad.update(p for p, _ in bad)
                 yield Batch(torch.empty(0, 3, self.recipe.size, self.recipe.size, dtype=torch.uint8),
                             torch.empty(0, dtype=torch.int64), "NCHW", errors=bad)
                 indices = indices[:done] + [i for i in todo if self.dataset.samples[i][0] not in self._bad]
 
-    def _find_bad(self, candidates: list[int], dali_message: str) -> list[tuple[str, str]]:
-        """DALI reports a batch; name the file(s) by decoding the batch's candidates on the CPU."""
+    def _find_bad(self, todo: list[int], dali_message: str) -> list[tuple[str, str]]:
+        """DALI reports a batch (and its reader runs ahead of it); name the file(s) by decoding the samples from
+        where it stopped on the CPU: the batches in flight first, then on until a culprit turns up."""
         check = PillowDecoder()
-        bad = []
-        for i in candidates:
-            path = self.dataset.samples[i][0]
-            try:
-                with open(path, "rb") as f:
-                    check.decode(f.read(), path)
-            except (DecodeError, OSError) as e:
-                bad.append((path, getattr(e, "reason", str(e))))
-        if not bad:
-            first = dali_message.strip().splitlines()[0] if dali_message.strip() else "unknown error"
-            raise GpupipeError(f"DALI failed on a batch that Pillow decodes without error: {first}")
-        return bad
+        window = (1 + _PREFETCH) * self.batch_size
+        for start in range(0, len(todo), window):
+            bad = []
+            for i in todo[start : start + window]:
+                path = self.dataset.samples[i][0]
+                try:
+                    with open(path, "rb") as f:
+                        check.decode(f.read(), path)
+                except (DecodeError, OSError) as e:
+                    bad.append((path, getattr(e, "reason", str(e))))
+            if bad:
+                return bad
+        first = dali_message.strip().splitlines()[0] if dali_message.strip() else "unknown error"
+        raise GpupipeError(f"DALI failed on a batch that Pillow decodes without error: {first}")
 
 
 def dali_decode_counts(files: list[str], cfg) -> Iterator[int]:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..errors import DecodeError
-from ._image import default_max_pixels, is_jpeg, probe
+from ._image import default_max_pixels, probe
 from .pillow import PillowDecoder
 
 
@@ -15,9 +15,9 @@ def read_image(data: bytes, path: str, backend: str, max_pixels: int | None) -> 
     if backend == "nvjpeg":
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        from .nvjpeg import _GPU_MODES, _upright_chw
+        from .nvjpeg import _upright_chw, nvjpeg_can_decode
 
-        if is_jpeg(data) and header.image.mode in _GPU_MODES:
+        if nvjpeg_can_decode(data, header):
             try:
                 img = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
                                   device="cuda")

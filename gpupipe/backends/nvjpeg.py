@@ -15,10 +15,15 @@ import torch
 from ..data.loader import Batch, Loader
 from ..errors import DecodeError
 from ..recipe import Recipe, sample_rng
-from ._image import default_max_pixels, is_jpeg, probe
+from ._image import ARITHMETIC_SOF, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 
 _GPU_MODES = ("RGB", "L")
+
+
+def nvjpeg_can_decode(data: bytes, header) -> bool:
+    """A JPEG nvJPEG decodes: not CMYK/YCCK, not arithmetic-coded; the rest falls back to Pillow (counted)."""
+    return is_jpeg(data) and header.image.mode in _GPU_MODES and jpeg_sof(data) not in ARITHMETIC_SOF
 
 
 class _BytesDataset(torch.utils.data.Dataset):
@@ -40,7 +45,7 @@ class _BytesDataset(torch.utils.data.Dataset):
             uh, uw = header.upright_size
             box = self.recipe.train_box(uh, uw, sample_rng(self.seed, epoch, index)) if self.train else \
                 self.recipe.eval_box(uh, uw)
-            if is_jpeg(data) and header.image.mode in _GPU_MODES:
+            if nvjpeg_can_decode(data, header):
                 return path, label, np.frombuffer(data, np.uint8), header.orientation, box, None
             img = self._fallback.decode_opened(header, path)
             return path, label, np.asarray(img), 0, box, None  # orientation 0: already decoded, on the CPU
@@ -91,7 +96,7 @@ class NvjpegLoader(Loader):
             errors = [(p, r) for p, _, a, _, _, r in items if a is None]
             good = [it for it in items if it[2] is not None]
             gpu = [it for it in good if it[3] != 0]
-            decoded = {}
+            decoded, on_cpu = {}, set()
             if gpu:
                 try:
                     out = decode_jpeg([torch.from_numpy(it[2].copy()) for it in gpu], mode=ImageReadMode.RGB,
@@ -102,13 +107,22 @@ class NvjpegLoader(Loader):
                         try:
                             decoded[id(it)] = decode_jpeg(torch.from_numpy(it[2].copy()), mode=ImageReadMode.RGB,
                                                           device=device)
-                        except RuntimeError as e:
-                            errors.append((it[0], f"nvJPEG: {e}"))
+                        except RuntimeError as e:  # a variant nvJPEG rejects may still be valid: Pillow decides
+                            try:
+                                img = self._data._fallback.decode(it[2].tobytes(), it[0])  # RGB, upright
+                            except DecodeError as e2:
+                                errors.append((it[0], f"nvJPEG: {e}; Pillow: {e2.reason}"))
+                                continue
+                            decoded[id(it)] = torch.from_numpy(np.asarray(img).copy()).to(device).permute(2, 0, 1)
+                            on_cpu.add(id(it))
             crops, labels, fallbacks = [], [], 0
             for it in good:
                 _path, label, arr, orientation, box, _ = it
                 if orientation == 0:
                     img = torch.from_numpy(arr).to(device, non_blocking=True).permute(2, 0, 1)
+                    fallbacks += 1
+                elif id(it) in on_cpu:
+                    img = decoded[id(it)]
                     fallbacks += 1
                 elif id(it) in decoded:
                     img = _upright_chw(decoded[id(it)], orientation)

@@ -73,8 +73,10 @@ class TurboJpegDecoder:
         if not is_jpeg(data):
             return None
         try:
-            width, height, _, colorspace = self._handle().decode_header(data)
-        except OSError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # libjpeg-turbo warns about some broken headers
+                width, height, _, colorspace = self._handle().decode_header(data)
+        except (OSError, Warning):
             return None
         if colorspace in self._no_rgb:
             return None
