@@ -4,6 +4,8 @@ as a ratio to the *first* report's baseline, and print the table."""
 import argparse
 import json
 
+from rich.console import Console
+
 from gpupipe.bench.report import print_table
 
 
@@ -25,7 +27,7 @@ def main() -> None:
     merged = {**reps[0], "results": results, "environments": [r["machine"] for r in reps]}
     with open(args.out, "w") as f:
         json.dump(merged, f, indent=1)
-    print_table(merged)
+    print_table(merged, Console(width=160))
 
 
 if __name__ == "__main__":

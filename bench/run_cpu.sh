@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The CPU suites on this machine: 1 worker and 2 workers, every available backend plus the baseline, in one run
-# each. Results go to bench/results/ with the machine, versions and date inside the JSON.
+# The CPU suites on this machine: every available backend plus the baseline, timed in interleaved windows, with
+# 1 and 2 workers. DATA is the folder (default: ImageNet-like JPEGs cut from real photos, see real_photos.py);
+# results go to bench/results/cpu-<data>-<N>w-<date>.{json,png}, with the machine, versions and date in the JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-DATA=${DATA:-data/sample}
+DATA=${DATA:-data/photos}
+WORKERS=${WORKERS:-1 2}
 SECONDS_PER=${SECONDS_PER:-6}
+REPEATS=${REPEATS:-3}
 stamp=$(date -u +%Y-%m-%d)
-"$VENV/bin/gpupipe" sample-data "$DATA" >/dev/null
-for w in 1 2; do
-  "$VENV/bin/gpupipe" bench --data "$DATA" --device cpu --workers "$w" --seconds "$SECONDS_PER" --repeats 3 \
-    --json "bench/results/cpu-${w}w-${stamp}.json" --plot "bench/results/cpu-${w}w-${stamp}.png"
+label=$(basename "$DATA")
+if [ ! -d "$DATA" ]; then
+  case "$label" in
+    photos) "$VENV/bin/python" bench/real_photos.py --out "$DATA" --kind imagenet --count 1000 ;;
+    photos-large) "$VENV/bin/python" bench/real_photos.py --out "$DATA" --kind large --count 120 ;;
+    *) "$VENV/bin/gpupipe" sample-data "$DATA" >/dev/null ;;
+  esac
+fi
+for w in $WORKERS; do
+  out="bench/results/cpu-${label}-${w}w-${stamp}"
+  "$VENV/bin/gpupipe" bench --data "$DATA" --device cpu --workers "$w" --seconds "$SECONDS_PER" --repeats "$REPEATS" \
+    --json "$out.json" --plot "$out.png"
 done
-cp "bench/results/cpu-1w-${stamp}.png" bench/results/cpu-2core.png

@@ -96,6 +96,12 @@ def test_normalisation_and_transforms(folder):
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
     torch.testing.assert_close(xf, (x8.float() / 255 - mean) / std * 2, rtol=1e-5, atol=1e-5)
     assert xf.is_contiguous(memory_format=torch.channels_last)
+    # on the CPU with workers, the workers normalise (in parallel): the same numbers
+    par = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=2,
+                               device="cpu", transforms=[lambda x: x * 2], channels_last=True)
+    xp, _ = next(iter(par))
+    torch.testing.assert_close(xp, xf, rtol=0, atol=0)
+    assert xp.dtype == torch.float32 and xp.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_resume_mid_epoch_gives_the_same_batches(folder):

@@ -211,7 +211,7 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
     # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold.
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
-    drain = 2 * max(cfg.workers, 1) + 2  # DataLoader keeps prefetch_factor (2) batches per worker
+    drain = 4 * max(cfg.workers, 1) + 2  # DataLoaders keep prefetch_factor batches per worker (2, ours 4)
     for pipeline in cfg.pipelines:
         group = [(b, make) for b, p, make in jobs if p == pipeline]
         streams, rates = [], []

@@ -34,7 +34,7 @@ class DeviceStage:
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
         images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
-        if self.normalize:
+        if self.normalize and not images.is_floating_point():  # CPU workers may have normalised already
             images = images.float().sub_(self.mean).mul_(self.inv_std)
         for t in self.transforms:
             images = t(images)
