@@ -158,8 +158,8 @@ class _SampleDataset(torch.utils.data.Dataset):
 
 
 class _Collate:
-    """Stack the good samples into one uint8 batch. When the batches stay on the CPU, the workers also normalise
-    (in parallel, as torchvision's recipe does) instead of leaving it to the single main process."""
+    """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalise it here, in the
+    worker, for batches that stay on a CPU whose cores the workers all take."""
 
     def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.size, self.normalize = size, normalize
@@ -197,5 +197,10 @@ class CpuLoader(Loader):
         return iter(self._dataloader)
 
     def _collate(self) -> _Collate:
-        on_cpu = self.stage.device.type == "cpu" and self.stage.normalize and self._kwargs.get("num_workers", 0) > 0
-        return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if on_cpu else None)
+        """Batches for the CPU are normalised by the main process while it has a core to itself (it is otherwise
+        idle), and by the workers, in parallel, once they take every core."""
+        from ..api import usable_cores
+
+        workers = self._kwargs.get("num_workers", 0)
+        in_workers = self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores()
+        return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None)
