@@ -47,7 +47,19 @@ class Header:
     @property
     def upright_size(self) -> tuple[int, int]:
         """(height, width) once EXIF orientation is applied."""
-        return (self.width, self.height) if self.orientation in (5, 6, 7, 8) else (self.height, self.width)
+        return upright_hw(self.height, self.width, self.orientation)
+
+
+def upright_hw(height: int, width: int, orientation: int) -> tuple[int, int]:
+    """(height, width) once EXIF orientation is applied: orientations 5-8 swap the sides."""
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
+
+
+def pixel_limit_reason(width: int, height: int, max_pixels: int) -> str | None:
+    """The one refusal message for images over the pixel limit, read from the header; None when within it."""
+    if width * height > max_pixels:
+        return f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
+    return None
 
 
 def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
@@ -65,10 +77,8 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
     width, height = img.size
     if width < 1 or height < 1:
         raise DecodeError(path, backend, f"image has no pixels ({width}x{height})")
-    if width * height > max_pixels:
-        raise DecodeError(
-            path, backend, f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
-        )
+    if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
+        raise DecodeError(path, backend, reason)
     try:
         orientation = int(img.getexif().get(0x0112, 1))
     except Exception:  # a broken EXIF block is not a broken image: treat it as upright
@@ -92,9 +102,7 @@ def _header_problem(path: str, max_pixels: int) -> str | None:
         return f"not a readable image ({type(e).__name__}: {e})"
     except Exception as e:  # PIL raises SyntaxError, ValueError... on broken headers
         return f"not a readable image ({type(e).__name__}: {e})"
-    if width * height > max_pixels:
-        return f"{width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}"
-    return None
+    return pixel_limit_reason(width, height, max_pixels)
 
 
 def header_problems(paths: list[str], max_pixels: int, workers: int = 1) -> dict[str, str]:

@@ -16,7 +16,16 @@ from PIL import Image
 from .._deps import require
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
-from ._image import crop_resize, default_max_pixels, is_jpeg, probe, upright, upright_array
+from ._image import (
+    crop_resize,
+    default_max_pixels,
+    is_jpeg,
+    pixel_limit_reason,
+    probe,
+    upright,
+    upright_array,
+    upright_hw,
+)
 from .pillow import PillowDecoder
 
 _EXIF = b"Exif\x00\x00"  # the APP1 marker's identifier
@@ -80,10 +89,8 @@ class TurboJpegDecoder:
             return None
         if colorspace in self._no_rgb:
             return None
-        if width * height > self.max_pixels:
-            raise DecodeError(
-                path, self.name, f"{width}x{height} = {width * height} pixels exceeds the limit of {self.max_pixels}"
-            )
+        if (reason := pixel_limit_reason(width, height, self.max_pixels)) is not None:
+            raise DecodeError(path, self.name, reason)
         # Only an APP1 "Exif" block can rotate a JPEG: without those bytes the image is upright (no PIL needed)
         orientation = probe(data, path, self.name, self.max_pixels).orientation if _EXIF in data else 1
         return height, width, orientation
@@ -99,8 +106,8 @@ class TurboJpegDecoder:
         if header is None:
             return self._fallback.crop(data, path, plan, size)[0], True
         height, width, orientation = header
-        upright_hw = (width, height) if orientation in (5, 6, 7, 8) else (height, width)
-        box = plan(*upright_hw)
+        size_hw = upright_hw(height, width, orientation)
+        box = plan(*size_hw)
         denom = dct_scale(box, size) if self.reduced_decode else 1
         arr = upright_array(self._decode_array(data, path, denom), orientation)
-        return crop_resize(arr, box, upright_hw, size), False
+        return crop_resize(arr, box, size_hw, size), False
