@@ -19,14 +19,15 @@ def table(path: str) -> str:
         f"**{path.rsplit('/', 1)[-1]}** — {m['cpu']}, {cfg['workers']} worker(s), {cfg['device']}, "
         f"{cfg['seconds']} s per figure in {cfg['repeats']} interleaved windows, {rep['date'][:10]}; {versions}",
         "",
-        "| pipeline | backend | img/s | spread | img/s/worker | vs baseline |",
-        "|---|---|---:|---:|---:|---:|",
+        "| pipeline | backend | img/s | spread | img/s/worker | vs baseline | vs floor |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rep["results"]:
         ratio = f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else ""
+        floor = f"{r['vs_floor']:.0%}" if r.get("vs_floor") else ""
         lines.append(
             f"| {r['pipeline']} | {r['backend']} | {r['images_per_s']:,.0f} | "
-            f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f} | {r['images_per_s_per_worker']:,.0f} | {ratio} |"
+            f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f} | {r['images_per_s_per_worker']:,.0f} | {ratio} | {floor} |"
         )
     return "\n".join(lines)
 

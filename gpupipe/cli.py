@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="which backend is fastest on this machine and data")
     p.add_argument("--data", help="ImageFolder directory or CSV list (default: the sample data, made on first use)")
     p.add_argument("--backends", help="comma-separated (default: every available backend)")
-    p.add_argument("--pipelines", default="decode,train,eval")
+    p.add_argument("--pipelines", default="decode,train,eval",
+                   help="comma-separated from decode, floor, train, eval (floor: the decode a train pipeline cannot "
+                        "avoid, at the DCT scale its crops allow; train rows then say how close they come)")
     p.add_argument("--workers", type=int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--batch-size", type=int, default=64)

@@ -30,7 +30,8 @@ def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
     backends = [b for b in ("pillow", "turbojpeg", "dali", "synthetic") if b in gpupipe.available_backends()]
     j, png = tmp_path / "b.json", tmp_path / "b.png"
     rc = main(["bench", "--data", str(folder), "--device", "cpu", "--workers", "1", "--backends", ",".join(backends),
-               "--seconds", "0.3", "--repeats", "2", "--batch-size", "8", "--image-size", "32", "--json", str(j),
+               "--pipelines", "decode,floor,train,eval", "--seconds", "0.3", "--repeats", "2", "--batch-size", "8",
+               "--image-size", "32", "--json", str(j),
                "--plot", str(png)])
     assert rc == 0
     rep = json.loads(j.read_text())
@@ -39,10 +40,12 @@ def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
     for b in backends:
         assert (b, "train") in got and (b, "eval") in got
         assert b == "synthetic" or (b, "decode") in got
+        assert ((b, "floor") in got) == (b in ("pillow", "turbojpeg"))  # the CPU decoders' train floor
     for r in rep["results"]:
         assert r["images_per_s"] > 0 and r["workers"] == 1 and r["device"] == "cpu"
-        if r["pipeline"] != "decode":
+        if r["pipeline"] in ("train", "eval"):
             assert r["vs_baseline"] > 0
+        assert ("vs_floor" in r) == (r["pipeline"] == "train" and r["backend"] in ("pillow", "turbojpeg"))
     assert {"torch", "cpu", "cores_usable"} <= rep["machine"].keys()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "img/s" in capsys.readouterr().out

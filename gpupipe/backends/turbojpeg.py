@@ -101,13 +101,19 @@ class TurboJpegDecoder:
             return self._fallback.decode(data, path)
         return upright(Image.fromarray(self._decode_array(data, path, 1)), header[2])
 
-    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
+    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int):
+        """As :meth:`PillowDecoder.decode_for_crop`; the image is an (H, W, 3) array here (a PIL image when Pillow
+        took the file, and then ``fell_back`` is True)."""
         header = self._header(data, path)
         if header is None:
-            return self._fallback.crop(data, path, plan, size)[0], True
+            img, box, size_hw, _ = self._fallback.decode_for_crop(data, path, plan, size)
+            return img, box, size_hw, True
         height, width, orientation = header
         size_hw = upright_hw(height, width, orientation)
         box = plan(*size_hw)
         denom = dct_scale(box, size) if self.reduced_decode else 1
-        arr = upright_array(self._decode_array(data, path, denom), orientation)
-        return crop_resize(arr, box, size_hw, size), False
+        return upright_array(self._decode_array(data, path, denom), orientation), box, size_hw, False
+
+    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
+        img, box, size_hw, fell_back = self.decode_for_crop(data, path, plan, size)
+        return crop_resize(img, box, size_hw, size), fell_back

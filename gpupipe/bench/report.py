@@ -23,8 +23,8 @@ def print_table(rep: dict, console: Console | None = None) -> None:
              f"batch {cfg['batch_size']}, {m['cores_usable']} usable cores")
     table = Table(title=title)
     for col, justify in [("pipeline", "left"), ("backend", "left"), ("img/s", "right"), ("spread", "right"),
-                         ("MP/s", "right"), ("img/s/worker", "right"), ("vs baseline", "right"), ("GPU util", "right"),
-                         ("vs synthetic", "right"), ("data-wait", "right")]:
+                         ("MP/s", "right"), ("img/s/worker", "right"), ("vs baseline", "right"), ("vs floor", "right"),
+                         ("GPU util", "right"), ("vs synthetic", "right"), ("data-wait", "right")]:
         table.add_column(col, justify=justify)
     for r in rep["results"]:
         def fmt(v, spec):
@@ -33,8 +33,8 @@ def print_table(rep: dict, console: Console | None = None) -> None:
         table.add_row(r["pipeline"], r["backend"], fmt(r["images_per_s"], ",.0f"),
                       f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}", fmt(r["megapixels_per_s"], ",.1f"),
                       fmt(r["images_per_s_per_worker"], ",.0f"), fmt(r.get("vs_baseline"), ".2f") + ("x" if
-                      r.get("vs_baseline") is not None else ""), fmt(r.get("gpu_util"), ".0f"),
-                      fmt(r.get("vs_synthetic"), ".2f"), fmt(r.get("data_wait"), ".0%"))
+                      r.get("vs_baseline") is not None else ""), fmt(r.get("vs_floor"), ".0%"),
+                      fmt(r.get("gpu_util"), ".0f"), fmt(r.get("vs_synthetic"), ".2f"), fmt(r.get("data_wait"), ".0%"))
     console.print(table)
 
 

@@ -15,9 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..api import build_loader, usable_cores
+from ..backends import CPU_DECODERS
 from ..data.scan import scan
+from ..recipe import Recipe, sample_rng
 
-PIPELINES = ("decode", "train", "eval")
+PIPELINES = ("decode", "floor", "train", "eval")
+# decode: the whole image at full size. floor (CPU decoders): only the decode the train pipeline cannot avoid, at the
+# DCT scale each train crop allows; the train figure's ``vs_floor`` says how close the rest of the pipeline comes.
 
 
 @dataclass
@@ -145,8 +149,8 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
         yield len(y)
 
 
-def _decode_counts(cfg: Config, backend: str) -> Iterator[int]:
-    """Decode to uint8 RGB at full size, nothing else."""
+def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
+    """Decode to uint8 RGB at full size, nothing else; with ``floor``, at the scale each train crop allows."""
     data = scan(cfg.data)
     if backend == "dali":
         from ..backends.dali import dali_decode_counts
@@ -158,23 +162,31 @@ def _decode_counts(cfg: Config, backend: str) -> Iterator[int]:
         return nvjpeg_decode_counts([p for p, _ in data.samples], cfg)
     from ..backends import cpu_decoder
 
-    ds = _DecodeOnly([p for p, _ in data.samples], cpu_decoder(backend))
-    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, num_workers=cfg.workers,
+    recipe = Recipe(cfg.image_size) if floor else None
+    ds = _DecodeOnly([p for p, _ in data.samples], cpu_decoder(backend), recipe)
+    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, num_workers=cfg.workers, shuffle=floor,
                                      collate_fn=len, persistent_workers=cfg.workers > 0)
     return _forever(lambda: dl)
 
 
 class _DecodeOnly(torch.utils.data.Dataset):
-    def __init__(self, paths, decoder):
-        self.paths, self.decoder = paths, decoder
+    """Decode one file and touch one pixel; with a recipe, decode it as the train pipeline would before resizing."""
+
+    def __init__(self, paths, decoder, recipe: Recipe | None = None):
+        self.paths, self.decoder, self.recipe = paths, decoder, recipe
 
     def __len__(self):
         return len(self.paths)
 
     def __getitem__(self, i):
         with open(self.paths[i], "rb") as f:
-            img = self.decoder.decode(f.read(), self.paths[i])
-        img.getpixel((0, 0))  # decoded, and nothing more
+            data = f.read()
+        if self.recipe is None:
+            self.decoder.decode(data, self.paths[i]).getpixel((0, 0))  # decoded, and nothing more
+            return 0
+        rng = sample_rng(0, 0, i)
+        self.decoder.decode_for_crop(data, self.paths[i], lambda h, w: self.recipe.train_box(h, w, rng),
+                                     self.recipe.size)
         return 0
 
 
@@ -198,13 +210,13 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
     for pipeline in cfg.pipelines:
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
-        if pipeline != "decode":
+        if pipeline in ("train", "eval"):
             jobs.append(("baseline", pipeline, lambda p=pipeline: _baseline_counts(cfg, p == "train")))
         for b in cfg.backends:
-            if pipeline == "decode" and b == "synthetic":
+            if (pipeline == "decode" and b == "synthetic") or (pipeline == "floor" and b not in CPU_DECODERS):
                 continue
-            if pipeline == "decode":
-                jobs.append((b, pipeline, lambda b=b: _decode_counts(cfg, b)))
+            if pipeline in ("decode", "floor"):
+                jobs.append((b, pipeline, lambda b=b, p=pipeline: _decode_counts(cfg, b, floor=p == "floor")))
             else:
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
     # Interleaved: the jobs of one pipeline are all started, then timed in turns (one window each per round), so a
@@ -236,9 +248,12 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
         for stream in streams:
             stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
     base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
+    floor = {r.backend: r.images_per_s for r in results if r.pipeline == "floor"}
     for r in results:
         if r.pipeline in base:
             r.vs_baseline = r.images_per_s / base[r.pipeline]
+        if r.pipeline == "train" and r.backend in floor:
+            r.extra["vs_floor"] = r.images_per_s / floor[r.backend]
     if cfg.model:
         from .end_to_end import run_end_to_end
 
