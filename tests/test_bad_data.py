@@ -166,3 +166,38 @@ def test_loader_pixel_limit_from_the_header(tmp_path, backend):
     batches = list(loader)
     assert [len(y) for _, y in batches] == [4, 4, 1]
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]
+
+
+
+def _exif_upright(data: bytes) -> Image.Image:
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orientation_on_arrays_and_tensors_matches_pil(base, orientation):
+    """The crop path's numpy views and the nvJPEG path's tensor ops turn an image as PIL's exif_transpose does."""
+    from gpupipe.backends._image import upright_array
+    from gpupipe.backends.nvjpeg import _upright_chw
+
+    data = _with_orientation(base, orientation)
+    want = np.asarray(_exif_upright(data))
+    arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert np.array_equal(upright_array(arr, orientation), want)
+    chw = _upright_chw(torch.from_numpy(arr.copy()).permute(2, 0, 1), orientation)
+    assert torch.equal(chw.permute(1, 2, 0), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_train_crop_of_a_rotated_file_is_the_upright_crop(base, backend, orientation):
+    """The crop is chosen on the upright image and cut from it, whichever way the file is stored."""
+    from gpupipe.backends import cpu_decoder
+    from gpupipe.recipe import Box
+
+    stored = _with_orientation(base, orientation)
+    box = Box(5, 10, 40, 30, flip=True)  # in upright pixels
+    got, _ = cpu_decoder(backend).crop(stored, "x.jpg", lambda h, w: box, 32)
+    ref, _ = cpu_decoder(backend).crop(_jpeg(_exif_upright(stored), quality=95), "y.jpg", lambda h, w: box, 32)
+    assert np.abs(got.astype(np.float32) - ref).mean() < 3

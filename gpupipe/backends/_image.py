@@ -150,21 +150,29 @@ def resize_box(img: Image.Image, box: Box, upright_hw: tuple[int, int], size: in
     return np.asarray(out).transpose(2, 0, 1)
 
 
-# EXIF orientation as numpy views of an (H, W, 3) array: the same transposes as _ORIENT, without a copy
-_ORIENT_VIEW = {
-    2: lambda a: a[:, ::-1],
-    3: lambda a: a[::-1, ::-1],
-    4: lambda a: a[::-1],
-    5: lambda a: a.transpose(1, 0, 2),
-    6: lambda a: a.transpose(1, 0, 2)[:, ::-1],
-    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
-    8: lambda a: a.transpose(1, 0, 2)[::-1],
+# EXIF orientation -> (transpose, mirror left-right, mirror top-bottom), applied in that order: the same result as
+# _ORIENT's PIL transposes, for arrays and tensors (numpy views here, torch ops on the nvJPEG path)
+ORIENT_STEPS = {
+    2: (False, True, False),
+    3: (False, True, True),
+    4: (False, False, True),
+    5: (True, False, False),
+    6: (True, True, False),
+    7: (True, True, True),
+    8: (True, False, True),
 }
 
 
 def upright_array(arr: np.ndarray, orientation: int) -> np.ndarray:
     """An (H, W, 3) array turned upright: a view, copied later only where the crop needs it."""
-    return _ORIENT_VIEW[orientation](arr) if orientation != 1 else arr
+    if orientation == 1:
+        return arr
+    transpose, mirror, flip = ORIENT_STEPS[orientation]
+    if transpose:
+        arr = arr.transpose(1, 0, 2)
+    if mirror:
+        arr = arr[:, ::-1]
+    return arr[::-1] if flip else arr
 
 
 def _resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from ..data.loader import Batch, Loader
 from ..errors import DecodeError
 from ..recipe import Recipe, sample_rng
-from ._image import ARITHMETIC_SOF, default_max_pixels, is_jpeg, jpeg_sof, probe
+from ._image import ARITHMETIC_SOF, ORIENT_STEPS, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 
 _GPU_MODES = ("RGB", "L")
@@ -61,13 +61,14 @@ def _collate(items):
 
 def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
     """EXIF orientation on a (3,H,W) tensor: the same transposes as PIL's ``exif_transpose``."""
-    if orientation in (5, 6, 7, 8):
+    if orientation == 1:
+        return img
+    transpose, mirror, flip = ORIENT_STEPS[orientation]
+    if transpose:
         img = img.transpose(-1, -2)
-    if orientation in (2, 3, 6, 7):
+    if mirror:
         img = img.flip(-1)
-    if orientation in (3, 4, 7, 8):
-        img = img.flip(-2)
-    return img
+    return img.flip(-2) if flip else img
 
 
 class NvjpegLoader(Loader):

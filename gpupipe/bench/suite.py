@@ -220,25 +220,29 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
             else:
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
     # Interleaved: the jobs of one pipeline are all started, then timed in turns (one window each per round), so a
-    # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold.
+    # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold. The floor is timed
+    # in the train rounds, as train figures are read against it.
+    def timed_with(pipeline: str) -> str:
+        return "train" if pipeline == "floor" and "train" in cfg.pipelines else pipeline
+
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
     drain = 4 * max(cfg.workers, 1) + 2  # DataLoaders keep prefetch_factor batches per worker (2, ours 4)
-    for pipeline in cfg.pipelines:
-        group = [(b, make) for b, p, make in jobs if p == pipeline]
+    for rounds in dict.fromkeys(map(timed_with, cfg.pipelines)):
+        group = [(b, p, make) for b, p, make in jobs if timed_with(p) == rounds]
         streams, rates = [], []
-        for backend, make in group:
+        for backend, pipeline, make in group:
             progress(f"{pipeline}: starting {backend}")
             streams.append(make())
             _warm(streams[-1], max(1.0, cfg.seconds / 4))
             rates.append([])
         gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
-            for i, (backend, _) in enumerate(group):
+            for i, (backend, pipeline, _) in enumerate(group):
                 progress(f"{pipeline}: {backend}, window {r + 1}/{cfg.repeats}")
                 with gpu_samplers[i]:
                     rates[i].append(_window(streams[i], window, drain, sync))
-        for (backend, _), rs, gpu in zip(group, rates, gpu_samplers, strict=True):
+        for (backend, pipeline, _), rs, gpu in zip(group, rates, gpu_samplers, strict=True):
             rate = statistics.median(rs)
             w = max(cfg.workers, 1)
             results.append(
@@ -247,6 +251,7 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
             )
         for stream in streams:
             stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
+    results.sort(key=lambda r: cfg.pipelines.index(r.pipeline))  # stable: backends keep their order
     base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
     floor = {r.backend: r.images_per_s for r in results if r.pipeline == "floor"}
     for r in results:
