@@ -201,3 +201,28 @@ def test_train_crop_of_a_rotated_file_is_the_upright_crop(base, backend, orienta
     got, _ = cpu_decoder(backend).crop(stored, "x.jpg", lambda h, w: box, 32)
     ref, _ = cpu_decoder(backend).crop(_jpeg(_exif_upright(stored), quality=95), "y.jpg", lambda h, w: box, 32)
     assert np.abs(got.astype(np.float32) - ref).mean() < 3
+
+
+@pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
+def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
+    """A DALI pipeline left in a garbage cycle used to be freed inside the next forked DataLoader worker, where its
+    shutdown waited for threads that only exist in the parent: the worker hung before its first batch."""
+    import gc
+
+    from gpupipe.backends.dali import build_pipeline
+    from gpupipe.recipe import Recipe
+
+    files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:4]
+    pipe = build_pipeline(files, Recipe(32), train=False, batch_size=2, device="cpu", seed=0, num_threads=1)
+    pipe.build()
+    pipe.run()
+    pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
+    gc.disable()
+    try:
+        del pipe
+        loader = torch.utils.data.DataLoader(range(4), batch_size=2, num_workers=1, timeout=60,
+                                             worker_init_fn=lambda _: gc.collect())
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    finally:
+        gc.enable()
+        gc.collect()

@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 
 from .._deps import INSTALL_HINTS, has_module
+from . import _fork  # noqa: F401  (registers the DALI fork guard)
 
 BackendName = Literal["auto", "pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic"]
 BACKENDS: tuple[str, ...] = ("pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic")

@@ -22,7 +22,6 @@ from ._image import (
     is_jpeg,
     pixel_limit_reason,
     probe,
-    upright,
     upright_array,
     upright_hw,
 )
@@ -95,11 +94,12 @@ class TurboJpegDecoder:
         orientation = probe(data, path, self.name, self.max_pixels).orientation if _EXIF in data else 1
         return height, width, orientation
 
-    def decode(self, data: bytes, path: str) -> Image.Image:
+    def decode(self, data: bytes, path: str) -> np.ndarray | Image.Image:
+        """The whole image, RGB, upright: an (H, W, 3) array (a view when turned), or a PIL image from Pillow."""
         header = self._header(data, path)
         if header is None:
             return self._fallback.decode(data, path)
-        return upright(Image.fromarray(self._decode_array(data, path, 1)), header[2])
+        return upright_array(self._decode_array(data, path, 1), header[2])
 
     def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int):
         """As :meth:`PillowDecoder.decode_for_crop`; the image is an (H, W, 3) array here (a PIL image when Pillow

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
 from ..api import build_loader, usable_cores
 from ..backends import CPU_DECODERS
@@ -182,7 +183,9 @@ class _DecodeOnly(torch.utils.data.Dataset):
         with open(self.paths[i], "rb") as f:
             data = f.read()
         if self.recipe is None:
-            self.decoder.decode(data, self.paths[i]).getpixel((0, 0))  # decoded, and nothing more
+            img = self.decoder.decode(data, self.paths[i])
+            if isinstance(img, Image.Image):
+                img.getpixel((0, 0))  # decoded, and nothing more (an array is decoded already)
             return 0
         rng = sample_rng(0, 0, i)
         self.decoder.decode_for_crop(data, self.paths[i], lambda h, w: self.recipe.train_box(h, w, rng),

@@ -1,0 +1,30 @@
+"""Fork safety for DALI: a forked child (a DataLoader worker) inherits the parent's DALI pipelines as memory only,
+without their threads. If the child's garbage collector then frees one that was waiting in a reference cycle, DALI's
+``Pipeline.__del__`` shuts it down and waits for those threads forever: the worker hangs before its first batch.
+This happened in gpupipe's own test suite (a DALI loader, then a Pillow loader with workers, in one process).
+
+After every fork, the child detaches the inherited pipelines from their C++ handles and keeps the handles alive, so
+nothing in the child ever shuts a parent's pipeline down (workers end with ``os._exit``: nothing leaks for long).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_inherited: list = []  # C++ pipeline handles the child must never destroy
+
+
+def detach_inherited_pipelines() -> None:
+    module = sys.modules.get("nvidia.dali.pipeline")
+    if module is None:  # DALI was never imported: nothing to detach
+        return
+    for ref in list(getattr(module.Pipeline, "_pipes", ())):
+        pipe = ref()
+        handle = getattr(pipe, "_pipe", None)
+        if handle is not None:
+            _inherited.append(handle)
+            pipe._pipe = None  # Pipeline._shutdown is now a no-op in this process
+
+
+os.register_at_fork(after_in_child=detach_inherited_pipelines)
