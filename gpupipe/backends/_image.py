@@ -233,10 +233,9 @@ def is_jpeg(data: bytes) -> bool:
 ARITHMETIC_SOF = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})  # start-of-frame markers of arithmetic coding
 
 
-def jpeg_sof(data: bytes) -> int | None:
-    """The JPEG's start-of-frame marker (0xC0 baseline, 0xC2 progressive, 0xC9 arithmetic...), found by walking the
-    segment headers up to the first scan; None when there is none (PIL parses these too, but keeps only
-    "progressive"). nvJPEG cannot decode arithmetic coding, so its path needs to know."""
+def _jpeg_segments(data: bytes):
+    """(marker, payload offset, payload length) of each segment before the first scan: the header, read without
+    touching the entropy-coded data (a "needle in data" search would scan megabytes of it)."""
     i, n = 2, len(data)
     while i + 4 <= n and data[i] == 0xFF:
         marker = data[i + 1]
@@ -244,10 +243,24 @@ def jpeg_sof(data: bytes) -> int | None:
             i += 1
         elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # segments without a length
             i += 2
-        elif marker == 0xDA:  # start of scan: no frame header before it
-            return None
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return marker
+        elif marker == 0xDA:  # start of scan: the header is over
+            return
         else:
-            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+            length = int.from_bytes(data[i + 2 : i + 4], "big")
+            yield marker, i + 4, length - 2
+            i += 2 + length
+
+
+def jpeg_sof(data: bytes) -> int | None:
+    """The JPEG's start-of-frame marker (0xC0 baseline, 0xC2 progressive, 0xC9 arithmetic...); None when there is
+    none before the first scan (PIL parses these too, but keeps only "progressive"). nvJPEG cannot decode arithmetic
+    coding, so its path needs to know."""
+    for marker, _, _ in _jpeg_segments(data):
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
     return None
+
+
+def jpeg_has_exif(data: bytes) -> bool:
+    """Whether the JPEG's header holds an APP1 "Exif" block: the only place an orientation can come from."""
+    return any(marker == 0xE1 and data[at : at + 6] == b"Exif\x00\x00" for marker, at, _ in _jpeg_segments(data))

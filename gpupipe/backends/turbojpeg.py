@@ -20,14 +20,13 @@ from ._image import (
     crop_resize,
     default_max_pixels,
     is_jpeg,
+    jpeg_has_exif,
     pixel_limit_reason,
     probe,
     upright_array,
     upright_hw,
 )
 from .pillow import PillowDecoder
-
-_EXIF = b"Exif\x00\x00"  # the APP1 marker's identifier
 
 
 def turbojpeg_handle():
@@ -91,7 +90,7 @@ class TurboJpegDecoder:
         if (reason := pixel_limit_reason(width, height, self.max_pixels)) is not None:
             raise DecodeError(path, self.name, reason)
         # Only an APP1 "Exif" block can rotate a JPEG: without those bytes the image is upright (no PIL needed)
-        orientation = probe(data, path, self.name, self.max_pixels).orientation if _EXIF in data else 1
+        orientation = probe(data, path, self.name, self.max_pixels).orientation if jpeg_has_exif(data) else 1
         return height, width, orientation
 
     def decode(self, data: bytes, path: str) -> np.ndarray | Image.Image:
