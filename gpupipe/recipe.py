@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -76,6 +77,14 @@ class Recipe:
         else:
             w, h = width, height
         return Box((height - h) // 2, (width - w) // 2, h, w, rng.random() < self.flip_p)
+
+    def plan(self, train: bool, seed: int, epoch: int, index: int) -> Callable[[int, int], Box]:
+        """``(height, width) -> Box`` for one sample: its train crop in this epoch (drawn from its own stream, see
+        :func:`sample_rng`), or the eval crop. Decoders call it once they know the upright size."""
+        if not train:
+            return self.eval_box
+        rng = sample_rng(seed, epoch, index)
+        return lambda height, width: self.train_box(height, width, rng)
 
     def eval_resize(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) that torchvision ``Resize(resize_size)`` gives: shorter side exact, longer truncated."""

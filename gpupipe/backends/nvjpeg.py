@@ -14,7 +14,7 @@ import torch
 
 from ..data.loader import Batch, Loader
 from ..errors import DecodeError
-from ..recipe import Recipe, sample_rng
+from ..recipe import Recipe
 from ._image import ARITHMETIC_SOF, ORIENT_STEPS, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 
@@ -43,8 +43,7 @@ class _BytesDataset(torch.utils.data.Dataset):
                 data = f.read()
             header = probe(data, path, "nvjpeg", self.max_pixels)
             uh, uw = header.upright_size
-            box = self.recipe.train_box(uh, uw, sample_rng(self.seed, epoch, index)) if self.train else \
-                self.recipe.eval_box(uh, uw)
+            box = self.recipe.plan(self.train, self.seed, epoch, index)(uh, uw)
             if nvjpeg_can_decode(data, header):
                 return path, label, np.frombuffer(data, np.uint8), header.orientation, box, None
             img = self._fallback.decode_opened(header, path)

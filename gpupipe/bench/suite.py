@@ -18,7 +18,7 @@ from PIL import Image
 from ..api import build_loader, usable_cores
 from ..backends import CPU_DECODERS
 from ..data.scan import scan
-from ..recipe import Recipe, sample_rng
+from ..recipe import Recipe
 
 PIPELINES = ("decode", "floor", "train", "eval")
 # decode: the whole image at full size. floor (CPU decoders): only the decode the train pipeline cannot avoid, at the
@@ -187,9 +187,7 @@ class _DecodeOnly(torch.utils.data.Dataset):
             if isinstance(img, Image.Image):
                 img.getpixel((0, 0))  # decoded, and nothing more (an array is decoded already)
             return 0
-        rng = sample_rng(0, 0, i)
-        self.decoder.decode_for_crop(data, self.paths[i], lambda h, w: self.recipe.train_box(h, w, rng),
-                                     self.recipe.size)
+        self.decoder.decode_for_crop(data, self.paths[i], self.recipe.plan(True, 0, 0, i), self.recipe.size)
         return 0
 
 

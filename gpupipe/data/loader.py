@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import DecodeError, GpupipeError
-from ..recipe import Recipe, sample_rng
+from ..recipe import Recipe
 from .device import DeviceStage
 from .sampler import ShardSampler
 from .scan import ImageList
@@ -142,11 +142,7 @@ class _SampleDataset(torch.utils.data.Dataset):
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            if self.train:
-                rng = sample_rng(self.seed, epoch, index)
-                plan = lambda h, w: self.recipe.train_box(h, w, rng)
-            else:
-                plan = self.recipe.eval_box
+            plan = self.recipe.plan(self.train, self.seed, epoch, index)
             image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)
             return path, label, image, None, fell_back
         except DecodeError as e:
