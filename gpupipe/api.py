@@ -150,9 +150,8 @@ def read_image(
         return gpu_read.read_image(data, path, name, max_pixels)
     if name in ("synthetic", "auto"):
         raise ValueError(f"read_image needs a decoding backend, not {name!r}")
-    import numpy as np
+    from .backends._image import chw_tensor
 
-    img = cpu_decoder(name, max_pixels).decode(data, path)
-    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous()
+    return chw_tensor(cpu_decoder(name, max_pixels).decode(data, path))
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -79,11 +81,16 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
         raise DecodeError(path, backend, f"image has no pixels ({width}x{height})")
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
         raise DecodeError(path, backend, reason)
+    return Header(img, width, height, _orientation(img.getexif), img.format == "JPEG")
+
+
+def _orientation(read_exif: Callable[[], Image.Exif]) -> int:
+    """The EXIF orientation (1-8); 1 when there is none or the block is broken (not a broken image: upright)."""
     try:
-        orientation = int(img.getexif().get(0x0112, 1))
-    except Exception:  # a broken EXIF block is not a broken image: treat it as upright
-        orientation = 1
-    return Header(img, width, height, orientation if orientation in _ORIENT else 1, img.format == "JPEG")
+        orientation = int(read_exif().get(0x0112, 1))
+    except Exception:
+        return 1
+    return orientation if orientation in _ORIENT else 1
 
 
 def _header_problem(path: str, max_pixels: int) -> str | None:
@@ -108,8 +115,6 @@ def _header_problem(path: str, max_pixels: int) -> str | None:
 def header_problems(paths: list[str], max_pixels: int, workers: int = 1) -> dict[str, str]:
     """``{path: reason}`` for the files whose header is unusable or declares more than ``max_pixels`` pixels: the
     check that pipelines decoding inside their own graph (DALI) need before any decode. Parallel on large sets."""
-    from functools import partial
-
     check = partial(_header_problem, max_pixels=max_pixels)
     if workers <= 1 or len(paths) < 4096:
         reasons = list(map(check, paths))
@@ -132,6 +137,11 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         return img.convert("RGBA").convert("RGB")  # drop alpha as torchvision's pil_loader does
     return img.convert("RGB")
+
+
+def chw_tensor(img: np.ndarray | Image.Image) -> torch.Tensor:
+    """An RGB PIL image or (H, W, 3) array as a contiguous, writable (3, H, W) uint8 tensor (a copy)."""
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1)))
 
 
 def upright(img: Image.Image, orientation: int) -> Image.Image:
@@ -261,6 +271,16 @@ def jpeg_sof(data: bytes) -> int | None:
     return None
 
 
-def jpeg_has_exif(data: bytes) -> bool:
-    """Whether the JPEG's header holds an APP1 "Exif" block: the only place an orientation can come from."""
-    return any(marker == 0xE1 and data[at : at + 6] == b"Exif\x00\x00" for marker, at, _ in _jpeg_segments(data))
+def jpeg_exif_orientation(data: bytes) -> int:
+    """The EXIF orientation of a JPEG, parsed from its first APP1 "Exif" block (the one Pillow reads) found by the
+    header walk: no PIL open, no scan of the pixel data; 1 without one."""
+    for marker, at, length in _jpeg_segments(data):
+        if marker == 0xE1 and data[at : at + 6] == b"Exif\x00\x00":
+            return _orientation(partial(_exif_from_block, data[at : at + length]))
+    return 1
+
+
+def _exif_from_block(block: bytes) -> Image.Exif:
+    exif = Image.Exif()
+    exif.load(block)  # accepts the "Exif\0\0" identifier in front of the TIFF structure
+    return exif

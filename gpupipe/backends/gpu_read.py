@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..errors import DecodeError
-from ._image import default_max_pixels, probe
+from ._image import chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
 
 
@@ -24,8 +24,7 @@ def read_image(data: bytes, path: str, backend: str, max_pixels: int | None) -> 
             except RuntimeError as e:
                 raise DecodeError(path, backend, f"nvJPEG: {e}") from None
             return _upright_chw(img, header.orientation).contiguous()
-        img = PillowDecoder(max_pixels).decode(data, path)
-        return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).contiguous().cuda()
+        return chw_tensor(PillowDecoder(max_pixels).decode(data, path)).cuda()
     return _dali_read(data, path)
 
 
@@ -48,5 +47,5 @@ def _dali_read(data: bytes, path: str) -> torch.Tensor:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "DALI decode failed"
         raise DecodeError(path, "dali", first) from None
     arr = (out.as_cpu() if gpu else out).at(0)
-    img = torch.from_numpy(np.array(arr)).permute(2, 0, 1).contiguous()
+    img = chw_tensor(np.array(arr))
     return img.cuda() if gpu else img

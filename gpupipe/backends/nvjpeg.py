@@ -15,7 +15,7 @@ import torch
 from ..data.loader import Batch, Loader
 from ..errors import DecodeError
 from ..recipe import Recipe
-from ._image import ARITHMETIC_SOF, ORIENT_STEPS, default_max_pixels, is_jpeg, jpeg_sof, probe
+from ._image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 
 _GPU_MODES = ("RGB", "L")
@@ -113,7 +113,7 @@ class NvjpegLoader(Loader):
                             except DecodeError as e2:
                                 errors.append((it[0], f"nvJPEG: {e}; Pillow: {e2.reason}"))
                                 continue
-                            decoded[id(it)] = torch.from_numpy(np.asarray(img).copy()).to(device).permute(2, 0, 1)
+                            decoded[id(it)] = chw_tensor(img).to(device)
                             on_cpu.add(id(it))
             crops, labels, fallbacks = [], [], 0
             for it in good:

@@ -20,9 +20,8 @@ from ._image import (
     crop_resize,
     default_max_pixels,
     is_jpeg,
-    jpeg_has_exif,
+    jpeg_exif_orientation,
     pixel_limit_reason,
-    probe,
     upright_array,
     upright_hw,
 )
@@ -89,9 +88,7 @@ class TurboJpegDecoder:
             return None
         if (reason := pixel_limit_reason(width, height, self.max_pixels)) is not None:
             raise DecodeError(path, self.name, reason)
-        # Only an APP1 "Exif" block can rotate a JPEG: without those bytes the image is upright (no PIL needed)
-        orientation = probe(data, path, self.name, self.max_pixels).orientation if jpeg_has_exif(data) else 1
-        return height, width, orientation
+        return height, width, jpeg_exif_orientation(data)
 
     def decode(self, data: bytes, path: str) -> np.ndarray | Image.Image:
         """The whole image, RGB, upright: an (H, W, 3) array (a view when turned), or a PIL image from Pillow."""

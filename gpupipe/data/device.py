@@ -10,6 +10,11 @@ import torch
 from ..recipe import Recipe
 
 
+def normalise(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
+    """uint8 -> float32 ``(x - mean) * inv_std``, the statistics given per channel on the 0-255 scale."""
+    return images.float().sub_(mean).mul_(inv_std)
+
+
 class DeviceStage:
     """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalised (or uint8) on ``device`` out."""
 
@@ -35,7 +40,7 @@ class DeviceStage:
             images = images.permute(0, 3, 1, 2)
         images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
         if self.normalize and not images.is_floating_point():  # CPU workers may have normalised already
-            images = images.float().sub_(self.mean).mul_(self.inv_std)
+            images = normalise(images, self.mean, self.inv_std)
         for t in self.transforms:
             images = t(images)
         return images

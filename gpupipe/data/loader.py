@@ -11,7 +11,7 @@ import torch
 
 from ..errors import DecodeError, GpupipeError
 from ..recipe import Recipe
-from .device import DeviceStage
+from .device import DeviceStage, normalise
 from .sampler import ShardSampler
 from .scan import ImageList
 
@@ -166,8 +166,7 @@ class _Collate:
         if good:
             np.stack([it[2] for it in good], out=images.numpy())  # one copy, into the batch
         if self.normalize is not None:
-            mean, inv_std = self.normalize
-            images = images.float().sub_(mean).mul_(inv_std)
+            images = normalise(images, *self.normalize)
         labels = torch.tensor([it[1] for it in good], dtype=torch.int64)
         errors = [(it[0], it[3]) for it in items if it[2] is None]
         return Batch(images, labels, "NCHW", errors, sum(it[4] for it in items))
