@@ -27,20 +27,19 @@ def nvjpeg_can_decode(data: bytes, header) -> bool:
 
 
 class _BytesDataset(torch.utils.data.Dataset):
-    def __init__(self, samples, recipe: Recipe, train: bool, seed: int, max_pixels: int):
-        self.samples, self.recipe, self.train, self.seed = samples, recipe, train, seed
+    def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int):
+        self.dataset, self.recipe, self.train, self.seed = samples, recipe, train, seed
         self.max_pixels = max_pixels
         self._fallback = PillowDecoder(max_pixels)  # for what nvJPEG cannot take; made once, not per sample
 
     def __len__(self):
-        return len(self.samples)
+        return len(self.dataset)
 
     def __getitem__(self, key):
         epoch, index = key
-        path, label = self.samples[index]
+        path, label = self.dataset.samples[index]
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = self.dataset.read(index)
             header = probe(data, path, "nvjpeg", self.max_pixels)
             uh, uw = header.upright_size
             box = self.recipe.plan(self.train, self.seed, epoch, index)(uh, uw)
@@ -78,7 +77,7 @@ class NvjpegLoader(Loader):
         if stage.device.type != "cuda":
             raise ValueError("backend 'nvjpeg' decodes on CUDA: pass device='cuda' (or use 'dali' or 'turbojpeg')")
         super().__init__(dataset, sampler, stage, recipe, on_error)
-        self._data = _BytesDataset(dataset.samples, recipe, self.train, seed, max_pixels or default_max_pixels())
+        self._data = _BytesDataset(dataset, recipe, self.train, seed, max_pixels or default_max_pixels())
         self._kwargs = dataloader_kwargs
         self._dataloader = None
 

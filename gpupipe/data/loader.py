@@ -130,18 +130,17 @@ class _SampleDataset(torch.utils.data.Dataset):
     """One sample per ``(epoch, index)`` key: read, decode, crop, resize. Errors come back as data, so the main
     process raises them (with the file named) instead of a worker's traceback."""
 
-    def __init__(self, samples, decoder, recipe: Recipe, train: bool, seed: int):
-        self.samples, self.decoder, self.recipe, self.train, self.seed = samples, decoder, recipe, train, seed
+    def __init__(self, dataset: ImageList, decoder, recipe: Recipe, train: bool, seed: int):
+        self.dataset, self.decoder, self.recipe, self.train, self.seed = dataset, decoder, recipe, train, seed
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]):
         epoch, index = key
-        path, label = self.samples[index]
+        path, label = self.dataset.samples[index]
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = self.dataset.read(index)
             plan = self.recipe.plan(self.train, self.seed, epoch, index)
             image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)
             return path, label, image, None, fell_back
@@ -179,7 +178,7 @@ class CpuLoader(Loader):
         super().__init__(dataset, sampler, stage, recipe, on_error)
         self.backend = decoder.name
         self.decoder = decoder
-        self._data = _SampleDataset(dataset.samples, decoder, recipe, self.train, seed)
+        self._data = _SampleDataset(dataset, decoder, recipe, self.train, seed)
         self._kwargs = dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
 

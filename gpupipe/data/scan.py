@@ -12,15 +12,26 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 
 @dataclass
 class ImageList:
-    """What a loader reads: ``samples`` as (path, label) in dataset order, and the class names."""
+    """What a loader reads: ``samples`` as (name, label) in dataset order, and the class names.
+
+    Every backend gets a sample's encoded bytes through :meth:`read` (a file here; a tar member for sharded sets),
+    so a new storage layout is a subclass, not a change to each backend. ``sizes`` holds each sample's upright
+    (height, width) when the layout records them (a prepared set), so loaders need not read headers at start-up.
+    """
 
     root: str
     samples: list[tuple[str, int]]
     classes: list[str]
     class_to_idx: dict[str, int] = field(default_factory=dict)
+    sizes: list[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def read(self, index: int) -> bytes:
+        """The encoded bytes of sample ``index``; ``OSError`` when they cannot be read."""
+        with open(self.samples[index][0], "rb") as f:
+            return f.read()
 
     @property
     def targets(self) -> list[int]:
