@@ -8,19 +8,15 @@ from typing import Literal
 
 import torch
 
-from .backends import BackendName, check_name, cpu_decoder, require_backend, rule_of_thumb
+from ._system import usable_cores
+from .backends import BackendName, check_name, require_backend, rule_of_thumb
 from .data.device import DeviceStage
-from .data.loader import CpuLoader, Loader
+from .data.loader import Loader, LoaderParts
 from .data.sampler import ShardSampler
 from .data.scan import scan
 from .recipe import Recipe
 
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+__all__ = ["build_loader", "read_image", "usable_cores"]
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -99,59 +95,46 @@ def build_loader(
         from .bench.store import best_backend
 
         name = best_backend(dataset.root, dev, train) or rule_of_thumb(dev)
-    require_backend(name)
+    spec = require_backend(name)
+    if dev.type not in spec.devices:
+        raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
     recipe = Recipe(image_size) if recipe is None else Recipe(**{**recipe.__dict__, "size": image_size})
     rank, world_size = _resolve_rank(rank, world_size)
+    # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
     sampler = ShardSampler(len(dataset), batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size,
-                           drop_last=train if drop_last is None else drop_last)
+                           drop_last=train if drop_last is None else drop_last, equal_steps=train)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, transforms=transforms or ())
     workers = usable_cores() if num_workers is None else num_workers
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
-    common = (dataset, sampler, stage, recipe, on_error)
-    if name == "synthetic":
-        from .backends.synthetic import SyntheticLoader
-
-        return SyntheticLoader(*common, seed=seed)
-    if name == "dali":
-        from .backends.dali import DaliLoader  # defer: DALI is heavy and optional
-
-        return DaliLoader(*common, seed=seed, num_threads=workers or 1, max_pixels=max_pixels)
     dl_kwargs = {"num_workers": workers, "pin_memory": dev.type == "cuda" if pin_memory is None else pin_memory}
     if workers > 0:
         dl_kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
         dl_kwargs["prefetch_factor"] = prefetch_factor or 4
-    if name == "nvjpeg":
-        from .backends.nvjpeg import NvjpegLoader
-
-        return NvjpegLoader(*common, seed=seed, max_pixels=max_pixels, dataloader_kwargs=dl_kwargs)
-    return CpuLoader(*common, decoder=cpu_decoder(name, max_pixels), seed=seed, dataloader_kwargs=dl_kwargs)
+    parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dl_kwargs)
+    return spec.make_loader(parts)
 
 
 def read_image(
-    src: str | os.PathLike | bytes, backend: str = "pillow", *, max_pixels: int | None = None
+    src: str | os.PathLike | bytes,
+    backend: str = "pillow",
+    *,
+    max_pixels: int | None = None,
+    device: str | torch.device | None = None,
 ) -> torch.Tensor:
-    """Decode one image to a ``torch.uint8`` tensor (3, H, W): RGB, EXIF orientation applied.
+    """Decode one image to a ``torch.uint8`` tensor (3, H, W): RGB, EXIF orientation applied, on ``device`` (the
+    CPU unless told otherwise, whatever the backend).
 
-    ``backend`` is ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA, returns a CUDA tensor)
-    or ``dali`` (a one-image DALI pipeline: slow to start, for checks rather than loops).
+    ``backend`` is any decoding backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA)
+    or ``dali`` (a one-image DALI pipeline, on ``device``: slow to start, for checks rather than loops).
     """
-    name = check_name(backend)
+    spec = require_backend(check_name(backend)) if backend != "auto" else None
+    if spec is None or spec.read is None:
+        raise ValueError(f"read_image needs a decoding backend, not {backend!r}")
     if isinstance(src, (bytes, bytearray, memoryview)):
         data, path = bytes(src), "<bytes>"
     else:
         path = os.fspath(src)
         with open(path, "rb") as f:
             data = f.read()
-    if name in ("dali", "nvjpeg"):
-        require_backend(name)
-        from .backends import gpu_read
-
-        return gpu_read.read_image(data, path, name, max_pixels)
-    if name in ("synthetic", "auto"):
-        raise ValueError(f"read_image needs a decoding backend, not {name!r}")
-    from .backends._image import chw_tensor
-
-    return chw_tensor(cpu_decoder(name, max_pixels).decode(data, path))
-
-
+    return spec.read(data, path, max_pixels, torch.device("cpu") if device is None else torch.device(device))

@@ -42,7 +42,7 @@ def _cmd_bench(args) -> int:
     import torch
 
     from .api import _resolve_device
-    from .backends import BACKENDS, available_backends, check_name
+    from .backends import available_backends, check_name, get, names
     from .bench import report, store, suite
     from .info import machine_info
     from .sample_data import DEFAULT_DIR, make_sample_data
@@ -54,15 +54,17 @@ def _cmd_bench(args) -> int:
     avail = available_backends()
     if args.backends:
         backends = [check_name(b) for b in args.backends.split(",")]
-        missing = [b for b in backends if b not in avail]
-        if missing:
-            from .backends import unavailable_reason
+        from .backends import unavailable_reason
 
-            for b in missing:
-                console.print(f"[red]{b}[/]: {unavailable_reason(b)}")
+        unusable = {b: unavailable_reason(b) for b in backends if b not in avail}
+        unusable |= {b: f"delivers batches on {' or '.join(get(b).devices)}, not {device.type}"
+                     for b in backends if b in avail and device.type not in get(b).devices}
+        if unusable:
+            for b, why in unusable.items():
+                console.print(f"[red]{b}[/]: {why}")
             return 2
     else:
-        backends = [b for b in BACKENDS if b in avail and not (b == "nvjpeg" and device.type != "cuda")]
+        backends = [b for b in names() if b in avail and device.type in get(b).devices]
     workers = suite.default_workers() if args.workers is None else args.workers
     cfg = suite.Config(data, backends, args.pipelines.split(","), workers, device, args.batch_size, args.seconds,
                        args.repeats, args.image_size, args.model)
@@ -88,7 +90,7 @@ def _cmd_bench(args) -> int:
 def _cmd_check(args) -> int:
     from rich.progress import Progress
 
-    from .api import usable_cores
+    from ._system import usable_cores
     from .check import check
     from .data.scan import scan
 

@@ -19,7 +19,7 @@ def machine_info() -> dict:
     import PIL
     from PIL import features
 
-    from .api import usable_cores
+    from ._system import usable_cores
     from .backends.dali import dali_info
     from .backends.pillow import pil_is_simd
 
@@ -51,6 +51,6 @@ def machine_info() -> dict:
 
 
 def backend_status() -> dict[str, str | None]:
-    from .backends import BACKENDS, unavailable_reason
+    from .backends import names, unavailable_reason
 
-    return {name: unavailable_reason(name) for name in BACKENDS}
+    return {name: unavailable_reason(name) for name in names()}

@@ -6,9 +6,14 @@ import torch
 from PIL import Image
 
 import gpupipe
+from gpupipe import backends
 
-CPU_LOADER_BACKENDS = [b for b in ("pillow", "pillow-simd", "turbojpeg", "dali") if b in gpupipe.available_backends()]
-DECODERS = [b for b in ("pillow", "pillow-simd", "turbojpeg") if b in gpupipe.available_backends()]
+# From the registry: every decoding backend usable here that delivers on the CPU (pillow, turbojpeg, DALI's CPU
+# pipeline...), and the ones among them that decode image by image in DataLoader workers.
+CPU_LOADER_BACKENDS = [
+    b for b in gpupipe.available_backends() if backends.get(b).read is not None and "cpu" in backends.get(b).devices
+]
+DECODERS = [b for b in backends.cpu_decoders() if b in gpupipe.available_backends()]
 
 
 def cpu_and_cuda():

@@ -212,9 +212,10 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     from gpupipe.backends.dali import build_pipeline
     from gpupipe.recipe import Recipe
 
-    files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:4]
-    pipe = build_pipeline(files, Recipe(32), train=False, batch_size=2, device="cpu", seed=0, num_threads=1)
-    pipe.build()
+    files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:2]
+    pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
+    pipe.feed_input("enc", [np.fromfile(f, dtype=np.uint8) for f in files])
+    pipe.feed_input("meta", [np.array(Recipe(32).eval_offsets(h, w)) for h, w in [(120, 180), (200, 150)]])
     pipe.run()
     pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
     gc.disable()

@@ -97,7 +97,7 @@ def test_normalisation_and_transforms(folder, monkeypatch):
     torch.testing.assert_close(xf, (x8.float() / 255 - mean) / std * 2, rtol=1e-5, atol=1e-5)
     assert xf.is_contiguous(memory_format=torch.channels_last)
     # on a CPU whose cores the workers all take, the workers normalise (in parallel): the same numbers
-    monkeypatch.setattr(gpupipe.api, "usable_cores", lambda: 2)
+    monkeypatch.setattr(gpupipe.data.loader, "usable_cores", lambda: 2)
     par = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=2,
                                device="cpu", transforms=[lambda x: x * 2], channels_last=True)
     xp, _ = next(iter(par))

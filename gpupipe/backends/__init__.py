@@ -1,4 +1,5 @@
-"""The backend registry: names, availability (with the reason and the install command), and decoders."""
+"""The backends, and the questions asked of them by name: which exist, which work here (and if not, why and how to
+install them), which decode on the CPU. Each backend is declared once, as a ``SPEC`` in its own module."""
 
 from __future__ import annotations
 
@@ -6,68 +7,70 @@ from typing import Literal
 
 import torch
 
-from .._deps import INSTALL_HINTS, has_module
 from . import _fork  # noqa: F401  (registers the DALI fork guard)
+from . import dali, nvjpeg, pillow, synthetic, turbojpeg
+from .registry import BackendSpec, get, names, register, unregister
 
 BackendName = Literal["auto", "pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic"]
-BACKENDS: tuple[str, ...] = ("pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic")
-CPU_DECODERS: tuple[str, ...] = ("pillow", "pillow-simd", "turbojpeg")
+
+# The built-in backends, in the order tables and ``available_backends()`` list them: one line each.
+for _spec in (pillow.SPEC, pillow.SIMD_SPEC, turbojpeg.SPEC, dali.SPEC, nvjpeg.SPEC, synthetic.SPEC):
+    register(_spec)
+
+__all__ = [
+    "BackendName",
+    "BackendSpec",
+    "available_backends",
+    "check_name",
+    "cpu_decoder",
+    "cpu_decoders",
+    "get",
+    "names",
+    "register",
+    "require_backend",
+    "rule_of_thumb",
+    "unavailable_reason",
+    "unregister",
+]
 
 
 def check_name(name: str) -> str:
+    """``name`` in lower case when it is a registered backend or ``auto``; ``ValueError`` listing them otherwise."""
     name = name.lower()
-    if name not in BACKENDS and name != "auto":
-        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(('auto', *BACKENDS))}")
-    return name
+    return name if name == "auto" else get(name).name
 
 
 def unavailable_reason(name: str) -> str | None:
     """``None`` when ``name`` can be built here, else why not and how to fix it."""
-    name = check_name(name)
-    if name == "pillow-simd":
-        from .pillow import pil_is_simd
-
-        return None if pil_is_simd() else f"the installed PIL is not pillow-simd; {INSTALL_HINTS['pillow-simd']}"
-    if name == "turbojpeg":
-        try:
-            from .turbojpeg import turbojpeg_handle
-
-            turbojpeg_handle()
-        except ModuleNotFoundError as e:
-            return str(e)
-        return None
-    if name == "dali":
-        return None if has_module("nvidia.dali") else f"DALI is not installed; {INSTALL_HINTS['dali']}"
-    if name == "nvjpeg":
-        return None if torch.cuda.is_available() else "needs a CUDA GPU (torchvision's nvJPEG decode runs on CUDA only)"
-    return None
+    return get(name).unavailable()
 
 
 def available_backends() -> list[str]:
     """The backend names usable on this machine, in registry order."""
-    return [name for name in BACKENDS if unavailable_reason(name) is None]
+    return [name for name in names() if unavailable_reason(name) is None]
 
 
-def require_backend(name: str) -> None:
-    reason = unavailable_reason(name)
+def cpu_decoders() -> list[str]:
+    """The registered backends that decode one image at a time on the CPU (the bench's ``floor`` pipeline)."""
+    return [name for name in names() if get(name).decoder is not None]
+
+
+def require_backend(name: str) -> BackendSpec:
+    spec = get(name)
+    reason = spec.unavailable()
     if reason is not None:
         from ..errors import BackendUnavailableError
 
         raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+    return spec
 
 
 def cpu_decoder(name: str, max_pixels: int | None = None, reduced_decode: bool = True):
-    """The CPU decoder behind ``pillow``, ``pillow-simd`` or ``turbojpeg``."""
-    require_backend(name)
-    if name == "turbojpeg":
-        from .turbojpeg import TurboJpegDecoder
-
-        return TurboJpegDecoder(max_pixels, reduced_decode)
-    if name in ("pillow", "pillow-simd"):
-        from .pillow import PillowDecoder, PillowSimdDecoder
-
-        return (PillowSimdDecoder if name == "pillow-simd" else PillowDecoder)(max_pixels, reduced_decode)
-    raise ValueError(f"{name!r} is not a CPU decoder; CPU decoders: {', '.join(CPU_DECODERS)}")
+    """The CPU decoder behind ``pillow``, ``pillow-simd``, ``turbojpeg`` (or a registered one)."""
+    spec = require_backend(name)
+    if spec.decoder is None:
+        raise ValueError(f"{name!r} is not a CPU decoder; CPU decoders: {', '.join(cpu_decoders())}")
+    return spec.decoder(max_pixels, reduced_decode)
 
 
 def rule_of_thumb(device: torch.device) -> str:

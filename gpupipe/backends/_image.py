@@ -93,37 +93,74 @@ def _orientation(read_exif: Callable[[], Image.Exif]) -> int:
     return orientation if orientation in _ORIENT else 1
 
 
-def _header_problem(path: str, max_pixels: int) -> str | None:
-    """Why one file cannot be decoded, judged from its header alone (PIL reads only the first bytes): empty, not an
-    image, or more pixels than ``max_pixels``; None when the header is fine."""
+# What DALI's image decoders take (as PIL names the format); the rest (GIF, ICO, float TIFF...) Pillow decodes.
+PIPELINE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"})
+PILLOW_ONLY_MODES = frozenset({"F", "I"})  # 32-bit pixels: one rule on every backend, Pillow's
+
+
+def _header_entry(src: str | bytes, max_pixels: int) -> tuple[int, int, bool] | str:
+    """One file judged from its header alone (PIL reads only the first bytes): its upright (height, width) and
+    whether only Pillow should decode it, or why it cannot be decoded (empty, not an image, over the pixel limit)."""
+    if isinstance(src, bytes) and not src:
+        return "empty file"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
+            with Image.open(src if isinstance(src, str) else io.BytesIO(src)) as img:
                 width, height = img.size
+                orientation = _orientation(img.getexif)
+                pillow_only = img.format not in PIPELINE_FORMATS or img.mode in PILLOW_ONLY_MODES
     except Image.DecompressionBombError:
         return "more pixels than PIL allows (decompression bomb)"
     except OSError as e:
-        if os.path.exists(path) and os.path.getsize(path) == 0:
+        if isinstance(src, str) and os.path.exists(src) and os.path.getsize(src) == 0:
             return "empty file"
+        if isinstance(src, str) and not os.path.exists(src):
+            return "cannot read the file (no such file)"
         return f"not a readable image ({type(e).__name__}: {e})"
     except Exception as e:  # PIL raises SyntaxError, ValueError... on broken headers
         return f"not a readable image ({type(e).__name__}: {e})"
-    return pixel_limit_reason(width, height, max_pixels)
+    if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
+        return reason
+    return (*upright_hw(height, width, orientation), pillow_only)
 
 
-def header_problems(paths: list[str], max_pixels: int, workers: int = 1) -> dict[str, str]:
-    """``{path: reason}`` for the files whose header is unusable or declares more than ``max_pixels`` pixels: the
-    check that pipelines decoding inside their own graph (DALI) need before any decode. Parallel on large sets."""
-    check = partial(_header_problem, max_pixels=max_pixels)
-    if workers <= 1 or len(paths) < 4096:
-        reasons = list(map(check, paths))
+def header_scan(dataset, max_pixels: int, workers: int = 1):
+    """What a pipeline that decodes inside its own graph (DALI) needs before any decode: every sample's upright
+    (height, width) for the recipe's crop, ``{index: reason}`` for unusable headers and images over ``max_pixels``
+    (DALI has no limit of its own), and the indices only Pillow should decode. Sizes a prepared data set recorded
+    are used as they are; files are scanned in parallel on large sets."""
+    n = len(dataset)
+    if dataset.sizes is not None:
+        problems = {i: r for i, (h, w) in enumerate(dataset.sizes) if (r := pixel_limit_reason(w, h, max_pixels))}
+        return list(dataset.sizes), problems, set()
+    check = partial(_header_entry, max_pixels=max_pixels)
+    if type(dataset).read is not _plain_read():  # another storage layout: its bytes, read one by one
+        entries = [_entry_of(dataset, i, check) for i in range(n)]
+    elif workers <= 1 or n < 4096:
+        entries = [check(path) for path, _ in dataset.samples]
     else:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(workers) as pool:
-            reasons = list(pool.map(check, paths, chunksize=512))
-    return {p: r for p, r in zip(paths, reasons, strict=True) if r is not None}
+            entries = list(pool.map(check, [p for p, _ in dataset.samples], chunksize=512))
+    sizes = [(0, 0) if isinstance(e, str) else e[:2] for e in entries]
+    problems = {i: e for i, e in enumerate(entries) if isinstance(e, str)}
+    pillow_only = {i for i, e in enumerate(entries) if not isinstance(e, str) and e[2]}
+    return sizes, problems, pillow_only
+
+
+def _plain_read():
+    from ..data.scan import ImageList
+
+    return ImageList.read
+
+
+def _entry_of(dataset, index: int, check) -> tuple[int, int, bool] | str:
+    try:
+        return check(dataset.read(index))
+    except OSError as e:
+        return f"cannot read the file ({e.strerror or e})"
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -1,32 +1,39 @@
-"""NVIDIA DALI: the recipe compiled into a DALI pipeline. ``device="cuda"`` decodes on the GPU ("mixed", with the
-A100/H100 hardware JPEG decoders) and batches never touch the host; ``device="cpu"`` builds a CPU-only pipeline.
+"""NVIDIA DALI: the recipe compiled into one DALI pipeline per loader. ``device="cuda"`` decodes on the GPU ("mixed",
+with the A100/H100 hardware JPEG decoders) and batches never touch the host; ``device="cpu"`` builds a CPU-only
+pipeline.
 
-The file order comes from the shared :class:`ShardSampler`: each epoch's shard, already padded to equal steps,
-is handed to ``readers.file`` as ``files=``, and the reader's "label" is the position in that list, mapped back
-to the real label here. That one indirection gives every backend the same order, sharding and labels, and lets a
-failed batch be traced to its file.
+DALI is fed, not left to read: each batch's encoded bytes (``dataset.read``, in the shared :class:`ShardSampler`'s
+order) and each sample's crop from :meth:`Recipe.plan` go in through ``fn.external_source``, and
+``fn.decoders.image_slice`` decodes exactly that window. So DALI's geometry, order, labels, sharding and resume are
+every other backend's; only interpolation differs. Because the loader knows each batch's files, a batch DALI fails
+on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded on the CPU and counted in
+``loader.fallbacks``.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .._deps import require
-from ..data.loader import Batch, Loader
-from ..errors import DecodeError, GpupipeError
-from ._image import default_max_pixels, header_problems
+from .._deps import INSTALL_HINTS, has_module, require
+from ..data.loader import Batch, Loader, LoaderParts, empty_batch
+from ..errors import DecodeError
+from ..recipe import IMAGENET_MEAN, IMAGENET_STD
+from ._image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, probe
 from .pillow import PillowDecoder
+from .registry import BackendSpec
 
-_PREFETCH = 2  # DALI's prefetch_queue_depth: a failure can surface this many batches after the one in flight
+# Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
+# would ask for a second batch the feed may not have): the Python feed of the next batch overlaps DALI's decode.
+_PREFETCH = 2
 
 
 def dali_info() -> dict:
     """Which DALI is installed and whether it can use a GPU; never imports DALI itself when it is absent."""
-    from .._deps import has_module
-
     if not has_module("nvidia.dali"):
         return {"installed": False}
     from importlib.metadata import PackageNotFoundError, version
@@ -41,158 +48,336 @@ def dali_info() -> dict:
     return {"installed": True, "package": dist, "gpu": torch.cuda.is_available()}
 
 
-def _seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "little") & 0x7FFFFFFF
+def _unavailable() -> str | None:
+    return None if has_module("nvidia.dali") else f"DALI is not installed; {INSTALL_HINTS['dali']}"
 
 
-def build_pipeline(files, recipe, *, train: bool, batch_size: int, device: str, seed: int, num_threads: int,
+def _device_id(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def build_pipeline(recipe, *, train: bool, batch_size: int, device: torch.device, num_threads: int,
                    hw_decoder_load: float = 0.65):
-    """The DALI graph for one list of files; labels are positions in ``files``."""
+    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
+    train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
+    ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
 
-    gpu = device == "cuda"
-    decode_device = "mixed" if gpu else "cpu"
-    decode_kw = {"hw_decoder_load": hw_decoder_load} if gpu else {}
+    gpu = device.type == "cuda"
+    decode_kw = {"device": "mixed", "hw_decoder_load": hw_decoder_load} if gpu else {"device": "cpu"}
     S = recipe.size
 
-    device_id = torch.cuda.current_device() if gpu else None
-
-    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                  seed=seed, prefetch_queue_depth=_PREFETCH, exec_dynamic=True)
+    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=_device_id(device),
+                  prefetch_queue_depth=1, exec_dynamic=True)
     def pipe():
-        jpegs, pos = fn.readers.file(files=files, labels=list(range(len(files))), random_shuffle=False,
-                                     pad_last_batch=True, name="Reader")
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
         if train:
-            images = fn.decoders.image_random_crop(
-                jpegs, device=decode_device, output_type=types.RGB, random_area=list(recipe.scale),
-                random_aspect_ratio=list(recipe.ratio), num_attempts=10, **decode_kw)
+            images = fn.decoders.image_slice(enc, meta[0:2], meta[2:4], output_type=types.RGB, axis_names="HW",
+                                             normalized_anchor=False, normalized_shape=False, **decode_kw)
             images = fn.resize(images, resize_x=S, resize_y=S, antialias=True, interp_type=types.INTERP_LINEAR)
-            mirror = fn.random.coin_flip(probability=recipe.flip_p)
+            mirror = fn.cast(meta[4], dtype=types.INT32)
         else:
-            # The recipe's own sizes and offsets (torchvision Resize + CenterCrop, rounding included), computed in
-            # the graph from the header, so only interpolation may differ from the other backends.
-            shape = fn.peek_image_shape(jpegs)  # upright (EXIF applied), HWC
-            h, w = shape[0], shape[1]
-            R = recipe.resize_size
-            tall = fn.cast(h > w, dtype=types.INT64)
-            rh = tall * ((R * h) // w) + (1 - tall) * R
-            rw = tall * R + (1 - tall) * ((R * w) // h)
-            images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB, **decode_kw)
-            images = fn.resize(images, resize_x=fn.cast(rw, dtype=types.FLOAT), resize_y=fn.cast(rh, dtype=types.FLOAT),
-                               antialias=True, interp_type=types.INTERP_LINEAR)
-            anchor = fn.stack(_round_half_even_half(rh - S), _round_half_even_half(rw - S))
-            images = fn.slice(images, fn.cast(anchor, dtype=types.INT64), types.Constant([S, S], dtype=types.INT64),
-                              axis_names="HW")
+            images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
+            images = fn.resize(images, resize_x=fn.cast(meta[1], dtype=types.FLOAT),
+                               resize_y=fn.cast(meta[0], dtype=types.FLOAT), antialias=True,
+                               interp_type=types.INTERP_LINEAR)
+            images = fn.slice(images, meta[2:4], types.Constant([S, S], dtype=types.INT64), axis_names="HW")
             mirror = 0
-        images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
-        return images, pos
+        return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
 
-    return pipe()
+    p = pipe()
+    p.build()
+    return p
 
 
-def _round_half_even_half(d):
-    """Python's ``round(d / 2)`` for integer DataNodes (banker's rounding, as torchvision's CenterCrop gets)."""
-    half = d // 2
-    return half + (d - 2 * half) * (half - 2 * (half // 2))
+def _to_torch(out, device: torch.device) -> torch.Tensor:
+    """A DALI batch of equal-shaped images as a torch tensor of its own (DALI reuses its buffers)."""
+    tensor = out.as_tensor()
+    if device.type != "cuda":
+        return torch.from_numpy(np.array(tensor))
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    dst = torch.empty(tensor.shape(), dtype=torch.uint8, device=device)
+    feed_ndarray(tensor, dst, cuda_stream=torch.cuda.current_stream(device))
+    return dst
+
+
+@dataclass
+class _Work:
+    """One batch on its way through the pipeline: which samples DALI decodes, which Pillow decoded, which failed."""
+
+    indices: list[int]  # the sampler's batch, in order
+    dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
+    data: list[np.ndarray] = field(default_factory=list)
+    meta: list[np.ndarray] = field(default_factory=list)
+    cpu: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (3, S, S) decoded by Pillow
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    fallbacks: int = 0
+    scheduled: bool = False
 
 
 class DaliLoader(Loader):
     backend = "dali"
 
-    def __init__(self, dataset, sampler, stage, recipe, on_error, *, seed: int, num_threads: int,
-                 max_pixels: int | None = None, hw_decoder_load: float = 0.65):
+    def __init__(self, parts: LoaderParts, hw_decoder_load: float = 0.65):
         require("nvidia.dali", "dali")
-        super().__init__(dataset, sampler, stage, recipe, on_error)
-        self.seed, self.num_threads, self.hw_decoder_load = seed, max(1, num_threads), hw_decoder_load
-        self._device = "cuda" if stage.device.type == "cuda" else "cpu"
-        self._labels = torch.tensor(dataset.targets, dtype=torch.int64)
-        self._eval_cache = None  # eval order never changes: build once, reset between epochs
-        self._bad: set[str] = set()
-        self.max_pixels = max_pixels or default_max_pixels()
-        self._unusable: dict[str, str] | None = None  # DALI has no pixel limit: headers are read once, up front
+        super().__init__(parts)
+        self.num_threads, self.hw_decoder_load = max(1, parts.workers), hw_decoder_load
+        self.max_pixels = parts.max_pixels or default_max_pixels()
+        self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
+        self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
+        self._pipe = None
+        self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
+        self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
+        self._headers = None  # (upright sizes, {index: reason}, {indices for Pillow}): read once, up front
 
-    def _iterator(self, files, epoch):
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    # -- the pipeline -----------------------------------------------------------------------------------------------
 
-        pipe = build_pipeline(files, self.recipe, train=self.train, batch_size=self.batch_size, device=self._device,
-                              seed=_seed(self.seed, epoch, self.sampler.rank), num_threads=self.num_threads,
-                              hw_decoder_load=self.hw_decoder_load)
-        return DALIGenericIterator(pipe, ["images", "pos"], reader_name="Reader",
-                                   last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+    def _pipeline(self):
+        if self._pipe is None:
+            self._pipe = build_pipeline(self.recipe, train=self.train, batch_size=self.batch_size,
+                                        device=self.stage.device, num_threads=self.num_threads,
+                                        hw_decoder_load=self.hw_decoder_load)
+            self.pipelines_built += 1
+            self._scheduled = 0
+        return self._pipe
+
+    def _discard_pipeline(self) -> None:
+        """After a critical error DALI's pipeline is no longer valid: drop it; the next batch builds a new one."""
+        self._pipe, self._scheduled = None, 0
+
+    def _submit(self, work: _Work) -> None:
+        pipe = self._pipeline()
+        pipe.feed_input("enc", work.data)
+        pipe.feed_input("meta", work.meta)
+        pipe.schedule_run()
+        self._scheduled += 1
+        work.scheduled = True
+
+    def _fetch(self) -> torch.Tensor:
+        self._scheduled -= 1
+        (out,) = self._pipe.outputs()
+        return _to_torch(out, self.stage.device)
+
+    def _drain(self) -> None:
+        """Fetch and drop what an earlier, unfinished pass left in the pipeline, so this pass starts clean."""
+        while self._pipe is not None and self._scheduled > 0:
+            try:
+                self._fetch()
+            except RuntimeError:
+                self._discard_pipeline()
+
+    # -- the samples ------------------------------------------------------------------------------------------------
+
+    def _scan_headers(self):
+        """Every sample's upright size (the recipe needs it for the crop) and what DALI must not be given: unusable
+        headers and images over the pixel limit (DALI has none of its own), and formats only Pillow decodes."""
+        if self._headers is None:
+            self._headers = header_scan(self.dataset, self.max_pixels, self.parts.workers)
+        return self._headers
+
+    def _prepare(self, epoch: int, indices: list[int]) -> _Work:
+        sizes, problems, pillow_only = self._scan_headers()
+        work = _Work(indices)
+        for pos, i in enumerate(indices):
+            path = self.dataset.samples[i][0]
+            if i in problems:
+                work.errors.append((path, problems[i]))
+                continue
+            try:
+                data = self.dataset.read(i)
+            except OSError as e:
+                work.errors.append((path, f"cannot read the file ({e.strerror or e})"))
+                continue
+            if not data:
+                work.errors.append((path, "empty file"))
+                continue
+            plan = self.recipe.plan(self.train, self.seed, epoch, i)
+            if i in pillow_only:
+                self._decode_on_cpu(work, pos, data, plan)
+                continue
+            height, width = sizes[i]
+            if self.train:
+                box = plan(height, width)
+                meta = (box.top, box.left, box.height, box.width, int(box.flip))
+            else:
+                meta = self.recipe.eval_offsets(height, width)
+            work.dali.append(pos)
+            work.data.append(np.frombuffer(data, dtype=np.uint8))
+            work.meta.append(np.array(meta, dtype=np.int64))
+        return work
+
+    def _decode_on_cpu(self, work: _Work, pos: int, data: bytes, plan) -> None:
+        path = self.dataset.samples[work.indices[pos]][0]
+        try:
+            work.cpu[pos], _ = self._check.crop(data, path, plan, self.recipe.size)
+            work.fallbacks += 1
+        except DecodeError as e:
+            work.errors.append((path, e.reason))
+
+    def _recover(self, work: _Work, epoch: int) -> torch.Tensor | None:
+        """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
+        rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
+        decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
+        keep = []
+        for pos, data in zip(work.dali, work.data, strict=True):
+            path = self.dataset.samples[work.indices[pos]][0]
+            try:
+                self._check.decode(data.tobytes(), path)
+                keep.append(pos)
+            except DecodeError as e:
+                work.errors.append((path, e.reason))
+        if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
+            chosen = [work.dali.index(pos) for pos in keep]
+            work.dali, work.data, work.meta = keep, [work.data[k] for k in chosen], [work.meta[k] for k in chosen]
+            if not work.dali:
+                return None
+            try:
+                self._submit(work)
+                return self._fetch()
+            except RuntimeError:
+                self._discard_pipeline()
+        for pos, data in zip(work.dali, work.data, strict=True):  # only DALI refuses these: Pillow decodes them
+            self._decode_on_cpu(work, pos, data.tobytes(), self.recipe.plan(self.train, self.seed, epoch,
+                                                                             work.indices[pos]))
+        work.dali, work.data, work.meta = [], [], []
+        return None
+
+    def _assemble(self, work: _Work, decoded: torch.Tensor | None) -> Batch:
+        """The batch in the sampler's order: DALI's images and Pillow's, less the failures."""
+        device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # DALI's output's
+        if not work.cpu:
+            positions = work.dali
+            images = decoded if decoded is not None else empty_batch(self.recipe.size, device).images
+        else:
+            parts = {pos: decoded[k] for k, pos in enumerate(work.dali)} if decoded is not None else {}
+            parts.update({pos: torch.from_numpy(img).to(device) for pos, img in work.cpu.items()})
+            positions = sorted(parts)
+            images = torch.stack([parts[pos] for pos in positions])
+        labels = self._labels[[work.indices[pos] for pos in positions]]
+        return Batch(images, labels, "NCHW", work.errors, work.fallbacks)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        if self._unusable is None:
-            from ..api import usable_cores
-
-            paths = [p for p, _ in self.dataset.samples]
-            self._unusable = header_problems(paths, self.max_pixels, usable_cores())
-        indices = [i for b in self.sampler.batches(epoch, start_batch) for i in b]
-        over = [(p, self._unusable[p]) for p in (self.dataset.samples[i][0] for i in indices) if p in self._unusable]
-        if over:  # reported (raise, or skip and refill) before DALI could decode them
-            yield Batch(torch.empty(0, 3, self.recipe.size, self.recipe.size, dtype=torch.uint8),
-                        torch.empty(0, dtype=torch.int64), "NCHW", errors=over)
-        excluded = self._bad | self._unusable.keys()
-        indices = [i for i in indices if self.dataset.samples[i][0] not in excluded]
-        done = 0  # positions in ``indices`` already delivered
-        while done < len(indices):
-            todo = indices[done:]
-            files = [self.dataset.samples[i][0] for i in todo]
-            if not self.train and done == 0 and self._eval_cache and self._eval_cache[0] == files:
-                it = self._eval_cache[1]
-            else:
-                it = self._iterator(files, epoch)
-                if not self.train:
-                    self._eval_cache = (files, it)
-            todo_t = torch.tensor(todo)  # once per pipeline: positions -> dataset indices
-            try:
-                for out in it:
-                    images, pos = out[0]["images"], out[0]["pos"].view(-1).long().cpu()
-                    index = todo_t[pos]
-                    done += len(pos)
-                    yield Batch(images, self._labels[index], "NCHW")
-            except (RuntimeError, StopIteration) as e:
-                if self._eval_cache and self._eval_cache[1] is it:
-                    self._eval_cache = None
-                bad = self._find_bad(todo, str(e))
-                self._bad.update(p for p, _ in bad)
-                yield Batch(torch.empty(0, 3, self.recipe.size, self.recipe.size, dtype=torch.uint8),
-                            torch.empty(0, dtype=torch.int64), "NCHW", errors=bad)
-                indices = indices[:done] + [i for i in todo if self.dataset.samples[i][0] not in self._bad]
-
-    def _find_bad(self, todo: list[int], dali_message: str) -> list[tuple[str, str]]:
-        """DALI reports a batch (and its reader runs ahead of it); name the file(s) by decoding the samples from
-        where it stopped on the CPU: the batches in flight first, then on until a culprit turns up."""
-        check = PillowDecoder()
-        window = (1 + _PREFETCH) * self.batch_size
-        for start in range(0, len(todo), window):
-            bad = []
-            for i in todo[start : start + window]:
-                path = self.dataset.samples[i][0]
+        self._drain()
+        todo = deque(self.sampler.batches(epoch, start_batch))
+        pending: deque[_Work] = deque()
+        while todo or pending:
+            while todo and len(pending) < _PREFETCH:
+                work = self._prepare(epoch, todo.popleft())
+                if work.dali:
+                    self._submit(work)
+                pending.append(work)
+            work = pending.popleft()
+            decoded = None
+            if work.dali:
                 try:
-                    with open(path, "rb") as f:
-                        check.decode(f.read(), path)
-                except (DecodeError, OSError) as e:
-                    bad.append((path, getattr(e, "reason", str(e))))
-            if bad:
-                return bad
-        first = dali_message.strip().splitlines()[0] if dali_message.strip() else "unknown error"
-        raise GpupipeError(f"DALI failed on a batch that Pillow decodes without error: {first}")
+                    decoded = self._fetch()
+                except RuntimeError:
+                    self._discard_pipeline()
+                    decoded = self._recover(work, epoch)
+                    for later in pending:  # lost with the pipeline: scheduled again, in order, on a new one
+                        if later.dali:
+                            self._submit(later)
+            yield self._assemble(work, decoded)
 
 
-def dali_decode_counts(files: list[str], cfg) -> Iterator[int]:
-    """``gpupipe bench``'s decode pipeline for DALI: read + decode to RGB, nothing else; yields batch sizes."""
+def dali_decode_counts(dataset, cfg) -> Iterator[int]:
+    """``gpupipe bench``'s decode pipeline for DALI: bytes in, RGB at full size out, nothing else; yields batch
+    sizes."""
     from nvidia.dali import fn, pipeline_def, types
 
     gpu = cfg.device.type == "cuda"
+    data = [np.frombuffer(dataset.read(i), dtype=np.uint8) for i in range(len(dataset))]
 
-    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), seed=0,
-                  device_id=torch.cuda.current_device() if gpu else None)
+    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=_device_id(cfg.device),
+                  prefetch_queue_depth=1, exec_dynamic=True)
     def pipe():
-        jpegs, _ = fn.readers.file(files=files, random_shuffle=False, name="Reader")
-        return fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
 
     p = pipe()
     p.build()
+    batches = [data[i : i + cfg.batch_size] for i in range(0, len(data), cfg.batch_size)]
+    k = 0
+    for _ in range(_PREFETCH):
+        p.feed_input("enc", batches[k % len(batches)])
+        p.schedule_run()
+        k += 1
     while True:
-        (out,) = p.run()
+        (out,) = p.outputs()
+        p.feed_input("enc", batches[k % len(batches)])
+        p.schedule_run()
+        k += 1
         yield len(out)
+
+
+def dali_reference_counts(dataset, cfg, train: bool) -> Iterator[int]:
+    """DALI's own pipeline, as its documentation writes it (``readers.file`` -> ``decoders.image_random_crop`` ->
+    ``resize`` -> ``crop_mirror_normalize``; eval: ``decoders.image`` -> ``resize`` -> centre crop), normalised
+    float32 CHW batches on ``cfg.device``, as the dali backend delivers them: what it is measured against, side by
+    side. Its crops are DALI's own, not the recipe's."""
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    gpu = cfg.device.type == "cuda"
+    S = cfg.image_size
+    decode_device = "mixed" if gpu else "cpu"
+
+    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=_device_id(cfg.device),
+                  seed=0)
+    def pipe():
+        jpegs, labels = fn.readers.file(files=[p for p, _ in dataset.samples], labels=dataset.targets,
+                                        random_shuffle=train, name="Reader")
+        if train:
+            images = fn.decoders.image_random_crop(jpegs, device=decode_device, output_type=types.RGB,
+                                                   random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+            images = fn.resize(images, resize_x=S, resize_y=S)
+            mirror = fn.random.coin_flip(probability=0.5)
+        else:
+            images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=round(S / 0.875))
+            mirror = 0
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", crop=(S, S), mirror=mirror,
+                                          mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
+        return images, labels
+
+    it = DALIGenericIterator(pipe(), ["images", "labels"], reader_name="Reader",
+                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+    while True:
+        for out in it:
+            yield len(out[0]["labels"])
+
+
+def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
+    """``read_image(backend="dali")``: a one-image pipeline on ``device`` (slow to start: for checks, not loops)."""
+    from nvidia.dali import fn, pipeline_def, types  # defer: heavy
+
+    header = probe(data, path, "dali", max_pixels or default_max_pixels())  # the pixel limit, before any decode
+    if header.image.format not in PIPELINE_FORMATS or header.image.mode in PILLOW_ONLY_MODES:
+        return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
+    gpu = device.type == "cuda"
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=_device_id(device), prefetch_queue_depth=1)
+    def pipe():
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
+
+    p = pipe()
+    p.build()
+    p.feed_input("enc", [np.frombuffer(data, dtype=np.uint8)])
+    try:
+        (out,) = p.run()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "DALI decode failed"
+        raise DecodeError(path, "dali", first) from None
+    arr = (out.as_cpu() if gpu else out).at(0)
+    return chw_tensor(np.array(arr)).to(device)
+
+
+SPEC = BackendSpec(
+    "dali", "NVIDIA DALI: decode (GPU 'mixed' with the hardware JPEG decoders, or CPU) + crop + resize in one pipeline",
+    ("cpu", "cuda"), _unavailable, DaliLoader, read=read_dali, decode_job=dali_decode_counts,
+)

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..data.loader import Batch, Loader
+from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..recipe import Recipe
 from ._image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
+from .registry import BackendSpec
 
 _GPU_MODES = ("RGB", "L")
 
@@ -72,13 +73,13 @@ def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
 class NvjpegLoader(Loader):
     backend = "nvjpeg"
 
-    def __init__(self, dataset, sampler, stage, recipe, on_error, *, seed: int, max_pixels: int | None,
-                 dataloader_kwargs: dict):
-        if stage.device.type != "cuda":
+    def __init__(self, parts: LoaderParts):
+        if parts.stage.device.type != "cuda":
             raise ValueError("backend 'nvjpeg' decodes on CUDA: pass device='cuda' (or use 'dali' or 'turbojpeg')")
-        super().__init__(dataset, sampler, stage, recipe, on_error)
-        self._data = _BytesDataset(dataset, recipe, self.train, seed, max_pixels or default_max_pixels())
-        self._kwargs = dataloader_kwargs
+        super().__init__(parts)
+        max_pixels = parts.max_pixels or default_max_pixels()
+        self._data = _BytesDataset(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
+        self._kwargs = parts.dataloader_kwargs
         self._dataloader = None
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
@@ -131,18 +132,19 @@ class NvjpegLoader(Loader):
                                      [S, S], antialias=True)
                 crops.append(out.flip(-1) if box.flip else out)
                 labels.append(label)
-            images = torch.stack(crops) if crops else torch.empty(0, 3, S, S, dtype=torch.uint8, device=device)
-            yield Batch(images, torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks)
+            if not crops:
+                yield empty_batch(S, device, errors)
+                continue
+            yield Batch(torch.stack(crops), torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks)
 
 
-def nvjpeg_decode_counts(files: list[str], cfg) -> Iterator[int]:
+def nvjpeg_decode_counts(dataset, cfg) -> Iterator[int]:
     """``gpupipe bench``'s decode pipeline for nvJPEG: batched decode on CUDA from bytes held in memory."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     data = []
-    for path in files:
-        with open(path, "rb") as f:
-            raw = f.read()
+    for i in range(len(dataset)):
+        raw = dataset.read(i)
         if is_jpeg(raw):
             data.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     if not data:
@@ -151,3 +153,29 @@ def nvjpeg_decode_counts(files: list[str], cfg) -> Iterator[int]:
         for i in range(0, len(data), cfg.batch_size):
             out = decode_jpeg(data[i : i + cfg.batch_size], mode=ImageReadMode.RGB, device=cfg.device)
             yield len(out)
+
+
+def read_nvjpeg(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
+    """``read_image(backend="nvjpeg")``: decoded on CUDA (``device``, or the current CUDA device when ``device`` is
+    the CPU), returned on ``device``; what nvJPEG cannot take is decoded by Pillow."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    header = probe(data, path, "nvjpeg", max_pixels or default_max_pixels())  # the pixel limit, before any decode
+    gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    if not nvjpeg_can_decode(data, header):
+        return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
+    try:
+        img = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, device=gpu)
+    except RuntimeError as e:
+        raise DecodeError(path, "nvjpeg", f"nvJPEG: {e}") from None
+    return _upright_chw(img, header.orientation).contiguous().to(device)
+
+
+def _unavailable() -> str | None:
+    return None if torch.cuda.is_available() else "needs a CUDA GPU (torchvision's nvJPEG decode runs on CUDA only)"
+
+
+SPEC = BackendSpec(
+    "nvjpeg", "torchvision's batched nvJPEG decode on CUDA; crop, flip and resize as GPU tensor ops", ("cuda",),
+    _unavailable, NvjpegLoader, read=read_nvjpeg, decode_job=nvjpeg_decode_counts,
+)

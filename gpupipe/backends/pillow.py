@@ -11,6 +11,7 @@ from PIL import Image
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
 from ._image import Header, crop_resize, default_max_pixels, probe, resize_box, to_rgb, upright
+from .registry import cpu_decoder_spec
 
 
 def pil_is_simd() -> bool:
@@ -66,3 +67,19 @@ class PillowDecoder:
 class PillowSimdDecoder(PillowDecoder):
     name = "pillow-simd"
     pil_resize = True  # its SIMD resampler is the reason to install it
+
+
+def _simd_unavailable() -> str | None:
+    from .._deps import INSTALL_HINTS
+
+    return None if pil_is_simd() else f"the installed PIL is not pillow-simd; {INSTALL_HINTS['pillow-simd']}"
+
+
+SPEC = cpu_decoder_spec(
+    "pillow", "Pillow in DataLoader workers: DCT-reduced JPEG decode, torch's AVX2 resampler", PillowDecoder,
+    lambda: None,
+)
+SIMD_SPEC = cpu_decoder_spec(
+    "pillow-simd", "pillow-simd in DataLoader workers: its SIMD resampler does crop + resize", PillowSimdDecoder,
+    _simd_unavailable,
+)

@@ -6,17 +6,17 @@ from collections.abc import Iterator
 
 import torch
 
-from ..data.loader import Batch, Loader
+from ..data.loader import Batch, Loader, LoaderParts
+from .registry import BackendSpec
 
 
 class SyntheticLoader(Loader):
     backend = "synthetic"
 
-    def __init__(self, dataset, sampler, stage, recipe, on_error, *, seed: int):
-        super().__init__(dataset, sampler, stage, recipe, on_error)
-        self.seed = seed
+    def __init__(self, parts: LoaderParts):
+        super().__init__(parts)
         self._images: torch.Tensor | None = None
-        self._labels = torch.tensor(dataset.targets, dtype=torch.int64)
+        self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         device = self.stage.device
@@ -27,3 +27,9 @@ class SyntheticLoader(Loader):
         labels = self._labels.to(device)
         for idx in self.sampler.batches(epoch, start_batch):
             yield Batch(self._images[: len(idx)], labels[torch.tensor(idx, device=device)], "NCHW")
+
+
+SPEC = BackendSpec(
+    "synthetic", "random uint8 batches made on the device, no I/O: the compute ceiling", ("cpu", "cuda"),
+    lambda: None, SyntheticLoader,
+)

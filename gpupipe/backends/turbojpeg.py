@@ -26,6 +26,7 @@ from ._image import (
     upright_hw,
 )
 from .pillow import PillowDecoder
+from .registry import cpu_decoder_spec
 
 
 def turbojpeg_handle():
@@ -113,3 +114,17 @@ class TurboJpegDecoder:
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
         img, box, size_hw, fell_back = self.decode_for_crop(data, path, plan, size)
         return crop_resize(img, box, size_hw, size), fell_back
+
+
+def _unavailable() -> str | None:
+    try:
+        turbojpeg_handle()
+    except ModuleNotFoundError as e:  # BackendUnavailableError included
+        return str(e)
+    return None
+
+
+SPEC = cpu_decoder_spec(
+    "turbojpeg", "libjpeg-turbo (PyTurboJPEG) in DataLoader workers: header in C, DCT-scaled decode; Pillow for the rest",
+    TurboJpegDecoder, _unavailable,
+)

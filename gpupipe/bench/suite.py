@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image
 
-from ..api import build_loader, usable_cores
-from ..backends import CPU_DECODERS
+from .._system import usable_cores
+from ..api import build_loader
+from ..backends import get
 from ..data.scan import scan
 from ..recipe import Recipe
 
@@ -37,6 +38,7 @@ class Config:
     repeats: int = 3
     image_size: int = 224
     model: str | None = None
+    dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
 
 
 @dataclass
@@ -153,41 +155,40 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
 def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
     """Decode to uint8 RGB at full size, nothing else; with ``floor``, at the scale each train crop allows."""
     data = scan(cfg.data)
-    if backend == "dali":
-        from ..backends.dali import dali_decode_counts
-
-        return dali_decode_counts([p for p, _ in data.samples], cfg)
-    if backend == "nvjpeg":
-        from ..backends.nvjpeg import nvjpeg_decode_counts
-
-        return nvjpeg_decode_counts([p for p, _ in data.samples], cfg)
-    from ..backends import cpu_decoder
-
+    spec = get(backend)
+    if spec.decode_job is not None and not floor:
+        return spec.decode_job(data, cfg)
     recipe = Recipe(cfg.image_size) if floor else None
-    ds = _DecodeOnly([p for p, _ in data.samples], cpu_decoder(backend), recipe)
+    ds = _DecodeOnly(data, spec.decoder(None, True), recipe)
     dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, num_workers=cfg.workers, shuffle=floor,
                                      collate_fn=len, persistent_workers=cfg.workers > 0)
     return _forever(lambda: dl)
 
 
+def _reference_counts(cfg: Config, train: bool) -> Iterator[int]:
+    """DALI's own pipeline as its documentation writes it, fed by its own file reader (see ``dali_reference_counts``)."""
+    from ..backends.dali import dali_reference_counts
+
+    return dali_reference_counts(scan(cfg.data), cfg, train)
+
+
 class _DecodeOnly(torch.utils.data.Dataset):
     """Decode one file and touch one pixel; with a recipe, decode it as the train pipeline would before resizing."""
 
-    def __init__(self, paths, decoder, recipe: Recipe | None = None):
-        self.paths, self.decoder, self.recipe = paths, decoder, recipe
+    def __init__(self, dataset, decoder, recipe: Recipe | None = None):
+        self.dataset, self.decoder, self.recipe = dataset, decoder, recipe
 
     def __len__(self):
-        return len(self.paths)
+        return len(self.dataset)
 
     def __getitem__(self, i):
-        with open(self.paths[i], "rb") as f:
-            data = f.read()
+        data, path = self.dataset.read(i), self.dataset.samples[i][0]
         if self.recipe is None:
-            img = self.decoder.decode(data, self.paths[i])
+            img = self.decoder.decode(data, path)
             if isinstance(img, Image.Image):
                 img.getpixel((0, 0))  # decoded, and nothing more (an array is decoded already)
             return 0
-        self.decoder.decode_for_crop(data, self.paths[i], self.recipe.plan(True, 0, 0, i), self.recipe.size)
+        self.decoder.decode_for_crop(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.size)
         return 0
 
 
@@ -214,12 +215,17 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
         if pipeline in ("train", "eval"):
             jobs.append(("baseline", pipeline, lambda p=pipeline: _baseline_counts(cfg, p == "train")))
         for b in cfg.backends:
-            if (pipeline == "decode" and b == "synthetic") or (pipeline == "floor" and b not in CPU_DECODERS):
+            spec = get(b)
+            if (pipeline == "decode" and spec.decode_job is None and spec.decoder is None) or (
+                pipeline == "floor" and spec.decoder is None
+            ):
                 continue
             if pipeline in ("decode", "floor"):
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _decode_counts(cfg, b, floor=p == "floor")))
             else:
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
+            if b == "dali" and pipeline in ("train", "eval") and cfg.dali_reference:
+                jobs.append(("dali-reference", pipeline, lambda p=pipeline: _reference_counts(cfg, p == "train")))
     # Interleaved: the jobs of one pipeline are all started, then timed in turns (one window each per round), so a
     # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold. The floor is timed
     # in the train rounds, as train figures are read against it.

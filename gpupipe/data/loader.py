@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .._system import usable_cores
 from ..errors import DecodeError, GpupipeError
 from ..recipe import Recipe
 from .device import DeviceStage, normalise
@@ -31,6 +33,29 @@ class Batch:
         return self
 
 
+@dataclass(frozen=True)
+class LoaderParts:
+    """What ``build_loader`` prepares for every backend: the data, the order, the device stage, the recipe and the
+    policies. A backend's ``make_loader`` takes this one record."""
+
+    dataset: ImageList
+    sampler: ShardSampler
+    stage: DeviceStage
+    recipe: Recipe
+    on_error: str
+    seed: int
+    workers: int  # decode workers (DataLoader processes or DALI threads); 0 decodes in the main process
+    max_pixels: int | None
+    dataloader_kwargs: dict = field(default_factory=dict)
+
+
+def empty_batch(size: int, device: torch.device | str = "cpu", errors: list[tuple[str, str]] | None = None) -> Batch:
+    """A batch with no sample (only failures); its images on ``device``, so it concatenates with that device's
+    batches (labels stay on the CPU in every batch: the device stage moves them)."""
+    return Batch(torch.empty(0, 3, size, size, dtype=torch.uint8, device=device), torch.empty(0, dtype=torch.int64),
+                 "NCHW", errors or [])
+
+
 class Loader:
     """Iterable of ``(images, labels)``; ``len()``, ``set_epoch()``, ``skipped``, ``state_dict()``.
 
@@ -40,10 +65,11 @@ class Loader:
 
     backend: str = ""
 
-    def __init__(self, dataset: ImageList, sampler: ShardSampler, stage: DeviceStage, recipe: Recipe, on_error: str):
-        self.dataset, self.sampler, self.stage, self.recipe = dataset, sampler, stage, recipe
-        self.on_error = on_error
-        self.train = sampler.shuffle
+    def __init__(self, parts: LoaderParts):
+        self.parts = parts
+        self.dataset, self.sampler, self.stage, self.recipe = parts.dataset, parts.sampler, parts.stage, parts.recipe
+        self.on_error, self.seed = parts.on_error, parts.seed
+        self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
         self._position = 0
@@ -85,8 +111,9 @@ class Loader:
         raise NotImplementedError
 
     def _with_policy(self, source: Iterator[Batch], sizes: list[int]) -> Iterator[Batch]:
-        """Pass good batches through untouched; with skipped samples, fill each batch from the next ones and pad
-        the epoch's end from its first samples, so every rank still takes exactly ``len(self)`` steps."""
+        """Pass good batches through untouched; with skipped samples, fill each batch from the next ones. Train pads
+        the epoch's end from its first samples, so every rank still takes exactly ``len(self)`` steps; eval delivers
+        each good sample once (its last batch may be short, and it may have fewer batches)."""
         carry: Batch | None = None
         pool: Batch | None = None  # the first good samples, to pad the end with
         out = 0
@@ -108,6 +135,10 @@ class Loader:
                 head, carry = _split(carry, sizes[out])
                 out += 1
                 yield head
+        if not self.train:
+            if carry is not None and len(carry.labels):
+                yield carry
+            return
         while out < len(sizes):
             if pool is None:
                 raise GpupipeError(f"no sample of this epoch could be decoded ({len(self.skipped)} skipped)")
@@ -119,11 +150,23 @@ class Loader:
 
 
 def _cat(a: Batch, b: Batch) -> Batch:
+    if len(a.labels) == 0:  # a batch of failures only: nothing to join, and it may be laid out differently
+        return Batch(b.images, b.labels, b.layout)
     return Batch(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]), a.layout)
 
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
     return Batch(b.images[:n], b.labels[:n], b.layout), Batch(b.images[n:], b.labels[n:], b.layout)
+
+
+class Sample(NamedTuple):
+    """One sample as a decode worker hands it to the collate: the image, or why there is none."""
+
+    path: str
+    label: int
+    image: np.ndarray | None  # (3, S, S) uint8
+    error: str | None = None
+    fell_back: bool = False
 
 
 class _SampleDataset(torch.utils.data.Dataset):
@@ -136,20 +179,20 @@ class _SampleDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]):
+    def __getitem__(self, key: tuple[int, int]) -> Sample:
         epoch, index = key
         path, label = self.dataset.samples[index]
         try:
             data = self.dataset.read(index)
             plan = self.recipe.plan(self.train, self.seed, epoch, index)
             image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)
-            return path, label, image, None, fell_back
+            return Sample(path, label, image, fell_back=fell_back)
         except DecodeError as e:
-            return path, label, None, e.reason, False
+            return Sample(path, label, None, e.reason)
         except OSError as e:
-            return path, label, None, f"cannot read the file ({e.strerror or e})", False
+            return Sample(path, label, None, f"cannot read the file ({e.strerror or e})")
         except Exception as e:  # anything else a decoder raises still names the file in the main process
-            return path, label, None, f"{type(e).__name__}: {e}", False
+            return Sample(path, label, None, f"{type(e).__name__}: {e}")
 
 
 class _Collate:
@@ -159,27 +202,27 @@ class _Collate:
     def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.size, self.normalize = size, normalize
 
-    def __call__(self, items) -> Batch:
-        good = [it for it in items if it[2] is not None]
+    def __call__(self, items: list[Sample]) -> Batch:
+        good = [it for it in items if it.image is not None]
         images = torch.empty((len(good), 3, self.size, self.size), dtype=torch.uint8)
         if good:
-            np.stack([it[2] for it in good], out=images.numpy())  # one copy, into the batch
+            np.stack([it.image for it in good], out=images.numpy())  # one copy, into the batch
         if self.normalize is not None:
             images = normalise(images, *self.normalize)
-        labels = torch.tensor([it[1] for it in good], dtype=torch.int64)
-        errors = [(it[0], it[3]) for it in items if it[2] is None]
-        return Batch(images, labels, "NCHW", errors, sum(it[4] for it in items))
+        labels = torch.tensor([it.label for it in good], dtype=torch.int64)
+        errors = [(it.path, it.error) for it in items if it.image is None]
+        return Batch(images, labels, "NCHW", errors, sum(it.fell_back for it in items))
 
 
 class CpuLoader(Loader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
-    def __init__(self, dataset, sampler, stage, recipe, on_error, *, decoder, seed: int, dataloader_kwargs: dict):
-        super().__init__(dataset, sampler, stage, recipe, on_error)
+    def __init__(self, parts: LoaderParts, decoder):
+        super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder
-        self._data = _SampleDataset(dataset, decoder, recipe, self.train, seed)
-        self._kwargs = dataloader_kwargs
+        self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed)
+        self._kwargs = parts.dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
@@ -193,8 +236,6 @@ class CpuLoader(Loader):
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalised by the main process while it has a core to itself (it is otherwise
         idle), and by the workers, in parallel, once they take every core."""
-        from ..api import usable_cores
-
         workers = self._kwargs.get("num_workers", 0)
         in_workers = self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores()
         return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None)

@@ -12,7 +12,8 @@ class ShardSampler:
 
     Like ``DistributedSampler``: with ``drop_last`` the tail that does not divide evenly is dropped, otherwise
     the order wraps around to pad it, so every rank takes exactly ``len(self)`` batches (an unequal count
-    hangs DDP). Yields lists of ``(epoch, index)`` keys, so persistent workers see the epoch without
+    hangs DDP). With ``equal_steps=False`` (evaluation) nothing is padded or dropped: each sample is read exactly
+    once, by one rank, and ranks may take different numbers of batches. Yields lists of ``(epoch, index)`` keys, so persistent workers see the epoch without
     being told, and a sample's augmentation depends on its key alone.
     """
 
@@ -26,6 +27,7 @@ class ShardSampler:
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        equal_steps: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -35,11 +37,15 @@ class ShardSampler:
             raise ValueError("the data set has no samples")
         self.num_samples, self.batch_size = num_samples, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.rank, self.world_size = rank, world_size
-        per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
+        self.rank, self.world_size, self.equal_steps = rank, world_size, equal_steps
+        if not equal_steps:
+            drop_last = self.drop_last = False
+            per_rank = len(range(rank, num_samples, world_size))
+        else:
+            per_rank = num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
         self.per_rank = per_rank
         self.num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
-        if self.num_batches == 0:
+        if self.num_batches == 0 and equal_steps:
             raise ValueError(
                 f"{num_samples} samples over {world_size} rank(s) make no full batch of {batch_size} with "
                 "drop_last=True: use a smaller batch_size or drop_last=False"
@@ -63,6 +69,8 @@ class ShardSampler:
             order = torch.randperm(self.num_samples, generator=g).tolist()
         else:
             order = list(range(self.num_samples))
+        if not self.equal_steps:
+            return order[self.rank :: self.world_size]
         total = self.per_rank * self.world_size
         if total > len(order):  # pad by wrapping around, as DistributedSampler does
             order += (order * math.ceil(total / len(order)))[: total - len(order)]

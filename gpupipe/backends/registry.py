@@ -1,0 +1,94 @@
+"""The backend registry: each backend module declares one :class:`BackendSpec`, and everything that picks a backend
+(``build_loader``, ``read_image``, ``gpupipe bench``, ``gpupipe info``, the CLI, the tests) reads it from here.
+
+Adding a backend is one module that defines a ``SPEC`` and one line in ``gpupipe/backends/__init__.py`` (or a call
+to :func:`register` from user code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..data.loader import Loader, LoaderParts
+    from ..data.scan import ImageList
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend, declared once, in its own module.
+
+    Attributes:
+        name: the lower-case name users pass as ``backend=``.
+        summary: one line for ``gpupipe info`` and error messages.
+        devices: where its batches can be delivered (``"cpu"``, ``"cuda"``).
+        unavailable: ``None`` when it can be built here, else why not and the install command. Must not import the
+            backend's library (``importlib.util.find_spec`` is the tool).
+        make_loader: builds its :class:`~gpupipe.data.loader.Loader` from the parts ``build_loader`` prepared.
+        read: ``(data, name, max_pixels, device) -> (3, H, W) uint8`` for ``read_image``; ``None``: not a decoder.
+        decoder: ``(max_pixels, reduced_decode) -> decoder`` for backends that decode one image at a time on the
+            CPU (``decode``/``decode_for_crop``/``crop``); the bench's ``floor`` pipeline uses it.
+        decode_job: ``(dataset, bench config) -> iterator of batch sizes``: the bench's ``decode`` pipeline
+            (decode to RGB at full size, nothing else); ``None`` falls back to ``decoder`` in DataLoader workers.
+    """
+
+    name: str
+    summary: str
+    devices: tuple[str, ...]
+    unavailable: Callable[[], str | None]
+    make_loader: Callable[[LoaderParts], Loader]
+    read: Callable[[bytes, str, int | None, torch.device], torch.Tensor] | None = None
+    decoder: Callable[[int | None, bool], Any] | None = None
+    decode_job: Callable[[ImageList, Any], Iterator[int]] | None = None
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register(spec: BackendSpec) -> BackendSpec:
+    """Add (or replace) a backend; its name becomes valid everywhere a backend is named."""
+    if spec.name != spec.name.lower() or spec.name == "auto":
+        raise ValueError(f"a backend name is lower case and not 'auto', got {spec.name!r}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered backend, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> BackendSpec:
+    """The spec of ``name``; ``ValueError`` listing the valid names for anything else (``auto`` is resolved by the
+    caller)."""
+    try:
+        return _REGISTRY[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(('auto', *_REGISTRY))}") from None
+
+
+def cpu_decoder_spec(
+    name: str, summary: str, make_decoder: Callable[[int | None, bool], Any], unavailable: Callable[[], str | None]
+) -> BackendSpec:
+    """The spec of a backend that decodes one image at a time on the CPU (``decode``/``decode_for_crop``/``crop``):
+    DataLoader workers run it, and batches go to any device."""
+
+    def make_loader(parts: LoaderParts) -> Loader:
+        from ..data.loader import CpuLoader
+
+        return CpuLoader(parts, make_decoder(parts.max_pixels, True))
+
+    def read(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
+        from ._image import chw_tensor
+
+        return chw_tensor(make_decoder(max_pixels, True).decode(data, path)).to(device)
+
+    return BackendSpec(name, summary, ("cpu", "cuda"), unavailable, make_loader, read, make_decoder)
