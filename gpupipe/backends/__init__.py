@@ -7,8 +7,14 @@ from typing import Literal
 
 import torch
 
-from . import _fork  # noqa: F401  (registers the DALI fork guard)
-from . import dali, nvjpeg, pillow, synthetic, turbojpeg
+from . import (
+    _fork,  # noqa: F401  (registers the DALI fork guard)
+    dali,
+    nvjpeg,
+    pillow,
+    synthetic,
+    turbojpeg,
+)
 from .registry import BackendSpec, get, names, register, unregister
 
 BackendName = Literal["auto", "pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic"]

@@ -125,6 +125,7 @@ def _unavailable() -> str | None:
 
 
 SPEC = cpu_decoder_spec(
-    "turbojpeg", "libjpeg-turbo (PyTurboJPEG) in DataLoader workers: header in C, DCT-scaled decode; Pillow for the rest",
+    "turbojpeg",
+    "libjpeg-turbo (PyTurboJPEG) in DataLoader workers: header in C, DCT-scaled decode; Pillow for the rest",
     TurboJpegDecoder, _unavailable,
 )

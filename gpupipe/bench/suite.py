@@ -166,7 +166,7 @@ def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[i
 
 
 def _reference_counts(cfg: Config, train: bool) -> Iterator[int]:
-    """DALI's own pipeline as its documentation writes it, fed by its own file reader (see ``dali_reference_counts``)."""
+    """DALI's own pipeline as its documentation writes it, reading files itself (``dali_reference_counts``)."""
     from ..backends.dali import dali_reference_counts
 
     return dali_reference_counts(scan(cfg.data), cfg, train)

@@ -13,8 +13,8 @@ class ShardSampler:
     Like ``DistributedSampler``: with ``drop_last`` the tail that does not divide evenly is dropped, otherwise
     the order wraps around to pad it, so every rank takes exactly ``len(self)`` batches (an unequal count
     hangs DDP). With ``equal_steps=False`` (evaluation) nothing is padded or dropped: each sample is read exactly
-    once, by one rank, and ranks may take different numbers of batches. Yields lists of ``(epoch, index)`` keys, so persistent workers see the epoch without
-    being told, and a sample's augmentation depends on its key alone.
+    once, by one rank, and ranks may take different numbers of batches. Yields lists of ``(epoch, index)`` keys,
+    so persistent workers see the epoch without being told, and a sample's augmentation depends on its key alone.
     """
 
     def __init__(
