@@ -23,13 +23,14 @@ from .._deps import INSTALL_HINTS, has_module, require
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
-from ._image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, probe
+from ._image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
 # would ask for a second batch the feed may not have): the Python feed of the next batch overlaps DALI's decode.
 _PREFETCH = 2
+_EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
 
 
 def dali_info() -> dict:
@@ -195,6 +196,12 @@ class DaliLoader(Loader):
             if not data:
                 work.errors.append((path, "empty file"))
                 continue
+            if is_jpeg(data) and _EOI not in data[-_EOI_TAIL:]:
+                try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
+                    self._check.decode(data, path)
+                except DecodeError as e:
+                    work.errors.append((path, e.reason))
+                    continue
             plan = self.recipe.plan(self.train, self.seed, epoch, i)
             if i in pillow_only:
                 self._decode_on_cpu(work, pos, data, plan)

@@ -73,6 +73,7 @@ class Loader:
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
         self._position = 0
+        self._pass = 0  # counts passes: an iterator whose pass is no longer the latest stops (see __iter__)
 
     @property
     def batch_size(self) -> int:
@@ -101,10 +102,15 @@ class Loader:
         epoch, start = self.sampler.epoch, self.sampler.start_batch
         self.skipped, self.fallbacks, self._position = [], 0, start
         sizes = [len(b) for b in self.sampler.batches(epoch, start)]
+        self._pass += 1
+        this_pass = self._pass
         batches = self._with_policy(self._source(epoch, start), sizes)
         for images, labels in self.stage.iterate(batches):
             self._position += 1
             yield images, labels
+            if self._pass != this_pass:  # a newer pass took over the workers or the pipeline: stop, never mix
+                raise GpupipeError("this loader was iterated again while this iterator was unfinished; only the "
+                                   "newest iterator of a loader delivers batches")
         self.sampler.set_epoch(epoch + 1)  # a full pass: the next one reshuffles unless told otherwise
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:

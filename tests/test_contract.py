@@ -1,0 +1,135 @@
+"""The contract every backend keeps, whatever the user did before: eval delivers each sample exactly once, in
+dataset order; a bad file is named or skipped; a file gone between epochs and a format only Pillow reads behave as
+on pillow. Parametrised over every decoding backend that delivers on the CPU (the registry says which)."""
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import gpupipe
+
+from .conftest import CPU_LOADER_BACKENDS, make_folder, photo
+
+KW = dict(image_size=32, num_workers=1, device="cpu", normalize=False)
+
+
+def _labels(batches) -> list[int]:
+    return [int(v) for _, y in batches for v in y]
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_eval_after_a_partial_pass_gives_every_sample_once(unique_folder, backend):
+    loader = gpupipe.build_loader(unique_folder, backend, batch_size=4, train=False, **KW)
+    next(iter(loader))  # a partial pass, left unfinished
+    for _ in loader:  # and one broken off by the user
+        break
+    full = list(loader)
+    assert _labels(full) == list(range(13))  # one image per class: each label is one sample, in dataset order
+    assert [len(y) for _, y in full] == [4, 4, 4, 1]
+    assert _labels(list(loader)) == list(range(13))  # and again
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_an_older_iterator_stops_instead_of_mixing(unique_folder, backend):
+    loader = gpupipe.build_loader(unique_folder, backend, batch_size=4, train=False, **KW)
+    first = iter(loader)
+    next(first)
+    assert _labels(list(loader)) == list(range(13))
+    with pytest.raises(gpupipe.GpupipeError, match="iterated again"):
+        next(first)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_eval_ranks_share_the_samples_without_duplicates(unique_folder, backend):
+    seen = []
+    for rank in range(3):
+        loader = gpupipe.build_loader(unique_folder, backend, batch_size=2, train=False, rank=rank, world_size=3, **KW)
+        got = _labels(list(loader))
+        assert len(got) == sum(len(b) for b in loader.sampler.batches(0))
+        seen += got
+    assert sorted(seen) == list(range(13))  # 5 + 4 + 4: unequal shards, nothing padded
+
+
+@pytest.fixture()
+def first_bad(tmp_path):
+    """A truncated JPEG that sorts first, so it lands in the very first batch."""
+    root = make_folder(tmp_path / "data", 2, 5)
+    buf = io.BytesIO()
+    photo(np.random.default_rng(3), 90, 120).save(buf, "JPEG", quality=95)
+    (root / "c00" / "000_truncated.jpg").write_bytes(buf.getvalue()[:-400])
+    return root
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+@pytest.mark.parametrize("train", [False, True])
+def test_a_bad_file_in_the_first_batch_is_named(first_bad, backend, train):
+    loader = gpupipe.build_loader(first_bad, backend, batch_size=4, train=train, **KW)
+    with pytest.raises(gpupipe.DecodeError, match=r"000_truncated\.jpg") as e:
+        list(loader)
+    assert e.value.backend == backend
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_skip_mode_eval_delivers_exactly_the_good_files(first_bad, backend):
+    loader = gpupipe.build_loader(first_bad, backend, batch_size=4, train=False, on_error="skip", **KW)
+    batches = list(loader)
+    good = [label for path, label in loader.dataset.samples if "truncated" not in path]
+    assert _labels(batches) == good  # each good file once, in order: no padding with duplicates
+    assert [len(y) for _, y in batches] == [4, 4, 2]
+    assert [os.path.basename(p) for p, _ in loader.skipped] == ["000_truncated.jpg"]
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_a_file_deleted_between_epochs_behaves_as_on_pillow(tmp_path, backend):
+    root = make_folder(tmp_path / "data", 2, 4)
+    loader = gpupipe.build_loader(root, backend, batch_size=4, train=True, on_error="skip", **KW)
+    strict = gpupipe.build_loader(root, backend, batch_size=4, train=False, **KW)
+    list(loader), list(strict)
+    (root / "c01" / "002.jpg").unlink()
+    batches = list(loader)
+    assert [len(y) for _, y in batches] == [4, 4]  # refilled: equal steps
+    assert [(os.path.basename(p), r.split(" (")[0]) for p, r in loader.skipped] == [("002.jpg", "cannot read the file")]
+    with pytest.raises(gpupipe.DecodeError, match=r"002\.jpg.*cannot read the file"):
+        list(strict)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_a_gif_in_a_file_list_is_decoded_like_pillow(tmp_path, backend):
+    rng = np.random.default_rng(5)
+    rows = []
+    for i in range(5):
+        name = f"{i}.gif" if i == 2 else f"{i}.jpg"
+        img = photo(rng, 70, 90)
+        img.save(tmp_path / name, "GIF" if name.endswith("gif") else "JPEG", quality=95)
+        rows.append(f"{name},{i % 2}")
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    loader = gpupipe.build_loader(tmp_path / "list.csv", backend, batch_size=5, train=False, **KW)
+    ref = gpupipe.build_loader(tmp_path / "list.csv", "pillow", batch_size=5, train=False, **KW)
+    (x, y), (rx, ry) = next(iter(loader)), next(iter(ref))
+    assert torch.equal(y, ry)
+    assert (x.float() - rx.float()).abs().mean() < 2
+    if backend in ("dali", "turbojpeg"):
+        assert loader.fallbacks == 1  # what the backend cannot decode itself, Pillow did
+
+
+def test_read_image_returns_a_cpu_tensor_by_default(unique_folder):
+    path = next(unique_folder.rglob("*.jpg"))
+    for backend in CPU_LOADER_BACKENDS:
+        img = gpupipe.read_image(path, backend)
+        assert img.device.type == "cpu" and img.dtype == torch.uint8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+def test_gpu_error_batches_and_devices(first_bad, backend):
+    """Skip mode on CUDA: the empty batch of a failure is made on the loader's device and joins CUDA batches."""
+    loader = gpupipe.build_loader(first_bad, backend, batch_size=4, train=False, on_error="skip", image_size=32,
+                                  num_workers=1, device="cuda:0", normalize=False)
+    batches = list(loader)
+    assert all(x.device == torch.device("cuda", 0) for x, _ in batches)
+    assert [os.path.basename(p) for p, _ in loader.skipped] == ["000_truncated.jpg"]
+    img = gpupipe.read_image(next(first_bad.rglob("001.jpg")), backend, device="cuda:0")
+    assert img.device == torch.device("cuda", 0)
