@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
+from ..data.device import normalise
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
@@ -60,10 +61,12 @@ def _device_id(device: torch.device) -> int | None:
 
 
 def build_pipeline(recipe, *, train: bool, batch_size: int, device: torch.device, num_threads: int,
-                   hw_decoder_load: float = 0.65):
+                   hw_decoder_load: float = 0.65, normalize: bool = False):
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
     train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
-    ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop)."""
+    ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop). Output (N, 3, S, S) uint8, or
+    float32 normalised with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
+    same pass, in DALI's threads, instead of a separate step after)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
 
     gpu = device.type == "cuda"
@@ -87,6 +90,9 @@ def build_pipeline(recipe, *, train: bool, batch_size: int, device: torch.device
                                interp_type=types.INTERP_LINEAR)
             images = fn.slice(images, meta[2:4], types.Constant([S, S], dtype=types.INT64), axis_names="HW")
             mirror = 0
+        if normalize:
+            return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror,
+                                            mean=[m * 255 for m in recipe.mean], std=[s * 255 for s in recipe.std])
         return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
 
     p = pipe()
@@ -95,14 +101,14 @@ def build_pipeline(recipe, *, train: bool, batch_size: int, device: torch.device
 
 
 def _to_torch(out, device: torch.device) -> torch.Tensor:
-    """A DALI batch of equal-shaped images as a torch tensor of its own (DALI reuses its buffers)."""
-    tensor = out.as_tensor()
-    if device.type != "cuda":
-        return torch.from_numpy(np.array(tensor))
+    """A DALI batch of equal-shaped images, copied once into a torch tensor of its own (DALI reuses its buffers)."""
     from nvidia.dali.plugin.pytorch import feed_ndarray
+    from nvidia.dali.types import DALIDataType
 
-    dst = torch.empty(tensor.shape(), dtype=torch.uint8, device=device)
-    feed_ndarray(tensor, dst, cuda_stream=torch.cuda.current_stream(device))
+    tensor = out.as_tensor()
+    dtype = torch.float32 if tensor.dtype == DALIDataType.FLOAT else torch.uint8
+    dst = torch.empty(tensor.shape(), dtype=dtype, device=device)
+    feed_ndarray(tensor, dst, cuda_stream=torch.cuda.current_stream(device) if device.type == "cuda" else None)
     return dst
 
 
@@ -129,6 +135,7 @@ class DaliLoader(Loader):
         self.num_threads, self.hw_decoder_load = max(1, parts.workers), hw_decoder_load
         self.max_pixels = parts.max_pixels or default_max_pixels()
         self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
+        self._normalize_in_dali = parts.stage.normalize  # the device stage passes float batches through
         self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
         self._pipe = None
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
@@ -141,7 +148,7 @@ class DaliLoader(Loader):
         if self._pipe is None:
             self._pipe = build_pipeline(self.recipe, train=self.train, batch_size=self.batch_size,
                                         device=self.stage.device, num_threads=self.num_threads,
-                                        hw_decoder_load=self.hw_decoder_load)
+                                        hw_decoder_load=self.hw_decoder_load, normalize=self._normalize_in_dali)
             self.pipelines_built += 1
             self._scheduled = 0
         return self._pipe
@@ -261,11 +268,15 @@ class DaliLoader(Loader):
             images = decoded if decoded is not None else empty_batch(self.recipe.size, device).images
         else:
             parts = {pos: decoded[k] for k, pos in enumerate(work.dali)} if decoded is not None else {}
-            parts.update({pos: torch.from_numpy(img).to(device) for pos, img in work.cpu.items()})
+            parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
             positions = sorted(parts)
             images = torch.stack([parts[pos] for pos in positions])
         labels = self._labels[[work.indices[pos] for pos in positions]]
         return Batch(images, labels, "NCHW", work.errors, work.fallbacks)
+
+    def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
+        """An image Pillow decoded, in the dtype of the pipeline's output (normalised when DALI normalises)."""
+        return normalise(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         self._drain()
