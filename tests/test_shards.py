@@ -213,3 +213,15 @@ def test_a_large_index_loads_without_opening_shards(unique_prepared, tmp_path):
     x, y = next(iter(loader))
     assert x.shape == (64, 3, 24, 24) and y.max() < 1000
 
+
+
+def test_shards_are_read_with_pread_where_mmap_is_refused(unique_prepared, monkeypatch):
+    data = scan(unique_prepared)
+    expected = [data.read(i) for i in range(len(data))]
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what a direct-I/O FUSE mount answers
+
+    monkeypatch.setattr(shards.mmap, "mmap", refuse)
+    again = scan(unique_prepared)
+    assert [again.read(i) for i in range(len(again))] == expected

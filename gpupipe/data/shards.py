@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import mmap
 import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -87,7 +89,7 @@ class ShardImageList(ImageList):
                          {c: i for i, c in enumerate(classes)}, sizes)
         self.shard_paths, self.labels = shard_paths, labels
         self._shard, self._offset, self._size = shard, offset, size
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, mmap.mmap | BinaryIO] = {}
         self._pid = os.getpid()
 
     @property
@@ -103,18 +105,24 @@ class ShardImageList(ImageList):
         if mm is None:
             mm = self._open(s)
         start = int(self._offset[index])
-        end = start + int(self._size[index])
-        if end > len(mm):
-            raise OSError(f"{self.shard_paths[s]} ends at byte {len(mm)}, before its member ends ({end}): truncated?")
-        return mm[start:end]
+        size = int(self._size[index])
+        data = os.pread(mm.fileno(), size, start) if isinstance(mm, io.IOBase) else mm[start : start + size]
+        if len(data) != size:
+            raise OSError(f"{self.shard_paths[s]} ends before its member at byte {start} of {size} bytes: truncated?")
+        return data
 
-    def _open(self, s: int) -> mmap.mmap:
+    def _open(self, s: int) -> mmap.mmap | BinaryIO:
+        """The shard's map; its open file (read with ``pread``) where the file system refuses ``mmap``, as some
+        FUSE mounts of object storage do."""
         if len(self._maps) >= _MAX_OPEN:
             self._maps.pop(next(iter(self._maps))).close()
-        with open(self.shard_paths[s], "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._maps[s] = mm
-        return mm
+        f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
+        try:
+            self._maps[s] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            f.close()
+        except (OSError, ValueError):
+            self._maps[s] = f
+        return self._maps[s]
 
     def _close(self) -> None:
         for mm in self._maps.values():
