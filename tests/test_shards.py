@@ -189,6 +189,7 @@ def test_samples_are_a_lazy_sequence_equal_to_a_list(unique_folder, unique_prepa
     assert [label for _, label in listed] == ImageFolder(str(unique_folder)).targets
     with pytest.raises(IndexError):
         data.samples[len(listed)]
+    assert np.asarray(data.sizes).tolist() == [list(hw) for hw in data.sizes]
 
 
 def test_a_large_index_loads_without_opening_shards(unique_prepared, tmp_path):

@@ -76,6 +76,10 @@ class _Sizes(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         return int(self.heights[i]), int(self.widths[i])
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(sizes)``: an (N, 2) array, without a Python object per sample."""
+        return np.stack([self.heights, self.widths], axis=1).astype(dtype or np.int64)
+
 
 class ShardImageList(ImageList):
     """Samples stored as members of uncompressed tar shards; :meth:`read` slices them out of a per-process mmap."""
@@ -114,8 +118,8 @@ class ShardImageList(ImageList):
     def _open(self, s: int) -> mmap.mmap | BinaryIO:
         """The shard's map; its open file (read with ``pread``) where the file system refuses ``mmap``, as some
         FUSE mounts of object storage do."""
-        if len(self._maps) >= _MAX_OPEN:
-            self._maps.pop(next(iter(self._maps))).close()
+        if len(self._maps) >= _MAX_OPEN:  # dropped, not closed: a thread may still be slicing it (freed with it)
+            self._maps.pop(next(iter(self._maps)))
         f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
         try:
             self._maps[s] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
