@@ -226,3 +226,17 @@ def test_shards_are_read_with_pread_where_mmap_is_refused(unique_prepared, monke
     monkeypatch.setattr(shards.mmap, "mmap", refuse)
     again = scan(unique_prepared)
     assert [again.read(i) for i in range(len(again))] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+def test_gpu_backends_read_shards(unique_folder, unique_prepared, backend):
+    def run(root, b, device):
+        loader = gpupipe.build_loader(root, b, batch_size=4, train=False, image_size=32, num_workers=1,
+                                      normalize=False, device=device)
+        batches = list(loader)
+        return torch.cat([x.cpu() for x, _ in batches]).float(), torch.cat([y.cpu() for _, y in batches])
+
+    x, y = run(unique_prepared, backend, "cuda")
+    ref_x, ref_y = run(unique_folder, "pillow", "cpu")
+    assert torch.equal(y, ref_y) and (x - ref_x).abs().mean() <= 1.0
