@@ -309,6 +309,8 @@ def prepare(src, out: str | os.PathLike, options: PrepareOptions | None = None, 
     src = _absolute(src)  # the same sample names (and so the same fingerprint) from any working directory
     source = scan(src, allow_outside_root=allow_outside_root)
     out = Path(out)
+    if isinstance(src, str) and os.path.isdir(src) and Path(src).resolve() in (out.resolve(), *out.resolve().parents):
+        raise ValueError(f"{out}: inside the source folder {src}; write the shards elsewhere (a rescan would see them)")
     out.mkdir(parents=True, exist_ok=True)
     plan = {"format": FORMAT, "version": VERSION, "source": src, "options": asdict(options),
             "fingerprint": _fingerprint(source)}

@@ -185,6 +185,9 @@ def test_prepare_refuses_a_folder_it_did_not_write(folder, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty"):
         prepare(folder, tmp_path, SMALL)
+    with pytest.raises(ValueError, match="inside the source"):
+        prepare(folder, folder / "shards", SMALL)
+    assert not (folder / "shards").exists()
 
 
 def test_parse_size_and_options():
