@@ -197,3 +197,12 @@ def test_parse_size_and_options():
         parse_size("lots")
     with pytest.raises(ValueError, match="'keep' or '420'"):
         PrepareOptions(subsampling="444")
+
+
+def test_cli_flags_reach_the_options(tmp_path):
+    src = make_folder(tmp_path / "src", 2, 2)
+    args = ["--max-side", "64", "--quality", "80", "--shard-size", "20KB", "--subsampling", "420", "--workers", "1"]
+    assert main(["prepare", str(src), str(tmp_path / "out"), *args]) == 0
+    meta = json.loads((tmp_path / "out" / "gpupipe.json").read_text())
+    assert meta["options"] == {"max_side": 64, "quality": 80, "shard_size": 20 * 1024, "subsampling": "420"}
+    assert max(max(hw) for hw in scan(tmp_path / "out").sizes) == 64
