@@ -38,7 +38,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def build_loader(
-    root: str | os.PathLike,
+    root: str | os.PathLike | Sequence[str | os.PathLike],
     backend: BackendName = "pillow",
     *,
     batch_size: int = 256,
@@ -65,7 +65,8 @@ def build_loader(
     ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
 
     Args:
-        root: an ImageFolder directory, or a CSV file list (``path,label``, paths relative to the file).
+        root: an ImageFolder directory, or a CSV file list (``path,label``, paths relative to the file), or tar
+            shards: a folder written by ``gpupipe prepare``, or WebDataset ``.tar`` shards (a path, glob or list).
         backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``
             (the fastest in the latest ``gpupipe bench`` result for this machine and data, else a stated rule).
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).

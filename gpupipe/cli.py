@@ -1,4 +1,4 @@
-"""The command line: ``gpupipe info | sample-data | bench | train | check``."""
+"""The command line: ``gpupipe info | sample-data | bench | train | check | prepare``."""
 
 from __future__ import annotations
 
@@ -113,6 +113,40 @@ def _cmd_check(args) -> int:
     return 1 if bad else 0
 
 
+def _cmd_prepare(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .api import usable_cores
+    from .prepare import PrepareOptions, parse_size, prepare
+
+    given = {"max_side": args.max_side, "quality": args.quality, "subsampling": args.subsampling,
+             "shard_size": None if args.shard_size is None else parse_size(args.shard_size)}
+    options = PrepareOptions(**{k: v for k, v in given.items() if v is not None})
+    workers = usable_cores() if args.workers is None else args.workers
+    columns = (TextColumn("preparing"), BarColumn(), MofNCompleteColumn(), TextColumn("time left"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("prepare", total=None)
+
+        def advance(done: int, total: int) -> None:
+            if progress.tasks[0].total is None:  # first call: samples an earlier run did must not count as speed
+                progress.reset(task, total=total, completed=done)
+            else:
+                progress.update(task, completed=done)
+
+        summary = prepare(args.src, args.out, options, workers=workers, on_progress=advance)
+    out = Console()
+    for r in summary.left_out:
+        out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
+    causes = ", ".join(f"{v} {k}" for k, v in summary.reencoded.items())
+    state = "already prepared" if summary.up_to_date else (
+        f"resumed at sample {summary.resumed_at}" if summary.resumed_at else "prepared")
+    out.print(f"{summary.out}: {state}: {summary.samples} samples in {summary.shards} shards ({summary.copied} "
+              f"copied, {summary.samples - summary.copied} re-encoded{': ' + causes if causes else ''}); "
+              f"{len(summary.left_out)} left out")
+    return 0
+
+
 def _optional(tp) -> tuple[type, bool]:
     """(inner type, is_optional) of a dataclass field annotation such as ``int | None``."""
     if isinstance(tp, str):
@@ -197,6 +231,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_check)
+
+    from .prepare import PrepareOptions  # its defaults are the CLI's
+
+    defaults = PrepareOptions()
+    p = sub.add_parser("prepare", help="convert a data set to tar shards (WebDataset layout) with an index, for fast "
+                       "start-up and decode on every backend")
+    p.add_argument("src", help="anything build_loader reads: ImageFolder directory, CSV list, shards")
+    p.add_argument("out", help="an empty folder (or an interrupted prepare's, which then resumes)")
+    p.add_argument("--max-side", type=int, help="shrink images whose longer side is larger (default: keep sizes)")
+    p.add_argument("--quality", type=int, help=f"JPEG quality of re-encoded images (default {defaults.quality})")
+    p.add_argument("--shard-size", help=f"bytes per shard at most (default {defaults.shard_size // 2**20}MB)")
+    p.add_argument("--workers", type=int, help="processes (default: every usable core)")
+    p.add_argument("--subsampling", choices=["keep", "420"],
+                   help="420: re-encode 4:4:4 and 4:2:2 JPEGs to 4:2:0, which decodes faster "
+                        f"(default {defaults.subsampling})")
+    p.set_defaults(func=_cmd_prepare)
     return parser
 
 

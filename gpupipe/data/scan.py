@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,13 +39,18 @@ class ImageList:
         return [label for _, label in self.samples]
 
 
-def scan(root: str | os.PathLike, *, allow_outside_root: bool = False) -> ImageList:
-    """Scan an ImageFolder directory (``root/<class>/**/<image>``) or a CSV file list (``path,label``).
+def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside_root: bool = False) -> ImageList:
+    """Scan an ImageFolder directory (``root/<class>/**/<image>``) or a CSV file list (``path,label``); tar shards
+    (a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them) go to :mod:`.shards`.
 
     Directory scans reuse torchvision's own ``find_classes``/``make_dataset``, so ``classes``,
     ``class_to_idx`` and the ``samples`` order equal ``torchvision.datasets.ImageFolder(root)`` exactly.
     CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
     """
+    from .shards import is_shard_source, scan_shards  # defer: shards imports ImageList from here
+
+    if is_shard_source(root):
+        return scan_shards(root)
     path = Path(root)
     if path.is_dir():
         classes, class_to_idx = find_classes(str(path))

@@ -1,0 +1,183 @@
+"""Prepared shards, measured: reading from shards vs the same images from the folder, ``build_loader`` start-up
+against set size, and ``gpupipe prepare`` throughput. Each part writes JSON with the machine, versions and date.
+
+    python bench/shards.py read DATA [--backends pillow,turbojpeg,dali] [--workers 1] [--seconds 10] [--max-side 512]
+    python bench/shards.py startup [--sizes 1000,10000,100000] [--repeats 3]
+    python bench/shards.py prepare DATA [--workers 1,2] [--max-side 512]
+
+``read`` prepares DATA once into ``DATA-shards[-maxN]`` (resumed if interrupted; ``--prepared`` picks the folder),
+then times train loaders (uint8 batches, one decode worker by default) on the folder and on the shards in
+interleaved windows after a warm-up, with gpupipe.bench's window method: median, min-max, shards / folder. With
+``--max-side`` the shards hold smaller re-encoded images, so the ratio then says what the preparation gains, not
+what the storage layout costs.
+``startup`` times ``build_loader`` on fake prepared sets (one tiny shard, an index of N rows) in fresh processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gpupipe
+from gpupipe.bench.suite import _forever, _warm, _window
+from gpupipe.info import machine_info
+from gpupipe.prepare import PrepareOptions, prepare
+
+
+def _report(kind: str, config: dict, results: list[dict], path: str | None) -> None:
+    rep = {"kind": kind, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
+           "gpupipe": gpupipe.__version__, "config": config, "results": results}
+    text = json.dumps(rep, indent=1)
+    if path:
+        Path(path).write_text(text)
+    for r in results:
+        print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+def _prepared(data: str, out: str | None, options: PrepareOptions, workers: int) -> Path:
+    suffix = f"-max{options.max_side}" if options.max_side else ""
+    out = Path(out or data.rstrip("/") + f"-shards{suffix}")
+    summary = prepare(data, out, options, workers=workers)
+    print(f"{out}: {summary.samples} samples, {summary.copied} copied, re-encoded {summary.reencoded}, "
+          f"{len(summary.left_out)} left out", file=sys.stderr)
+    return out
+
+
+def cmd_read(args) -> None:
+    options = PrepareOptions(max_side=args.max_side, quality=args.quality)
+    shards = _prepared(args.data, args.prepared, options, gpupipe.api.usable_cores())
+    backends = args.backends.split(",") if args.backends else [
+        b for b in ("pillow", "pillow-simd", "turbojpeg", "dali") if b in gpupipe.available_backends()]
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    jobs = [(b, src, root) for b in backends for src, root in (("folder", args.data), ("shards", str(shards)))]
+    streams = []
+    for backend, src, root in jobs:
+        loader = gpupipe.build_loader(root, backend, batch_size=args.batch_size, train=True, image_size=224,
+                                      device=device, num_workers=args.workers, drop_last=False, normalize=False)
+        streams.append((len(y) for _, y in _forever(lambda loader=loader: loader)))
+        _warm(streams[-1], max(1.0, args.seconds / 4))
+        print(f"started {backend} on {src}", file=sys.stderr)
+    rates = [[] for _ in jobs]
+    drain = 4 * max(args.workers, 1) + 2  # what the prefetch queues made while another job was timed
+    for _ in range(args.repeats):  # interleaved: a slow patch of the machine hits folder and shards alike
+        for i in range(len(jobs)):
+            rates[i].append(_window(streams[i], args.seconds / args.repeats, drain, sync))
+    for s in streams:
+        s.close()
+    med = {(b, src): statistics.median(r) for (b, src, _), r in zip(jobs, rates, strict=True)}
+    results = [{"backend": b, "source": src, "images_per_s": med[b, src], "min": min(r), "max": max(r),
+                "shards_vs_folder": med[b, "shards"] / med[b, "folder"]}
+               for (b, src, _), r in zip(jobs, rates, strict=True)]
+    _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results, args.json)
+
+
+def fake_prepared(out: Path, n: int) -> Path:
+    """A prepared set of ``n`` samples that all point at one tiny image: what start-up reads, at any size."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src" / "c0"
+        src.mkdir(parents=True)
+        from PIL import Image
+
+        Image.new("RGB", (64, 48), (90, 120, 150)).save(src / "0.jpg")
+        prepare(src.parent, out / "one", PrepareOptions())
+    meta = json.loads((out / "one" / "gpupipe.json").read_text())
+    with np.load(out / "one" / "index.npz") as z:
+        index = {k: np.repeat(z[k][:1], n) for k in z.files}
+    index["label"] = np.arange(n, dtype=np.int64) % 1000
+    index["source"] = np.array([f"/data/train/c{i % 1000:04d}/{i:08d}.JPEG" for i in range(n)])
+    big = out / f"n{n}"
+    big.mkdir()
+    shutil.move(out / "one" / meta["shards"][0], big / meta["shards"][0])
+    np.savez(big / "index.npz", **index)
+    meta.update(samples=n, classes=[f"c{i:04d}" for i in range(1000)])
+    meta["class_to_idx"] = {c: i for i, c in enumerate(meta["classes"])}
+    (big / "gpupipe.json").write_text(json.dumps(meta))
+    shutil.rmtree(out / "one")
+    return big
+
+
+_STARTUP = """
+import json, sys, time
+import gpupipe
+t0 = time.perf_counter()
+loader = gpupipe.build_loader(sys.argv[1], "pillow", batch_size=256, device="cpu", num_workers=0)
+t1 = time.perf_counter()
+next(iter(loader))
+t2 = time.perf_counter()
+print(json.dumps({"build_loader_s": t1 - t0, "first_batch_s": t2 - t1}))
+"""
+
+
+def cmd_startup(args) -> None:
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in map(int, args.sizes.split(",")):
+            folder = fake_prepared(Path(tmp), n)
+            runs = [json.loads(subprocess.run([sys.executable, "-c", _STARTUP, str(folder)], check=True,
+                                              capture_output=True, text=True).stdout) for _ in range(args.repeats)]
+            results.append({"samples": n, **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                            "build_loader_max_s": max(r["build_loader_s"] for r in runs)})
+    _report("startup", {**vars(args), "func": None}, results, args.json)
+
+
+def cmd_prepare(args) -> None:
+    options = PrepareOptions(max_side=args.max_side, quality=args.quality, subsampling=args.subsampling)
+    results = []
+    for w in map(int, args.workers.split(",")):
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            t0 = time.perf_counter()
+            s = prepare(args.data, Path(tmp) / "out", options, workers=w)
+            dt = time.perf_counter() - t0
+        n = s.samples + len(s.left_out)
+        results.append({"workers": w, "images": n, "seconds": dt, "images_per_s": n / dt,
+                        "images_per_s_per_worker": n / dt / w, "reencoded": s.samples - s.copied})
+    _report("prepare", {**vars(args), "func": None}, results, args.json)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(required=True)
+    p = sub.add_parser("read", help="shards vs folder, per backend")
+    p.add_argument("data")
+    p.add_argument("--prepared", help="the prepared folder (default DATA-shards[-maxN], made if missing)")
+    p.add_argument("--backends", help="comma-separated (default: every available CPU-capable one)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per figure, split over the repeats")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-side", type=int)
+    p.add_argument("--quality", type=int, default=90)
+    p.set_defaults(func=cmd_read)
+    p = sub.add_parser("startup", help="build_loader start-up against set size")
+    p.add_argument("--sizes", default="1000,10000,100000")
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_startup)
+    p = sub.add_parser("prepare", help="gpupipe prepare throughput per worker count")
+    p.add_argument("data")
+    p.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    p.add_argument("--max-side", type=int)
+    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--subsampling", choices=["keep", "420"], default="keep")
+    p.add_argument("--tmp", help="where outputs go (deleted after each run; default the system temp folder)")
+    p.set_defaults(func=cmd_prepare)
+    for p in sub.choices.values():
+        p.add_argument("--json", help="write the report here")
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

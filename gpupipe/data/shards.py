@@ -1,0 +1,317 @@
+"""Tar shards in the WebDataset layout as an :class:`ImageList`: a folder written by ``gpupipe prepare`` (metadata,
+index, shards), or ``.tar`` shards written by other tools (webdataset, img2dataset), indexed once from their tar
+headers and cached. A sample is read by random access through the index (an mmap of its shard), so every backend
+keeps the global per-epoch shuffle, the sharding over ranks and mid-epoch resume.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import mmap
+import os
+import tarfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from ..errors import GpupipeError
+from .scan import ImageList
+
+META = "gpupipe.json"  # a prepared folder's metadata: its presence marks a complete prepared set
+INDEX = "index.npz"  # per-sample columns of a prepared folder
+FORMAT = "gpupipe-shards"
+VERSION = 1
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+LABEL_FIELDS = ("label", "cls")  # where a ``key.json`` holds the label
+_INDEX_SUFFIX = ".gpupipe-index.npz"  # the header index of a foreign shard, cached next to it
+_INDEX_VERSION = 1
+_MAX_OPEN = 256  # shard maps kept open per process: each holds a file descriptor
+
+
+class _Samples(Sequence):
+    """``(name, label)`` per sample, made on access from the index arrays: no per-sample Python object at start-up,
+    and nothing for forked workers' reference counts to copy. A name is ``shard.tar:member``."""
+
+    def __init__(self, shard_names: list[str], shard: np.ndarray, members: np.ndarray | None, labels: np.ndarray):
+        self._shards, self._shard, self._members, self._labels = shard_names, shard, members, labels
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        label = int(self._labels[i])  # IndexError past the end, as a list
+        i %= len(self)
+        member = f"{i:08d}.jpg" if self._members is None else str(self._members[i])
+        return f"{self._shards[self._shard[i]]}:{member}", label
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(
+            tuple(b) == a for a, b in zip(self, other, strict=True))
+
+    __hash__ = None
+
+
+class _Sizes(Sequence):
+    """Upright ``(height, width)`` per sample, from the index arrays."""
+
+    def __init__(self, heights: np.ndarray, widths: np.ndarray):
+        self.heights, self.widths = heights, widths
+
+    def __len__(self) -> int:
+        return len(self.heights)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return int(self.heights[i]), int(self.widths[i])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(sizes)``: an (N, 2) array, without a Python object per sample."""
+        return np.stack([self.heights, self.widths], axis=1).astype(dtype or np.int64)
+
+
+class ShardImageList(ImageList):
+    """Samples stored as members of uncompressed tar shards; :meth:`read` slices them out of a per-process mmap."""
+
+    def __init__(self, root: str, shard_paths: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
+                 labels: np.ndarray, classes: list[str], *, members: np.ndarray | None = None,
+                 heights: np.ndarray | None = None, widths: np.ndarray | None = None):
+        names = [os.path.basename(p) for p in shard_paths]
+        sizes = _Sizes(heights, widths) if heights is not None else None
+        super().__init__(root, _Samples(names, shard, members, labels), classes,
+                         {c: i for i, c in enumerate(classes)}, sizes)
+        self.shard_paths, self.labels = shard_paths, labels
+        self._shard, self._offset, self._size = shard, offset, size
+        self._maps: dict[int, mmap.mmap | BinaryIO] = {}
+        self._pid = os.getpid()
+
+    @property
+    def targets(self) -> list[int]:
+        return self.labels.tolist()
+
+    def read(self, index: int) -> bytes:
+        if self._pid != os.getpid():  # a forked worker: its parent's maps are not its own to share
+            self._close()
+            self._pid = os.getpid()
+        s = int(self._shard[index])
+        mm = self._maps.get(s)
+        if mm is None:
+            mm = self._open(s)
+        start = int(self._offset[index])
+        size = int(self._size[index])
+        data = os.pread(mm.fileno(), size, start) if isinstance(mm, io.IOBase) else mm[start : start + size]
+        if len(data) != size:
+            raise OSError(f"{self.shard_paths[s]} ends before its member at byte {start} of {size} bytes: truncated?")
+        return data
+
+    def _open(self, s: int) -> mmap.mmap | BinaryIO:
+        """The shard's map; its open file (read with ``pread``) where the file system refuses ``mmap``, as some
+        FUSE mounts of object storage do."""
+        if len(self._maps) >= _MAX_OPEN:  # dropped, not closed: a thread may still be slicing it (freed with it)
+            self._maps.pop(next(iter(self._maps)))
+        f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
+        try:
+            self._maps[s] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            f.close()
+        except (OSError, ValueError):
+            self._maps[s] = f
+        return self._maps[s]
+
+    def _close(self) -> None:
+        for mm in self._maps.values():
+            mm.close()
+        self._maps = {}
+
+    def __getstate__(self):  # spawned workers open their own maps
+        return {**self.__dict__, "_maps": {}, "_pid": None}
+
+
+def is_shard_source(root) -> bool:
+    """A list of shards, a glob, a ``.tar`` file, or a folder written by ``gpupipe prepare``."""
+    if isinstance(root, (list, tuple)):
+        return True
+    path = os.fspath(root)
+    if glob.has_magic(path) and not os.path.exists(path):
+        return True
+    return path.endswith(".tar") or os.path.isfile(os.path.join(path, META))
+
+
+def scan_shards(root) -> ShardImageList:
+    """The :class:`ShardImageList` for ``root`` (see :func:`is_shard_source`)."""
+    if not isinstance(root, (list, tuple)) and os.path.isdir(root):
+        return load_prepared(root)
+    if isinstance(root, (list, tuple)):
+        paths = [os.fspath(p) for p in root]
+        if not paths:
+            raise ValueError("the list of shards is empty")
+    elif glob.has_magic(os.fspath(root)):
+        paths = sorted(glob.glob(os.path.expanduser(os.fspath(root))))
+        if not paths:
+            raise FileNotFoundError(f"{root}: no file matches this pattern")
+    else:
+        paths = [os.fspath(root)]
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{p}: no such shard")
+    return load_tars(paths)
+
+
+def load_prepared(folder: str | os.PathLike) -> ShardImageList:
+    """A folder written by ``gpupipe prepare``: reads its metadata and index only (no shard is opened)."""
+    folder = Path(folder)
+    meta = json.loads((folder / META).read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise GpupipeError(f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
+                           f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again")
+    with np.load(folder / INDEX) as z:  # ``source`` (one path per sample) is left unread: start-up needs none
+        cols = {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
+    return ShardImageList(str(folder), [str(folder / n) for n in meta["shards"]], cols["shard"], cols["offset"],
+                          cols["size"], cols["label"], meta["classes"], heights=cols["height"], widths=cols["width"])
+
+
+def load_tars(paths: list[str]) -> ShardImageList:
+    """Shards in the WebDataset layout (``key.jpg|jpeg|png|webp`` + ``key.cls`` or ``key.json``) in the given order;
+    each is indexed from its tar headers on first use. Numeric labels give classes ``"0"`` .. ``str(max)``; string
+    labels give their sorted names, as a CSV list does."""
+    parts = [shard_index(p) for p in paths]
+    numeric = [p["label"].dtype.kind in "iu" for p in parts]
+    if any(numeric) and not all(numeric):
+        raise GpupipeError(f"{paths[numeric.index(True)]} has numeric labels but {paths[numeric.index(False)]} has "
+                           "class names: one data set needs one kind")
+    labels = np.concatenate([p["label"] for p in parts])
+    if all(numeric):
+        if labels.size and labels.min() < 0:
+            raise GpupipeError(f"{paths[0]}...: labels must be >= 0, found {labels.min()}")
+        classes = [str(i) for i in range(int(labels.max()) + 1)]
+        labels = labels.astype(np.int64)
+    else:
+        classes, labels = np.unique(labels, return_inverse=True)
+        classes = classes.tolist()
+    shard = np.concatenate([np.full(len(p["label"]), i, np.uint32) for i, p in enumerate(parts)])
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+    return ShardImageList(root, [os.path.abspath(p) for p in paths], shard,
+                          np.concatenate([p["offset"] for p in parts]), np.concatenate([p["size"] for p in parts]),
+                          labels.astype(np.int64), classes, members=np.concatenate([p["member"] for p in parts]))
+
+
+def shard_index(path: str) -> dict[str, np.ndarray]:
+    """The header index of one foreign shard: ``member``, ``offset``, ``size`` of each image and its ``label``
+    (integers, or class names). Cached next to the shard, or in the user cache folder when that is not writable;
+    rebuilt when the shard's size or modification time changes."""
+    st = os.stat(path)
+    stamp = np.array([_INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
+    for cached in _index_locations(path):
+        try:
+            with np.load(cached) as z:
+                if np.array_equal(z["stamp"], stamp):
+                    return {k: z[k] for k in ("member", "offset", "size", "label")}
+        except (OSError, KeyError, ValueError):
+            continue  # absent, unreadable or from another version: build it again
+    index = index_tar(path)
+    for target in _index_locations(path):
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _save_npz(target, stamp=stamp, **index)
+            break
+        except OSError:
+            continue
+    return index
+
+
+def _index_locations(path: str) -> list[Path]:
+    """Next to the shard when its folder is writable, else in ``$XDG_CACHE_HOME/gpupipe/shard-index``."""
+    here = Path(path + _INDEX_SUFFIX)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpupipe" / "shard-index"
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    elsewhere = cache / f"{digest}-{os.path.basename(path)}{_INDEX_SUFFIX}"
+    return [here, elsewhere] if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK) else [elsewhere]
+
+
+def _save_npz(target: Path, **arrays) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, target)
+
+
+def index_tar(path: str) -> dict[str, np.ndarray]:
+    """Walk a tar's headers (image data is skipped; only the small label members are read) and pair each key's
+    image with its label, WebDataset's way: the key is the member name up to the first dot of its last part."""
+    images: dict[str, tuple[str, int, int]] = {}
+    label_members: dict[str, dict[str, tuple[str, bytes]]] = {"cls": {}, "json": {}}
+    order: list[str] = []
+    try:
+        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
+            for m in tf:
+                key, ext = _split(m.name)
+                if not m.isfile() or (ext not in IMAGE_EXTS and ext not in label_members):
+                    continue
+                if key not in images and all(key not in d for d in label_members.values()):
+                    order.append(key)
+                if ext in IMAGE_EXTS:
+                    if key in images:
+                        raise GpupipeError(f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
+                                           "mixed extensions, which one is the sample?")
+                    images[key] = (m.name, m.offset_data, m.size)
+                else:
+                    label_members[ext][key] = (m.name, tf.extractfile(m).read())
+    except tarfile.TarError as e:
+        raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
+    keys, values = [], []
+    for key in order:
+        if key not in images:
+            raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
+        found = label_members["cls"].get(key) or label_members["json"].get(key)
+        if found is None:
+            raise GpupipeError(f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
+                               f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)")
+        keys.append(key)
+        values.append(_label(path, *found))
+    if not keys:
+        raise GpupipeError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
+    kinds = {type(v) for v in values}
+    if len(kinds) > 1:
+        raise GpupipeError(f"{path}: labels mix numbers and class names")
+    return {
+        "member": np.array([images[k][0] for k in keys]),
+        "offset": np.array([images[k][1] for k in keys], np.uint64),
+        "size": np.array([images[k][2] for k in keys], np.uint64),
+        "label": np.array(values, np.int64 if kinds == {int} else None),
+    }
+
+
+def _split(name: str) -> tuple[str, str]:
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
+def _label(path: str, member: str, data: bytes) -> int | str:
+    where = f"{path}: {member}"
+    if member.lower().endswith(".cls"):
+        try:
+            return int(data.strip())
+        except ValueError:
+            raise GpupipeError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}") from None
+    try:
+        obj = json.loads(data)
+    except ValueError as e:
+        raise GpupipeError(f"{where}: not valid JSON ({e})") from None
+    for f in LABEL_FIELDS:
+        if isinstance(obj, dict) and f in obj:
+            value = obj[f]
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise GpupipeError(f"{where}: field {f!r} must be an integer or a class name, got {value!r}")
+            return value
+    raise GpupipeError(f"{where}: no label field ({' or '.join(repr(f) for f in LABEL_FIELDS)})")

@@ -1,0 +1,384 @@
+"""``gpupipe prepare SRC OUT``: convert a data set to tar shards in the WebDataset layout, with an index and
+metadata, so that loading needs no directory scan, no header reads and no slow JPEG variants.
+
+Every file is decoded once on the way (``gpupipe check``'s test): bad ones are reported and left out. JPEGs that
+already fit are copied byte for byte; the rest (not JPEG, progressive, arithmetic-coded, CMYK, EXIF-rotated, over
+``max_side``, 4:4:4/4:2:2 with ``subsampling="420"``) are re-encoded to baseline RGB JPEG with Pillow.
+
+Layout of ``OUT`` (see :mod:`gpupipe.data.shards` for the reader)::
+
+    shard-000000.tar   members {index:08d}.jpg and {index:08d}.cls (the label as ASCII digits), index = sample
+    shard-000000.json  the shard's manifest: byte size, sha256, its samples' rows and source range, files left out
+    index.npz          per sample: shard, offset, size (of the .jpg member's data), label, height, width, source
+    gpupipe.json       format, version, source, options, classes, class_to_idx, shards, counts, files left out
+
+A shard is written to a hidden temporary name and renamed once complete, then its manifest; ``gpupipe.json`` is
+written last. An interrupted run resumes after the last shard whose manifest matches its bytes, and gives the same
+files as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import re
+import tarfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+from PIL import Image, JpegImagePlugin
+
+from .backends._image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
+from .backends.pillow import PillowDecoder
+from .data.scan import ImageList, scan
+from .data.shards import FORMAT, INDEX, META, VERSION
+from .errors import DecodeError, GpupipeError
+
+PLAN = ".prepare-plan.json"  # what an unfinished prepare in this folder was asked to do
+_SHARD = "shard-{:06d}"
+_BLOCK = 512
+_END = b"\0" * (2 * _BLOCK)  # a tar's end-of-archive marker
+_SAMPLINGS = {0: "4:4:4", 1: "4:2:2", 2: "4:2:0"}  # Pillow's JpegImagePlugin.get_sampling codes
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """What the shards hold. ``max_side``: longer side cap (None keeps the size); ``quality``: JPEG quality of
+    re-encoded images; ``shard_size``: bytes per shard at most (one sample more when it alone is larger);
+    ``subsampling``: ``"keep"`` the source's chroma subsampling, or re-encode 4:4:4/4:2:2 JPEGs to ``"420"``."""
+
+    max_side: int | None = None
+    quality: int = 90
+    shard_size: int = 512 * 2**20
+    subsampling: Literal["keep", "420"] = "keep"
+
+    def __post_init__(self):
+        if self.max_side is not None and self.max_side < 1:
+            raise ValueError(f"max_side must be >= 1, got {self.max_side}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"quality must be in [1, 100], got {self.quality}")
+        if self.shard_size < 4 * _BLOCK:
+            raise ValueError(f"shard_size must be at least {4 * _BLOCK} bytes, got {self.shard_size}")
+        if self.subsampling not in ("keep", "420"):
+            raise ValueError(f"subsampling must be 'keep' or '420', got {self.subsampling!r}")
+
+
+class Converted(NamedTuple):
+    """One source file's fate: the JPEG to store and its upright size, or why it is left out."""
+
+    data: bytes | None
+    height: int
+    width: int
+    changes: tuple[str, ...]  # why it was re-encoded; empty when copied as it is
+    reason: str | None = None  # why it is left out (``gpupipe check``'s words)
+
+
+@dataclass
+class Summary:
+    out: Path
+    samples: int
+    shards: int
+    copied: int
+    reencoded: dict[str, int]  # per cause (a file may have several)
+    left_out: list[dict] = field(default_factory=list)  # {"path", "reason"}, as ``gpupipe check --json`` lists them
+    resumed_at: int = 0  # source samples already done by an earlier, interrupted run
+    up_to_date: bool = False  # ``out`` already held this prepared set: nothing was done
+
+
+def parse_size(text: str) -> int:
+    """``"512MB"``, ``"2GiB"``, ``"100k"`` or a byte count; units are powers of 1024."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None:
+        raise ValueError(f"expected a size such as 512MB or 2GB, got {text!r}")
+    return int(float(m[1]) * 1024 ** " kmgt".index(m[2] or " "))
+
+
+def convert(data: bytes, path: str, options: PrepareOptions, max_pixels: int | None = None) -> Converted:
+    """Check one file by decoding it, and return what to store: the bytes as they are when they already fit, else a
+    baseline RGB JPEG of the decoded image (upright, at most ``max_side``)."""
+    limit = max_pixels or default_max_pixels()
+    try:
+        header = probe(data, path, "prepare", limit)
+        changes = _changes(data, header, options)
+        h, w = header.upright_size
+        th, tw = _fit(h, w, options.max_side)
+        if (th, tw) != (h, w):
+            changes.append("larger than max-side")
+            if header.is_jpeg:  # decode at the DCT scale that still covers the target: far less work on big photos
+                header.image.draft(None, (th, tw) if header.orientation in (5, 6, 7, 8) else (tw, th))
+        sampling = JpegImagePlugin.get_sampling(header.image) if header.is_jpeg else -1
+        decoded = PillowDecoder(limit).decode_opened(header, path)  # RGB, upright; raises on truncated data
+    except DecodeError as e:  # PIL names the in-memory buffer by its address: not a word worth keeping
+        return Converted(None, 0, 0, (), re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", e.reason))
+    if not changes:
+        return Converted(data, h, w, ())
+    if decoded.size != (tw, th):
+        decoded = decoded.resize((tw, th), Image.Resampling.LANCZOS)
+    keep = options.subsampling == "keep" and sampling in _SAMPLINGS
+    buf = io.BytesIO()
+    decoded.save(buf, "JPEG", quality=options.quality, subsampling=sampling if keep else 2)
+    return Converted(buf.getvalue(), th, tw, tuple(changes))
+
+
+def _changes(data: bytes, header: Header, options: PrepareOptions) -> list[str]:
+    """Why a file cannot be stored as it is (size aside): what is slow or unusual for the decoders."""
+    img, changes = header.image, []
+    if not header.is_jpeg:
+        changes.append(f"{img.format} (not JPEG)")
+    else:
+        if img.info.get("progressive") or img.info.get("progression"):
+            changes.append("progressive")
+        if jpeg_sof(data) in ARITHMETIC_SOF:
+            changes.append("arithmetic-coded")
+        if img.mode not in ("RGB", "L"):
+            changes.append(f"{img.mode} JPEG")
+        sampling = JpegImagePlugin.get_sampling(img)
+        if options.subsampling == "420" and sampling in (0, 1):
+            changes.append(_SAMPLINGS[sampling])
+    if header.orientation != 1:
+        changes.append("EXIF orientation")
+    return changes
+
+
+def _fit(h: int, w: int, max_side: int | None) -> tuple[int, int]:
+    if max_side is None or max(h, w) <= max_side:
+        return h, w
+    scale = max_side / max(h, w)
+    return max(1, round(h * scale)), max(1, round(w * scale))
+
+
+_job: tuple[ImageList, PrepareOptions] | None = None  # a pool worker's source and options
+
+
+def _init_worker(source: ImageList, options: PrepareOptions) -> None:
+    global _job
+    _job = (source, options)
+
+
+def _convert_sample(index: int) -> Converted:
+    source, options = _job
+    path = source.samples[index][0]
+    try:
+        data = source.read(index)
+    except OSError as e:
+        return Converted(None, 0, 0, (), f"cannot read the file ({e.strerror or e})")
+    return convert(data, path, options)
+
+
+def _results(source: ImageList, options: PrepareOptions, start: int, workers: int) -> Iterator[Converted]:
+    """Converted samples from ``start`` on, in dataset order, from ``workers`` processes."""
+    indices = range(start, len(source))
+    if workers <= 1:
+        _init_worker(source, options)
+        yield from map(_convert_sample, indices)
+        return
+    with multiprocessing.Pool(workers, _init_worker, (source, options)) as pool:
+        yield from pool.imap(_convert_sample, indices, chunksize=4)
+
+
+def _member(name: str, data: bytes) -> bytes:
+    """One tar member, header and padded data, with fixed metadata (mtime 0, root, 0644): the same bytes every run."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    return info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % _BLOCK)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _ShardWriter:
+    """One shard: written to a hidden temporary file, renamed when complete, then its manifest written."""
+
+    def __init__(self, out: Path, number: int, source_start: int, first: int, left_out: list[dict]):
+        self.out, self.name = out, _SHARD.format(number)
+        self.tmp = out / f".{self.name}.tar.tmp"
+        self.file = open(self.tmp, "wb")  # closed in close(), once the shard is complete
+        self.sha, self.bytes = hashlib.sha256(), 0
+        self.source_start, self.first, self.left_out = source_start, first, left_out
+        self.rows: dict[str, list] = {k: [] for k in ("offset", "size", "label", "height", "width", "source")}
+        self.changes: Counter = Counter()
+        self.copied = 0
+
+    def __len__(self) -> int:
+        return len(self.rows["label"])
+
+    def fits(self, size: int, limit: int) -> bool:
+        return not len(self) or self.bytes + _sample_bytes(size) + len(_END) <= limit
+
+    def add(self, sample: Converted, label: int, source: str) -> None:
+        key = f"{self.first + len(self):08d}"
+        for k, v in zip(self.rows, (self.bytes + _BLOCK, len(sample.data), label, sample.height, sample.width, source),
+                        strict=True):
+            self.rows[k].append(v)
+        self.changes.update(sample.changes)
+        self.copied += not sample.changes
+        self._write(_member(f"{key}.jpg", sample.data) + _member(f"{key}.cls", str(label).encode()))
+
+    def _write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.sha.update(data)
+        self.bytes += len(data)
+
+    def close(self, source_end: int) -> dict:
+        self._write(_END)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.out / f"{self.name}.tar")
+        manifest = {"shard": f"{self.name}.tar", "bytes": self.bytes, "sha256": self.sha.hexdigest(),
+                    "source_start": self.source_start, "source_end": source_end, "first": self.first,
+                    "count": len(self), "copied": self.copied, "reencoded": dict(sorted(self.changes.items())),
+                    "left_out": self.left_out,
+                    **self.rows}
+        _write_durably(self.out / f"{self.name}.json", json.dumps(manifest).encode())
+        return manifest
+
+
+def _sample_bytes(size: int) -> int:
+    return _BLOCK + size + (-size % _BLOCK) + 2 * _BLOCK  # .jpg header + padded data, .cls header + one block
+
+
+def _complete_shards(out: Path) -> list[dict]:
+    """The manifests of the shards an earlier run finished (each checked against its bytes), in order; every later
+    or partial shard file of that run is removed, so it is written again."""
+    done = []
+    for k in count():
+        tar, man = out / f"{_SHARD.format(k)}.tar", out / f"{_SHARD.format(k)}.json"
+        if not (tar.is_file() and man.is_file()):
+            break
+        m = json.loads(man.read_text())
+        if tar.stat().st_size != m["bytes"] or _sha256(tar) != m["sha256"]:
+            break
+        done.append(m)
+    for p in out.glob("shard-*"):
+        if re.fullmatch(r"shard-(\d{6})\.(tar|json)", p.name) and int(p.name[6:12]) >= len(done):
+            p.unlink()
+    for p in out.glob(".shard-*.tmp"):
+        p.unlink()
+    return done
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fingerprint(source: ImageList) -> str:
+    """Which samples, labels and classes the source holds: a resumed run must read the same data set."""
+    h = hashlib.sha256(json.dumps(source.classes).encode())
+    for name, label in source.samples:
+        h.update(f"{name}\t{label}\n".encode())
+    return h.hexdigest()
+
+
+def _absolute(src) -> str | list[str]:
+    if isinstance(src, (list, tuple)):
+        return [os.path.abspath(p) for p in src]
+    return os.path.abspath(src)
+
+
+def prepare(src, out: str | os.PathLike, options: PrepareOptions | None = None, *, workers: int = 1,
+            on_progress: Callable[[int, int], None] | None = None, allow_outside_root: bool = False) -> Summary:
+    """Write ``src`` (anything ``build_loader`` reads) to ``out`` as tar shards, index and metadata.
+
+    Args:
+        src: an ImageFolder, a CSV list, or shards.
+        out: an empty folder (made if missing), or one this function was interrupted in, with the same source and
+            options: it then resumes.
+        workers: processes that read, check and re-encode; the shards are written in dataset order by this one.
+        on_progress: called with (source samples done, total) as the work advances.
+    """
+    options = options or PrepareOptions()
+    src = _absolute(src)  # the same sample names (and so the same fingerprint) from any working directory
+    source = scan(src, allow_outside_root=allow_outside_root)
+    out = Path(out)
+    if isinstance(src, str) and os.path.isdir(src) and Path(src).resolve() in (out.resolve(), *out.resolve().parents):
+        raise ValueError(f"{out}: inside the source folder {src}; write the shards elsewhere (a rescan would see them)")
+    out.mkdir(parents=True, exist_ok=True)
+    plan = {"format": FORMAT, "version": VERSION, "source": src, "options": asdict(options),
+            "fingerprint": _fingerprint(source)}
+    if (out / META).exists():
+        meta = json.loads((out / META).read_text())
+        if {k: meta.get(k) for k in plan} != plan:
+            raise FileExistsError(f"{out}: holds a data set prepared from another source or with other options; "
+                                  "remove it or choose another folder")
+        return Summary(out, meta["samples"], len(meta["shards"]), meta["copied"], meta["reencoded"],
+                       meta["left_out"], up_to_date=True)
+    if (out / PLAN).exists():
+        if json.loads((out / PLAN).read_text()) != plan:
+            raise FileExistsError(f"{out}: holds an interrupted prepare of another source or with other options; "
+                                  "remove it or choose another folder")
+    elif any(out.iterdir()):
+        raise FileExistsError(f"{out}: not empty; prepare writes into an empty folder (or resumes its own)")
+    else:
+        _write_durably(out / PLAN, json.dumps(plan).encode())
+
+    manifests = _complete_shards(out)
+    start = manifests[-1]["source_end"] if manifests else 0
+    total = len(source)
+    if on_progress:
+        on_progress(start, total)
+    writer: _ShardWriter | None = None
+    pending: list[dict] = []  # files left out before the next shard opens
+    first = sum(m["count"] for m in manifests)
+    for index, sample in enumerate(_results(source, options, start, workers), start):
+        name, label = source.samples[index]
+        if sample.reason is not None:
+            (pending if writer is None else writer.left_out).append({"path": name, "reason": sample.reason})
+        else:
+            if writer is not None and not writer.fits(len(sample.data), options.shard_size):
+                manifests.append(writer.close(source_end=index))
+                first += len(writer)
+                writer = None
+            if writer is None:
+                writer, pending = _ShardWriter(out, len(manifests), index, first, pending), []
+            writer.add(sample, label, name)
+        if on_progress:
+            on_progress(index + 1, total)
+    if writer is not None:
+        manifests.append(writer.close(source_end=total))
+    return _finish(out, source, plan, manifests, pending, start)
+
+
+def _finish(out: Path, source: ImageList, plan: dict, manifests: list[dict], trailing: list[dict],
+            resumed_at: int) -> Summary:
+    """Write the index and then the metadata (whose presence marks the set complete) from the shards' manifests."""
+    left_out = [r for m in manifests for r in m["left_out"]] + trailing
+    if not manifests:
+        first = f", e.g. {left_out[0]['path']}: {left_out[0]['reason']}" if left_out else ""
+        raise GpupipeError(f"{plan['source']}: no file could be read as an image ({len(left_out)} left out){first}")
+    col = lambda k, dtype: np.array([v for m in manifests for v in m[k]], dtype)
+    index = {"shard": np.concatenate([np.full(m["count"], i, np.uint32) for i, m in enumerate(manifests)]),
+             "offset": col("offset", np.uint64), "size": col("size", np.uint64), "label": col("label", np.int64),
+             "height": col("height", np.uint32), "width": col("width", np.uint32), "source": col("source", str)}
+    buf = io.BytesIO()
+    np.savez(buf, **index)
+    _write_durably(out / INDEX, buf.getvalue())
+    reencoded = Counter()
+    for m in manifests:
+        reencoded.update(m["reencoded"])
+    samples = len(index["label"])
+    meta = {**plan, "classes": source.classes, "class_to_idx": {c: i for i, c in enumerate(source.classes)},
+            "samples": samples, "shards": [m["shard"] for m in manifests],
+            "copied": sum(m["copied"] for m in manifests), "reencoded": dict(sorted(reencoded.items())),
+            "left_out": left_out}
+    _write_durably(out / META, json.dumps(meta, indent=1).encode())
+    (out / PLAN).unlink()
+    return Summary(out, samples, len(manifests), meta["copied"], meta["reencoded"], left_out, resumed_at)

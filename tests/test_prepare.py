@@ -1,0 +1,208 @@
+"""gpupipe prepare: shards that load as their source does, re-encoding of what is slow or unusual, bad files reported
+and left out, and an interrupted run that resumes to the same bytes."""
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.datasets import ImageFolder
+
+import gpupipe
+from gpupipe.backends._image import jpeg_sof
+from gpupipe.cli import main
+from gpupipe.data.scan import scan
+from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
+
+from .conftest import make_folder, photo
+
+# DALI reads through ImageList.read once issue 13's byte feed (fn.external_source) lands; until then it opens
+# samples[i][0] as a file. Remove the xfail when merged.
+_BYTE_FEED = pytest.mark.xfail(strict=False, reason="DALI reads files by name until issue 13's byte feed")
+LOADERS = [pytest.param(b, marks=[pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"),
+                                  *([_BYTE_FEED] if b == "dali" else [])])
+           for b in ("pillow", "turbojpeg", "dali")]
+SMALL = PrepareOptions(shard_size=parse_size("16KB"))  # a few samples per shard
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def prepared(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "out"
+    prepare(folder, out, SMALL)
+    return out
+
+
+@pytest.mark.parametrize("backend", LOADERS)
+def test_prepared_set_loads_as_its_source(folder, prepared, backend):
+    kw = dict(batch_size=5, train=False, image_size=32, num_workers=1, normalize=False, device="cpu")
+    shards, files = gpupipe.build_loader(prepared, backend, **kw), gpupipe.build_loader(folder, backend, **kw)
+    tv = ImageFolder(str(folder))
+    assert shards.dataset.classes == tv.classes and shards.dataset.class_to_idx == tv.class_to_idx
+    assert shards.dataset.targets == tv.targets
+    with np.load(prepared / "index.npz") as z:
+        assert z["source"].tolist() == [p for p, _ in tv.samples]  # the same samples, in the same order
+    a, b = list(shards), list(files)
+    assert torch.equal(torch.cat([y for _, y in a]), torch.tensor(tv.targets))
+    assert torch.equal(torch.cat([x for x, _ in a]), torch.cat([x for x, _ in b]))  # bytes copied as they were
+
+
+def test_metadata_and_shards_hold_the_webdataset_layout(folder, prepared):
+    import tarfile
+
+    meta = json.loads((prepared / "gpupipe.json").read_text())
+    assert meta["format"] == "gpupipe-shards" and meta["version"] == 1 and meta["samples"] == 24
+    assert meta["options"]["shard_size"] == 16 * 1024 and meta["left_out"] == [] and meta["copied"] == 24
+    assert len(meta["shards"]) > 1
+    with tarfile.open(prepared / meta["shards"][0]) as tf:
+        names = tf.getnames()
+        assert names[:2] == ["00000000.jpg", "00000000.cls"]
+        assert tf.extractfile("00000000.cls").read() == b"0"
+        assert tf.extractfile("00000000.jpg").read() == (folder / "c00" / "000.jpg").read_bytes()
+    data = scan(prepared)
+    assert list(data.sizes) == [Image.open(p).size[::-1] for p, _ in ImageFolder(str(folder)).samples]
+    assert all(p.stat().st_size <= 16 * 1024 for p in prepared.glob("*.tar"))
+
+
+def _jpeg(img, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _rotated(img) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return _jpeg(img, quality=95, exif=exif)
+
+
+BASE = photo(np.random.default_rng(3), 60, 90)
+CASES = {  # name: (bytes, options, expected change, upright (h, w) of the result)
+    "baseline": (_jpeg(BASE, quality=90), PrepareOptions(), (), (60, 90)),
+    "progressive": (_jpeg(BASE, progressive=True), PrepareOptions(), ("progressive",), (60, 90)),
+    "cmyk": (_jpeg(BASE.convert("CMYK")), PrepareOptions(), ("CMYK JPEG",), (60, 90)),
+    "png": (_png(BASE), PrepareOptions(), ("PNG (not JPEG)",), (60, 90)),
+    "rotated": (_rotated(BASE), PrepareOptions(), ("EXIF orientation",), (90, 60)),
+    "444_keep": (_jpeg(BASE, subsampling=0), PrepareOptions(), (), (60, 90)),
+    "444_to_420": (_jpeg(BASE, subsampling=0), PrepareOptions(subsampling="420"), ("4:4:4",), (60, 90)),
+    "large": (_jpeg(BASE), PrepareOptions(max_side=45), ("larger than max-side",), (30, 45)),
+    "large_rotated": (_rotated(BASE), PrepareOptions(max_side=45), ("EXIF orientation", "larger than max-side"),
+                      (45, 30)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_slow_or_unusual_files_become_baseline_rgb_jpegs(case):
+    data, options, changes, size = CASES[case]
+    out = convert(data, "x.img", options)
+    assert out.reason is None and out.changes == changes and (out.height, out.width) == size
+    if not changes:
+        assert out.data == data  # copied byte for byte
+        return
+    img = Image.open(io.BytesIO(out.data))
+    assert jpeg_sof(out.data) == 0xC0 and img.mode == "RGB" and not img.getexif()  # baseline, RGB, no orientation
+    assert img.size == (size[1], size[0])
+    ref = gpupipe.read_image(data, "pillow").float()[None]
+    ref = torch.nn.functional.interpolate(ref, size=size, mode="bilinear", antialias=True)[0]
+    assert (gpupipe.read_image(out.data, "pillow").float() - ref).abs().mean() < 8  # the same picture, upright
+
+
+def test_bad_files_are_reported_and_left_out(tmp_path, capsys):
+    src = make_folder(tmp_path / "src", 2, 3)
+    good = (src / "c00" / "000.jpg").read_bytes()
+    (src / "c00" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (src / "c01" / "empty.jpg").write_bytes(b"")
+    (src / "c01" / "text.png").write_bytes(b"not an image")
+    assert main(["prepare", str(src), str(tmp_path / "out"), "--workers", "2"]) == 0
+    printed = "".join(capsys.readouterr().out.split())  # rich wraps long lines
+    meta = json.loads((tmp_path / "out" / "gpupipe.json").read_text())
+    bad = {Path(r["path"]).name: r["reason"] for r in meta["left_out"]}
+    assert sorted(bad) == ["empty.jpg", "text.png", "truncated.jpg"]
+    assert bad["empty.jpg"] == "empty file" and "truncated" in bad["truncated.jpg"]
+    for r in meta["left_out"]:  # reported as `gpupipe check` reports them
+        assert "".join(f"unreadable {r['path']}: {r['reason']}".split()) in printed
+    assert "3leftout" in printed
+    assert scan(tmp_path / "out").targets == [0, 0, 0, 1, 1, 1]
+
+
+def test_workers_give_the_same_bytes(folder, tmp_path):
+    prepare(folder, tmp_path / "one", SMALL, workers=1)
+    prepare(folder, tmp_path / "two", SMALL, workers=2)
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+
+
+_KILLED_RUN = """
+import os, signal, sys
+import gpupipe.prepare as p
+
+add, written = p._ShardWriter.add, []
+def add_then_die(self, *args):
+    add(self, *args)
+    written.append(1)
+    if len(written) == {kill_at}:  # mid-shard: SIGKILL, no clean-up of any kind
+        os.kill(os.getpid(), signal.SIGKILL)
+p._ShardWriter.add = add_then_die
+p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}))
+"""
+
+
+def test_an_interrupted_prepare_resumes_to_the_same_result(folder, tmp_path, prepared):
+    out = tmp_path / "out"
+    script = textwrap.dedent(_KILLED_RUN).format(kill_at=11, shard_size=SMALL.shard_size)
+    run = subprocess.run([sys.executable, "-c", script, str(folder), str(out)], capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert not (out / "gpupipe.json").exists() and (out / ".prepare-plan.json").exists()
+    complete = sorted(p.name for p in out.glob("shard-*.tar"))
+    assert complete and list(out.glob(".shard-*.tar.tmp"))  # some shards done, one cut short
+    # a shard that looks complete but is not (a torn write) must be written again, not kept
+    last = out / complete[-1]
+    last.write_bytes(last.read_bytes()[:-512])
+    with pytest.raises(FileExistsError, match="other options"):
+        prepare(folder, out, PrepareOptions(shard_size=SMALL.shard_size * 2))
+    summary = prepare(folder, out, SMALL)
+    assert 0 < summary.resumed_at < 24
+    assert _files(out) == _files(prepared)  # byte for byte what an uninterrupted run writes
+    assert prepare(folder, out, SMALL).up_to_date
+
+
+def test_prepare_refuses_a_folder_it_did_not_write(folder, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        prepare(folder, tmp_path, SMALL)
+    with pytest.raises(ValueError, match="inside the source"):
+        prepare(folder, folder / "shards", SMALL)
+    assert not (folder / "shards").exists()
+
+
+def test_parse_size_and_options():
+    assert parse_size("512MB") == 512 * 2**20 and parse_size("2GiB") == 2 * 2**30 and parse_size("100") == 100
+    assert parse_size("1.5k") == 1536
+    with pytest.raises(ValueError, match="512MB"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="'keep' or '420'"):
+        PrepareOptions(subsampling="444")
+
+
+def test_cli_flags_reach_the_options(tmp_path):
+    src = make_folder(tmp_path / "src", 2, 2)
+    args = ["--max-side", "64", "--quality", "80", "--shard-size", "20KB", "--subsampling", "420", "--workers", "1"]
+    assert main(["prepare", str(src), str(tmp_path / "out"), *args]) == 0
+    meta = json.loads((tmp_path / "out" / "gpupipe.json").read_text())
+    assert meta["options"] == {"max_side": 64, "quality": 80, "shard_size": 20 * 1024, "subsampling": "420"}
+    assert max(max(hw) for hw in scan(tmp_path / "out").sizes) == 64
