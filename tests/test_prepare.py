@@ -23,11 +23,7 @@ from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
 
 from .conftest import make_folder, photo
 
-# DALI reads through ImageList.read once issue 13's byte feed (fn.external_source) lands; until then it opens
-# samples[i][0] as a file. Remove the xfail when merged.
-_BYTE_FEED = pytest.mark.xfail(strict=False, reason="DALI reads files by name until issue 13's byte feed")
-LOADERS = [pytest.param(b, marks=[pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"),
-                                  *([_BYTE_FEED] if b == "dali" else [])])
+LOADERS = [pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
            for b in ("pillow", "turbojpeg", "dali")]
 SMALL = PrepareOptions(shard_size=parse_size("16KB"))  # a few samples per shard
 

@@ -20,9 +20,7 @@ from gpupipe.prepare import PrepareOptions, prepare
 from .conftest import CPU_LOADER_BACKENDS, photo
 
 wds = pytest.importorskip("webdataset")
-# DALI reads through ImageList.read once issue 13's byte feed (fn.external_source) lands; remove the xfail then.
-_BYTE_FEED = pytest.mark.xfail(strict=False, reason="DALI reads files by name until issue 13's byte feed")
-BACKENDS = [pytest.param(b, marks=_BYTE_FEED) if b == "dali" else b for b in CPU_LOADER_BACKENDS]
+BACKENDS = CPU_LOADER_BACKENDS
 
 
 def _encoded(seed: int, fmt: str = "JPEG") -> bytes:
