@@ -132,8 +132,10 @@ def header_scan(dataset, max_pixels: int, workers: int = 1):
     are used as they are; files are scanned in parallel on large sets."""
     n = len(dataset)
     if dataset.sizes is not None:
-        problems = {i: r for i, (h, w) in enumerate(dataset.sizes) if (r := pixel_limit_reason(w, h, max_pixels))}
-        return list(dataset.sizes), problems, set()
+        hw = np.asarray(dataset.sizes, dtype=np.int64).reshape(-1, 2)
+        over = np.flatnonzero(hw[:, 0] * hw[:, 1] > max_pixels)  # vectorised: prepared sets hold millions
+        problems = {int(i): pixel_limit_reason(int(hw[i, 1]), int(hw[i, 0]), max_pixels) for i in over}
+        return hw, problems, set()
     check = partial(_header_entry, max_pixels=max_pixels)
     if type(dataset).read is not _plain_read():  # another storage layout: its bytes, read one by one
         entries = [_entry_of(dataset, i, check) for i in range(n)]

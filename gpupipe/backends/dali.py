@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
+from .._system import usable_cores
 from ..data.device import normalise
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
@@ -184,7 +185,7 @@ class DaliLoader(Loader):
         """Every sample's upright size (the recipe needs it for the crop) and what DALI must not be given: unusable
         headers and images over the pixel limit (DALI has none of its own), and formats only Pillow decodes."""
         if self._headers is None:
-            self._headers = header_scan(self.dataset, self.max_pixels, self.parts.workers)
+            self._headers = header_scan(self.dataset, self.max_pixels, usable_cores())
         return self._headers
 
     def _prepare(self, epoch: int, indices: list[int]) -> _Work:
@@ -213,7 +214,7 @@ class DaliLoader(Loader):
             if i in pillow_only:
                 self._decode_on_cpu(work, pos, data, plan)
                 continue
-            height, width = sizes[i]
+            height, width = int(sizes[i][0]), int(sizes[i][1])
             if self.train:
                 box = plan(height, width)
                 meta = (box.top, box.left, box.height, box.width, int(box.flip))
