@@ -117,12 +117,13 @@ class Loader:
         raise NotImplementedError
 
     def _with_policy(self, source: Iterator[Batch], sizes: list[int]) -> Iterator[Batch]:
-        """Pass good batches through untouched; with skipped samples, fill each batch from the next ones. Train pads
-        the epoch's end from its first samples, so every rank still takes exactly ``len(self)`` steps; eval delivers
-        each good sample once (its last batch may be short, and it may have fewer batches)."""
-        carry: Batch | None = None
-        pool: Batch | None = None  # the first good samples, to pad the end with
-        out = 0
+        """The error policy on the backend's batches: raise the first failure in the main process, or record it
+        and fill each batch from the next samples. Train pads the epoch's end from its first samples, so every rank
+        still takes exactly ``len(self)`` steps; eval delivers each good sample once (its last batch may be short,
+        and it may have fewer batches)."""
+        return _rebatch(self._checked(source), sizes, pad=self.train)
+
+    def _checked(self, source: Iterator[Batch]) -> Iterator[Batch]:
         for b in source:
             self.fallbacks += b.fallbacks
             if b.errors:
@@ -130,29 +131,38 @@ class Loader:
                     path, reason = b.errors[0]
                     raise DecodeError(path, self.backend, reason)
                 self.skipped.extend(b.errors)
-            if pool is None and len(b.labels):
-                pool = b
-            if carry is None and not b.errors and out < len(sizes) and len(b.labels) == sizes[out]:
-                out += 1
-                yield b  # the common case: no copy
-                continue
-            carry = b if carry is None else _cat(carry, b)
-            while out < len(sizes) and len(carry.labels) >= sizes[out]:
-                head, carry = _split(carry, sizes[out])
-                out += 1
-                yield head
-        if not self.train:
-            if carry is not None and len(carry.labels):
-                yield carry
-            return
-        while out < len(sizes):
-            if pool is None:
-                raise GpupipeError(f"no sample of this epoch could be decoded ({len(self.skipped)} skipped)")
+            yield b
+
+
+def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[Batch]:
+    """Batches of exactly ``sizes`` from batches that may have lost samples; full batches pass untouched (no copy).
+    With ``pad``, the end is filled from the first good samples; without, the remainder is the last batch."""
+    carry: Batch | None = None
+    pool: Batch | None = None  # the first good samples, to pad the end with
+    out = 0
+    for b in batches:
+        if pool is None and len(b.labels):
+            pool = b
+        if carry is None and out < len(sizes) and len(b.labels) == sizes[out]:
+            out += 1
+            yield b  # the common case
+            continue
+        carry = b if carry is None else _cat(carry, b)
+        while out < len(sizes) and len(carry.labels) >= sizes[out]:
+            head, carry = _split(carry, sizes[out])
+            out += 1
+            yield head
+    if not pad:
+        if carry is not None and len(carry.labels):
+            yield carry
+        return
+    for size in sizes[out:]:
+        if pool is None:
+            raise GpupipeError("no sample of this epoch could be decoded: every file was skipped")
+        while carry is None or len(carry.labels) < size:
             carry = pool if carry is None else _cat(carry, pool)
-            if len(carry.labels) >= sizes[out]:
-                head, carry = _split(carry, sizes[out])
-                out += 1
-                yield head
+        head, carry = _split(carry, size)
+        yield head
 
 
 def _cat(a: Batch, b: Batch) -> Batch:
