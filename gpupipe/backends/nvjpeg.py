@@ -28,7 +28,7 @@ def nvjpeg_can_decode(data: bytes, header) -> bool:
 
 class _BytesDataset(torch.utils.data.Dataset):
     def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int):
-        self.dataset, self.recipe, self.train, self.seed = samples, recipe, train, seed
+        self.dataset, self.recipe, self.train, self.seed = dataset, recipe, train, seed
         self.max_pixels = max_pixels
         self._fallback = PillowDecoder(max_pixels)  # for what nvJPEG cannot take; made once, not per sample
 

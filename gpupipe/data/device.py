@@ -40,7 +40,7 @@ class DeviceStage:
         self.inv_std = torch.tensor([1 / (s * 255) for s in recipe.std], device=device).view(shape)
 
     def finish(self, images: torch.Tensor, layout: str, keys: torch.Tensor | None = None) -> torch.Tensor:
-        """``keys``: the batch's (epoch, index) pairs when its per-sample augmentation is still to do (see ``Batch``)."""
+        """``keys``: (epoch, index) of samples whose per-sample augmentation is still to do (``Batch.keys``)."""
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
         if self.augment is not None:  # on uint8, before normalisation
