@@ -125,13 +125,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given")."""
     from .train.config import TrainConfig
 
+    aliases = {"label_smoothing": ["--smoothing"]}  # timm's name
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, [])]
         tp, _ = _optional(f.type)
         if tp is bool:
-            p.add_argument(flag, action="store_true", default=None, help=f"(default {f.default})")
+            p.add_argument(*flags, action="store_true", default=None, help=f"(default {f.default})")
         else:
-            p.add_argument(flag, type=tp, default=None, help=f"(default {f.default})")
+            p.add_argument(*flags, type=tp, default=None, help=f"(default {f.default})")
     p.add_argument("--config", help="a YAML file whose keys override the defaults")
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
 
