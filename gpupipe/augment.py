@@ -317,7 +317,12 @@ class Policy:
         return _KERNELS[base]
 
     def _apply_erase(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """Only the rows and columns the group's boxes span are computed (the whole box, for one image)."""
+        """Only the rows and columns the group's boxes span are computed: on CUDA for the whole group at once, on the
+        CPU box by box (the values depend on absolute positions only, so both agree)."""
+        if not x.is_cuda and len(x) > 1:
+            for i in range(len(x)):
+                x[i : i + 1] = self._apply_erase(x[i : i + 1], a[i : i + 1])
+            return x
         dev = x.device
         top, left, h, w = (a[:, i].long() for i in range(4))
         y0, y1 = int(top.min()), int((top + h).max())
@@ -373,7 +378,7 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 
 def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
     """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept), in exact integers."""
-    xi = x.to(torch.int32)
+    xi = x.to(torch.int16)  # at most 13 * 255 * 2 + 13: no overflow
     s = xi[..., 1:-1, 1:-1] * 4
     for dy in (0, 1, 2):
         for dx in (0, 1, 2):
@@ -381,6 +386,16 @@ def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
     out = xi.clone()
     out[..., 1:-1, 1:-1] = torch.div(2 * s + 13, 26, rounding_mode="floor")  # round(s / 13): no ties with 13
     return out.float()
+
+
+def _per_image_u8(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.to(device=x.device, dtype=torch.uint8).view(-1, 1, 1, 1)
+
+
+def _solarize(x: torch.Tensor, thresh: torch.Tensor) -> torch.Tensor:
+    """Invert pixels >= thresh (0..256; 256: none), comparing in uint8 rather than promoting the image."""
+    invert = (x >= _per_image_u8(thresh.clamp(max=255), x)) & (thresh <= 255).to(x.device).view(-1, 1, 1, 1)
+    return torch.where(invert, 255 - x, x)
 
 
 def _per_image(fn: Callable[[torch.Tensor, float], torch.Tensor]):
@@ -392,9 +407,9 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "Equalize": lambda x, a: F.equalize(x),
     "Invert": lambda x, a: F.invert(x),
     "Posterize": lambda x, a: x & ((0xFF << (8 - a[:, 0].long())) & 0xFF).to(x.device, torch.uint8).view(-1, 1, 1, 1),
-    "Solarize": lambda x, a: torch.where(x >= a[:, :1].to(x.device).view(-1, 1, 1, 1), 255 - x, x),
-    "SolarizeAdd": lambda x, a: torch.where(x < 128, (x.int() + a[:, :1].to(x.device).int().view(-1, 1, 1, 1))
-                                            .clamp_(max=255).to(torch.uint8), x),
+    "Solarize": lambda x, a: _solarize(x, a[:, 0]),
+    # x < 128 and add <= 128: the uint8 sum cannot wrap where it is kept
+    "SolarizeAdd": lambda x, a: torch.where(x < 128, x + _per_image_u8(a[:, 0], x), x),
     "Brightness": lambda x, a: _blend(x, 0.0, a),
     "Color": lambda x, a: _blend(x, _gray(x), a),
     "Contrast": lambda x, a: _blend(x, _gray(x).mean(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64).float(), a),
@@ -435,15 +450,12 @@ def _affine(x: torch.Tensor, mats: list[tuple[float, ...]], fill: tuple[float, .
     gx = (m[:, 0] * xs + m[:, 1] * ys + m[:, 2]) * (2.0 / w) - 1.0
     gy = (m[:, 3] * xs + m[:, 4] * ys + m[:, 5]) * (2.0 / h) - 1.0
     grid = torch.stack([gx, gy], dim=-1)
-    src = torch.cat([x.float(), torch.ones_like(x[:, :1], dtype=torch.float32)], dim=1)
-    out = torch.nn.functional.grid_sample(src, grid, mode=mode, padding_mode="zeros", align_corners=False)
-    img, mask = out[:, :3], out[:, 3:]
+    # sampling (image - fill) with zero padding, then adding fill back, blends the fill in where the source runs out
+    # (v2's extra mask channel, without the fourth channel)
     fill_t = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
-    if mode == "nearest":
-        img = torch.where(mask < 0.5, fill_t, img)
-    else:
-        img = img * mask + fill_t * (1.0 - mask)
-    return img.round_().clamp_(0, 255).to(torch.uint8)
+    out = torch.nn.functional.grid_sample(x.float() - fill_t, grid, mode=mode, padding_mode="zeros",
+                                          align_corners=False)
+    return out.add_(fill_t).round_().clamp_(0, 255).to(torch.uint8)
 
 
 TransformsMode = Literal["image", "batch"]

@@ -196,3 +196,18 @@ def test_cuda_device_path_matches_the_cpu_workers(folder):
     assert (cuda - cpu).abs().mean() < 1.0  # same draws; float rounding differs between devices
     synth = _pixels(_loader(folder, "synthetic", recipe=FULL, device="cuda"))
     assert synth.is_cuda and synth.shape == (24, 3, 48, 48)
+
+
+def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch):
+    import json
+
+    from gpupipe.cli import main
+
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
+    j = tmp_path / "b.json"
+    rc = main(["bench", "--data", str(folder), "--device", "cpu", "--workers", "0", "--backends", "pillow",
+               "--pipelines", "train", "--seconds", "0.2", "--repeats", "1", "--batch-size", "8", "--image-size", "32",
+               "--aa", RA, "--reprob", "0.25", "--json", str(j)])
+    assert rc == 0
+    got = {(r["backend"], r["pipeline"]) for r in json.loads(j.read_text())["results"]}
+    assert {("pillow", "train"), ("pillow", "augment")} <= got
