@@ -206,41 +206,37 @@ class Policy:
         if unknown:
             raise ValueError(f"unsupported RandAugment section(s) {sorted(unknown)} in {config!r}; "
                              "supported: m, n, p, mstd, mmax, inc")
-        m, n, p = int(kv.get("m", 10)), int(kv.get("n", 2)), float(kv.get("p", 0.5))
+        self._m, self._n, self._p = int(kv.get("m", 10)), int(kv.get("n", 2)), float(kv.get("p", 0.5))
         mstd = float(kv.get("mstd", 0))
-        mag = _Magnitude(math.inf if mstd > 100 else mstd, int(kv["mmax"]) if "mmax" in kv else None)
-        names = _RAND_INCREASING_TRANSFORMS if bool(int(kv.get("inc", 0))) else _RAND_TRANSFORMS
-        translate_const = int(self.size * 0.45)
+        self._mag = _Magnitude(math.inf if mstd > 100 else mstd, int(kv["mmax"]) if "mmax" in kv else None)
+        self._names = _RAND_INCREASING_TRANSFORMS if bool(int(kv.get("inc", 0))) else _RAND_TRANSFORMS
+        return self._draw_rand  # a bound method, not a closure: the policy pickles into spawned workers
 
-        def draw(rng: random.Random) -> list[Op]:
-            ops = []
-            for name in (names[rng.randrange(len(names))] for _ in range(n)):  # with replacement, as timm
-                if p < 1.0 and rng.random() > p:
-                    continue
-                ops.append(Op(name, _level_args(name, mag.draw(m, rng), rng, translate_const)))
-            return ops
-
-        return draw
+    def _draw_rand(self, rng: random.Random) -> list[Op]:
+        names, ops = self._names, []
+        for name in [names[rng.randrange(len(names))] for _ in range(self._n)]:  # with replacement, as timm
+            if self._p < 1.0 and rng.random() > self._p:
+                continue
+            ops.append(Op(name, _level_args(name, self._mag.draw(self._m, rng), rng, int(self.size * 0.45))))
+        return ops
 
     def _auto_augment(self, config: str) -> Callable[[random.Random], list[Op]]:
         head, kv = _split_config(config)
         if set(kv) - {"mstd"}:
             raise ValueError(f"unsupported AutoAugment section(s) in {config!r}; supported: mstd")
-        mag = _Magnitude(float(kv.get("mstd", 0)))
-        table = _AA_ORIGINAL if head == "original" else tuple(
+        self._mag = _Magnitude(float(kv.get("mstd", 0)))
+        self._table = _AA_ORIGINAL if head == "original" else tuple(
             tuple((n.replace("PosterizeOriginal", "PosterizeIncreasing"), p, m) for n, p, m in sub)
             for sub in _AA_ORIGINAL)
-        translate_const = int(self.size * 0.45)
+        return self._draw_auto
 
-        def draw(rng: random.Random) -> list[Op]:
-            ops = []
-            for name, prob, m in table[rng.randrange(len(table))]:
-                if prob < 1.0 and rng.random() > prob:
-                    continue
-                ops.append(Op(name, _level_args(name, mag.draw(m, rng), rng, translate_const)))
-            return ops
-
-        return draw
+    def _draw_auto(self, rng: random.Random) -> list[Op]:
+        ops = []
+        for name, prob, m in self._table[rng.randrange(len(self._table))]:
+            if prob < 1.0 and rng.random() > prob:
+                continue
+            ops.append(Op(name, _level_args(name, self._mag.draw(m, rng), rng, int(self.size * 0.45))))
+        return ops
 
     @staticmethod
     def _trivial_augment(rng: random.Random) -> list[Op]:
@@ -513,8 +509,8 @@ class SampleAugment:
         return images
 
     def _user(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_hash_key(self.seed, epoch, index))
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's
+            torch.default_generator.manual_seed(_hash_key(self.seed, epoch, index))
             return self.per_image(image)
 
 

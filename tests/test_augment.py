@@ -59,6 +59,14 @@ def test_one_image_and_a_batch_give_the_same_pixels(aa):
     assert batched.dtype == torch.uint8 and not torch.equal(batched, x)
 
 
+def test_policy_pickles_for_spawned_workers():
+    import pickle
+
+    for aa in (RA, "original", "trivialaugment"):
+        policy = Policy(Recipe(auto_augment=aa, color_jitter=0.4, re_prob=0.5))
+        assert pickle.loads(pickle.dumps(policy)).draw(0, 1, 2) == policy.draw(0, 1, 2)
+
+
 def test_worker_path_and_batched_device_path_give_the_same_pixels(folder):
     transforms = v2.RandomErasing(p=0.5, value=0)
     a = _pixels(_loader(folder, recipe=FULL, transforms=transforms))
