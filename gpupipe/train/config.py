@@ -33,6 +33,7 @@ class TrainConfig:
     color_jitter: float | None = None
     reprob: float = 0.0
     remode: str = "pixel"
+    recount: int = 1
     mixup: float = 0.0  # MixUp alpha; 0: off
     cutmix: float = 0.0  # CutMix alpha; 0: off
     mixup_prob: float = 1.0

@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
 
     # Data: every rank reads its own shard, and every rank takes the same number of steps.
     recipe = Recipe(cfg.image_size, auto_augment=cfg.aa, color_jitter=cfg.color_jitter, re_prob=cfg.reprob,
-                    re_mode=cfg.remode)  # the policies apply to the train loader only
+                    re_mode=cfg.remode, re_count=cfg.recount)  # the policies apply to the train loader only
     loader_kw = dict(image_size=cfg.image_size, device=device, num_workers=cfg.workers, seed=cfg.seed,
                      channels_last=cfg.channels_last, on_error=cfg.on_error, recipe=recipe)
     train_loader = build_loader(cfg.data, cfg.backend, batch_size=cfg.batch_size, train=True, **loader_kw)
