@@ -42,3 +42,29 @@ def test_bad_policy_is_a_clear_error(data, tmp_path):
     proc = subprocess.run(_cli(data, tmp_path / "bad", "--aa", "rand-q3"), capture_output=True,
                           text=True)
     assert proc.returncode == 2 and "unsupported RandAugment" in proc.stderr
+
+
+def test_killed_augmented_run_resumes_to_the_straight_runs_weights(data, tmp_path):
+    """RandAugment, erasing and MixUp/CutMix are keyed by sample and step, the EMA is checkpointed: a run killed
+    mid-epoch and resumed ends where the straight run does."""
+    import os
+    import signal
+    import time
+
+    def cli(out, *extra):
+        return _cli(data, out, "--epochs", "2", "--batch-size", "4", "--save-every", "2", *extra)
+
+    subprocess.run(cli(tmp_path / "straight"), check=True)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli(out))
+    ckpt = out / "checkpoints" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(cli(out, "--resume"), check=True)
+    a, b = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt"), checkpoint.load(ckpt)
+    for part in ("model", "model_ema"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
