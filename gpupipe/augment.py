@@ -153,16 +153,16 @@ class Policy:
         self.mean255 = tuple(m * 255 for m in recipe.mean)
         self.std255 = tuple(s * 255 for s in recipe.std)
         self.fill = tuple(float(min(255, round(m))) for m in self.mean255)  # timm's img_mean
-        self.mode = "bilinear"
+        self.interpolation = "bilinear"  # timm picks bilinear or bicubic at random; grid_sample has both
         self._aa: Callable[[random.Random], list[Op]] | None = None
         aa = recipe.auto_augment
         if aa is not None:
             aa = aa.lower()
-            if aa.startswith("rand"):
+            if aa.split("-")[0] == "rand":
                 self._aa = self._rand_augment(aa)
             elif aa in ("trivialaugment", "trivialaugmentwide", "ta_wide"):
                 self._aa = self._trivial_augment
-                self.fill, self.mode = (0.0, 0.0, 0.0), "nearest"
+                self.fill, self.interpolation = (0.0, 0.0, 0.0), "nearest"  # torchvision's defaults
             elif aa.split("-")[0] in ("original", "originalr"):
                 self._aa = self._auto_augment(aa)
             else:
@@ -307,7 +307,7 @@ class Policy:
     def _kernel(self, name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         base = name.removesuffix("Increasing").removesuffix("Original")
         if base in _AFFINE:
-            return lambda x, a: _affine(x, _AFFINE[base](a, x.shape[-2], x.shape[-1]), self.fill, self.mode)
+            return lambda x, a: _affine(x, _AFFINE[base](a, x.shape[-2], x.shape[-1]), self.fill, self.interpolation)
         if base == "Erase":
             return self._apply_erase
         return _KERNELS[base]
