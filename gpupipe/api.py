@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from ._system import usable_cores
+from .augment import Policy, SampleAugment
 from .backends import BackendName, check_name, require_backend, rule_of_thumb
 from .data.device import DeviceStage
 from .data.loader import Loader, LoaderParts
@@ -53,7 +54,8 @@ def build_loader(
     world_size: int | None = None,
     on_error: Literal["raise", "skip"] = "raise",
     recipe: Recipe | None = None,
-    transforms: Sequence[Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    transforms: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable] | None = None,
+    transforms_mode: Literal["image", "batch"] = "image",
     channels_last: bool = False,
     max_pixels: int | None = None,
     pin_memory: bool | None = None,
@@ -78,8 +80,13 @@ def build_loader(
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
-        recipe: override the recipe's scale, ratio, crop_pct, mean or std (``image_size`` wins over ``recipe.size``).
-        transforms: callables (e.g. torchvision v2 transforms) applied to each device batch, for every backend.
+        recipe: override the recipe's scale, ratio, crop_pct, mean or std, or switch on its augmentation policies
+            (``auto_augment``, ``color_jitter``, ``re_prob``; train loaders only); ``image_size`` wins over
+            ``recipe.size``.
+        transforms: a callable, a list of them or a ``Compose`` (e.g. torchvision v2 transforms), given uint8
+            (3,S,S) images before normalisation, for every backend.
+        transforms_mode: ``"image"``: each image on its own (independent, per-sample reproducible draws; a Python
+            call per image); ``"batch"``: once per (N,3,S,S) uint8 batch on the device (one draw for the batch).
         channels_last: deliver batches in ``torch.channels_last`` memory format.
         max_pixels: refuse images with more pixels (checked from the header); default PIL's limit.
         pin_memory, prefetch_factor, persistent_workers: DataLoader settings; ``None`` picks what suits the device.
@@ -104,7 +111,9 @@ def build_loader(
     # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
     sampler = ShardSampler(len(dataset), batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size,
                            drop_last=train if drop_last is None else drop_last, equal_steps=train)
-    stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, transforms=transforms or ())
+    policy = Policy(recipe) if train else None
+    augment = SampleAugment(policy, seed, transforms, transforms_mode)
+    stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
     workers = usable_cores() if num_workers is None else num_workers
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")

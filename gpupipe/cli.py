@@ -66,8 +66,14 @@ def _cmd_bench(args) -> int:
     else:
         backends = [b for b in names() if b in avail and device.type in get(b).devices]
     workers = suite.default_workers() if args.workers is None else args.workers
-    cfg = suite.Config(data, backends, args.pipelines.split(","), workers, device, args.batch_size, args.seconds,
-                       args.repeats, args.image_size, args.model)
+    from .recipe import Recipe
+
+    recipe = Recipe(args.image_size, auto_augment=args.aa, color_jitter=args.color_jitter, re_prob=args.reprob)
+    pipelines = args.pipelines.split(",")
+    if (args.aa or args.color_jitter or args.reprob) and "augment" not in pipelines:
+        pipelines.append("augment")  # the policies' cost: train with them, beside train without
+    cfg = suite.Config(data, backends, pipelines, workers, device, args.batch_size, args.seconds,
+                       args.repeats, args.image_size, args.model, recipe)
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
     with console.status("benchmarking") as status:
@@ -161,13 +167,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given")."""
     from .train.config import TrainConfig
 
+    aliases = {"label_smoothing": ["--smoothing"]}  # timm's name
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, [])]
         tp, _ = _optional(f.type)
         if tp is bool:
-            p.add_argument(flag, action="store_true", default=None, help=f"(default {f.default})")
+            p.add_argument(*flags, action="store_true", default=None, help=f"(default {f.default})")
         else:
-            p.add_argument(flag, type=tp, default=None, help=f"(default {f.default})")
+            p.add_argument(*flags, type=tp, default=None, help=f"(default {f.default})")
     p.add_argument("--config", help="a YAML file whose keys override the defaults")
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
 
@@ -218,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per measurement (after warm-up)")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per measurement; the median is reported")
     p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
+    p.add_argument("--aa", help="add an 'augment' pipeline: train with this policy (e.g. rand-m9-mstd0.5-inc1)")
+    p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")
+    p.add_argument("--reprob", type=float, default=0.0, help="augment pipeline: random erasing probability")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG bar chart")
     p.set_defaults(func=_cmd_bench)

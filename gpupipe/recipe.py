@@ -32,7 +32,12 @@ class Box:
 @dataclass(frozen=True)
 class Recipe:
     """train: RandomResizedCrop(size, scale, ratio) + horizontal flip; eval: resize shorter side to
-    ``round(size / crop_pct)`` + centre crop. Normalisation (mean/std) happens on the device."""
+    ``round(size / crop_pct)`` + centre crop. Normalisation (mean/std) happens on the device.
+
+    Train-time policies after the crop, per image, with timm's names and meanings (all off by default; see
+    :mod:`gpupipe.augment`): ``auto_augment`` (``"rand-m9-mstd0.5-inc1"``, ``"original"``, ``"trivialaugment"``),
+    ``color_jitter`` (0.4: brightness = contrast = saturation = 0.4), random erasing (``re_prob``, ``re_mode``
+    ``"pixel"``/``"rand"``/``"const"``, up to ``re_count`` boxes)."""
 
     size: int = 224
     scale: tuple[float, float] = (0.08, 1.0)
@@ -41,6 +46,11 @@ class Recipe:
     crop_pct: float = 0.875
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
+    auto_augment: str | None = None
+    color_jitter: float | tuple[float, ...] | None = None
+    re_prob: float = 0.0
+    re_mode: str = "pixel"
+    re_count: int = 1
 
     def __post_init__(self):
         if self.size < 1:
@@ -51,6 +61,9 @@ class Recipe:
             raise ValueError(f"ratio must satisfy 0 < lo <= hi, got {self.ratio}")
         if not 0 < self.crop_pct <= 1:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        from .augment import Policy  # checks the policy strings and values now, not in a worker
+
+        Policy(self)
 
     @property
     def resize_size(self) -> int:

@@ -89,17 +89,17 @@ def test_normalisation_and_transforms(folder, monkeypatch):
     raw = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0,
                                normalize=False, device="cpu")
     norm = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0,
-                                device="cpu", transforms=[lambda x: x * 2], channels_last=True)
+                                device="cpu", transforms=[lambda x: x.flip(-1)], channels_last=True)
     x8, _ = next(iter(raw))
     xf, _ = next(iter(norm))
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
-    torch.testing.assert_close(xf, (x8.float() / 255 - mean) / std * 2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xf, (x8.flip(-1).float() / 255 - mean) / std, rtol=1e-5, atol=1e-5)  # on uint8, first
     assert xf.is_contiguous(memory_format=torch.channels_last)
     # on a CPU whose cores the workers all take, the workers normalise (in parallel): the same numbers
     monkeypatch.setattr(gpupipe.data.loader, "usable_cores", lambda: 2)
     par = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=2,
-                               device="cpu", transforms=[lambda x: x * 2], channels_last=True)
+                               device="cpu", transforms=[lambda x: x.flip(-1)], channels_last=True)
     xp, _ = next(iter(par))
     torch.testing.assert_close(xp, xf, rtol=0, atol=0)
     assert xp.dtype == torch.float32 and xp.is_contiguous(memory_format=torch.channels_last)

@@ -117,6 +117,7 @@ def _to_torch(out, device: torch.device) -> torch.Tensor:
 class _Work:
     """One batch on its way through the pipeline: which samples DALI decodes, which Pillow decoded, which failed."""
 
+    epoch: int
     indices: list[int]  # the sampler's batch, in order
     dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
     data: list[np.ndarray] = field(default_factory=list)
@@ -136,7 +137,9 @@ class DaliLoader(Loader):
         self.num_threads, self.hw_decoder_load = max(1, parts.workers), hw_decoder_load
         self.max_pixels = parts.max_pixels or default_max_pixels()
         self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
-        self._normalize_in_dali = parts.stage.normalize  # the device stage passes float batches through
+        augment = parts.stage.augment
+        self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
+        self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
         self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
         self._pipe = None
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
@@ -190,7 +193,7 @@ class DaliLoader(Loader):
 
     def _prepare(self, epoch: int, indices: list[int]) -> _Work:
         sizes, problems, pillow_only = self._scan_headers()
-        work = _Work(indices)
+        work = _Work(epoch, indices)
         for pos, i in enumerate(indices):
             path = self.dataset.samples[i][0]
             if i in problems:
@@ -272,8 +275,9 @@ class DaliLoader(Loader):
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
             positions = sorted(parts)
             images = torch.stack([parts[pos] for pos in positions])
-        labels = self._labels[[work.indices[pos] for pos in positions]]
-        return Batch(images, labels, "NCHW", work.errors, work.fallbacks)
+        index = [work.indices[pos] for pos in positions]
+        keys = torch.tensor([(work.epoch, i) for i in index], dtype=torch.int64).view(-1, 2) if self._augment else None
+        return Batch(images, self._labels[index], "NCHW", work.errors, work.fallbacks, keys)
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
         """An image Pillow decoded, in the dtype of the pipeline's output (normalised when DALI normalises)."""

@@ -83,8 +83,23 @@ class NvjpegLoader(Loader):
         self._dataloader = None
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        from torchvision.io import ImageReadMode, decode_jpeg
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as _decode_jpeg
         from torchvision.transforms.v2 import functional as F
+
+        # torchvision's CUDA decode allocates its outputs on the calling stream but writes them on a private one
+        # that does not wait for it (pytorch/vision#9606): called on a stream of its own, it only ever reuses blocks
+        # it wrote itself; the current stream then waits for it, and the outputs are recorded as used there.
+        decode_stream = torch.cuda.Stream(self.stage.device)
+
+        def decode_jpeg(data, **kw):
+            with torch.cuda.stream(decode_stream):
+                out = _decode_jpeg(data, **kw)
+            current = torch.cuda.current_stream(self.stage.device)
+            current.wait_stream(decode_stream)
+            for img in out if isinstance(out, list) else [out]:
+                img.record_stream(current)
+            return out
 
         if self._dataloader is None:
             kwargs = {**self._kwargs, "pin_memory": False}
@@ -92,7 +107,8 @@ class NvjpegLoader(Loader):
                                                            collate_fn=_collate, **kwargs)
         self.sampler.set_epoch(epoch, start_batch)
         device, S = self.stage.device, self.recipe.size
-        for items in self._dataloader:
+        for items, idx in zip(self._dataloader, self.sampler.batches(epoch, start_batch), strict=True):
+            index_of = {id(it): i for it, i in zip(items, idx, strict=True)}
             errors = [(p, r) for p, _, a, _, _, r in items if a is None]
             good = [it for it in items if it[2] is not None]
             gpu = [it for it in good if it[3] != 0]
@@ -115,7 +131,7 @@ class NvjpegLoader(Loader):
                                 continue
                             decoded[id(it)] = chw_tensor(img).to(device)
                             on_cpu.add(id(it))
-            crops, labels, fallbacks = [], [], 0
+            crops, labels, keys, fallbacks = [], [], [], 0
             for it in good:
                 _path, label, arr, orientation, box, _ = it
                 if orientation == 0:
@@ -132,10 +148,12 @@ class NvjpegLoader(Loader):
                                      [S, S], antialias=True)
                 crops.append(out.flip(-1) if box.flip else out)
                 labels.append(label)
+                keys.append((epoch, index_of[id(it)]))
             if not crops:
                 yield empty_batch(S, device, errors)
                 continue
-            yield Batch(torch.stack(crops), torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks)
+            yield Batch(torch.stack(crops), torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks,
+                        torch.tensor(keys, dtype=torch.int64).view(-1, 2))
 
 
 def nvjpeg_decode_counts(dataset, cfg) -> Iterator[int]:

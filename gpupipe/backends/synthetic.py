@@ -26,7 +26,8 @@ class SyntheticLoader(Loader):
             self._images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
         labels = self._labels.to(device)
         for idx in self.sampler.batches(epoch, start_batch):
-            yield Batch(self._images[: len(idx)], labels[torch.tensor(idx, device=device)], "NCHW")
+            keys = torch.tensor([(epoch, i) for i in idx], dtype=torch.int64)  # the device stage augments from these
+            yield Batch(self._images[: len(idx)], labels[torch.tensor(idx, device=device)], "NCHW", keys=keys)
 
 
 SPEC = BackendSpec(

@@ -21,9 +21,10 @@ from ..backends import get
 from ..data.scan import scan
 from ..recipe import Recipe
 
-PIPELINES = ("decode", "floor", "train", "eval")
+PIPELINES = ("decode", "floor", "train", "eval", "augment")
 # decode: the whole image at full size. floor (CPU decoders): only the decode the train pipeline cannot avoid, at the
 # DCT scale each train crop allows; the train figure's ``vs_floor`` says how close the rest of the pipeline comes.
+# augment: the train pipeline with the config's recipe policies (--aa, --color-jitter, --reprob), beside plain train.
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Config:
     image_size: int = 224
     model: str | None = None
     dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
+    recipe: Recipe | None = None  # the augment pipeline's policies
 
 
 @dataclass
@@ -128,9 +130,9 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _loader_counts(cfg: Config, backend: str, train: bool) -> Iterator[int]:
+def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None = None) -> Iterator[int]:
     loader = build_loader(cfg.data, backend, batch_size=cfg.batch_size, train=train, image_size=cfg.image_size,
-                          device=cfg.device, num_workers=cfg.workers, drop_last=False)
+                          device=cfg.device, num_workers=cfg.workers, drop_last=False, recipe=recipe)
     return (len(y) for _, y in _forever(lambda: loader))
 
 
@@ -222,6 +224,8 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
                 continue
             if pipeline in ("decode", "floor"):
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _decode_counts(cfg, b, floor=p == "floor")))
+            elif pipeline == "augment":
+                jobs.append((b, pipeline, lambda b=b: _loader_counts(cfg, b, True, cfg.recipe)))
             else:
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
             if b == "dali" and pipeline in ("train", "eval") and cfg.dali_reference:

@@ -3,11 +3,15 @@ normalisation on the device, where they cost microseconds instead of CPU millise
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..recipe import Recipe
+
+if TYPE_CHECKING:
+    from ..augment import SampleAugment
 
 
 def normalise(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
@@ -25,24 +29,25 @@ class DeviceStage:
         *,
         normalize: bool = True,
         channels_last: bool = False,
-        transforms: Sequence[Callable[[torch.Tensor], torch.Tensor]] = (),
+        augment: SampleAugment | None = None,
     ):
         self.device = device
         self.normalize = normalize
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.transforms = list(transforms)
+        self.augment = augment if augment is not None and augment.active else None
         shape = (1, 3, 1, 1)
         self.mean = torch.tensor([m * 255 for m in recipe.mean], device=device).view(shape)
         self.inv_std = torch.tensor([1 / (s * 255) for s in recipe.std], device=device).view(shape)
 
-    def finish(self, images: torch.Tensor, layout: str) -> torch.Tensor:
+    def finish(self, images: torch.Tensor, layout: str, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``keys``: (epoch, index) of samples whose per-sample augmentation is still to do (``Batch.keys``)."""
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
+        if self.augment is not None:  # on uint8, before normalisation
+            images = self.augment.batch(images, keys)
         images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
         if self.normalize and not images.is_floating_point():  # CPU workers may have normalised already
             images = normalise(images, self.mean, self.inv_std)
-        for t in self.transforms:
-            images = t(images)
         return images
 
     def iterate(self, batches: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,20 +55,27 @@ class DeviceStage:
         while the caller computes on the current one (timm's PrefetchLoader pattern)."""
         if self.device.type != "cuda":
             for b in batches:
-                yield self.finish(b.images.to(self.device), b.layout), b.labels.to(self.device)
+                yield self.finish(b.images.to(self.device), b.layout, b.keys), b.labels.to(self.device)
             return
         stream = torch.cuda.Stream(self.device)
         pending = None
         for b in batches:
-            with torch.cuda.stream(stream):
-                images = self.finish(b.images.to(self.device, non_blocking=True), b.layout)
-                labels = b.labels.to(self.device, non_blocking=True)
+            on_side = not b.images.is_cuda
+            if on_side:
+                with torch.cuda.stream(stream):
+                    ready = (self.finish(b.images.to(self.device, non_blocking=True), b.layout, b.keys),
+                             b.labels.to(self.device, non_blocking=True))
+            else:
+                # Made on the GPU (nvjpeg, synthetic, DALI), in order with this stream: finished here, so it is never
+                # read on a side stream before it is written, nor freed while read.
+                ready = (self.finish(b.images.to(self.device), b.layout, b.keys), b.labels.to(self.device))
             if pending is not None:
                 yield pending
-            current = torch.cuda.current_stream(self.device)
-            current.wait_stream(stream)
-            images.record_stream(current)  # memory made on the side stream is used on this one
-            labels.record_stream(current)
-            pending = (images, labels)
+            if on_side:  # after the caller queued its step on the previous batch, so the copy overlaps it
+                current = torch.cuda.current_stream(self.device)
+                current.wait_stream(stream)
+                for t in ready:
+                    t.record_stream(current)  # memory made on the side stream is used on this one
+            pending = ready
         if pending is not None:
             yield pending

@@ -27,6 +27,9 @@ class Batch:
     layout: str = "NHWC"
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     fallbacks: int = 0  # samples a slower decoder had to take
+    # int64 (n, 2) on the CPU: each sample's (epoch, index), when its per-sample augmentation (the recipe's policy,
+    # per-image transforms) is still to do; the device stage does it from these keys. None: done (or none to do).
+    keys: torch.Tensor | None = None
 
     def pin_memory(self) -> Batch:  # DataLoader's pin thread calls this
         self.images, self.labels = self.images.pin_memory(), self.labels.pin_memory()
@@ -166,13 +169,17 @@ def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[
 
 
 def _cat(a: Batch, b: Batch) -> Batch:
-    if len(a.labels) == 0:  # a batch of failures only: nothing to join, and it may be laid out differently
-        return Batch(b.images, b.labels, b.layout)
-    return Batch(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]), a.layout)
+    if len(a.labels) == 0 or len(b.labels) == 0:  # a batch of failures only: nothing to join (nor its layout)
+        a = b if len(a.labels) == 0 else a
+        return Batch(a.images, a.labels, a.layout, keys=a.keys)
+    keys = None if a.keys is None or b.keys is None else torch.cat([a.keys, b.keys])
+    return Batch(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]), a.layout, keys=keys)
 
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
-    return Batch(b.images[:n], b.labels[:n], b.layout), Batch(b.images[n:], b.labels[n:], b.layout)
+    k = (None, None) if b.keys is None else (b.keys[:n], b.keys[n:])
+    return (Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0]),
+            Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1]))
 
 
 class Sample(NamedTuple):
@@ -183,14 +190,16 @@ class Sample(NamedTuple):
     image: np.ndarray | None  # (3, S, S) uint8
     error: str | None = None
     fell_back: bool = False
+    key: tuple[int, int] = (0, 0)  # (epoch, index): the device stage augments from it when the worker did not
 
 
 class _SampleDataset(torch.utils.data.Dataset):
     """One sample per ``(epoch, index)`` key: read, decode, crop, resize. Errors come back as data, so the main
     process raises them (with the file named) instead of a worker's traceback."""
 
-    def __init__(self, dataset: ImageList, decoder, recipe: Recipe, train: bool, seed: int):
+    def __init__(self, dataset: ImageList, decoder, recipe: Recipe, train: bool, seed: int, augment=None):
         self.dataset, self.decoder, self.recipe, self.train, self.seed = dataset, decoder, recipe, train, seed
+        self.augment = augment  # a SampleAugment to run here, in the worker (CPU device), or None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -202,21 +211,23 @@ class _SampleDataset(torch.utils.data.Dataset):
             data = self.dataset.read(index)
             plan = self.recipe.plan(self.train, self.seed, epoch, index)
             image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)
-            return Sample(path, label, image, fell_back=fell_back)
+            if self.augment is not None:
+                image = self.augment.one(torch.from_numpy(image), epoch, index).numpy()
+            return Sample(path, label, image, fell_back=fell_back, key=key)
         except DecodeError as e:
-            return Sample(path, label, None, e.reason)
+            return Sample(path, label, None, e.reason, key=key)
         except OSError as e:
-            return Sample(path, label, None, f"cannot read the file ({e.strerror or e})")
+            return Sample(path, label, None, f"cannot read the file ({e.strerror or e})", key=key)
         except Exception as e:  # anything else a decoder raises still names the file in the main process
-            return Sample(path, label, None, f"{type(e).__name__}: {e}")
+            return Sample(path, label, None, f"{type(e).__name__}: {e}", key=key)
 
 
 class _Collate:
     """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalise it here, in the
     worker, for batches that stay on a CPU whose cores the workers all take."""
 
-    def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.size, self.normalize = size, normalize
+    def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, keys: bool = False):
+        self.size, self.normalize, self.keys = size, normalize, keys
 
     def __call__(self, items: list[Sample]) -> Batch:
         good = [it for it in items if it.image is not None]
@@ -227,7 +238,8 @@ class _Collate:
             images = normalise(images, *self.normalize)
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
         errors = [(it.path, it.error) for it in items if it.image is None]
-        return Batch(images, labels, "NCHW", errors, sum(it.fell_back for it in items))
+        keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2) if self.keys else None
+        return Batch(images, labels, "NCHW", errors, sum(it.fell_back for it in items), keys)
 
 
 class CpuLoader(Loader):
@@ -237,7 +249,9 @@ class CpuLoader(Loader):
         super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder
-        self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed)
+        # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU
+        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" else None
+        self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
         self._kwargs = parts.dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
 
@@ -253,5 +267,8 @@ class CpuLoader(Loader):
         """Batches for the CPU are normalised by the main process while it has a core to itself (it is otherwise
         idle), and by the workers, in parallel, once they take every core."""
         workers = self._kwargs.get("num_workers", 0)
-        in_workers = self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores()
-        return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None)
+        augment = self.stage.augment
+        in_workers = (self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores()
+                      and (augment is None or augment.batch_transforms is None))  # those see uint8 on the device
+        return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None,
+                        keys=augment is not None and self._data.augment is None)

@@ -27,7 +27,19 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-5
     warmup_epochs: float = 1.0
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # also --smoothing, timm's name
+    # augmentation, with timm's flag names (see gpupipe.augment and gpupipe.Mix)
+    aa: str | None = None  # e.g. rand-m9-mstd0.5-inc1, original, trivialaugment
+    color_jitter: float | None = None
+    reprob: float = 0.0
+    remode: str = "pixel"
+    recount: int = 1
+    mixup: float = 0.0  # MixUp alpha; 0: off
+    cutmix: float = 0.0  # CutMix alpha; 0: off
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    model_ema: bool = False  # timm's ModelEmaV3, evaluated and checkpointed beside the model
+    model_ema_decay: float = 0.9998
     clip: float | None = None
     channels_last: bool = False
     compile: bool = False

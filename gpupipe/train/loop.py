@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from ..api import build_loader
+from ..mix import Mix
+from ..recipe import Recipe
 from . import checkpoint
 from .config import TrainConfig, to_yaml
 from .distributed import Distributed
@@ -74,8 +76,10 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
 
     # Data: every rank reads its own shard, and every rank takes the same number of steps.
+    recipe = Recipe(cfg.image_size, auto_augment=cfg.aa, color_jitter=cfg.color_jitter, re_prob=cfg.reprob,
+                    re_mode=cfg.remode, re_count=cfg.recount)  # the policies apply to the train loader only
     loader_kw = dict(image_size=cfg.image_size, device=device, num_workers=cfg.workers, seed=cfg.seed,
-                     channels_last=cfg.channels_last, on_error=cfg.on_error)
+                     channels_last=cfg.channels_last, on_error=cfg.on_error, recipe=recipe)
     train_loader = build_loader(cfg.data, cfg.backend, batch_size=cfg.batch_size, train=True, **loader_kw)
     val_loader = build_loader(cfg.val, cfg.backend, batch_size=cfg.batch_size, train=False, **loader_kw) \
         if cfg.val else None
@@ -93,6 +97,16 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     precision = Precision(cfg.precision, device)
     scaler = precision.scaler
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    mix = None
+    if cfg.mixup > 0 or cfg.cutmix > 0:  # soft targets, smoothing included: cross-entropy with probabilities
+        mix = Mix(cfg.mixup, cfg.cutmix, cfg.mixup_prob, cfg.mixup_switch_prob, label_smoothing=cfg.label_smoothing,
+                  num_classes=len(train_loader.dataset.classes))
+        criterion = nn.CrossEntropyLoss()
+    ema = None
+    if cfg.model_ema:
+        from timm.utils import ModelEmaV3  # defer: only training needs timm
+
+        ema = ModelEmaV3(model, decay=cfg.model_ema_decay)
 
     # Resume: everything that decides the rest of the run, the loader's position included.
     start_epoch, step, running = 0, 0, {"loss": 0.0, "images": 0, "wait": 0.0, "time": 0.0}
@@ -105,6 +119,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         checkpoint.set_rng_state(state["rng"])
         step, running = state["step"], state["running"]
         train_loader.load_state_dict(state["loader"])
+        if ema is not None:
+            ema.module.load_state_dict(state["model_ema"])
         start_epoch = state["loader"]["epoch"]
 
     ddp_model = model
@@ -125,6 +141,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
                 "scheduler": scheduler.state_dict(), "step": step, "epoch": loader_state["epoch"],
                 "loader": loader_state, "rng": checkpoint.rng_state(), "running": epoch_metrics_running,
                 "config": {k: v for k, v in cfg.__dict__.items()},
+                **({"model_ema": ema.module.state_dict()} if ema is not None else {}),
             }, ckpt_path)
         dist.barrier()
 
@@ -147,12 +164,16 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
                 t_wait = time.perf_counter()
                 images, labels = next(batches)
                 wait = time.perf_counter() - t_wait
+                targets = labels
+                if mix is not None:  # its stream keyed by (seed, epoch, batch, rank): a resumed run mixes alike
+                    mix.rng.seed([cfg.seed, epoch, i, dist.rank])
+                    images, targets = mix(images, labels)
                 last_micro = (i + 1) % cfg.accum == 0
                 # under DDP, gradients are all-reduced only on the micro-batch that ends an accumulation
                 sync = contextlib.nullcontext() if last_micro or not dist.enabled else ddp_model.no_sync()
                 with sync:
                     with precision.autocast():
-                        loss = criterion(run_model(images), labels)
+                        loss = criterion(run_model(images), targets)
                     scaler.scale(loss / cfg.accum).backward()
                 if last_micro:
                     if cfg.clip:
@@ -165,6 +186,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
                         scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                     step += 1
+                    if ema is not None:
+                        ema.update(model, step=step)
                 loss_acc += loss.detach() * len(labels)
                 running["images"] += len(labels)
                 running["wait"] += wait
@@ -183,6 +206,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             dist.average_buffers(model)
             if val_loader is not None:
                 metrics.update(evaluate(run_model, val_loader, precision, dist))
+                if ema is not None:
+                    ema_metrics = evaluate(ema.module, val_loader, precision, dist)
+                    metrics.update({f"ema_{k}": v for k, v in ema_metrics.items()})
             metrics["lr"] = scheduler.get_last_lr()[0]
             metrics["skipped"] = len(train_loader.skipped)
             metrics["fallbacks"] = train_loader.fallbacks

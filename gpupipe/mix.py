@@ -1,0 +1,110 @@
+"""MixUp and CutMix on a device batch, with soft targets: timm's ``Mixup`` semantics, public as ``gpupipe.Mix``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+
+def soft_targets(labels: torch.Tensor, num_classes: int, lam: float | torch.Tensor = 1.0,
+                 smoothing: float = 0.0) -> torch.Tensor:
+    """Smoothed one-hot targets mixed with the reversed batch's: ``y * lam + y.flip(0) * (1 - lam)`` (timm's
+    ``mixup_target``). Each row sums to 1."""
+    off = smoothing / num_classes
+    y = torch.full((len(labels), num_classes), off, device=labels.device)
+    y.scatter_(1, labels.long().view(-1, 1), 1.0 - smoothing + off)
+    return y * lam + y.flip(0) * (1.0 - lam)
+
+
+class Mix:
+    """``Mix(...)(images, labels) -> (images, targets)``: MixUp or CutMix with the reversed batch as partner.
+
+    Args:
+        mixup_alpha: Beta(alpha, alpha) for MixUp's lambda; 0 turns MixUp off.
+        cutmix_alpha: Beta(alpha, alpha) for CutMix's lambda; 0 turns CutMix off.
+        prob: probability of mixing a batch (``mode="batch"``) or an element (``"elem"``).
+        switch_prob: with both on, the probability of CutMix rather than MixUp.
+        mode: ``"batch"``: one lambda for the batch (timm's default); ``"elem"``: one per image.
+        label_smoothing: as timm's (0.1 by default there).
+        num_classes: the targets' width.
+        correct_lam: CutMix's lambda from the box actually pasted (clipped at the borders), as timm.
+        seed: seeds this object's own stream (numpy ``RandomState``, drawn in timm's order); ``None`` seeds from
+            the OS.
+
+    Images are float (normalised) batches on any device; they are not modified in place. The batch size must be
+    even, as timm requires.
+    """
+
+    def __init__(self, mixup_alpha: float = 1.0, cutmix_alpha: float = 0.0, prob: float = 1.0,
+                 switch_prob: float = 0.5, mode: Literal["batch", "elem"] = "batch", label_smoothing: float = 0.1,
+                 num_classes: int = 1000, correct_lam: bool = True, seed: int | None = None):
+        if mixup_alpha < 0 or cutmix_alpha < 0 or mixup_alpha == cutmix_alpha == 0:
+            raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0, one > 0; got {mixup_alpha}, {cutmix_alpha}")
+        if mode not in ("batch", "elem"):
+            raise ValueError(f"mode must be 'batch' or 'elem', got {mode!r}")
+        if not 0 <= prob <= 1 or not 0 <= switch_prob <= 1:
+            raise ValueError(f"prob and switch_prob must be in [0, 1], got {prob}, {switch_prob}")
+        self.mixup_alpha, self.cutmix_alpha = mixup_alpha, cutmix_alpha
+        self.prob, self.switch_prob, self.mode = prob, switch_prob, mode
+        self.label_smoothing, self.num_classes, self.correct_lam = label_smoothing, num_classes, correct_lam
+        self.rng = np.random.RandomState(seed)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(images) % 2:
+            raise ValueError(f"Mix needs an even batch size, got {len(images)}")
+        images, lam = self._mix_batch(images) if self.mode == "batch" else self._mix_elem(images)
+        return images, soft_targets(labels, self.num_classes, lam, self.label_smoothing)
+
+    def _lambda(self, cutmix: bool) -> float:
+        a = self.cutmix_alpha if cutmix else self.mixup_alpha
+        return float(self.rng.beta(a, a))
+
+    def _box(self, h: int, w: int, lam: float) -> tuple[tuple[int, int, int, int], float]:
+        """timm's ``rand_bbox`` + lambda correction: a box of area ~(1 - lam) centred anywhere, clipped."""
+        ratio = np.sqrt(1 - lam)
+        cut_h, cut_w = int(h * ratio), int(w * ratio)
+        cy, cx = self.rng.randint(0, h), self.rng.randint(0, w)
+        yl, yh = np.clip(cy - cut_h // 2, 0, h), np.clip(cy + (cut_h + 1) // 2, 0, h)
+        xl, xh = np.clip(cx - cut_w // 2, 0, w), np.clip(cx + (cut_w + 1) // 2, 0, w)
+        if self.correct_lam:
+            lam = 1.0 - (yh - yl) * (xh - xl) / float(h * w)
+        return (int(yl), int(yh), int(xl), int(xh)), lam
+
+    def _mix_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if self.rng.rand() >= self.prob:
+            return x, 1.0
+        both = self.mixup_alpha > 0 and self.cutmix_alpha > 0
+        cutmix = self.rng.rand() < self.switch_prob if both else self.cutmix_alpha > 0
+        lam = self._lambda(cutmix)
+        if lam == 1.0:
+            return x, 1.0
+        if cutmix:
+            (yl, yh, xl, xh), lam = self._box(x.shape[-2], x.shape[-1], lam)
+            out = x.clone()
+            out[:, :, yl:yh, xl:xh] = x.flip(0)[:, :, yl:yh, xl:xh]
+            return out, lam
+        return x * lam + x.flip(0) * (1.0 - lam), lam
+
+    def _mix_elem(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(x)
+        if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
+            cutmix = self.rng.rand(n) < self.switch_prob
+            lam = np.where(cutmix, self.rng.beta(self.cutmix_alpha, self.cutmix_alpha, size=n),
+                           self.rng.beta(self.mixup_alpha, self.mixup_alpha, size=n))
+        else:
+            cutmix = np.full(n, self.cutmix_alpha > 0)
+            a = self.cutmix_alpha if self.cutmix_alpha > 0 else self.mixup_alpha
+            lam = self.rng.beta(a, a, size=n)
+        lam = np.where(self.rng.rand(n) < self.prob, lam.astype(np.float32), np.ones(n, np.float32))
+        out, partner = x.clone(), x.flip(0)
+        for i in range(n):
+            if lam[i] == 1.0:
+                continue
+            if cutmix[i]:
+                (yl, yh, xl, xh), lam[i] = self._box(x.shape[-2], x.shape[-1], lam[i])
+                out[i, :, yl:yh, xl:xh] = partner[i, :, yl:yh, xl:xh]
+            else:
+                out[i] = x[i] * lam[i] + partner[i] * (1 - lam[i])
+        return out, torch.tensor(lam, device=x.device, dtype=x.dtype).unsqueeze(1)

@@ -1,0 +1,70 @@
+"""``gpupipe train`` with timm's augmentation flags: RandAugment, MixUp/CutMix, random erasing, model EMA."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpupipe.train import checkpoint
+
+from .conftest import make_folder
+
+pytest.importorskip("timm")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("train_aug"), 4, 4)
+
+
+def _cli(data, out, *extra):
+    return [sys.executable, "-m", "gpupipe", "train", "--data", str(data), "--val", str(data), "--out", str(out),
+            "--model", "test_resnet", "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--workers", "0",
+            "--device", "cpu", "--lr", "0.05", "--aa", "rand-m9-mstd0.5-inc1", "--mixup", "0.2", "--cutmix", "1.0",
+            "--reprob", "0.25", "--smoothing", "0.1", "--model-ema", "--model-ema-decay", "0.9", *extra]
+
+
+def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(_cli(data, out), check=True)
+    state = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert state["config"]["aa"] == "rand-m9-mstd0.5-inc1" and state["config"]["label_smoothing"] == 0.1
+    assert state["model_ema"].keys() == state["model"].keys()
+    differs = [k for k in state["model"] if state["model"][k].is_floating_point()
+               and not torch.equal(state["model"][k], state["model_ema"][k])]
+    assert differs  # the EMA lags the model
+    metrics = (out / "metrics.jsonl").read_text()
+    assert '"ema_val_acc"' in metrics and '"val_acc"' in metrics
+
+
+def test_bad_policy_is_a_clear_error(data, tmp_path):
+    proc = subprocess.run(_cli(data, tmp_path / "bad", "--aa", "rand-q3"), capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "unsupported RandAugment" in proc.stderr
+
+
+def test_killed_augmented_run_resumes_to_the_straight_runs_weights(data, tmp_path):
+    """RandAugment, erasing and MixUp/CutMix are keyed by sample and step, the EMA is checkpointed: a run killed
+    mid-epoch and resumed ends where the straight run does."""
+    import os
+    import signal
+    import time
+
+    def cli(out, *extra):
+        return _cli(data, out, "--epochs", "2", "--batch-size", "4", "--save-every", "2", *extra)
+
+    subprocess.run(cli(tmp_path / "straight"), check=True)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli(out))
+    ckpt = out / "checkpoints" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(cli(out, "--resume"), check=True)
+    a, b = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt"), checkpoint.load(ckpt)
+    for part in ("model", "model_ema"):
+        for k in a[part]:
+            assert torch.equal(a[part][k], b[part][k]), (part, k)
