@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,13 +76,31 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
     except Image.DecompressionBombError:
         raise DecodeError(path, backend, "more pixels than PIL allows (decompression bomb)") from None
     except Exception as e:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ValueError...
-        raise DecodeError(path, backend, f"not a readable image ({type(e).__name__}: {e})") from None
+        raise DecodeError(path, backend, _unreadable(e)) from None
     width, height = img.size
+    if (reason := float_image_reason(img.mode)) is not None:
+        raise DecodeError(path, backend, reason)
     if width < 1 or height < 1:
         raise DecodeError(path, backend, f"image has no pixels ({width}x{height})")
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
         raise DecodeError(path, backend, reason)
     return Header(img, width, height, _orientation(img.getexif), img.format == "JPEG")
+
+
+def _unreadable(e: Exception) -> str:
+    """Why PIL could not open the data, without the ``<_io.BytesIO object at 0x...>`` it names in-memory input by."""
+    if isinstance(e, Image.UnidentifiedImageError):
+        return "not a readable image (no image format PIL knows starts this data)"
+    return f"not a readable image ({type(e).__name__}: {re.sub(r' ?<_io.BytesIO object at 0x[0-9a-f]+>', '', str(e))})"
+
+
+def float_image_reason(mode: str) -> str | None:
+    """The rule for floating-point images (TIFF mode ``F``), the same on every backend: refused, as their value range
+    (0-1? 0-255? HDR?) says nothing about which 8-bit value a pixel is. Integer modes are scaled (see ``to_rgb``)."""
+    if mode == "F":
+        return ("a floating-point image (mode F): its value range does not say which 8-bit colour a pixel is; "
+                "convert it to 8- or 16-bit integers first")
+    return None
 
 
 def _orientation(read_exif: Callable[[], Image.Exif]) -> int:
@@ -101,14 +120,16 @@ def _header_problem(path: str, max_pixels: int) -> str | None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as img:
                 width, height = img.size
+                if (reason := float_image_reason(img.mode)) is not None:
+                    return reason
     except Image.DecompressionBombError:
         return "more pixels than PIL allows (decompression bomb)"
     except OSError as e:
         if os.path.exists(path) and os.path.getsize(path) == 0:
             return "empty file"
-        return f"not a readable image ({type(e).__name__}: {e})"
+        return _unreadable(e)
     except Exception as e:  # PIL raises SyntaxError, ValueError... on broken headers
-        return f"not a readable image ({type(e).__name__}: {e})"
+        return _unreadable(e)
     return pixel_limit_reason(width, height, max_pixels)
 
 
