@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from .backends import BackendName, check_name, cpu_decoder, require_backend, rule_of_thumb
+from .backends import BackendName, check_name, cpu_decoder, require_backend
 from .data.device import DeviceStage
 from .data.loader import CpuLoader, Loader
 from .data.sampler import ShardSampler
@@ -47,7 +47,7 @@ def build_loader(
     *,
     batch_size: int = 256,
     train: bool = True,
-    image_size: int = 224,
+    image_size: int | None = None,
     device: str | torch.device | None = None,
     num_workers: int | None = None,
     seed: int = 0,
@@ -64,6 +64,7 @@ def build_loader(
     prefetch_factor: int | None = None,
     persistent_workers: bool | None = None,
     allow_outside_root: bool = False,
+    class_to_idx: dict[str, int] | None = None,
 ) -> Loader:
     """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalised (uint8 with
     ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
@@ -73,7 +74,7 @@ def build_loader(
         backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``
             (the fastest in the latest ``gpupipe bench`` result for this machine and data, else a stated rule).
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).
-        image_size: the output side ``S``.
+        image_size: the output side ``S``; ``None``: ``recipe.size``, or 224 without a recipe.
         device: where batches are delivered; ``None`` picks CUDA when available.
         num_workers: decode workers (or DALI threads); ``None`` uses every usable core.
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
@@ -81,12 +82,14 @@ def build_loader(
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
-        recipe: override the recipe's scale, ratio, crop_pct, mean or std (``image_size`` wins over ``recipe.size``).
+        recipe: the recipe's scale, ratio, crop_pct, mean, std and size (an ``image_size`` that differs from
+            ``recipe.size`` is an error).
         transforms: callables (e.g. torchvision v2 transforms) applied to each device batch, for every backend.
         channels_last: deliver batches in ``torch.channels_last`` memory format.
         max_pixels: refuse images with more pixels (checked from the header); default PIL's limit.
         pin_memory, prefetch_factor, persistent_workers: DataLoader settings; ``None`` picks what suits the device.
         allow_outside_root: let a CSV list name files outside its folder.
+        class_to_idx: label with these classes (a training set's, for its held-out set); see :func:`scan`.
     """
     name = check_name(backend)
     if on_error not in ("raise", "skip"):
@@ -94,13 +97,15 @@ def build_loader(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     dev = _resolve_device(device)
-    dataset = scan(root, allow_outside_root=allow_outside_root)
+    dataset = scan(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
     if name == "auto":
-        from .bench.store import best_backend
+        from .bench.store import choose_auto
 
-        name = best_backend(dataset.root, dev, train) or rule_of_thumb(dev)
+        name = choose_auto(dataset.root, dev, train)
     require_backend(name)
-    recipe = Recipe(image_size) if recipe is None else Recipe(**{**recipe.__dict__, "size": image_size})
+    if recipe is not None and image_size is not None and image_size != recipe.size:
+        raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+    recipe = recipe or Recipe(image_size or 224)
     rank, world_size = _resolve_rank(rank, world_size)
     sampler = ShardSampler(len(dataset), batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size,
                            drop_last=train if drop_last is None else drop_last)

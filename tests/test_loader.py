@@ -152,7 +152,7 @@ def test_a_pass_cut_short_is_followed_by_the_next_epoch(unique_folder):
     loader = gpupipe.build_loader(unique_folder, "pillow", **kw)
     epochs = []
     for _ in range(3):
-        for step, (_, labels) in enumerate(loader):  # a cap of 2 steps per epoch
+        for step, _ in enumerate(loader):  # a cap of 2 steps per epoch
             if step == 2:
                 break
             epochs.append(loader.sampler.epoch)
@@ -161,6 +161,17 @@ def test_a_pass_cut_short_is_followed_by_the_next_epoch(unique_folder):
     ref = gpupipe.build_loader(unique_folder, "pillow", **kw)
     ref.set_epoch(1)
     assert _labels(loader) == _labels(ref)
+
+
+def test_recipe_size_and_image_size_never_disagree_silently(folder):
+    kw = dict(batch_size=4, train=False, num_workers=0, normalize=False, device="cpu")
+    assert gpupipe.build_loader(folder, "pillow", **kw).recipe.size == 224
+    x, _ = next(iter(gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(size=24), **kw)))
+    assert x.shape[-2:] == (24, 24)
+    same = gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(size=24), image_size=24, **kw)
+    assert same.recipe.size == 24
+    with pytest.raises(ValueError, match=r"image_size=32 and recipe\.size=24 disagree"):
+        gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(size=24), image_size=32, **kw)
 
 
 def test_unknown_backend_and_bad_options(folder):
