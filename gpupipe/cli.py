@@ -168,7 +168,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         tp, _ = _optional(f.type)
-        help = HELP[f.name] if "(default" in HELP[f.name] else f"{HELP[f.name]} (default {f.default})"
+        text = HELP.get(f.name, "")  # tests/test_train.py holds HELP to every field
+        help = text if "(default" in text else f"{text} (default {f.default})".lstrip()
         help = help.replace("%", "%%")
         if tp is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)

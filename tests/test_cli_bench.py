@@ -90,6 +90,16 @@ def test_info_names_each_library_and_reads_well(capsys, monkeypatch):
     assert "warning:" in capsys.readouterr().err
 
 
+def test_no_install_command_asks_the_index_for_gpupipe():
+    """The name gpupipe on the package index is another project: README, hints and Dockerfile install by path/URL."""
+    import re
+
+    index_install = re.compile(r"""pip install (-U |--upgrade )?["']?gpupipe(\[[^]]*\])?["']?(?! @)(\s|$)""")
+    files = [ROOT / "README.md", ROOT / "docker" / "Dockerfile", ROOT / "Makefile", *(ROOT / "gpupipe").rglob("*.py")]
+    bad = [f"{f.name}: {m.group(0)}" for f in files for m in index_install.finditer(f.read_text())]
+    assert not bad
+
+
 @pytest.mark.parametrize("args, message", [
     (["--repeats", "0"], "--repeats: must be >= 1"),
     (["--seconds", "0"], "--seconds: must be > 0"),

@@ -51,7 +51,7 @@ def plot(rep: dict, path: str | Path) -> None:
     try:
         import matplotlib
     except ImportError as e:
-        raise ModuleNotFoundError('--plot needs matplotlib: pip install "gpupipe[bench]"') from e
+        raise ModuleNotFoundError("--plot needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -31,7 +31,7 @@ class RunLogger:
                 self._tb = SummaryWriter(str(out / "tb"))
             except ImportError:
                 self.console.print("[yellow]tensorboard is not installed: no TensorBoard logs (pip install "
-                                   '"gpupipe[train]")[/]')
+                                   "tensorboard)[/]")
 
     def note(self, text: str) -> None:
         if self.enabled:
