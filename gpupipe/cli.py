@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="versions, cores, CUDA devices, and which backends work here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the raw values as JSON")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("sample-data", help="write the embedded data set (an ImageFolder of JPEGs): a train split, "
@@ -261,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
-    p.add_argument("dir")
-    p.add_argument("--workers", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("dir", help="an ImageFolder directory or a CSV list (path,label)")
+    p.add_argument("--workers", type=_non_negative_int, help="checking processes (default: every usable core)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
     return parser
 
