@@ -5,16 +5,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-# backend -> how to install what it lacks
+# backend -> how to install what it lacks: the packages themselves, or the extra from the source tree, never
+# "gpupipe[...]" from the index (the name there belongs to another project)
 INSTALL_HINTS = {
-    "turbojpeg": 'pip install "gpupipe[turbojpeg]"  (and the C library: apt-get install libturbojpeg0)',
-    "dali": 'pip install "gpupipe[dali]"  (CUDA 12 driver; "gpupipe[dali-cu13]" for CUDA 13)',
+    "turbojpeg": 'pip install "PyTurboJPEG>=1.8,<2"  (and the C library: apt-get install libturbojpeg0)',
+    "dali": "pip install nvidia-dali-cuda120  (CUDA 12 driver; nvidia-dali-cuda130 for CUDA 13)",
     "pillow-simd": (
         'pip uninstall -y pillow && CC="cc -mavx2" pip install --no-binary :all: pillow-simd '
         "(needs libjpeg-dev zlib1g-dev; see bench/pillow_simd.sh)"
     ),
-    "train": 'pip install "gpupipe[train]"',
-    "bench": 'pip install "gpupipe[bench]"',
+    "train": "pip install timm tensorboard omegaconf  (or pip install \".[train]\" in the gpupipe source tree)",
+    "bench": "pip install matplotlib nvidia-ml-py  (or pip install \".[bench]\" in the gpupipe source tree)",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ._system import usable_cores
 from .augment import Policy, SampleAugment
-from .backends import BackendName, check_name, require_backend, rule_of_thumb
+from .backends import BackendName, check_name, require_backend
 from .data.device import DeviceStage
 from .data.loader import Loader, LoaderParts
 from .data.sampler import ShardSampler
@@ -44,7 +44,7 @@ def build_loader(
     *,
     batch_size: int = 256,
     train: bool = True,
-    image_size: int = 224,
+    image_size: int | None = None,
     device: str | torch.device | None = None,
     num_workers: int | None = None,
     seed: int = 0,
@@ -62,6 +62,7 @@ def build_loader(
     prefetch_factor: int | None = None,
     persistent_workers: bool | None = None,
     allow_outside_root: bool = False,
+    class_to_idx: dict[str, int] | None = None,
 ) -> Loader:
     """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalised (uint8 with
     ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
@@ -72,7 +73,7 @@ def build_loader(
         backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``
             (the fastest in the latest ``gpupipe bench`` result for this machine and data, else a stated rule).
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).
-        image_size: the output side ``S``.
+        image_size: the output side ``S``; ``None``: ``recipe.size``, or 224 without a recipe.
         device: where batches are delivered; ``None`` picks CUDA when available.
         num_workers: decode workers (or DALI threads); ``None`` uses every usable core.
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
@@ -80,9 +81,9 @@ def build_loader(
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
-        recipe: override the recipe's scale, ratio, crop_pct, mean or std, or switch on its augmentation policies
-            (``auto_augment``, ``color_jitter``, ``re_prob``; train loaders only); ``image_size`` wins over
-            ``recipe.size``.
+        recipe: the recipe's scale, ratio, crop_pct, mean, std and size (an ``image_size`` that differs from
+            ``recipe.size`` is an error), or its augmentation policies (``auto_augment``, ``color_jitter``,
+            ``re_prob``; train loaders only).
         transforms: a callable, a list of them or a ``Compose`` (e.g. torchvision v2 transforms), given uint8
             (3,S,S) images before normalisation, for every backend.
         transforms_mode: ``"image"``: each image on its own (independent, per-sample reproducible draws; a Python
@@ -91,6 +92,7 @@ def build_loader(
         max_pixels: refuse images with more pixels (checked from the header); default PIL's limit.
         pin_memory, prefetch_factor, persistent_workers: DataLoader settings; ``None`` picks what suits the device.
         allow_outside_root: let a CSV list name files outside its folder.
+        class_to_idx: label with these classes (a training set's, for its held-out set); see :func:`scan`.
     """
     name = check_name(backend)
     if on_error not in ("raise", "skip"):
@@ -98,15 +100,17 @@ def build_loader(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     dev = _resolve_device(device)
-    dataset = scan(root, allow_outside_root=allow_outside_root)
+    dataset = scan(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
     if name == "auto":
-        from .bench.store import best_backend
+        from .bench.store import choose_auto
 
-        name = best_backend(dataset.root, dev, train) or rule_of_thumb(dev)
+        name = choose_auto(dataset.root, dev, train)
     spec = require_backend(name)
     if dev.type not in spec.devices:
         raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
-    recipe = Recipe(image_size) if recipe is None else Recipe(**{**recipe.__dict__, "size": image_size})
+    if recipe is not None and image_size is not None and image_size != recipe.size:
+        raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+    recipe = recipe or Recipe(image_size or 224)
     rank, world_size = _resolve_rank(rank, world_size)
     # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
     sampler = ShardSampler(len(dataset), batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size,

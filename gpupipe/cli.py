@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+import time
 import types
 import typing
 from dataclasses import fields
 
 from rich.console import Console
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())  # whole lines in a log file or pipe
 
 
 def _cmd_info(args) -> int:
@@ -21,9 +24,13 @@ def _cmd_info(args) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    out = Console()
+    from .info import describe
+
+    out = Console(soft_wrap=not sys.stdout.isatty())
     for k, v in info["machine"].items():
-        out.print(f"[bold]{k:14}[/] {v}")
+        out.print(f"[bold]{k:17}[/] {describe(k, v)}", highlight=False)
+    if info["machine"]["gpupipe"]["problem"]:
+        console.print(f"[red]warning:[/] {info['machine']['gpupipe']['problem']}")
     out.print("[bold]backends[/]")
     for name, reason in backend_status().items():
         out.print(f"  {name:12} " + ("[green]available[/]" if reason is None else f"[red]unavailable[/]: {reason}"))
@@ -31,10 +38,16 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_sample_data(args) -> int:
+    from rich.progress import Progress
+
     from .sample_data import make_sample_data
 
-    root = make_sample_data(args.dir, args.classes, args.per_class, args.seed)
-    console.print(f"sample data in {root} ({args.classes} classes x {args.per_class} JPEGs)")
+    per_class = args.per_class or (60 if args.split == "train" else 20)
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task(f"writing the {args.split} split", total=args.classes * per_class)
+        root = make_sample_data(args.dir, args.classes, per_class, args.seed, args.split,
+                                on_image=lambda: progress.advance(task))
+    console.print(f"sample data ({args.split} split) in {root}: {args.classes} classes x {per_class} JPEGs")
     return 0
 
 
@@ -54,6 +67,9 @@ def _cmd_bench(args) -> int:
     avail = available_backends()
     if args.backends:
         backends = [check_name(b) for b in args.backends.split(",")]
+        if "auto" in backends:
+            raise ValueError("--backends auto: auto is not a backend but a choice among them, made from a bench's "
+                             f"results; list the backends to measure from: {', '.join(names())}")
         from .backends import unavailable_reason
 
         unusable = {b: unavailable_reason(b) for b in backends if b not in avail}
@@ -76,8 +92,10 @@ def _cmd_bench(args) -> int:
                        args.repeats, args.image_size, args.model, recipe)
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
-    with console.status("benchmarking") as status:
-        results = suite.run(cfg, progress=lambda s: status.update(f"benchmarking: {s}"))
+    with _bench_progress() as progress:
+        results = suite.run(cfg, progress=progress)
+    if not results:
+        raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
     rep = report.report(results, machine_info(), {
         "data": data, "workers": workers, "device": device.type, "batch_size": cfg.batch_size,
         "seconds": cfg.seconds, "repeats": cfg.repeats, "image_size": cfg.image_size, "model": cfg.model,
@@ -91,6 +109,25 @@ def _cmd_bench(args) -> int:
         report.plot(rep, args.plot)
         console.print(f"chart: {args.plot}")
     return 0
+
+
+@contextlib.contextmanager
+def _bench_progress():
+    """``progress(text, fraction)`` for ``suite.run``: a status line on a terminal, else one line per window, with
+    the share done and an estimate of the time left."""
+    start = time.monotonic()
+
+    def line(text: str, fraction: float | None = None) -> str:
+        if not fraction:
+            return f"bench: {text}"
+        left = (time.monotonic() - start) * (1 - fraction) / fraction
+        return f"bench {fraction:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
+
+    if console.is_terminal:
+        with console.status("benchmarking") as status:
+            yield lambda text, fraction=None: status.update(line(text, fraction))
+    else:
+        yield lambda text, fraction=None: console.print(line(text, fraction), highlight=False)
 
 
 def _cmd_check(args) -> int:
@@ -164,18 +201,25 @@ def _optional(tp) -> tuple[type, bool]:
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given")."""
-    from .train.config import TrainConfig
+    """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given"),
+    so only the flags given override the YAML file. Booleans also have a --no- form, to undo a YAML ``true``."""
+    from .backends import names
+    from .train.config import CHOICES, HELP, TrainConfig
 
     aliases = {"label_smoothing": ["--smoothing"]}  # timm's name
+    choices = {**CHOICES, "backend": ("auto", *names())}
     for f in fields(TrainConfig):
         flags = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, [])]
         tp, _ = _optional(f.type)
+        text = HELP.get(f.name, "")  # tests/test_train.py holds HELP to every field
+        help = text if "(default" in text else f"{text} (default {f.default})".lstrip()
+        help = help.replace("%", "%%")
         if tp is bool:
-            p.add_argument(*flags, action="store_true", default=None, help=f"(default {f.default})")
+            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            p.add_argument(*flags, type=tp, default=None, help=f"(default {f.default})")
-    p.add_argument("--config", help="a YAML file whose keys override the defaults")
+            p.add_argument(*flags, type=tp, default=None, choices=choices.get(f.name), help=help,
+                           metavar=None if f.name in choices else f.name.upper())
+    p.add_argument("--config", help="a YAML file whose keys override the defaults; flags override both")
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
 
 
@@ -193,6 +237,27 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -202,14 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="versions, cores, CUDA devices, and which backends work here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the raw values as JSON")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("sample-data", help="write the embedded default data set (an ImageFolder of JPEGs)")
-    p.add_argument("dir", nargs="?", default="data/sample")
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--per-class", type=int, default=60)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("sample-data", help="write the embedded data set (an ImageFolder of JPEGs): a train split, "
+                       "and a held-out val split that shares no image with it")
+    p.add_argument("dir", nargs="?", help="where (default: data/sample for train, data/sample-val for val)")
+    p.add_argument("--split", choices=["train", "val"], default="train",
+                   help="train, or val: the same classes drawn from other random streams (default train)")
+    p.add_argument("--classes", type=_positive_int, default=10, help="number of classes (default 10)")
+    p.add_argument("--per-class", type=_positive_int, help="images per class (default 60 for train, 20 for val)")
+    p.add_argument("--seed", type=int, default=0, help="the data set's seed (default 0)")
     p.set_defaults(func=_cmd_sample_data)
 
     p = sub.add_parser("bench", help="which backend is fastest on this machine and data")
@@ -218,12 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipelines", default="decode,train,eval",
                    help="comma-separated from decode, floor, train, eval (floor: the decode a train pipeline cannot "
                         "avoid, at the DCT scale its crops allow; train rows then say how close they come)")
-    p.add_argument("--workers", type=int, help="decode workers (default: every usable core)")
-    p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per measurement (after warm-up)")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows per measurement; the median is reported")
+    p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
+    p.add_argument("--image-size", type=_positive_int, default=224, help="(default 224)")
+    p.add_argument("--seconds", type=_positive_float, default=6.0,
+                   help="timed seconds per measurement, after a warm-up (default 6)")
+    p.add_argument("--repeats", type=_positive_int, default=3,
+                   help="timed windows per measurement; the median is reported (default 3)")
     p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
     p.add_argument("--aa", help="add an 'augment' pipeline: train with this policy (e.g. rand-m9-mstd0.5-inc1)")
     p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")
@@ -237,9 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
-    p.add_argument("dir")
-    p.add_argument("--workers", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("dir", help="an ImageFolder directory or a CSV list (path,label)")
+    p.add_argument("--workers", type=_non_negative_int, help="checking processes (default: every usable core)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
 
     from .prepare import PrepareOptions  # its defaults are the CLI's
@@ -260,8 +330,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ConsoleHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        console.print(self.format(record), highlight=False, markup=False)
+
+
+def _show_logs() -> None:
+    """The library logs its decisions (which backend ``auto`` chose, and why) to the ``gpupipe`` logger: show them."""
+    log = logging.getLogger("gpupipe")
+    if not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
+        log.addHandler(_ConsoleHandler())
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _show_logs()
     from .errors import GpupipeError
 
     try:

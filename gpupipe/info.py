@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import platform
-from importlib.metadata import PackageNotFoundError, version
+import re
+from importlib.metadata import PackageNotFoundError, distribution, version
+from pathlib import Path
 
 import torch
 
@@ -43,11 +46,74 @@ def machine_info() -> dict:
         "torchvision": torchvision.__version__,
         "pil": PIL.__version__,
         "pil_simd": pil_is_simd(),
-        "libjpeg_turbo": features.version("libjpeg_turbo"),
+        "pil_libjpeg_turbo": features.version("libjpeg_turbo"),  # the copy inside Pillow's wheel
+        "turbojpeg_library": turbojpeg_library(),  # the system libturbojpeg the turbojpeg backend loads
         "pyturbojpeg": _version("PyTurboJPEG"),
         "dali": dali_info(),
         "cuda_devices": gpus,
+        "gpupipe": install_info(),
     }
+
+
+def turbojpeg_library() -> str | None:
+    """The libturbojpeg the turbojpeg backend has loaded: the libjpeg-turbo version built into it, and its path."""
+    from .backends import unavailable_reason
+
+    if unavailable_reason("turbojpeg") is not None:  # else this built a TurboJPEG(): the library is loaded now
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            path = next((line.split(None, 5)[5].strip() for line in f if "libturbojpeg" in line), None)
+    except OSError:
+        path = None
+    if path is None:
+        return "loaded (its file is not known on this system)"
+    m = re.search(rb"(\d+\.\d+\.\d+) \(build \d+\)", Path(path).read_bytes())
+    return f"{m.group(1).decode() if m else 'version unknown'} ({path})"
+
+
+_SUMMARY = "Keep the GPU busy"  # the start of this project's pyproject description
+
+
+def install_info() -> dict:
+    """Where ``gpupipe`` was imported from and which installed distribution carries the name. The name belongs to
+    an unrelated project on the package index: ``problem`` says so when that one is installed."""
+    import gpupipe
+
+    info = {"imported_from": str(Path(gpupipe.__file__).parent), "distribution": None, "problem": None}
+    try:
+        dist = distribution("gpupipe")
+    except PackageNotFoundError:
+        return info
+    origin = "a package index"
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
+    except ValueError:
+        direct = None
+    if direct:
+        origin = direct.get("url", "?") + (" (editable)" if direct.get("dir_info", {}).get("editable") else "")
+    info["distribution"] = f"gpupipe {dist.version} from {origin}"
+    if not (dist.metadata.get("Summary") or "").startswith(_SUMMARY):
+        info["problem"] = (f"the installed distribution 'gpupipe' {dist.version} is another project "
+                           f"({dist.metadata.get('Summary')!r}); `pip uninstall gpupipe`, then install this one "
+                           "from its source tree (README: Install)")
+    return info
+
+
+def describe(key: str, value) -> str:
+    """One readable line for a ``machine_info`` value (the JSON keeps the raw values)."""
+    if key == "dali" and isinstance(value, dict):
+        if not value.get("installed"):
+            return "not installed"
+        return f"{value.get('package') or 'installed'} ({'GPU and CPU' if value.get('gpu') else 'CPU only: no GPU'})"
+    if key == "gpupipe" and isinstance(value, dict):
+        where = value["distribution"] or "not installed (run from a source tree)"
+        return f"{where}; imported from {value['imported_from']}"
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
 
 
 def backend_status() -> dict[str, str | None]:

@@ -6,7 +6,9 @@ blobs and sensor-like noise, saved at 300-600 px with mixed JPEG quality. Determ
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -43,21 +45,50 @@ def _image(rng: np.random.Generator, cls: int, num_classes: int) -> Image.Image:
     return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")
 
 
-def make_sample_data(root: str | Path = DEFAULT_DIR, classes: int = 10, per_class: int = 60, seed: int = 0) -> Path:
-    """Write ``root/class_XX/img_YYYY.jpg``; files already there are kept, so re-running is cheap."""
+SPLITS = ("train", "val")
+MARKER = ".gpupipe-sample.json"  # the settings a folder was made with: a re-run adds to it only with the same ones
+
+
+def default_dir(split: str) -> Path:
+    return DEFAULT_DIR if split == "train" else DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-{split}")
+
+
+def make_sample_data(root: str | Path | None = None, classes: int = 10, per_class: int = 60, seed: int = 0,
+                     split: str = "train", on_image: Callable[[], None] = lambda: None) -> Path:
+    """Write ``root/class_XX/img_YYYY.jpg`` (``root`` default ``data/sample``, or ``data/sample-val`` for the val
+    split). Each split draws its images from its own random streams, so train and val never share an image.
+
+    Files already there are kept, so re-running is cheap; a folder made with other settings (or not by this
+    function) is refused rather than mixed into. ``on_image`` is called once per image, written or kept.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if classes < 2 or per_class < 1:
         raise ValueError("need at least 2 classes and 1 image per class")
-    root = Path(root)
+    root = Path(root) if root is not None else default_dir(split)
+    settings = {"split": split, "classes": classes, "per_class": per_class, "seed": seed}
+    marker = root / MARKER
+    if marker.is_file():
+        made = json.loads(marker.read_text())
+        if made != settings:
+            diff = ", ".join(f"{k} {made.get(k)} (now {v})" for k, v in settings.items() if made.get(k) != v)
+            raise FileExistsError(f"{root} holds sample data made with other settings: {diff}; choose another "
+                                  "folder or delete this one")
+    elif root.is_dir() and any(root.iterdir()):
+        raise FileExistsError(f"{root} exists and was not made by `gpupipe sample-data`: choose another folder")
+    root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(settings) + "\n")
     for cls in range(classes):
         d = root / f"class_{cls:02d}"
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(exist_ok=True)
         for i in range(per_class):
             path = d / f"img_{i:04d}.jpg"
-            if path.exists():
-                continue
-            rng = np.random.default_rng([seed, cls, i])
-            img = _image(rng, cls, classes)
-            tmp = path.with_suffix(".tmp")
-            img.save(tmp, "JPEG", quality=int(rng.integers(70, 96)), subsampling=int(rng.choice([0, 2, 2])))
-            tmp.replace(path)
+            if not path.exists():
+                # train keeps the streams it always had; val draws from streams of its own
+                rng = np.random.default_rng([seed, cls, i] if split == "train" else [seed, cls, i, SPLITS.index(split)])
+                img = _image(rng, cls, classes)
+                tmp = path.with_suffix(".tmp")
+                img.save(tmp, "JPEG", quality=int(rng.integers(70, 96)), subsampling=int(rng.choice([0, 2, 2])))
+                tmp.replace(path)
+            on_image()
     return root

@@ -112,6 +112,45 @@ def test_pixel_limit_is_checked_from_the_header(tmp_path, backend):
         gpupipe.read_image(path, backend, max_pixels=1_000_000)
 
 
+def _float_tiff(path):
+    Image.fromarray(np.linspace(0, 1, 64 * 48, dtype=np.float32).reshape(48, 64), "F").save(path, format="TIFF")
+    return path
+
+
+@pytest.mark.parametrize("backend", READERS)
+def test_float_images_follow_one_rule_everywhere(tmp_path, backend):
+    """A float TIFF (mode F) is refused by every backend, as its value range says nothing about 8-bit colours; 16-bit
+    integer TIFFs are scaled (the top 8 bits)."""
+    with pytest.raises(gpupipe.DecodeError, match=r"floating-point image \(mode F\)"):
+        gpupipe.read_image(_float_tiff(tmp_path / "f.tif"), backend)
+    if backend in DECODERS:
+        arr = np.full((8, 8), 0xABCD, dtype=np.uint16)
+        Image.fromarray(arr).save(tmp_path / "i16.tif")
+        assert gpupipe.read_image(tmp_path / "i16.tif", backend).unique().tolist() == [0xAB]
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loaders_and_check_flag_float_images(tmp_path, backend):
+    from gpupipe.cli import main
+
+    root = make_folder(tmp_path / "data", 2, 3)
+    _float_tiff(root / "c01" / "zz_float.tif")
+    loader = gpupipe.build_loader(root, backend, batch_size=2, train=False, image_size=16, num_workers=0,
+                                  device="cpu", on_error="skip")
+    list(loader)
+    assert [(p.rsplit("/", 1)[-1], "mode F" in r) for p, r in loader.skipped] == [("zz_float.tif", True)]
+    if backend == "pillow":
+        assert main(["check", str(root), "--workers", "1"]) == 1
+
+
+@pytest.mark.parametrize("backend", READERS)
+def test_reasons_do_not_name_python_objects(backend):
+    with pytest.raises(gpupipe.DecodeError) as e:
+        gpupipe.read_image(b"this is not an image at all", backend)
+    assert "BytesIO" not in str(e.value) and " at 0x" not in str(e.value)
+    assert "not a readable image" in e.value.reason
+
+
 @pytest.fixture()
 def dirty_folder(tmp_path, base):
     root = make_folder(tmp_path / "data", 2, 5)

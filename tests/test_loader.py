@@ -118,6 +118,62 @@ def test_resume_mid_epoch_gives_the_same_batches(folder):
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+def _labels(batches):
+    return [lb.tolist() for _, lb in batches]
+
+
+def test_state_after_a_full_pass_points_at_the_next_epoch(unique_folder):
+    kw = dict(batch_size=3, train=True, image_size=16, num_workers=0, normalize=False, device="cpu", seed=1)
+    loader = gpupipe.build_loader(unique_folder, "pillow", **kw)
+    first = _labels(loader)
+    assert loader.state_dict() == {"epoch": 1, "batch": 0}
+    resumed = gpupipe.build_loader(unique_folder, "pillow", **kw)
+    resumed.load_state_dict(loader.state_dict())
+    second = _labels(resumed)
+    assert len(second) == len(first) and second != first  # the whole next epoch, in its own order
+
+
+def test_set_epoch_of_the_loaded_epoch_keeps_the_position(unique_folder):
+    """The README loop: load_state_dict mid-epoch, then ``for epoch ...: loader.set_epoch(epoch)``."""
+    kw = dict(batch_size=3, train=True, image_size=16, num_workers=0, normalize=False, device="cpu", seed=1)
+    straight = gpupipe.build_loader(unique_folder, "pillow", **kw)
+    straight.set_epoch(2)
+    expected = _labels(straight)
+    loader = gpupipe.build_loader(unique_folder, "pillow", **kw)
+    loader.load_state_dict({"epoch": 2, "batch": 2})
+    loader.set_epoch(2)
+    assert _labels(loader) == expected[2:]
+    loader.set_epoch(2)  # asked again after the resumed pass: the whole epoch
+    assert _labels(loader) == expected
+
+
+def test_a_pass_cut_short_is_followed_by_the_next_epoch(unique_folder):
+    kw = dict(batch_size=3, train=True, image_size=16, num_workers=0, normalize=False, device="cpu", seed=1)
+    loader = gpupipe.build_loader(unique_folder, "pillow", **kw)
+    epochs = []
+    for _ in range(3):
+        for step, _ in enumerate(loader):  # a cap of 2 steps per epoch
+            if step == 2:
+                break
+            epochs.append(loader.sampler.epoch)
+    assert epochs == [0, 0, 1, 1, 2, 2]
+    loader.set_epoch(1)  # the user's choice wins over moving on
+    ref = gpupipe.build_loader(unique_folder, "pillow", **kw)
+    ref.set_epoch(1)
+    assert _labels(loader) == _labels(ref)
+
+
+def test_recipe_size_and_image_size_never_disagree_silently(folder):
+    kw = dict(batch_size=4, train=False, num_workers=0, normalize=False, device="cpu")
+    assert gpupipe.build_loader(folder, "pillow", **kw).recipe.size == 224
+    x, _ = next(iter(gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(size=24), **kw)))
+    assert x.shape[-2:] == (24, 24)
+    same = gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(size=24), image_size=24, **kw)
+    assert same.recipe.size == 24
+    with pytest.raises(ValueError, match=r"image_size=32 and recipe\.size=24 disagree"):
+        gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(size=24), image_size=32, **kw)
+
+
 def test_unknown_backend_and_bad_options(folder):
     with pytest.raises(ValueError, match="valid names: auto, pillow"):
         gpupipe.build_loader(folder, "pil")

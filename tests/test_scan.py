@@ -43,3 +43,48 @@ def test_csv_list_and_root_escape(tmp_path, folder):
 def test_missing_root_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         scan(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("header", ["path,label\n", "image,class\n", "\ufefffilename,label\n", "photo,target\n"])
+def test_csv_headers_as_users_write_them(tmp_path, folder, header):
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    lst = tmp_path / "list.csv"
+    lst.write_text(header + "imgs/c00/000.jpg,1\nimgs/c01/000.jpg,0\n", encoding="utf-8")
+    data = scan(lst)
+    assert [label for _, label in data.samples] == [1, 0] and data.classes == ["0", "1"]
+
+
+@pytest.mark.parametrize("bad", ["dog", "1.0"])
+def test_csv_mixed_labels_are_an_error_naming_the_line(tmp_path, folder, bad):
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"imgs/c00/000.jpg,2\nimgs/c01/000.jpg,10\nimgs/c02/000.jpg,{bad}\n")
+    with pytest.raises(ValueError, match=r"list.csv:3: label '.*' is not an integer"):
+        scan(lst)
+    lst.write_text(f"imgs/c00/000.jpg,{bad}\nimgs/c01/000.jpg,2\n")  # a real file: data, not a header
+    with pytest.raises(ValueError, match=r"list.csv:2: label '2' is not a class name"):
+        scan(lst)
+
+
+def test_held_out_set_uses_the_training_classes(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for split, names in (("train", "abc"), ("val", "bc"), ("odd", "bz")):
+        for n in names:
+            (tmp_path / split / n).mkdir(parents=True)
+            photo(rng, 20, 20).save(tmp_path / split / n / "x.jpg")
+    train = scan(tmp_path / "train")
+    with pytest.warns(UserWarning, match="no samples of 1 training class.*a"):
+        val = scan(tmp_path / "val", class_to_idx=train.class_to_idx)
+    assert val.classes == ["a", "b", "c"] and [label for _, label in val.samples] == [1, 2]
+    with pytest.raises(ValueError, match="classes not in the training set: z"):
+        scan(tmp_path / "odd", class_to_idx=train.class_to_idx)
+    lst = tmp_path / "val.csv"
+    lst.write_text("val/c/x.jpg,c\nval/b/x.jpg,b\n")
+    with pytest.warns(UserWarning):
+        assert [label for _, label in scan(lst, class_to_idx=train.class_to_idx).samples] == [2, 1]

@@ -104,6 +104,143 @@ def test_config_file_overrides_only_what_it_names(tmp_path):
         TrainConfig(precision="fp8")
 
 
+def _run(*args):
+    """``python -m gpupipe train ...`` as a user runs it, stderr to a pipe (not a terminal)."""
+    return subprocess.run([*args], capture_output=True, text=True, timeout=600)
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
+    out = tmp_path / "run"
+    err = _one_error_line(_run(*_cli(data, out, "--resume", "--epochs", "1")).stderr)
+    assert "--resume: no checkpoint at" in err and str(out) in err
+    r = _run(*_cli(data, out, "--resume-or-start", "--epochs", "1"))
+    assert r.returncode == 0 and "resumed" not in r.stderr
+    r = _run(*_cli(data, out, "--resume", "--epochs", "1"))
+    assert r.returncode == 0 and "already finished its 1 epochs" in r.stderr
+    for flags, said in ((("--batch-size", "8"), "batch_size 4 -> 8"), (("--model", "resnet10t"), "model"),
+                        (("--epochs", "2", "--allow-config-change", "--image-size", "40"), "image_size 32 -> 40"),
+                        (("--epochs", "2", "--lr", "0.1"), "epochs 1 -> 2; lr 0.05 -> 0.1")):
+        err = _one_error_line(_run(*_cli(data, out, "--resume", *flags)).stderr)
+        assert said in err and "last.pt" in err, err
+    assert "--allow-config-change" in err
+    first_config = (out / "config.yaml").read_text()
+    r = _run(*_cli(data, out, "--resume", "--epochs", "2", "--allow-config-change"))
+    assert r.returncode == 0, r.stderr
+    assert "resumed from epoch 1, batch 0 (optimizer step 8)" in r.stderr and "epochs 1 -> 2" in r.stderr
+    kept = list(out.glob("config.before-step-*.yaml"))
+    assert len(kept) == 1 and kept[0].read_text() == first_config and "epochs: 2" in (out / "config.yaml").read_text()
+    other = tmp_path / "other"  # a run that saved no checkpoint: its config.yaml is not overwritten
+    other.mkdir()
+    (other / "config.yaml").write_text("epochs: 5\n")
+    err = _one_error_line(_run(*_cli(data, other)).stderr)
+    assert "config.yaml holds another run's config" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", "truncated"])
+def test_a_broken_checkpoint_is_one_line_naming_it(data, tmp_path, content):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints" / "last.pt"
+    if content == "truncated":
+        subprocess.run(_cli(data, out, "--epochs", "1"), check=True, capture_output=True)
+        content = ckpt.read_bytes()[:1000]
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    ckpt.write_bytes(content)
+    err = _one_error_line(_run(*_cli(data, out, "--resume")).stderr)
+    assert f"{ckpt}: cannot resume from it" in err and "delete it" in err
+
+
+def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):
+    from gpupipe.cli import main
+
+    f = tmp_path / "run.yaml"
+    for text, said in (("lr: 0.1\nepocs: 3\n", "run.yaml:2: unknown key 'epocs'; did you mean 'epochs'?"),
+                       ("epochs: [3\n", "run.yaml:2: not valid YAML"),
+                       ("lr: 0.1\nepochs: ten\n", "run.yaml:2: epochs: Value 'ten'"),
+                       ("precision: fp8\n", "precision must be one of fp32, bf16, fp16")):
+        f.write_text(text)
+        assert main(["train", "--config", str(f), "--print-config"]) == 2
+        assert said in _one_error_line(capsys.readouterr().err)
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "m"), "--model", "resnt18"]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert "unknown --model 'resnt18'" in err and "resnet18" in err
+
+
+def test_help_explains_every_flag_and_booleans_turn_off(tmp_path, capsys):
+    from dataclasses import fields
+
+    from gpupipe.cli import main
+    from gpupipe.train.config import HELP
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert {f.name for f in fields(TrainConfig)} == HELP.keys()
+    for name in HELP:
+        assert f"--{name.replace('_', '-')}" in text
+    for choices in ("{fp32,bf16,fp16}", "{sgd,adamw}", "{raise,skip}", "{auto,pillow,"):
+        assert choices in text
+    assert "--no-channels-last" in text and "(default None: every usable core)" in text
+    f = tmp_path / "run.yaml"
+    f.write_text("channels_last: true\ncompile: true\n")
+    assert main(["train", "--config", str(f), "--no-channels-last", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "channels_last: false" in printed and "compile: true" in printed
+
+
+def test_validation_uses_the_training_classes_and_logs_stay_whole(data, tmp_path):
+    import shutil
+
+    val = tmp_path / "val"
+    shutil.copytree(data / "c01", val / "c01")
+    shutil.copytree(data / "c03", val / "c03")
+    r = _run(*_cli(data, tmp_path / "run", "--val", str(val), "--epochs", "1"))
+    assert r.returncode == 0, r.stderr
+    assert "no samples of 2 training class(es): c00, c02" in r.stderr
+    summary = [line for line in r.stderr.splitlines() if line.startswith("epoch 0  train_loss")]
+    assert len(summary) == 1 and "val_loss" in summary[0] and "val_acc" in summary[0]  # one line, not wrapped at 80
+    shutil.copytree(data / "c00", val / "zebra")
+    err = _one_error_line(_run(*_cli(data, tmp_path / "run2", "--val", str(val), "--epochs", "1")).stderr)
+    assert "classes not in the training set: zebra" in err
+
+
+def test_skipped_files_are_named(data, tmp_path):
+    import shutil
+
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    (bad / "c02" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    out = tmp_path / "run"
+    r = _run(*_cli(bad, out, "--on-error", "skip", "--epochs", "1"))
+    assert r.returncode == 0, r.stderr
+    assert f"skipped {bad / 'c02' / 'broken.jpg'}: " in r.stderr
+    rows = (out / "skipped.txt").read_text().splitlines()
+    assert len(rows) == 1 and rows[0].startswith(f"0\t{bad / 'c02' / 'broken.jpg'}\t")
+
+
+def test_ddp_progress_labels_rank_zero_and_summary_all_ranks(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from gpupipe.train.logging import RunLogger
+
+    logger = RunLogger(tmp_path, enabled=True, total=4, world_size=2)
+    buf = io.StringIO()
+    logger.console = Console(file=buf, width=80, soft_wrap=True)
+    logger.start_epoch(0, 0)
+    logger.progress(4, {"images": 64, "time": 1.0, "wait": 0.1, "loss": 64.0}, 0.1, 4)
+    logger.end_epoch({"epoch": 0, "train_loss": 1.0, "images_per_s": 128.0, "data_wait": 0.1}, None)
+    logger.close()
+    text = buf.getvalue()
+    assert "64 img/s (rank 0)" in text and "all 2 ranks" in text
+
+
 def _torchrun(*args, timeout=300):
     probe = os.path.join(os.path.dirname(__file__), "probe.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", probe, *args]

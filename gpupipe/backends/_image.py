@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,13 +76,31 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
     except Image.DecompressionBombError:
         raise DecodeError(path, backend, "more pixels than PIL allows (decompression bomb)") from None
     except Exception as e:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ValueError...
-        raise DecodeError(path, backend, f"not a readable image ({type(e).__name__}: {e})") from None
+        raise DecodeError(path, backend, _unreadable(e)) from None
     width, height = img.size
+    if (reason := float_image_reason(img.mode)) is not None:
+        raise DecodeError(path, backend, reason)
     if width < 1 or height < 1:
         raise DecodeError(path, backend, f"image has no pixels ({width}x{height})")
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
         raise DecodeError(path, backend, reason)
     return Header(img, width, height, _orientation(img.getexif), img.format == "JPEG")
+
+
+def _unreadable(e: Exception) -> str:
+    """Why PIL could not open the data, without the ``<_io.BytesIO object at 0x...>`` it names in-memory input by."""
+    if isinstance(e, Image.UnidentifiedImageError):
+        return "not a readable image (no image format PIL knows starts this data)"
+    return f"not a readable image ({type(e).__name__}: {re.sub(r' ?<_io.BytesIO object at 0x[0-9a-f]+>', '', str(e))})"
+
+
+def float_image_reason(mode: str) -> str | None:
+    """The rule for floating-point images (TIFF mode ``F``), the same on every backend: refused, as their value range
+    (0-1? 0-255? HDR?) says nothing about which 8-bit value a pixel is. Integer modes are scaled (see ``to_rgb``)."""
+    if mode == "F":
+        return ("a floating-point image (mode F): its value range does not say which 8-bit colour a pixel is; "
+                "convert it to 8- or 16-bit integers first")
+    return None
 
 
 def _orientation(read_exif: Callable[[], Image.Exif]) -> int:
@@ -108,6 +127,8 @@ def _header_entry(src: str | bytes, max_pixels: int) -> tuple[int, int, bool] | 
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(src if isinstance(src, str) else io.BytesIO(src)) as img:
                 width, height = img.size
+                if (reason := float_image_reason(img.mode)) is not None:
+                    return reason
                 orientation = _orientation(img.getexif)
                 pillow_only = img.format not in PIPELINE_FORMATS or img.mode in PILLOW_ONLY_MODES
     except Image.DecompressionBombError:
@@ -117,9 +138,9 @@ def _header_entry(src: str | bytes, max_pixels: int) -> tuple[int, int, bool] | 
             return "empty file"
         if isinstance(src, str) and not os.path.exists(src):
             return "cannot read the file (no such file)"
-        return f"not a readable image ({type(e).__name__}: {e})"
+        return _unreadable(e)
     except Exception as e:  # PIL raises SyntaxError, ValueError... on broken headers
-        return f"not a readable image ({type(e).__name__}: {e})"
+        return _unreadable(e)
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
         return reason
     return (*upright_hw(height, width, orientation), pillow_only)

@@ -45,32 +45,42 @@ def write_json(rep: dict, path: str | Path) -> None:
 
 
 def plot(rep: dict, path: str | Path) -> None:
-    """A grouped bar chart: images/s by backend, one group per pipeline."""
+    """A grouped bar chart of the real backends' images/s, one group per pipeline, the spread over the timed windows
+    as error bars. ``synthetic`` (random batches: the compute ceiling, often several times higher) would squeeze
+    the others into the bottom of the scale, so it is a note under the title instead of a bar."""
     try:
         import matplotlib
     except ImportError as e:
-        raise ModuleNotFoundError('--plot needs matplotlib: pip install "gpupipe[bench]"') from e
+        raise ModuleNotFoundError("--plot needs matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = rep["results"]
+    rows = [r for r in rep["results"] if r["backend"] != "synthetic"]
+    ceiling = [r for r in rep["results"] if r["backend"] == "synthetic"]
     pipelines = list(dict.fromkeys(r["pipeline"] for r in rows))
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     width = 0.8 / max(len(backends), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(pipelines) * max(1, len(backends) / 3)), 4), dpi=120)
     for i, b in enumerate(backends):
-        xs, ys = [], []
+        xs, ys, err = [], [], [[], []]
         for j, p in enumerate(pipelines):
             hit = [r for r in rows if r["backend"] == b and r["pipeline"] == p]
             if hit:
                 xs.append(j + (i - (len(backends) - 1) / 2) * width)
                 ys.append(hit[0]["images_per_s"])
-        bars = ax.bar(xs, ys, width, label=b)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7, rotation=90, padding=2)
+                lo, hi = hit[0].get("spread") or (ys[-1], ys[-1])
+                err[0].append(max(0.0, ys[-1] - lo))
+                err[1].append(max(0.0, hi - ys[-1]))
+        bars = ax.bar(xs, ys, width, yerr=err, capsize=2, error_kw={"elinewidth": 0.8}, label=b)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, rotation=90, label_type="center", color="white")
     ax.set_xticks(range(len(pipelines)), pipelines)
-    ax.set_ylabel("images / s")
+    ax.set_ylabel("images / s (median; error bars: min-max of the timed windows)", fontsize=8)
     m, cfg = rep["machine"], rep["config"]
-    ax.set_title(f"gpupipe bench: {cfg['workers']} worker(s), {cfg['device']}, {m['cpu'][:40]}", fontsize=9)
+    title = f"gpupipe bench: {cfg['workers']} worker(s), {cfg['device']}, {m['cpu'][:40]}"
+    if ceiling:
+        title += "\nsynthetic (the compute ceiling, not drawn): " + ", ".join(
+            f"{r['pipeline']} {r['images_per_s']:,.0f}" for r in ceiling) + " img/s"
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, ncol=min(len(backends), 4))
     ax.margins(y=0.2)
     fig.tight_layout()

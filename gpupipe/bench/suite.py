@@ -64,32 +64,30 @@ class Result:
 
 
 class _GpuSampler:
-    """Samples GPU utilisation every 100 ms through NVML while a measurement runs."""
+    """Samples GPU utilisation every 100 ms while a measurement runs, through ``torch.cuda.utilization`` (NVML, with
+    the CUDA index mapped to NVML's, so ``CUDA_VISIBLE_DEVICES`` cannot make it watch another GPU)."""
 
     def __init__(self, device: torch.device):
         self.samples: list[int] = []
         self._stop = threading.Event()
-        self._handle = None
+        self._device = None
         if device.type == "cuda":
             try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            except Exception:  # no nvidia-ml-py or no driver: report no figure rather than fail
-                self._handle = None
+                torch.cuda.utilization(device)
+                self._device = device
+            except Exception:  # no nvidia-ml-py or no NVML driver: report no figure rather than fail
+                self._device = None
 
     def __enter__(self):
         self._stop = threading.Event()  # entered once per timed window
-        if self._handle is not None:
+        if self._device is not None:
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
 
     def _run(self):
         while not self._stop.wait(0.1):
-            self.samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+            self.samples.append(torch.cuda.utilization(self._device))
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -206,8 +204,9 @@ def mean_megapixels(data: str) -> float:
     return sum(sizes) / len(sizes) / 1e6
 
 
-def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[Result]:
-    """Every (backend, pipeline) of the config, plus the baseline for train and eval."""
+def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None: None) -> list[Result]:
+    """Every (backend, pipeline) of the config, plus the baseline for train and eval. ``progress(text, fraction)``
+    hears of each job and window, with the fraction of the planned time done."""
     mp = mean_megapixels(cfg.data)
     sync = _sync_for(cfg.device)
     jobs: list[tuple[str, str, Callable[[], Iterator[int]]]] = []
@@ -238,21 +237,25 @@ def run(cfg: Config, progress: Callable[[str], None] = lambda s: None) -> list[R
 
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
+    warm = max(1.0, cfg.seconds / 4)
+    planned, done = max(len(jobs), 1) * (warm + cfg.seconds), 0.0  # seconds: the time-left estimate
     drain = 4 * max(cfg.workers, 1) + 2  # DataLoaders keep prefetch_factor batches per worker (2, ours 4)
     for rounds in dict.fromkeys(map(timed_with, cfg.pipelines)):
         group = [(b, p, make) for b, p, make in jobs if timed_with(p) == rounds]
         streams, rates = [], []
         for backend, pipeline, make in group:
-            progress(f"{pipeline}: starting {backend}")
+            progress(f"{pipeline}: starting {backend}", done / planned)
             streams.append(make())
-            _warm(streams[-1], max(1.0, cfg.seconds / 4))
+            _warm(streams[-1], warm)
+            done += warm
             rates.append([])
         gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
             for i, (backend, pipeline, _) in enumerate(group):
-                progress(f"{pipeline}: {backend}, window {r + 1}/{cfg.repeats}")
+                progress(f"{pipeline}: {backend}, window {r + 1}/{cfg.repeats}", done / planned)
                 with gpu_samplers[i]:
                     rates[i].append(_window(streams[i], window, drain, sync))
+                done += window
         for (backend, pipeline, _), rs, gpu in zip(group, rates, gpu_samplers, strict=True):
             rate = statistics.median(rs)
             w = max(cfg.workers, 1)

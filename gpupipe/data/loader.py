@@ -77,6 +77,8 @@ class Loader:
         self.fallbacks = 0
         self._position = 0
         self._pass = 0  # counts passes: an iterator whose pass is no longer the latest stops (see __iter__)
+        self._resume_at: tuple[int, int] | None = None  # a loaded (epoch, batch) that set_epoch(epoch) keeps
+        self._unfinished = False  # a pass was started and not run to its end
 
     @property
     def batch_size(self) -> int:
@@ -90,20 +92,28 @@ class Loader:
         return len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's shuffle (iteration also moves on by itself after a full pass)."""
-        self.sampler.set_epoch(epoch)
+        """Select the epoch's shuffle. Iteration moves on by itself (after a full pass, or when a pass was left
+        unfinished); ``set_epoch(e)`` for the epoch just loaded by ``load_state_dict`` keeps the loaded position."""
+        keep = self._resume_at[1] if self._resume_at and self._resume_at[0] == epoch else 0
+        self.sampler.set_epoch(epoch, keep)
+        self._position, self._unfinished = keep, False
 
     def state_dict(self) -> dict:
-        """Where the loader is: resume with ``load_state_dict`` to continue mid-epoch with the same order."""
+        """Where the loader is: resume with ``load_state_dict`` to continue mid-epoch with the same order. After a
+        full pass it points at the start of the next epoch."""
         return {"epoch": self.sampler.epoch, "batch": self._position}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.set_epoch(int(state["epoch"]), int(state["batch"]))
         self._position = int(state["batch"])
+        self._resume_at, self._unfinished = (int(state["epoch"]), int(state["batch"])), False
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._unfinished:  # the last pass was cut short (a step cap, a break): do not replay its first batches
+            self.sampler.set_epoch(self.sampler.epoch + 1)
         epoch, start = self.sampler.epoch, self.sampler.start_batch
         self.skipped, self.fallbacks, self._position = [], 0, start
+        self._resume_at, self._unfinished = None, True
         sizes = [len(b) for b in self.sampler.batches(epoch, start)]
         self._pass += 1
         this_pass = self._pass
@@ -115,6 +125,7 @@ class Loader:
                 raise GpupipeError("this loader was iterated again while this iterator was unfinished; only the "
                                    "newest iterator of a loader delivers batches")
         self.sampler.set_epoch(epoch + 1)  # a full pass: the next one reshuffles unless told otherwise
+        self._position, self._unfinished = 0, False
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         raise NotImplementedError

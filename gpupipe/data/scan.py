@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,55 +40,107 @@ class ImageList:
         return [label for _, label in self.samples]
 
 
-def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside_root: bool = False) -> ImageList:
+def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside_root: bool = False,
+         class_to_idx: dict[str, int] | None = None) -> ImageList:
     """Scan an ImageFolder directory (``root/<class>/**/<image>``) or a CSV file list (``path,label``); tar shards
     (a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them) go to :mod:`.shards`.
 
     Directory scans reuse torchvision's own ``find_classes``/``make_dataset``, so ``classes``,
     ``class_to_idx`` and the ``samples`` order equal ``torchvision.datasets.ImageFolder(root)`` exactly.
     CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
+    ``class_to_idx`` (a training set's) labels a held-out set the same way: a class it lacks is an error, a class
+    missing here a warning.
     """
     from .shards import is_shard_source, scan_shards  # defer: shards imports ImageList from here
 
     if is_shard_source(root):
-        return scan_shards(root)
+        shards = scan_shards(root)
+        if class_to_idx is not None and shards.class_to_idx != class_to_idx:
+            raise ValueError(f"{root}: the shards' classes differ from the training set's; prepare both from "
+                             "folders with the same classes")
+        return shards
     path = Path(root)
     if path.is_dir():
-        classes, class_to_idx = find_classes(str(path))
-        samples = make_dataset(str(path), class_to_idx, extensions=IMG_EXTENSIONS)
-        return ImageList(str(path), samples, classes, class_to_idx)
+        classes, found = find_classes(str(path))
+        if class_to_idx is not None:
+            found = _known_classes(path, classes, class_to_idx)
+            classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
+        samples = make_dataset(str(path), found, extensions=IMG_EXTENSIONS)
+        return ImageList(str(path), samples, classes, class_to_idx or found)
     if path.is_file() and path.suffix.lower() in (".csv", ".txt"):
-        return _scan_csv(path, allow_outside_root)
+        return _scan_csv(path, allow_outside_root, class_to_idx)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such directory or file list")
     raise ValueError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
 
 
-def _scan_csv(path: Path, allow_outside_root: bool) -> ImageList:
+def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[str, int]:
+    """``names`` mapped through ``class_to_idx``: unknown names are an error, absent ones a warning."""
+    unknown = sorted(set(names) - set(class_to_idx))
+    if unknown:
+        raise ValueError(f"{source}: classes not in the training set: {', '.join(map(str, unknown[:10]))}"
+                         + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""))
+    absent = sorted(set(class_to_idx) - set(names))
+    if absent:
+        warnings.warn(f"{source}: no samples of {len(absent)} training class(es): "
+                      f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}", stacklevel=3)
+    return {n: class_to_idx[n] for n in names}
+
+
+_HEADER_WORDS = {"path", "file", "filename", "filepath", "file_path", "image", "image_path", "img", "name"}
+
+
+def _is_int(label: str) -> bool:
+    return label.lstrip("-").isdigit()
+
+
+def _scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] | None = None) -> ImageList:
+    """Rows ``path,label``; labels are all integers (class indices) or all names. The first row is a header when its
+    first column is a usual header word (``path``, ``image``...), or names no file and either has no image extension
+    or is the only row whose label is not an integer."""
     base = path.parent.resolve()
-    rows: list[tuple[str, str]] = []
-    with open(path, newline="") as f:
+    rows: list[tuple[int, str, str]] = []
+    with open(path, newline="", encoding="utf-8-sig") as f:  # utf-8-sig: Excel's byte-order mark
         for lineno, row in enumerate(csv.reader(f), 1):
             if not row or row[0].startswith("#"):
                 continue
             if len(row) < 2:
                 raise ValueError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
-            if lineno == 1 and row[0].strip().lower() in ("path", "file", "filename"):
-                continue  # header
-            rows.append((row[0].strip(), row[1].strip()))
+            rows.append((lineno, row[0].strip(), row[1].strip()))
+    if len(rows) > 1:  # a header is followed by data
+        _, first, first_label = rows[0]
+        others_int = all(_is_int(label) for _, _, label in rows[1:])
+        a_file = (base / first).is_file()
+        if first.lower() in _HEADER_WORDS or (not a_file and (not first.lower().endswith(IMG_EXTENSIONS)
+                                                              or (others_int and not _is_int(first_label)))):
+            rows = rows[1:]
     if not rows:
         raise ValueError(f"{path}: the file list is empty")
-    numeric = all(label.lstrip("-").isdigit() for _, label in rows)
-    if numeric:
-        ints = [int(label) for _, label in rows]
-        if min(ints) < 0:
-            raise ValueError(f"{path}: labels must be >= 0")
-        classes = [str(i) for i in range(max(ints) + 1)]
+    numeric = _is_int(rows[0][2])
+    for lineno, _, label in rows:
+        if _is_int(label) != numeric:
+            kind = "an integer" if numeric else "a class name"
+            raise ValueError(f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0][0]} "
+                             f"({rows[0][2]!r}); use class indices or class names, not both")
+        if numeric and int(label) < 0:
+            raise ValueError(f"{path}:{lineno}: label {label} must be >= 0")
+    if class_to_idx is not None:
+        names = {label for _, _, label in rows}
+        if numeric:
+            names = {n for n in names if int(n) >= len(class_to_idx)}
+            if names:
+                raise ValueError(f"{path}: labels {', '.join(sorted(names, key=int))} are beyond the training "
+                                 f"set's {len(class_to_idx)} classes")
+        else:
+            _known_classes(path, names, class_to_idx)
+        classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
+    elif numeric:
+        classes = [str(i) for i in range(max(int(label) for _, _, label in rows) + 1)]
     else:
-        classes = sorted({label for _, label in rows})
-    class_to_idx = {c: i for i, c in enumerate(classes)}
+        classes = sorted({label for _, _, label in rows})
+    class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
     samples = []
-    for rel, label in rows:
+    for _, rel, label in rows:
         full = (base / rel).resolve()
         if not allow_outside_root and not full.is_relative_to(base):
             raise ValueError(

@@ -41,8 +41,28 @@ def _remove_torn(path: Path) -> None:
             pass
 
 
+REQUIRED = ("model", "optimizer", "scaler", "scheduler", "step", "loader", "rng", "running")
+
+
 def load(path: str | Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def load_for_resume(path: str | Path) -> dict:
+    """A checkpoint to resume from; an empty, truncated or foreign file is a one-line ``ValueError`` naming it."""
+    try:
+        state = load(path)
+    except Exception as e:  # EOFError, RuntimeError (a torn zip), UnpicklingError, ...
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if cause.startswith("Weights only load failed"):
+            cause = "not a checkpoint of tensors and plain values"
+        raise ValueError(f"{path}: cannot resume from it ({cause}); restore a good copy, or delete it to start "
+                         "the run again") from None
+    missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"{path}: cannot resume from it (not a gpupipe train checkpoint: no {', '.join(missing)}); "
+                         "restore a good copy, or delete it to start the run again")
+    return state
 
 
 def rng_state() -> dict:

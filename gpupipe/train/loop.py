@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ..api import build_loader
 from ..mix import Mix
 from ..recipe import Recipe
 from . import checkpoint
-from .config import TrainConfig, to_yaml
+from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig, to_yaml
 from .distributed import Distributed
 from .logging import RunLogger
 from .precision import Precision
@@ -26,6 +27,41 @@ def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
     import timm  # defer: only training needs it
 
     return timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)  # random init: no downloads
+
+
+def check_model_name(name: str) -> None:
+    """An unknown timm model is a one-line error with the closest names, before any data is read."""
+    import difflib
+
+    import timm
+
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+        hint = f"closest: {', '.join(close)}" if close else "see timm.list_models()"
+        raise ValueError(f"unknown --model {name!r}; {hint}")
+
+
+def _same(key: str, a, b) -> bool:
+    if key == "data" and isinstance(a, str) and isinstance(b, str):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
+    """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
+    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new``."""
+    def diff(keys):
+        return [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in keys if k in saved
+                and not _same(k, saved[k], getattr(cfg, k))]
+
+    fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
+    if fixed:
+        raise ValueError(f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
+                         "data order; restore them, or start a new run in another --out")
+    if changeable and not cfg.allow_config_change:
+        raise ValueError(f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them, or "
+                         "pass --allow-config-change to resume with the new ones")
+    return changeable
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -69,8 +105,18 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     device = dist.device
     out = Path(cfg.out)
     ckpt_path = out / "checkpoints" / "last.pt"
-    if dist.is_main and ckpt_path.exists() and not cfg.resume:
+    resume = ckpt_path.exists() and (cfg.resume or cfg.resume_or_start)
+    if ckpt_path.exists() and not resume:
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out")
+    if cfg.resume and not resume and not cfg.resume_or_start:
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
+                                "new run (--resume-or-start starts one when there is nothing to resume)")
+    config_file = out / "config.yaml"
+    if not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
+        raise FileExistsError(f"{config_file} holds another run's config (it saved no checkpoint): choose another "
+                              "--out, or delete that folder")
+    if model is None:
+        check_model_name(cfg.model)
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
@@ -81,8 +127,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     loader_kw = dict(image_size=cfg.image_size, device=device, num_workers=cfg.workers, seed=cfg.seed,
                      channels_last=cfg.channels_last, on_error=cfg.on_error, recipe=recipe)
     train_loader = build_loader(cfg.data, cfg.backend, batch_size=cfg.batch_size, train=True, **loader_kw)
-    val_loader = build_loader(cfg.val, cfg.backend, batch_size=cfg.batch_size, train=False, **loader_kw) \
-        if cfg.val else None
+    # validation labels follow the training classes, whatever the val folder holds
+    val_loader = build_loader(cfg.val, cfg.backend, batch_size=cfg.batch_size, train=False,
+                              class_to_idx=train_loader.dataset.class_to_idx, **loader_kw) if cfg.val else None
     steps_per_epoch = len(train_loader) // cfg.accum
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_loader)} batches per epoch make no optimizer step with --accum {cfg.accum}")
@@ -110,8 +157,10 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
 
     # Resume: everything that decides the rest of the run, the loader's position included.
     start_epoch, step, running = 0, 0, {"loss": 0.0, "images": 0, "wait": 0.0, "time": 0.0}
-    if cfg.resume and ckpt_path.exists():
-        state = checkpoint.load(ckpt_path)
+    changed: list[str] = []
+    if resume:
+        state = checkpoint.load_for_resume(ckpt_path)
+        changed = check_resumable(state.get("config", {}), cfg, ckpt_path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
@@ -129,10 +178,24 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
                                                         else None)
     run_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
-    logger = RunLogger(out, enabled=dist.is_main, total=steps_per_epoch * cfg.accum)
+    logger = RunLogger(out, enabled=dist.is_main, total=steps_per_epoch * cfg.accum, world_size=dist.world_size)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        if changed and config_file.exists():  # keep the settings the run was started with
+            kept = config_file.rename(out / f"config.before-step-{step}.yaml")
+            logger.note(f"settings changed: {'; '.join(changed)} (the previous config is kept in {kept})")
+        if not resume or changed or not config_file.exists():
+            config_file.write_text(to_yaml(cfg))
+    if resume:
+        where = train_loader.state_dict()
+        if start_epoch >= cfg.epochs:
+            logger.note(f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
+                        "longer, raise --epochs with --allow-config-change)")
+            logger.close()
+            dist.close()
+            return {}
+        logger.note(f"resumed from epoch {where['epoch']}, batch {where['batch']} (optimizer step {step}) of "
+                    f"{ckpt_path}")
 
     def save(epoch_metrics_running: dict, loader_state: dict) -> None:
         if dist.is_main:
@@ -148,7 +211,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     metrics: dict = {}
     try:
         for epoch in range(start_epoch, cfg.epochs):
-            first = train_loader.state_dict()["batch"] if epoch == start_epoch and cfg.resume else 0
+            first = train_loader.state_dict()["batch"] if epoch == start_epoch and resume else 0
             if first == 0:
                 train_loader.set_epoch(epoch)
                 running = {"loss": 0.0, "images": 0, "wait": 0.0, "time": 0.0}
@@ -212,7 +275,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             metrics["lr"] = scheduler.get_last_lr()[0]
             metrics["skipped"] = len(train_loader.skipped)
             metrics["fallbacks"] = train_loader.fallbacks
-            logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], cfg))
+            skipped = train_loader.skipped + (val_loader.skipped if val_loader is not None else [])
+            logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], cfg), skipped=skipped)
             save(running, {"epoch": epoch + 1, "batch": 0})
     finally:
         logger.close()

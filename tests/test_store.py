@@ -1,0 +1,37 @@
+"""The bench store behind backend="auto": rows per backend and pipeline, merged, and a logged choice."""
+
+import logging
+
+import torch
+
+import gpupipe
+from gpupipe.bench import store
+
+
+def _report(date, *rows):
+    return {"date": date, "results": [{"backend": b, "pipeline": p, "device": "cpu", "images_per_s": v,
+                                       "spread": [v, v]} for b, p, v in rows]}
+
+
+def test_partial_runs_merge_and_auto_says_what_it_chose(tmp_path, folder, monkeypatch, caplog):
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path))
+    cpu = torch.device("cpu")
+    fast = "turbojpeg" if "turbojpeg" in gpupipe.available_backends() else "pillow"
+    store.save_latest(_report("2026-01-01", ("pillow", "train", 100.0), (fast, "train", 300.0),
+                              ("pillow", "eval", 50.0)), str(folder), cpu)
+    store.save_latest(_report("2026-02-02", ("pillow", "train", 120.0)), str(folder), cpu)  # --backends pillow
+    store.save_latest(_report("2026-03-03"), str(folder), cpu)  # --backends synthetic --pipelines decode
+    best = store.best_backend(str(folder), cpu, train=True)
+    assert (best["backend"], best["images_per_s"], best["date"]) == (fast, 300.0, "2026-01-01")
+    assert store.best_backend(str(folder), cpu, train=False)["backend"] == "pillow"
+    with caplog.at_level(logging.INFO, logger="gpupipe"):
+        loader = gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu")
+    assert loader.backend == fast
+    assert f"backend auto chose {fast}: 300 img/s (train) in the bench of 2026-01-01" in caplog.text
+
+
+def test_auto_without_a_bench_states_its_rule(tmp_path, folder, monkeypatch, caplog):
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="gpupipe"):
+        gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu")
+    assert "no bench result for this data and machine, so the rule" in caplog.text
