@@ -1,5 +1,6 @@
 """Per-image augmentation: drawn per sample, the same on every backend and path, timm's distributions."""
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -20,7 +21,8 @@ FULL = Recipe(auto_augment=RA, color_jitter=0.4, re_prob=0.5, re_count=2)
 
 
 def _loader(folder, backend="pillow", *, recipe=None, train=True, device_path=False, **kw):
-    args = dict(batch_size=8, train=train, image_size=48, num_workers=0, normalize=False, device="cpu", seed=3)
+    args = dict(batch_size=8, train=train, num_workers=0, normalize=False, device="cpu", seed=3)
+    recipe = Recipe(48) if recipe is None else dataclasses.replace(recipe, size=48)
     loader = gpupipe.build_loader(folder, backend, recipe=recipe, **{**args, **kw})
     if device_path and hasattr(loader, "_data"):
         loader._data.augment = None  # as on CUDA: the workers only crop; the device stage augments, batched
