@@ -170,9 +170,14 @@ class DaliLoader(Loader):
         work.scheduled = True
 
     def _fetch(self) -> torch.Tensor:
+        """The oldest scheduled batch, copied out; its buffers go back to DALI at once, so the next scheduled batch
+        can finish while this one is delivered (``outputs()`` would hold them until the next call)."""
         self._scheduled -= 1
-        (out,) = self._pipe.outputs()
-        return _to_torch(out, self.stage.device)
+        (out,) = self._pipe.share_outputs()
+        try:
+            return _to_torch(out, self.stage.device)
+        finally:
+            self._pipe.release_outputs()
 
     def _drain(self) -> None:
         """Fetch and drop what an earlier, unfinished pass left in the pipeline, so this pass starts clean."""
