@@ -38,26 +38,66 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 _LEVEL_DENOM = 10.0
-_RAND_TRANSFORMS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
-                    "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
-_RAND_INCREASING_TRANSFORMS = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing",
-                               "SolarizeIncreasing", "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing",
-                               "BrightnessIncreasing", "SharpnessIncreasing", "ShearX", "ShearY", "TranslateXRel",
-                               "TranslateYRel")
+_RAND_TRANSFORMS = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "Posterize",
+    "Solarize",
+    "SolarizeAdd",
+    "Color",
+    "Contrast",
+    "Brightness",
+    "Sharpness",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
+_RAND_INCREASING_TRANSFORMS = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "PosterizeIncreasing",
+    "SolarizeIncreasing",
+    "SolarizeAdd",
+    "ColorIncreasing",
+    "ContrastIncreasing",
+    "BrightnessIncreasing",
+    "SharpnessIncreasing",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
 # AutoAugment's ImageNet policy (Cubuk et al. 2018, as timm's 'original'): 25 sub-policies of (op, prob, magnitude)
 _AA_ORIGINAL = (
-    (("PosterizeOriginal", 0.4, 8), ("Rotate", 0.6, 9)), (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
-    (("Equalize", 0.8, 8), ("Equalize", 0.6, 3)), (("PosterizeOriginal", 0.6, 7), ("PosterizeOriginal", 0.6, 6)),
-    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)), (("Equalize", 0.4, 4), ("Rotate", 0.8, 8)),
-    (("Solarize", 0.6, 3), ("Equalize", 0.6, 7)), (("PosterizeOriginal", 0.8, 5), ("Equalize", 1.0, 2)),
-    (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)), (("Equalize", 0.6, 8), ("PosterizeOriginal", 0.4, 6)),
-    (("Rotate", 0.8, 8), ("Color", 0.4, 0)), (("Rotate", 0.4, 9), ("Equalize", 0.6, 2)),
-    (("Equalize", 0.0, 7), ("Equalize", 0.8, 8)), (("Invert", 0.6, 4), ("Equalize", 1.0, 8)),
-    (("Color", 0.6, 4), ("Contrast", 1.0, 8)), (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
-    (("Color", 0.8, 8), ("Solarize", 0.8, 7)), (("Sharpness", 0.4, 7), ("Invert", 0.6, 8)),
-    (("ShearX", 0.6, 5), ("Equalize", 1.0, 9)), (("Color", 0.4, 0), ("Equalize", 0.6, 3)),
-    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)), (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
-    (("Invert", 0.6, 4), ("Equalize", 1.0, 8)), (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("PosterizeOriginal", 0.4, 8), ("Rotate", 0.6, 9)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
+    (("Equalize", 0.8, 8), ("Equalize", 0.6, 3)),
+    (("PosterizeOriginal", 0.6, 7), ("PosterizeOriginal", 0.6, 6)),
+    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)),
+    (("Equalize", 0.4, 4), ("Rotate", 0.8, 8)),
+    (("Solarize", 0.6, 3), ("Equalize", 0.6, 7)),
+    (("PosterizeOriginal", 0.8, 5), ("Equalize", 1.0, 2)),
+    (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)),
+    (("Equalize", 0.6, 8), ("PosterizeOriginal", 0.4, 6)),
+    (("Rotate", 0.8, 8), ("Color", 0.4, 0)),
+    (("Rotate", 0.4, 9), ("Equalize", 0.6, 2)),
+    (("Equalize", 0.0, 7), ("Equalize", 0.8, 8)),
+    (("Invert", 0.6, 4), ("Equalize", 1.0, 8)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
+    (("Color", 0.8, 8), ("Solarize", 0.8, 7)),
+    (("Sharpness", 0.4, 7), ("Invert", 0.6, 8)),
+    (("ShearX", 0.6, 5), ("Equalize", 1.0, 9)),
+    (("Color", 0.4, 0), ("Equalize", 0.6, 3)),
+    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
+    (("Invert", 0.6, 4), ("Equalize", 1.0, 8)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
     (("Equalize", 0.8, 8), ("Equalize", 0.6, 3)),
 )
 # torchvision TrivialAugmentWide: op -> (magnitude of bin i out of 31, signed)
@@ -166,8 +206,10 @@ class Policy:
             elif aa.split("-")[0] in ("original", "originalr"):
                 self._aa = self._auto_augment(aa)
             else:
-                raise ValueError(f"auto_augment must be 'rand-...' (timm's RandAugment string), 'original', "
-                                 f"'originalr' or 'trivialaugment', got {recipe.auto_augment!r}")
+                raise ValueError(
+                    f"auto_augment must be 'rand-...' (timm's RandAugment string), 'original', "
+                    f"'originalr' or 'trivialaugment', got {recipe.auto_augment!r}"
+                )
         cj = recipe.color_jitter
         self.jitter: tuple[float, float, float, float] | None = None
         if cj is not None:
@@ -204,8 +246,10 @@ class Policy:
         _, kv = _split_config(config)
         unknown = set(kv) - {"m", "n", "p", "mstd", "mmax", "inc"}
         if unknown:
-            raise ValueError(f"unsupported RandAugment section(s) {sorted(unknown)} in {config!r}; "
-                             "supported: m, n, p, mstd, mmax, inc")
+            raise ValueError(
+                f"unsupported RandAugment section(s) {sorted(unknown)} in {config!r}; "
+                "supported: m, n, p, mstd, mmax, inc"
+            )
         self._m, self._n, self._p = int(kv.get("m", 10)), int(kv.get("n", 2)), float(kv.get("p", 0.5))
         mstd = float(kv.get("mstd", 0))
         self._mag = _Magnitude(math.inf if mstd > 100 else mstd, int(kv["mmax"]) if "mmax" in kv else None)
@@ -225,9 +269,14 @@ class Policy:
         if set(kv) - {"mstd"}:
             raise ValueError(f"unsupported AutoAugment section(s) in {config!r}; supported: mstd")
         self._mag = _Magnitude(float(kv.get("mstd", 0)))
-        self._table = _AA_ORIGINAL if head == "original" else tuple(
-            tuple((n.replace("PosterizeOriginal", "PosterizeIncreasing"), p, m) for n, p, m in sub)
-            for sub in _AA_ORIGINAL)
+        self._table = (
+            _AA_ORIGINAL
+            if head == "original"
+            else tuple(
+                tuple((n.replace("PosterizeOriginal", "PosterizeIncreasing"), p, m) for n, p, m in sub)
+                for sub in _AA_ORIGINAL
+            )
+        )
         return self._draw_auto
 
     def _draw_auto(self, rng: random.Random) -> list[Op]:
@@ -449,8 +498,9 @@ def _affine(x: torch.Tensor, mats: list[tuple[float, ...]], fill: tuple[float, .
     # sampling (image - fill) with zero padding, then adding fill back, blends the fill in where the source runs out
     # (v2's extra mask channel, without the fourth channel)
     fill_t = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
-    out = torch.nn.functional.grid_sample(x.float() - fill_t, grid, mode=mode, padding_mode="zeros",
-                                          align_corners=False)
+    out = torch.nn.functional.grid_sample(
+        x.float() - fill_t, grid, mode=mode, padding_mode="zeros", align_corners=False
+    )
     return out.add_(fill_t).round_().clamp_(0, 255).to(torch.uint8)
 
 

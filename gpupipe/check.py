@@ -61,5 +61,3 @@ def check(paths: list[str], workers: int, on_result=lambda r: None) -> list[dict
             results.append(r)
             on_result(r)
     return results
-
-

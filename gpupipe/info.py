@@ -32,8 +32,9 @@ def machine_info() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
-        else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     import torchvision
 
     return {
@@ -94,9 +95,11 @@ def install_info() -> dict:
         origin = direct.get("url", "?") + (" (editable)" if direct.get("dir_info", {}).get("editable") else "")
     info["distribution"] = f"gpupipe {dist.version} from {origin}"
     if not (dist.metadata.get("Summary") or "").startswith(_SUMMARY):
-        info["problem"] = (f"the installed distribution 'gpupipe' {dist.version} is another project "
-                           f"({dist.metadata.get('Summary')!r}); `pip uninstall gpupipe`, then install this one "
-                           "from its source tree (README: Install)")
+        info["problem"] = (
+            f"the installed distribution 'gpupipe' {dist.version} is another project "
+            f"({dist.metadata.get('Summary')!r}); `pip uninstall gpupipe`, then install this one "
+            "from its source tree (README: Install)"
+        )
     return info
 
 

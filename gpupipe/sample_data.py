@@ -53,8 +53,14 @@ def default_dir(split: str) -> Path:
     return DEFAULT_DIR if split == "train" else DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-{split}")
 
 
-def make_sample_data(root: str | Path | None = None, classes: int = 10, per_class: int = 60, seed: int = 0,
-                     split: str = "train", on_image: Callable[[], None] = lambda: None) -> Path:
+def make_sample_data(
+    root: str | Path | None = None,
+    classes: int = 10,
+    per_class: int = 60,
+    seed: int = 0,
+    split: str = "train",
+    on_image: Callable[[], None] = lambda: None,
+) -> Path:
     """Write ``root/class_XX/img_YYYY.jpg`` (``root`` default ``data/sample``, or ``data/sample-val`` for the val
     split). Each split draws its images from its own random streams, so train and val never share an image.
 
@@ -72,8 +78,9 @@ def make_sample_data(root: str | Path | None = None, classes: int = 10, per_clas
         made = json.loads(marker.read_text())
         if made != settings:
             diff = ", ".join(f"{k} {made.get(k)} (now {v})" for k, v in settings.items() if made.get(k) != v)
-            raise FileExistsError(f"{root} holds sample data made with other settings: {diff}; choose another "
-                                  "folder or delete this one")
+            raise FileExistsError(
+                f"{root} holds sample data made with other settings: {diff}; choose another folder or delete this one"
+            )
     elif root.is_dir() and any(root.iterdir()):
         raise FileExistsError(f"{root} exists and was not made by `gpupipe sample-data`: choose another folder")
     root.mkdir(parents=True, exist_ok=True)

@@ -80,8 +80,11 @@ def test_unusual_valid_files_decode_to_rgb(base, backend, kind):
 def test_exif_orientation_is_applied_everywhere(base, backend, orientation):
     data = _with_orientation(base, orientation)
     img = gpupipe.read_image(data, backend)
-    upright = torch.from_numpy(np.asarray(__import__("PIL.ImageOps").ImageOps.exif_transpose(
-        Image.open(io.BytesIO(data)).convert("RGB"))).copy()).permute(2, 0, 1)
+    upright = torch.from_numpy(
+        np.asarray(
+            __import__("PIL.ImageOps").ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+        ).copy()
+    ).permute(2, 0, 1)
     assert img.shape == upright.shape
     assert (img.float() - upright.float()).abs().mean() < 3
 
@@ -135,8 +138,9 @@ def test_loaders_and_check_flag_float_images(tmp_path, backend):
 
     root = make_folder(tmp_path / "data", 2, 3)
     _float_tiff(root / "c01" / "zz_float.tif")
-    loader = gpupipe.build_loader(root, backend, batch_size=2, train=False, image_size=16, num_workers=0,
-                                  device="cpu", on_error="skip")
+    loader = gpupipe.build_loader(
+        root, backend, batch_size=2, train=False, image_size=16, num_workers=0, device="cpu", on_error="skip"
+    )
     list(loader)
     assert [(p.rsplit("/", 1)[-1], "mode F" in r) for p, r in loader.skipped] == [("zz_float.tif", True)]
     if backend == "pillow":
@@ -163,16 +167,26 @@ def dirty_folder(tmp_path, base):
 
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_loader_raises_in_the_main_process(dirty_folder, backend):
-    loader = gpupipe.build_loader(dirty_folder, backend, batch_size=4, train=False, image_size=32, num_workers=1,
-                                  device="cpu")
+    loader = gpupipe.build_loader(
+        dirty_folder, backend, batch_size=4, train=False, image_size=32, num_workers=1, device="cpu"
+    )
     with pytest.raises(gpupipe.DecodeError, match=r"zz_truncated\.jpg|zz_empty\.jpg"):
         list(loader)
 
 
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_loader_skips_refills_and_reports(dirty_folder, backend):
-    loader = gpupipe.build_loader(dirty_folder, backend, batch_size=4, train=True, image_size=32, num_workers=1,
-                                  device="cpu", on_error="skip", drop_last=False)
+    loader = gpupipe.build_loader(
+        dirty_folder,
+        backend,
+        batch_size=4,
+        train=True,
+        image_size=32,
+        num_workers=1,
+        device="cpu",
+        on_error="skip",
+        drop_last=False,
+    )
     batches = list(loader)
     assert len(batches) == len(loader)
     assert [len(y) for _, y in batches] == [len(b) for b in loader.sampler.batches(0)]  # full batches, equal steps
@@ -205,7 +219,6 @@ def test_loader_pixel_limit_from_the_header(tmp_path, backend):
     batches = list(loader)
     assert [len(y) for _, y in batches] == [4, 4, 1]
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]
-
 
 
 def _exif_upright(data: bytes) -> Image.Image:
@@ -260,8 +273,9 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     gc.disable()
     try:
         del pipe
-        loader = torch.utils.data.DataLoader(range(4), batch_size=2, num_workers=1, timeout=60,
-                                             worker_init_fn=lambda _: gc.collect())
+        loader = torch.utils.data.DataLoader(
+            range(4), batch_size=2, num_workers=1, timeout=60, worker_init_fn=lambda _: gc.collect()
+        )
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
     finally:
         gc.enable()

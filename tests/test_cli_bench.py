@@ -35,8 +35,9 @@ def test_sample_data_is_an_imagefolder_of_jpegs(tmp_path):
 def _gpupipe(*args, **kw):
     """``python -m gpupipe ...`` as a user runs it, output to pipes (not a terminal)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **kw.pop("env", {})}
-    return subprocess.run([sys.executable, "-m", "gpupipe", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "gpupipe", *map(str, args)], capture_output=True, text=True, env=env, timeout=600, **kw
+    )
 
 
 def test_sample_data_val_split_is_held_out_and_folders_are_not_mixed(tmp_path):
@@ -100,12 +101,15 @@ def test_no_install_command_asks_the_index_for_gpupipe():
     assert not bad
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--repeats", "0"], "--repeats: must be >= 1"),
-    (["--seconds", "0"], "--seconds: must be > 0"),
-    (["--seconds", "-1"], "--seconds: must be > 0"),
-    (["--workers", "-2"], "--workers: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--repeats", "0"], "--repeats: must be >= 1"),
+        (["--seconds", "0"], "--seconds: must be > 0"),
+        (["--seconds", "-1"], "--seconds: must be > 0"),
+        (["--workers", "-2"], "--workers: must be >= 0"),
+    ],
+)
 def test_bench_rejects_bad_numbers(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", *args])
@@ -118,9 +122,28 @@ def test_bench_backends_auto_is_a_clear_error(folder):
 
 
 def test_bench_shows_progress_and_time_left_in_a_log(tmp_path, folder):
-    r = _gpupipe("bench", "--data", folder, "--device", "cpu", "--workers", 0, "--backends", "pillow", "--pipelines",
-                 "decode,eval", "--seconds", 0.2, "--repeats", 2, "--batch-size", 4, "--image-size", 32,
-                 env={"GPUPIPE_CACHE": str(tmp_path / "cache")})
+    r = _gpupipe(
+        "bench",
+        "--data",
+        folder,
+        "--device",
+        "cpu",
+        "--workers",
+        0,
+        "--backends",
+        "pillow",
+        "--pipelines",
+        "decode,eval",
+        "--seconds",
+        0.2,
+        "--repeats",
+        2,
+        "--batch-size",
+        4,
+        "--image-size",
+        32,
+        env={"GPUPIPE_CACHE": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("bench ")]
     assert len(lines) >= 6 and all("left:" in line for line in lines)  # one line per job and window
@@ -131,10 +154,15 @@ def test_run_gpu_script_runs_every_part_after_a_failing_one(tmp_path):
     """bench/run_gpu.sh with a stand-in python whose pytest fails: the bench parts still run, the status is 1."""
     log = tmp_path / "calls"
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\ncase \"$*\" in *pytest*) exit 1;; esac\n")
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *pytest*) exit 1;; esac\n')
     fake.chmod(0o755)
-    r = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], capture_output=True, text=True,
-                       env={**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")}, timeout=60)
+    r = subprocess.run(
+        ["bash", str(ROOT / "bench" / "run_gpu.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")},
+        timeout=60,
+    )
     calls = log.read_text().splitlines()
     assert r.returncode == 1 and "part tests failed" in r.stderr
     pipelines = [c.split("--pipelines ")[1].split()[0] for c in calls if "bench" in c]
@@ -146,10 +174,33 @@ def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
     monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
     backends = [b for b in ("pillow", "turbojpeg", "dali", "synthetic") if b in gpupipe.available_backends()]
     j, png = tmp_path / "b.json", tmp_path / "b.png"
-    rc = main(["bench", "--data", str(folder), "--device", "cpu", "--workers", "1", "--backends", ",".join(backends),
-               "--pipelines", "decode,floor,train,eval", "--seconds", "0.3", "--repeats", "2", "--batch-size", "8",
-               "--image-size", "32", "--json", str(j),
-               "--plot", str(png)])
+    rc = main(
+        [
+            "bench",
+            "--data",
+            str(folder),
+            "--device",
+            "cpu",
+            "--workers",
+            "1",
+            "--backends",
+            ",".join(backends),
+            "--pipelines",
+            "decode,floor,train,eval",
+            "--seconds",
+            "0.3",
+            "--repeats",
+            "2",
+            "--batch-size",
+            "8",
+            "--image-size",
+            "32",
+            "--json",
+            str(j),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     rep = json.loads(j.read_text())
     got = {(r["backend"], r["pipeline"]) for r in rep["results"]}
@@ -170,8 +221,9 @@ def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
     assert "img/s" in capsys.readouterr().out
     # backend="auto" now follows the measurement
     real = set(backends) - {"synthetic"}
-    best = max((r for r in rep["results"] if r["pipeline"] == "eval" and r["backend"] in real),
-               key=lambda r: r["images_per_s"])["backend"]
+    best = max(
+        (r for r in rep["results"] if r["pipeline"] == "eval" and r["backend"] in real), key=lambda r: r["images_per_s"]
+    )["backend"]
     loader = gpupipe.build_loader(folder, "auto", train=False, batch_size=4, num_workers=0, device="cpu")
     assert loader.backend == best
 

@@ -67,8 +67,9 @@ def test_dali_resumes_mid_epoch_with_identical_pixels(photos, device):
 
 def test_one_pipeline_per_loader_across_epochs(photos):
     for train in (True, False):
-        loader = gpupipe.build_loader(photos, "dali", batch_size=8, train=train, image_size=32, num_workers=1,
-                                      device="cpu")
+        loader = gpupipe.build_loader(
+            photos, "dali", batch_size=8, train=train, image_size=32, num_workers=1, device="cpu"
+        )
         for epoch in range(3):
             loader.set_epoch(epoch)
             assert sum(len(y) for _, y in loader) == (16 if train else 20)
@@ -86,8 +87,9 @@ def test_only_the_failing_file_leaves_dali(tmp_path):
     photo(rng, 80, 100).save(buf, "JPEG", quality=90)
     corrupt = buf.getvalue()[:300] + bytes(range(256)) * 4 + b"\xff\xd9"  # broken entropy data, then an end marker
     (tmp_path / "a" / "3.jpg").write_bytes(corrupt)
-    loader = gpupipe.build_loader(tmp_path, "dali", batch_size=4, train=False, image_size=32, num_workers=1,
-                                  device="cpu", on_error="skip")
+    loader = gpupipe.build_loader(
+        tmp_path, "dali", batch_size=4, train=False, image_size=32, num_workers=1, device="cpu", on_error="skip"
+    )
     assert sum(len(y) for _, y in loader) == 7
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["3.jpg"]
     assert loader.fallbacks == 0  # nothing was left to Pillow but the verdict

@@ -23,8 +23,10 @@ from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
 
 from .conftest import make_folder, photo
 
-LOADERS = [pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
-           for b in ("pillow", "turbojpeg", "dali")]
+LOADERS = [
+    pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
+    for b in ("pillow", "turbojpeg", "dali")
+]
 SMALL = PrepareOptions(shard_size=parse_size("16KB"))  # a few samples per shard
 
 
@@ -98,8 +100,12 @@ CASES = {  # name: (bytes, options, expected change, upright (h, w) of the resul
     "444_keep": (_jpeg(BASE, subsampling=0), PrepareOptions(), (), (60, 90)),
     "444_to_420": (_jpeg(BASE, subsampling=0), PrepareOptions(subsampling="420"), ("4:4:4",), (60, 90)),
     "large": (_jpeg(BASE), PrepareOptions(max_side=45), ("larger than max-side",), (30, 45)),
-    "large_rotated": (_rotated(BASE), PrepareOptions(max_side=45), ("EXIF orientation", "larger than max-side"),
-                      (45, 30)),
+    "large_rotated": (
+        _rotated(BASE),
+        PrepareOptions(max_side=45),
+        ("EXIF orientation", "larger than max-side"),
+        (45, 30),
+    ),
 }
 
 

@@ -23,8 +23,19 @@ def data(tmp_path_factory):
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
-    base = dict(data=str(data), out=str(out), model="test_resnet", epochs=2, batch_size=8, image_size=32, workers=0,
-                device="cpu", lr=0.05, warmup_epochs=0.5, log_every=1)
+    base = dict(
+        data=str(data),
+        out=str(out),
+        model="test_resnet",
+        epochs=2,
+        batch_size=8,
+        image_size=32,
+        workers=0,
+        device="cpu",
+        lr=0.05,
+        warmup_epochs=0.5,
+        log_every=1,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -69,9 +80,31 @@ def test_outputs_and_refusing_to_overwrite(data, tmp_path):
 
 
 def _cli(data, out, *extra):
-    return [sys.executable, "-m", "gpupipe", "train", "--data", str(data), "--out", str(out), "--model", "test_resnet",
-            "--epochs", "2", "--batch-size", "4", "--image-size", "32", "--workers", "0", "--device", "cpu",
-            "--lr", "0.05", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gpupipe",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--model",
+        "test_resnet",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--image-size",
+        "32",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--lr",
+        "0.05",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("save_every", [0, 3])
@@ -123,9 +156,12 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     assert r.returncode == 0 and "resumed" not in r.stderr
     r = _run(*_cli(data, out, "--resume", "--epochs", "1"))
     assert r.returncode == 0 and "already finished its 1 epochs" in r.stderr
-    for flags, said in ((("--batch-size", "8"), "batch_size 4 -> 8"), (("--model", "resnet10t"), "model"),
-                        (("--epochs", "2", "--allow-config-change", "--image-size", "40"), "image_size 32 -> 40"),
-                        (("--epochs", "2", "--lr", "0.1"), "epochs 1 -> 2; lr 0.05 -> 0.1")):
+    for flags, said in (
+        (("--batch-size", "8"), "batch_size 4 -> 8"),
+        (("--model", "resnet10t"), "model"),
+        (("--epochs", "2", "--allow-config-change", "--image-size", "40"), "image_size 32 -> 40"),
+        (("--epochs", "2", "--lr", "0.1"), "epochs 1 -> 2; lr 0.05 -> 0.1"),
+    ):
         err = _one_error_line(_run(*_cli(data, out, "--resume", *flags)).stderr)
         assert said in err and "last.pt" in err, err
     assert "--allow-config-change" in err
@@ -159,10 +195,12 @@ def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):
     from gpupipe.cli import main
 
     f = tmp_path / "run.yaml"
-    for text, said in (("lr: 0.1\nepocs: 3\n", "run.yaml:2: unknown key 'epocs'; did you mean 'epochs'?"),
-                       ("epochs: [3\n", "run.yaml:2: not valid YAML"),
-                       ("lr: 0.1\nepochs: ten\n", "run.yaml:2: epochs: Value 'ten'"),
-                       ("precision: fp8\n", "precision must be one of fp32, bf16, fp16")):
+    for text, said in (
+        ("lr: 0.1\nepocs: 3\n", "run.yaml:2: unknown key 'epocs'; did you mean 'epochs'?"),
+        ("epochs: [3\n", "run.yaml:2: not valid YAML"),
+        ("lr: 0.1\nepochs: ten\n", "run.yaml:2: epochs: Value 'ten'"),
+        ("precision: fp8\n", "precision must be one of fp32, bf16, fp16"),
+    ):
         f.write_text(text)
         assert main(["train", "--config", str(f), "--print-config"]) == 2
         assert said in _one_error_line(capsys.readouterr().err)
@@ -274,12 +312,39 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch(data, tmp_path):
 def test_torchrun_two_ranks(data, tmp_path):
     """``torchrun ... -m gpupipe train --device cpu``: disjoint shards, identical parameters, rank 0 alone logs."""
     out = tmp_path / "ddp"
-    _torchrun("cli", "--", "train", "--data", str(data), "--out", str(out), "--model", "test_resnet", "--epochs", "2",
-              "--batch-size", "4", "--image-size", "32", "--workers", "0", "--device", "cpu", "--accum", "2")
+    _torchrun(
+        "cli",
+        "--",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--model",
+        "test_resnet",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--image-size",
+        "32",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--accum",
+        "2",
+    )
     assert (out / "checkpoints" / "last.pt").exists()
     assert (out / "metrics.jsonl").read_text().count("\n") == 2  # one row per epoch: rank 0 alone wrote it
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "probe-rank0.pt",
-                                                     "probe-rank1.pt", "tb"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+        "probe-rank0.pt",
+        "probe-rank1.pt",
+        "tb",
+    ]
     ranks = [torch.load(out / f"probe-rank{r}.pt", weights_only=True) for r in (0, 1)]
     for epoch in (0, 1):
         shards = [{i for e, i in r["seen"] if e == epoch} for r in ranks]
@@ -323,10 +388,20 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
     args = _cli(data, tmp_path / "run", "--dist-timeout-s", "30")[3:]
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(_probe("rank-exits", "1", "2", "--", *args), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                _probe("rank-exits", "1", "2", "--", *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
     assert procs[1].wait(timeout=120) == 3
     t0 = time.monotonic()
     try:

@@ -98,8 +98,10 @@ def float_image_reason(mode: str) -> str | None:
     """The rule for floating-point images (TIFF mode ``F``), the same on every backend: refused, as their value range
     (0-1? 0-255? HDR?) says nothing about which 8-bit value a pixel is. Integer modes are scaled (see ``to_rgb``)."""
     if mode == "F":
-        return ("a floating-point image (mode F): its value range does not say which 8-bit colour a pixel is; "
-                "convert it to 8- or 16-bit integers first")
+        return (
+            "a floating-point image (mode F): its value range does not say which 8-bit colour a pixel is; "
+            "convert it to 8- or 16-bit integers first"
+        )
     return None
 
 

@@ -103,8 +103,9 @@ class NvjpegLoader(Loader):
 
         if self._dataloader is None:
             kwargs = {**self._kwargs, "pin_memory": False}
-            self._dataloader = torch.utils.data.DataLoader(self._data, batch_sampler=self.sampler,
-                                                           collate_fn=_collate, **kwargs)
+            self._dataloader = torch.utils.data.DataLoader(
+                self._data, batch_sampler=self.sampler, collate_fn=_collate, **kwargs
+            )
         self.sampler.set_epoch(epoch, start_batch)
         device, S = self.stage.device, self.recipe.size
         for items, idx in zip(self._dataloader, self.sampler.batches(epoch, start_batch), strict=True):
@@ -115,14 +116,16 @@ class NvjpegLoader(Loader):
             decoded, on_cpu = {}, set()
             if gpu:
                 try:
-                    out = decode_jpeg([torch.from_numpy(it[2].copy()) for it in gpu], mode=ImageReadMode.RGB,
-                                      device=device)
+                    out = decode_jpeg(
+                        [torch.from_numpy(it[2].copy()) for it in gpu], mode=ImageReadMode.RGB, device=device
+                    )
                     decoded = {id(it): img for it, img in zip(gpu, out, strict=False)}
                 except RuntimeError:  # find the culprit one by one: nvJPEG reports the batch
                     for it in gpu:
                         try:
-                            decoded[id(it)] = decode_jpeg(torch.from_numpy(it[2].copy()), mode=ImageReadMode.RGB,
-                                                          device=device)
+                            decoded[id(it)] = decode_jpeg(
+                                torch.from_numpy(it[2].copy()), mode=ImageReadMode.RGB, device=device
+                            )
                         except RuntimeError as e:  # a variant nvJPEG rejects may still be valid: Pillow decides
                             try:
                                 img = self._data._fallback.decode(it[2].tobytes(), it[0])  # RGB, upright
@@ -144,16 +147,23 @@ class NvjpegLoader(Loader):
                     img = _upright_chw(decoded[id(it)], orientation)
                 else:
                     continue
-                out = F.resized_crop(img, round(box.top), round(box.left), round(box.height), round(box.width),
-                                     [S, S], antialias=True)
+                out = F.resized_crop(
+                    img, round(box.top), round(box.left), round(box.height), round(box.width), [S, S], antialias=True
+                )
                 crops.append(out.flip(-1) if box.flip else out)
                 labels.append(label)
                 keys.append((epoch, index_of[id(it)]))
             if not crops:
                 yield empty_batch(S, device, errors)
                 continue
-            yield Batch(torch.stack(crops), torch.tensor(labels, dtype=torch.int64), "NCHW", errors, fallbacks,
-                        torch.tensor(keys, dtype=torch.int64).view(-1, 2))
+            yield Batch(
+                torch.stack(crops),
+                torch.tensor(labels, dtype=torch.int64),
+                "NCHW",
+                errors,
+                fallbacks,
+                torch.tensor(keys, dtype=torch.int64).view(-1, 2),
+            )
 
 
 def nvjpeg_decode_counts(dataset, cfg) -> Iterator[int]:
@@ -194,6 +204,11 @@ def _unavailable() -> str | None:
 
 
 SPEC = BackendSpec(
-    "nvjpeg", "torchvision's batched nvJPEG decode on CUDA; crop, flip and resize as GPU tensor ops", ("cuda",),
-    _unavailable, NvjpegLoader, read=read_nvjpeg, decode_job=nvjpeg_decode_counts,
+    "nvjpeg",
+    "torchvision's batched nvJPEG decode on CUDA; crop, flip and resize as GPU tensor ops",
+    ("cuda",),
+    _unavailable,
+    NvjpegLoader,
+    read=read_nvjpeg,
+    decode_job=nvjpeg_decode_counts,
 )

@@ -76,10 +76,14 @@ def _simd_unavailable() -> str | None:
 
 
 SPEC = cpu_decoder_spec(
-    "pillow", "Pillow in DataLoader workers: DCT-reduced JPEG decode, torch's AVX2 resampler", PillowDecoder,
+    "pillow",
+    "Pillow in DataLoader workers: DCT-reduced JPEG decode, torch's AVX2 resampler",
+    PillowDecoder,
     lambda: None,
 )
 SIMD_SPEC = cpu_decoder_spec(
-    "pillow-simd", "pillow-simd in DataLoader workers: its SIMD resampler does crop + resize", PillowSimdDecoder,
+    "pillow-simd",
+    "pillow-simd in DataLoader workers: its SIMD resampler does crop + resize",
+    PillowSimdDecoder,
     _simd_unavailable,
 )

@@ -127,5 +127,6 @@ def _unavailable() -> str | None:
 SPEC = cpu_decoder_spec(
     "turbojpeg",
     "libjpeg-turbo (PyTurboJPEG) in DataLoader workers: header in C, DCT-scaled decode; Pillow for the rest",
-    TurboJpegDecoder, _unavailable,
+    TurboJpegDecoder,
+    _unavailable,
 )

@@ -15,8 +15,17 @@ from ..api import build_loader
 
 
 def _train_rate(cfg, backend: str, model: nn.Module) -> tuple[float, float]:
-    loader = build_loader(cfg.data, backend, batch_size=cfg.batch_size, train=True, image_size=cfg.image_size,
-                          device=cfg.device, num_workers=cfg.workers, channels_last=True, drop_last=True)
+    loader = build_loader(
+        cfg.data,
+        backend,
+        batch_size=cfg.batch_size,
+        train=True,
+        image_size=cfg.image_size,
+        device=cfg.device,
+        num_workers=cfg.workers,
+        channels_last=True,
+        drop_last=True,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     dtype = torch.bfloat16 if cfg.device.type == "cuda" else torch.float32
@@ -71,8 +80,19 @@ def run_end_to_end(cfg, progress, megapixels: float) -> list:
         model = timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)
         model.to(cfg.device, memory_format=torch.channels_last).train()
         rate, wait = _train_rate(cfg, b, model)
-        rows.append(Result(b, f"train:{cfg.model}", cfg.device.type, cfg.workers, rate, (rate, rate), rate * megapixels,
-                           rate / max(cfg.workers, 1), extra={"data_wait": wait}))
+        rows.append(
+            Result(
+                b,
+                f"train:{cfg.model}",
+                cfg.device.type,
+                cfg.workers,
+                rate,
+                (rate, rate),
+                rate * megapixels,
+                rate / max(cfg.workers, 1),
+                extra={"data_wait": wait},
+            )
+        )
     synthetic = rows[0].images_per_s
     for r in rows:
         r.extra["vs_synthetic"] = r.images_per_s / synthetic

@@ -129,8 +129,17 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 
 
 def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None = None) -> Iterator[int]:
-    loader = build_loader(cfg.data, backend, batch_size=cfg.batch_size, train=train, image_size=cfg.image_size,
-                          device=cfg.device, num_workers=cfg.workers, drop_last=False, recipe=recipe)
+    loader = build_loader(
+        cfg.data,
+        backend,
+        batch_size=cfg.batch_size,
+        train=train,
+        image_size=cfg.image_size,
+        device=cfg.device,
+        num_workers=cfg.workers,
+        drop_last=False,
+        recipe=recipe,
+    )
     return (len(y) for _, y in _forever(lambda: loader))
 
 
@@ -141,12 +150,21 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
 
     norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     s = cfg.image_size
-    tf = (T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip(), T.ToTensor(), norm]) if train
-          else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm]))
+    tf = (
+        T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+        if train
+        else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm])
+    )
     ds = datasets.ImageFolder(cfg.data, tf)
     cuda = cfg.device.type == "cuda"
-    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, shuffle=train, num_workers=cfg.workers,
-                                     pin_memory=cuda, persistent_workers=cfg.workers > 0)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=cfg.batch_size,
+        shuffle=train,
+        num_workers=cfg.workers,
+        pin_memory=cuda,
+        persistent_workers=cfg.workers > 0,
+    )
     for x, y in _forever(lambda: dl):
         x.to(cfg.device, non_blocking=cuda)
         yield len(y)
@@ -160,8 +178,14 @@ def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[i
         return spec.decode_job(data, cfg)
     recipe = Recipe(cfg.image_size) if floor else None
     ds = _DecodeOnly(data, spec.decoder(None, True), recipe)
-    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, num_workers=cfg.workers, shuffle=floor,
-                                     collate_fn=len, persistent_workers=cfg.workers > 0)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.workers,
+        shuffle=floor,
+        collate_fn=len,
+        persistent_workers=cfg.workers > 0,
+    )
     return _forever(lambda: dl)
 
 
@@ -229,6 +253,7 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
                 jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
             if b == "dali" and pipeline in ("train", "eval") and cfg.dali_reference:
                 jobs.append(("dali-reference", pipeline, lambda p=pipeline: _reference_counts(cfg, p == "train")))
+
     # Interleaved: the jobs of one pipeline are all started, then timed in turns (one window each per round), so a
     # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold. The floor is timed
     # in the train rounds, as train figures are read against it.
@@ -260,8 +285,17 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
             rate = statistics.median(rs)
             w = max(cfg.workers, 1)
             results.append(
-                Result(backend, pipeline, cfg.device.type, cfg.workers, rate, (min(rs), max(rs)), rate * mp, rate / w,
-                       gpu_util=gpu.mean)
+                Result(
+                    backend,
+                    pipeline,
+                    cfg.device.type,
+                    cfg.workers,
+                    rate,
+                    (min(rs), max(rs)),
+                    rate * mp,
+                    rate / w,
+                    gpu_util=gpu.mean,
+                )
             )
         for stream in streams:
             stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them

@@ -55,8 +55,12 @@ class LoaderParts:
 def empty_batch(size: int, device: torch.device | str = "cpu", errors: list[tuple[str, str]] | None = None) -> Batch:
     """A batch with no sample (only failures); its images on ``device``, so it concatenates with that device's
     batches (labels stay on the CPU in every batch: the device stage moves them)."""
-    return Batch(torch.empty(0, 3, size, size, dtype=torch.uint8, device=device), torch.empty(0, dtype=torch.int64),
-                 "NCHW", errors or [])
+    return Batch(
+        torch.empty(0, 3, size, size, dtype=torch.uint8, device=device),
+        torch.empty(0, dtype=torch.int64),
+        "NCHW",
+        errors or [],
+    )
 
 
 class Loader:
@@ -122,8 +126,10 @@ class Loader:
             self._position += 1
             yield images, labels
             if self._pass != this_pass:  # a newer pass took over the workers or the pipeline: stop, never mix
-                raise GpupipeError("this loader was iterated again while this iterator was unfinished; only the "
-                                   "newest iterator of a loader delivers batches")
+                raise GpupipeError(
+                    "this loader was iterated again while this iterator was unfinished; only the "
+                    "newest iterator of a loader delivers batches"
+                )
         self.sampler.set_epoch(epoch + 1)  # a full pass: the next one reshuffles unless told otherwise
         self._position, self._unfinished = 0, False
 
@@ -189,8 +195,10 @@ def _cat(a: Batch, b: Batch) -> Batch:
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
     k = (None, None) if b.keys is None else (b.keys[:n], b.keys[n:])
-    return (Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0]),
-            Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1]))
+    return (
+        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0]),
+        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1]),
+    )
 
 
 class Sample(NamedTuple):
@@ -279,7 +287,14 @@ class CpuLoader(Loader):
         idle), and by the workers, in parallel, once they take every core."""
         workers = self._kwargs.get("num_workers", 0)
         augment = self.stage.augment
-        in_workers = (self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores()
-                      and (augment is None or augment.batch_transforms is None))  # those see uint8 on the device
-        return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None,
-                        keys=augment is not None and self._data.augment is None)
+        in_workers = (
+            self.stage.device.type == "cpu"
+            and self.stage.normalize
+            and workers >= usable_cores()
+            and (augment is None or augment.batch_transforms is None)
+        )  # those see uint8 on the device
+        return _Collate(
+            self.recipe.size,
+            (self.stage.mean, self.stage.inv_std) if in_workers else None,
+            keys=augment is not None and self._data.augment is None,
+        )

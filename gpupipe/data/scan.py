@@ -40,8 +40,12 @@ class ImageList:
         return [label for _, label in self.samples]
 
 
-def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside_root: bool = False,
-         class_to_idx: dict[str, int] | None = None) -> ImageList:
+def scan(
+    root: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    allow_outside_root: bool = False,
+    class_to_idx: dict[str, int] | None = None,
+) -> ImageList:
     """Scan an ImageFolder directory (``root/<class>/**/<image>``) or a CSV file list (``path,label``); tar shards
     (a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them) go to :mod:`.shards`.
 
@@ -56,8 +60,10 @@ def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside
     if is_shard_source(root):
         shards = scan_shards(root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
-            raise ValueError(f"{root}: the shards' classes differ from the training set's; prepare both from "
-                             "folders with the same classes")
+            raise ValueError(
+                f"{root}: the shards' classes differ from the training set's; prepare both from "
+                "folders with the same classes"
+            )
         return shards
     path = Path(root)
     if path.is_dir():
@@ -78,12 +84,17 @@ def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[st
     """``names`` mapped through ``class_to_idx``: unknown names are an error, absent ones a warning."""
     unknown = sorted(set(names) - set(class_to_idx))
     if unknown:
-        raise ValueError(f"{source}: classes not in the training set: {', '.join(map(str, unknown[:10]))}"
-                         + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""))
+        raise ValueError(
+            f"{source}: classes not in the training set: {', '.join(map(str, unknown[:10]))}"
+            + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        )
     absent = sorted(set(class_to_idx) - set(names))
     if absent:
-        warnings.warn(f"{source}: no samples of {len(absent)} training class(es): "
-                      f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}", stacklevel=3)
+        warnings.warn(
+            f"{source}: no samples of {len(absent)} training class(es): "
+            f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}",
+            stacklevel=3,
+        )
     return {n: class_to_idx[n] for n in names}
 
 
@@ -111,8 +122,9 @@ def _scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int]
         _, first, first_label = rows[0]
         others_int = all(_is_int(label) for _, _, label in rows[1:])
         a_file = (base / first).is_file()
-        if first.lower() in _HEADER_WORDS or (not a_file and (not first.lower().endswith(IMG_EXTENSIONS)
-                                                              or (others_int and not _is_int(first_label)))):
+        if first.lower() in _HEADER_WORDS or (
+            not a_file and (not first.lower().endswith(IMG_EXTENSIONS) or (others_int and not _is_int(first_label)))
+        ):
             rows = rows[1:]
     if not rows:
         raise ValueError(f"{path}: the file list is empty")
@@ -120,8 +132,10 @@ def _scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int]
     for lineno, _, label in rows:
         if _is_int(label) != numeric:
             kind = "an integer" if numeric else "a class name"
-            raise ValueError(f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0][0]} "
-                             f"({rows[0][2]!r}); use class indices or class names, not both")
+            raise ValueError(
+                f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0][0]} "
+                f"({rows[0][2]!r}); use class indices or class names, not both"
+            )
         if numeric and int(label) < 0:
             raise ValueError(f"{path}:{lineno}: label {label} must be >= 0")
     if class_to_idx is not None:
@@ -129,8 +143,10 @@ def _scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int]
         if numeric:
             names = {n for n in names if int(n) >= len(class_to_idx)}
             if names:
-                raise ValueError(f"{path}: labels {', '.join(sorted(names, key=int))} are beyond the training "
-                                 f"set's {len(class_to_idx)} classes")
+                raise ValueError(
+                    f"{path}: labels {', '.join(sorted(names, key=int))} are beyond the training "
+                    f"set's {len(class_to_idx)} classes"
+                )
         else:
             _known_classes(path, names, class_to_idx)
         classes = sorted(class_to_idx, key=class_to_idx.__getitem__)

@@ -56,8 +56,11 @@ class _Samples(Sequence):
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and all(
-            tuple(b) == a for a, b in zip(self, other, strict=True))
+        return (
+            isinstance(other, Sequence)
+            and len(other) == len(self)
+            and all(tuple(b) == a for a, b in zip(self, other, strict=True))
+        )
 
     __hash__ = None
 
@@ -84,13 +87,25 @@ class _Sizes(Sequence):
 class ShardImageList(ImageList):
     """Samples stored as members of uncompressed tar shards; :meth:`read` slices them out of a per-process mmap."""
 
-    def __init__(self, root: str, shard_paths: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 labels: np.ndarray, classes: list[str], *, members: np.ndarray | None = None,
-                 heights: np.ndarray | None = None, widths: np.ndarray | None = None):
+    def __init__(
+        self,
+        root: str,
+        shard_paths: list[str],
+        shard: np.ndarray,
+        offset: np.ndarray,
+        size: np.ndarray,
+        labels: np.ndarray,
+        classes: list[str],
+        *,
+        members: np.ndarray | None = None,
+        heights: np.ndarray | None = None,
+        widths: np.ndarray | None = None,
+    ):
         names = [os.path.basename(p) for p in shard_paths]
         sizes = _Sizes(heights, widths) if heights is not None else None
-        super().__init__(root, _Samples(names, shard, members, labels), classes,
-                         {c: i for i, c in enumerate(classes)}, sizes)
+        super().__init__(
+            root, _Samples(names, shard, members, labels), classes, {c: i for i, c in enumerate(classes)}, sizes
+        )
         self.shard_paths, self.labels = shard_paths, labels
         self._shard, self._offset, self._size = shard, offset, size
         self._maps: dict[int, mmap.mmap | BinaryIO] = {}
@@ -172,12 +187,23 @@ def load_prepared(folder: str | os.PathLike) -> ShardImageList:
     folder = Path(folder)
     meta = json.loads((folder / META).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise GpupipeError(f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
-                           f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again")
+        raise GpupipeError(
+            f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
+            f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again"
+        )
     with np.load(folder / INDEX) as z:  # ``source`` (one path per sample) is left unread: start-up needs none
         cols = {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
-    return ShardImageList(str(folder), [str(folder / n) for n in meta["shards"]], cols["shard"], cols["offset"],
-                          cols["size"], cols["label"], meta["classes"], heights=cols["height"], widths=cols["width"])
+    return ShardImageList(
+        str(folder),
+        [str(folder / n) for n in meta["shards"]],
+        cols["shard"],
+        cols["offset"],
+        cols["size"],
+        cols["label"],
+        meta["classes"],
+        heights=cols["height"],
+        widths=cols["width"],
+    )
 
 
 def load_tars(paths: list[str]) -> ShardImageList:
@@ -187,8 +213,10 @@ def load_tars(paths: list[str]) -> ShardImageList:
     parts = [shard_index(p) for p in paths]
     numeric = [p["label"].dtype.kind in "iu" for p in parts]
     if any(numeric) and not all(numeric):
-        raise GpupipeError(f"{paths[numeric.index(True)]} has numeric labels but {paths[numeric.index(False)]} has "
-                           "class names: one data set needs one kind")
+        raise GpupipeError(
+            f"{paths[numeric.index(True)]} has numeric labels but {paths[numeric.index(False)]} has "
+            "class names: one data set needs one kind"
+        )
     labels = np.concatenate([p["label"] for p in parts])
     if all(numeric):
         if labels.size and labels.min() < 0:
@@ -200,9 +228,16 @@ def load_tars(paths: list[str]) -> ShardImageList:
         classes = classes.tolist()
     shard = np.concatenate([np.full(len(p["label"]), i, np.uint32) for i, p in enumerate(parts)])
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
-    return ShardImageList(root, [os.path.abspath(p) for p in paths], shard,
-                          np.concatenate([p["offset"] for p in parts]), np.concatenate([p["size"] for p in parts]),
-                          labels.astype(np.int64), classes, members=np.concatenate([p["member"] for p in parts]))
+    return ShardImageList(
+        root,
+        [os.path.abspath(p) for p in paths],
+        shard,
+        np.concatenate([p["offset"] for p in parts]),
+        np.concatenate([p["size"] for p in parts]),
+        labels.astype(np.int64),
+        classes,
+        members=np.concatenate([p["member"] for p in parts]),
+    )
 
 
 def shard_index(path: str) -> dict[str, np.ndarray]:
@@ -261,8 +296,10 @@ def index_tar(path: str) -> dict[str, np.ndarray]:
                     order.append(key)
                 if ext in IMAGE_EXTS:
                     if key in images:
-                        raise GpupipeError(f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
-                                           "mixed extensions, which one is the sample?")
+                        raise GpupipeError(
+                            f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
+                            "mixed extensions, which one is the sample?"
+                        )
                     images[key] = (m.name, m.offset_data, m.size)
                 else:
                     label_members[ext][key] = (m.name, tf.extractfile(m).read())
@@ -274,8 +311,10 @@ def index_tar(path: str) -> dict[str, np.ndarray]:
             raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
         found = label_members["cls"].get(key) or label_members["json"].get(key)
         if found is None:
-            raise GpupipeError(f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
-                               f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)")
+            raise GpupipeError(
+                f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
+                f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)"
+            )
         keys.append(key)
         values.append(_label(path, *found))
     if not keys:

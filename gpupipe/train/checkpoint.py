@@ -56,12 +56,15 @@ def load_for_resume(path: str | Path) -> dict:
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         if cause.startswith("Weights only load failed"):
             cause = "not a checkpoint of tensors and plain values"
-        raise ValueError(f"{path}: cannot resume from it ({cause}); restore a good copy, or delete it to start "
-                         "the run again") from None
+        raise ValueError(
+            f"{path}: cannot resume from it ({cause}); restore a good copy, or delete it to start the run again"
+        ) from None
     missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"{path}: cannot resume from it (not a gpupipe train checkpoint: no {', '.join(missing)}); "
-                         "restore a good copy, or delete it to start the run again")
+        raise ValueError(
+            f"{path}: cannot resume from it (not a gpupipe train checkpoint: no {', '.join(missing)}); "
+            "restore a good copy, or delete it to start the run again"
+        )
     return state
 
 

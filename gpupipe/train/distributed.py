@@ -23,8 +23,11 @@ class Distributed:
         else:
             self.device = torch.device("cpu")
         if self.enabled and not dist.is_initialized():
-            dist.init_process_group("nccl" if want_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                    device_id=self.device if want_cuda else None)
+            dist.init_process_group(
+                "nccl" if want_cuda else "gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=self.device if want_cuda else None,
+            )
 
     @property
     def enabled(self) -> bool:

@@ -30,8 +30,9 @@ class RunLogger:
 
                 self._tb = SummaryWriter(str(out / "tb"))
             except ImportError:
-                self.console.print("[yellow]tensorboard is not installed: no TensorBoard logs (pip install "
-                                   "tensorboard)[/]")
+                self.console.print(
+                    "[yellow]tensorboard is not installed: no TensorBoard logs (pip install tensorboard)[/]"
+                )
 
     def note(self, text: str) -> None:
         if self.enabled:
@@ -43,9 +44,15 @@ class RunLogger:
         self._epoch, self._next_line = epoch, first
         if not self.console.is_terminal:
             return
-        self._progress = Progress(TextColumn(f"epoch {epoch}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=self.console,
-                                  transient=False)
+        self._progress = Progress(
+            TextColumn(f"epoch {epoch}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total, completed=first, stats="")
 
@@ -79,8 +86,10 @@ class RunLogger:
             parts.append(f"(images_per_s, data_wait: all {self.world_size} ranks)")
         self.console.print("  ".join(parts), highlight=False)
         if skipped:
-            self.console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch (listed in "
-                               f"{self.out / 'skipped.txt'}):[/]")
+            self.console.print(
+                f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch (listed in "
+                f"{self.out / 'skipped.txt'}):[/]"
+            )
             with open(self.out / "skipped.txt", "a") as f:
                 f.writelines(f"{metrics['epoch']}\t{path}\t{reason}\n" for path, reason in skipped)
             for path, reason in skipped[:20]:

@@ -50,17 +50,25 @@ def _same(key: str, a, b) -> bool:
 def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
     """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
     to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new``."""
+
     def diff(keys):
-        return [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in keys if k in saved
-                and not _same(k, saved[k], getattr(cfg, k))]
+        return [
+            f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}"
+            for k in keys
+            if k in saved and not _same(k, saved[k], getattr(cfg, k))
+        ]
 
     fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
     if fixed:
-        raise ValueError(f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
-                         "data order; restore them, or start a new run in another --out")
+        raise ValueError(
+            f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
+            "data order; restore them, or start a new run in another --out"
+        )
     if changeable and not cfg.allow_config_change:
-        raise ValueError(f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them, or "
-                         "pass --allow-config-change to resume with the new ones")
+        raise ValueError(
+            f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them, or "
+            "pass --allow-config-change to resume with the new ones"
+        )
     return changeable
 
 
@@ -109,12 +117,16 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     if ckpt_path.exists() and not resume:
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out")
     if cfg.resume and not resume and not cfg.resume_or_start:
-        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
-                                "new run (--resume-or-start starts one when there is nothing to resume)")
+        raise FileNotFoundError(
+            f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
+            "new run (--resume-or-start starts one when there is nothing to resume)"
+        )
     config_file = out / "config.yaml"
     if not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
-        raise FileExistsError(f"{config_file} holds another run's config (it saved no checkpoint): choose another "
-                              "--out, or delete that folder")
+        raise FileExistsError(
+            f"{config_file} holds another run's config (it saved no checkpoint): choose another "
+            "--out, or delete that folder"
+        )
     if model is None:
         check_model_name(cfg.model)
     torch.manual_seed(cfg.seed)
@@ -122,14 +134,37 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
 
     # Data: every rank reads its own shard, and every rank takes the same number of steps.
-    recipe = Recipe(cfg.image_size, auto_augment=cfg.aa, color_jitter=cfg.color_jitter, re_prob=cfg.reprob,
-                    re_mode=cfg.remode, re_count=cfg.recount)  # the policies apply to the train loader only
-    loader_kw = dict(image_size=cfg.image_size, device=device, num_workers=cfg.workers, seed=cfg.seed,
-                     channels_last=cfg.channels_last, on_error=cfg.on_error, recipe=recipe)
+    recipe = Recipe(
+        cfg.image_size,
+        auto_augment=cfg.aa,
+        color_jitter=cfg.color_jitter,
+        re_prob=cfg.reprob,
+        re_mode=cfg.remode,
+        re_count=cfg.recount,
+    )  # the policies apply to the train loader only
+    loader_kw = dict(
+        image_size=cfg.image_size,
+        device=device,
+        num_workers=cfg.workers,
+        seed=cfg.seed,
+        channels_last=cfg.channels_last,
+        on_error=cfg.on_error,
+        recipe=recipe,
+    )
     train_loader = build_loader(cfg.data, cfg.backend, batch_size=cfg.batch_size, train=True, **loader_kw)
     # validation labels follow the training classes, whatever the val folder holds
-    val_loader = build_loader(cfg.val, cfg.backend, batch_size=cfg.batch_size, train=False,
-                              class_to_idx=train_loader.dataset.class_to_idx, **loader_kw) if cfg.val else None
+    val_loader = (
+        build_loader(
+            cfg.val,
+            cfg.backend,
+            batch_size=cfg.batch_size,
+            train=False,
+            class_to_idx=train_loader.dataset.class_to_idx,
+            **loader_kw,
+        )
+        if cfg.val
+        else None
+    )
     steps_per_epoch = len(train_loader) // cfg.accum
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_loader)} batches per epoch make no optimizer step with --accum {cfg.accum}")
@@ -140,14 +175,21 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     optimizer = build_optimizer(cfg, model)
     total_steps = steps_per_epoch * cfg.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(total_steps, round(cfg.warmup_epochs * steps_per_epoch)))
+        optimizer, warmup_cosine(total_steps, round(cfg.warmup_epochs * steps_per_epoch))
+    )
     precision = Precision(cfg.precision, device)
     scaler = precision.scaler
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     mix = None
     if cfg.mixup > 0 or cfg.cutmix > 0:  # soft targets, smoothing included: cross-entropy with probabilities
-        mix = Mix(cfg.mixup, cfg.cutmix, cfg.mixup_prob, cfg.mixup_switch_prob, label_smoothing=cfg.label_smoothing,
-                  num_classes=len(train_loader.dataset.classes))
+        mix = Mix(
+            cfg.mixup,
+            cfg.cutmix,
+            cfg.mixup_prob,
+            cfg.mixup_switch_prob,
+            label_smoothing=cfg.label_smoothing,
+            num_classes=len(train_loader.dataset.classes),
+        )
         criterion = nn.CrossEntropyLoss()
     ema = None
     if cfg.model_ema:
@@ -174,8 +216,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
 
     ddp_model = model
     if dist.enabled:
-        ddp_model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                        else None)
+        ddp_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     run_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
     logger = RunLogger(out, enabled=dist.is_main, total=steps_per_epoch * cfg.accum, world_size=dist.world_size)
@@ -189,23 +232,35 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     if resume:
         where = train_loader.state_dict()
         if start_epoch >= cfg.epochs:
-            logger.note(f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
-                        "longer, raise --epochs with --allow-config-change)")
+            logger.note(
+                f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
+                "longer, raise --epochs with --allow-config-change)"
+            )
             logger.close()
             dist.close()
             return {}
-        logger.note(f"resumed from epoch {where['epoch']}, batch {where['batch']} (optimizer step {step}) of "
-                    f"{ckpt_path}")
+        logger.note(
+            f"resumed from epoch {where['epoch']}, batch {where['batch']} (optimizer step {step}) of {ckpt_path}"
+        )
 
     def save(epoch_metrics_running: dict, loader_state: dict) -> None:
         if dist.is_main:
-            checkpoint.save_atomic({
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": step, "epoch": loader_state["epoch"],
-                "loader": loader_state, "rng": checkpoint.rng_state(), "running": epoch_metrics_running,
-                "config": {k: v for k, v in cfg.__dict__.items()},
-                **({"model_ema": ema.module.state_dict()} if ema is not None else {}),
-            }, ckpt_path)
+            checkpoint.save_atomic(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "step": step,
+                    "epoch": loader_state["epoch"],
+                    "loader": loader_state,
+                    "rng": checkpoint.rng_state(),
+                    "running": epoch_metrics_running,
+                    "config": {k: v for k, v in cfg.__dict__.items()},
+                    **({"model_ema": ema.module.state_dict()} if ema is not None else {}),
+                },
+                ckpt_path,
+            )
         dist.barrier()
 
     metrics: dict = {}
@@ -285,18 +340,23 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
 
 
 def epoch_metrics(epoch: int, running: dict, dist: Distributed) -> dict:
-    loss, images, wait, elapsed = dist.all_reduce_sum([running["loss"], running["images"], running["wait"],
-                                                       running["time"]])
+    loss, images, wait, elapsed = dist.all_reduce_sum(
+        [running["loss"], running["images"], running["wait"], running["time"]]
+    )
     elapsed_mean = elapsed / dist.world_size
-    return {"epoch": epoch, "train_loss": loss / max(images, 1), "images_per_s": images / max(elapsed_mean, 1e-9),
-            "data_wait": wait / max(elapsed, 1e-9)}
+    return {
+        "epoch": epoch,
+        "train_loss": loss / max(images, 1),
+        "images_per_s": images / max(elapsed_mean, 1e-9),
+        "data_wait": wait / max(elapsed, 1e-9),
+    }
 
 
 def data_wait_hint(data_wait: float, cfg: TrainConfig) -> str | None:
     if data_wait <= DATA_WAIT_WARN:
         return None
-    return (f"the model waited for data {data_wait:.0%} of the time: the loader is the bottleneck. Try "
-            "`gpupipe bench --data ...` to find the fastest backend here (--backend dali on a GPU, turbojpeg or "
-            f"pillow-simd on the CPU), or more --workers (now {cfg.workers or 'all cores'}).")
-
-
+    return (
+        f"the model waited for data {data_wait:.0%} of the time: the loader is the bottleneck. Try "
+        "`gpupipe bench --data ...` to find the fastest backend here (--backend dali on a GPU, turbojpeg or "
+        f"pillow-simd on the CPU), or more --workers (now {cfg.workers or 'all cores'})."
+    )
