@@ -134,32 +134,41 @@ def _negate(v: float, rng: random.Random) -> float:
     return -v if rng.random() > 0.5 else v
 
 
+# timm's LEVEL_TO_ARG, grouped by form: no argument; a signed value up to a maximum at level 10 (TranslateX/Y's
+# maximum is the image's translate_const); an enhancement factor; a bit count or a threshold.
+_NO_ARGS = ("AutoContrast", "Equalize", "Invert")
+_SIGNED_MAX = {"Rotate": 30.0, "ShearX": 0.3, "ShearY": 0.3, "TranslateXRel": 0.45, "TranslateYRel": 0.45}
+_ENHANCE = ("Color", "Contrast", "Brightness", "Sharpness")
+
+
 def _level_args(name: str, level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
     """timm's ``LEVEL_TO_ARG`` for ``name`` at ``level`` (0..10), the sign coin drawn from ``rng``."""
     base = name.removesuffix("Increasing").removesuffix("Original")
     increasing = name.endswith("Increasing")
-    if base in ("AutoContrast", "Equalize", "Invert"):
+    frac = level / _LEVEL_DENOM
+    if base in _NO_ARGS:
         return ()
-    if base == "Rotate":
-        return (_negate(level / _LEVEL_DENOM * 30.0, rng),)
-    if base in ("Color", "Contrast", "Brightness", "Sharpness"):
-        if increasing:
-            return (max(0.1, 1.0 + _negate(level / _LEVEL_DENOM * 0.9, rng)),)
-        return (level / _LEVEL_DENOM * 1.8 + 0.1,)
-    if base in ("ShearX", "ShearY"):
-        return (_negate(level / _LEVEL_DENOM * 0.3, rng),)
     if base in ("TranslateX", "TranslateY"):
-        return (_negate(level / _LEVEL_DENOM * translate_const, rng),)
-    if base in ("TranslateXRel", "TranslateYRel"):
-        return (_negate(level / _LEVEL_DENOM * 0.45, rng),)
+        return (_negate(frac * translate_const, rng),)
+    if base in _SIGNED_MAX:
+        return (_negate(frac * _SIGNED_MAX[base], rng),)
+    if base in _ENHANCE:
+        if increasing:
+            return (max(0.1, 1.0 + _negate(frac * 0.9, rng)),)
+        return (frac * 1.8 + 0.1,)
+    return (_bits_or_threshold(name, base, frac, increasing),)
+
+
+def _bits_or_threshold(name: str, base: str, frac: float, increasing: bool) -> float:
+    """Posterize's bits, Solarize's and SolarizeAdd's thresholds (no sign coin)."""
     if base == "Posterize":
-        bits = int(level / _LEVEL_DENOM * 4)
-        return (float(4 - bits if increasing else bits + 4 if name.endswith("Original") else bits),)
+        bits = int(frac * 4)
+        return float(4 - bits if increasing else bits + 4 if name.endswith("Original") else bits)
     if base == "Solarize":
-        thresh = min(256, int(level / _LEVEL_DENOM * 256))
-        return (float(256 - thresh if increasing else thresh),)
+        thresh = min(256, int(frac * 256))
+        return float(256 - thresh if increasing else thresh)
     if base == "SolarizeAdd":
-        return (float(min(128, int(level / _LEVEL_DENOM * 110))),)
+        return float(min(128, int(frac * 110)))
     raise ValueError(f"unknown op {name!r}")
 
 
