@@ -53,59 +53,32 @@ def _cmd_sample_data(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    import torch
-
     from .api import _resolve_device
-    from .backends import available_backends, check_name, get, names
-    from .bench import report, store, suite
-    from .info import machine_info
+    from .bench import suite
+    from .bench.records import Config
+    from .recipe import Recipe
     from .sample_data import DEFAULT_DIR, make_sample_data
 
-    data = args.data
-    if data is None:
-        data = str(make_sample_data(DEFAULT_DIR))
+    data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
     device = _resolve_device(args.device)
-    avail = available_backends()
-    if args.backends:
-        backends = [check_name(b) for b in args.backends.split(",")]
-        if "auto" in backends:
-            raise ValueError(
-                "--backends auto: auto is not a backend but a choice among them, made from a bench's "
-                f"results; list the backends to measure from: {', '.join(names())}"
-            )
-        from .backends import unavailable_reason
-
-        unusable = {b: unavailable_reason(b) for b in backends if b not in avail}
-        unusable |= {
-            b: f"delivers batches on {' or '.join(get(b).devices)}, not {device.type}"
-            for b in backends
-            if b in avail and device.type not in get(b).devices
-        }
-        if unusable:
-            for b, why in unusable.items():
-                console.print(f"[red]{b}[/]: {why}")
-            return 2
-    else:
-        backends = [b for b in names() if b in avail and device.type in get(b).devices]
-    workers = suite.default_workers() if args.workers is None else args.workers
-    from .recipe import Recipe
-
-    recipe = Recipe(args.image_size, auto_augment=args.aa, color_jitter=args.color_jitter, re_prob=args.reprob)
+    backends = _bench_backends(args.backends, device)
+    if backends is None:
+        return 2
     pipelines = args.pipelines.split(",")
     if (args.aa or args.color_jitter or args.reprob) and "augment" not in pipelines:
         pipelines.append("augment")  # the policies' cost: train with them, beside train without
-    cfg = suite.Config(
+    cfg = Config(
         data,
         backends,
         pipelines,
-        workers,
+        suite.default_workers() if args.workers is None else args.workers,
         device,
-        args.batch_size,
-        args.seconds,
-        args.repeats,
-        args.image_size,
-        args.model,
-        recipe,
+        batch_size=args.batch_size,
+        seconds=args.seconds,
+        repeats=args.repeats,
+        image_size=args.image_size,
+        model=args.model,
+        recipe=Recipe(args.image_size, auto_augment=args.aa, color_jitter=args.color_jitter, re_prob=args.reprob),
     )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
@@ -113,30 +86,62 @@ def _cmd_bench(args) -> int:
         results = suite.run(cfg, progress=progress)
     if not results:
         raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
-    rep = report.report(
-        results,
-        machine_info(),
-        {
-            "data": data,
-            "workers": workers,
-            "device": device.type,
-            "batch_size": cfg.batch_size,
-            "seconds": cfg.seconds,
-            "repeats": cfg.repeats,
-            "image_size": cfg.image_size,
-            "model": cfg.model,
-            "torch_threads": torch.get_num_threads(),
-        },
-    )
-    report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
-    store.save_latest(rep, data, device)  # what backend="auto" reads
-    if args.json:
-        report.write_json(rep, args.json)
-        console.print(f"JSON: {args.json}")
-    if args.plot:
-        report.plot(rep, args.plot)
-        console.print(f"chart: {args.plot}")
+    _bench_outputs(cfg, results, args.json, args.plot)
     return 0
+
+
+def _bench_backends(asked: str | None, device) -> list[str] | None:
+    """The backends to measure: those asked for (``--backends a,b``), or every one that runs on ``device`` here.
+    None, with each reason printed, when one asked for cannot run."""
+    from .backends import available_backends, check_name, get, names, unavailable_reason
+
+    avail = available_backends()
+    if not asked:
+        return [b for b in names() if b in avail and device.type in get(b).devices]
+    backends = [check_name(b) for b in asked.split(",")]
+    if "auto" in backends:
+        raise ValueError(
+            "--backends auto: auto is not a backend but a choice among them, made from a bench's "
+            f"results; list the backends to measure from: {', '.join(names())}"
+        )
+    unusable = {b: unavailable_reason(b) for b in backends if b not in avail}
+    unusable |= {
+        b: f"delivers batches on {' or '.join(get(b).devices)}, not {device.type}"
+        for b in backends
+        if b in avail and device.type not in get(b).devices
+    }
+    for b, why in unusable.items():
+        console.print(f"[red]{b}[/]: {why}")
+    return None if unusable else backends
+
+
+def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None) -> None:
+    """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
+    import torch
+
+    from .bench import report, store
+    from .info import machine_info
+
+    settings = {
+        "data": cfg.data,
+        "workers": cfg.workers,
+        "device": cfg.device.type,
+        "batch_size": cfg.batch_size,
+        "seconds": cfg.seconds,
+        "repeats": cfg.repeats,
+        "image_size": cfg.image_size,
+        "model": cfg.model,
+        "torch_threads": torch.get_num_threads(),
+    }
+    rep = report.report(results, machine_info(), settings)
+    report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
+    store.save_latest(rep, cfg.data, cfg.device)
+    if json_path:
+        report.write_json(rep, json_path)
+        console.print(f"JSON: {json_path}")
+    if plot_path:
+        report.plot(rep, plot_path)
+        console.print(f"chart: {plot_path}")
 
 
 @contextlib.contextmanager

@@ -7,14 +7,16 @@ with its data-wait fraction: the time the training step spent blocked on the nex
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..api import build_loader
+from .records import Config, Result
 
 
-def _train_rate(cfg, backend: str, model: nn.Module) -> tuple[float, float]:
+def _train_rate(cfg: Config, backend: str, model: nn.Module) -> tuple[float, float]:
     loader = build_loader(
         cfg.data,
         backend,
@@ -63,11 +65,10 @@ def _train_rate(cfg, backend: str, model: nn.Module) -> tuple[float, float]:
     return images / elapsed, waited / elapsed
 
 
-def run_end_to_end(cfg, progress, megapixels: float) -> list:
+def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float) -> list[Result]:
     import timm
 
     from ..data.scan import scan
-    from .suite import Result
 
     num_classes = len(scan(cfg.data).classes)
     if cfg.device.type == "cuda":
