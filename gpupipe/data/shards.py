@@ -15,7 +15,7 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -280,45 +280,18 @@ def _save_npz(target: Path, **arrays) -> None:
     os.replace(tmp, target)
 
 
+class _TarMembers(NamedTuple):
+    images: dict[str, tuple[str, int, int]]  # key -> (member name, data offset, size)
+    labels: dict[str, dict[str, tuple[str, bytes]]]  # "cls" or "json" -> key -> (member name, its bytes)
+    order: list[str]  # the keys in the order the tar first names them
+
+
 def index_tar(path: str) -> dict[str, np.ndarray]:
     """Walk a tar's headers (image data is skipped; only the small label members are read) and pair each key's
     image with its label, WebDataset's way: the key is the member name up to the first dot of its last part."""
-    images: dict[str, tuple[str, int, int]] = {}
-    label_members: dict[str, dict[str, tuple[str, bytes]]] = {"cls": {}, "json": {}}
-    order: list[str] = []
-    try:
-        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
-            for m in tf:
-                key, ext = _split(m.name)
-                if not m.isfile() or (ext not in IMAGE_EXTS and ext not in label_members):
-                    continue
-                if key not in images and all(key not in d for d in label_members.values()):
-                    order.append(key)
-                if ext in IMAGE_EXTS:
-                    if key in images:
-                        raise GpupipeError(
-                            f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
-                            "mixed extensions, which one is the sample?"
-                        )
-                    images[key] = (m.name, m.offset_data, m.size)
-                else:
-                    label_members[ext][key] = (m.name, tf.extractfile(m).read())
-    except tarfile.TarError as e:
-        raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
-    keys, values = [], []
-    for key in order:
-        if key not in images:
-            raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
-        found = label_members["cls"].get(key) or label_members["json"].get(key)
-        if found is None:
-            raise GpupipeError(
-                f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
-                f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)"
-            )
-        keys.append(key)
-        values.append(_label(path, *found))
-    if not keys:
-        raise GpupipeError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
+    members = _walk_tar(path)
+    images = members.images
+    keys, values = _paired(path, members)
     kinds = {type(v) for v in values}
     if len(kinds) > 1:
         raise GpupipeError(f"{path}: labels mix numbers and class names")
@@ -328,6 +301,52 @@ def index_tar(path: str) -> dict[str, np.ndarray]:
         "size": np.array([images[k][2] for k in keys], np.uint64),
         "label": np.array(values, np.int64 if kinds == {int} else None),
     }
+
+
+def _walk_tar(path: str) -> _TarMembers:
+    """The image and label members of each key, reading only the label members' bytes."""
+    members = _TarMembers({}, {"cls": {}, "json": {}}, [])
+    images, labels = members.images, members.labels
+    try:
+        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
+            for m in tf:
+                key, ext = _split(m.name)
+                if not m.isfile() or (ext not in IMAGE_EXTS and ext not in labels):
+                    continue
+                if key not in images and all(key not in d for d in labels.values()):
+                    members.order.append(key)
+                if ext in IMAGE_EXTS:
+                    if key in images:
+                        raise GpupipeError(
+                            f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
+                            "mixed extensions, which one is the sample?"
+                        )
+                    images[key] = (m.name, m.offset_data, m.size)
+                else:
+                    labels[ext][key] = (m.name, tf.extractfile(m).read())
+    except tarfile.TarError as e:
+        raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
+    return members
+
+
+def _paired(path: str, members: _TarMembers) -> tuple[list[str], list[int | str]]:
+    """The keys in tar order and their labels (a .cls member's, else a .json's); a key without its image or its
+    label is an error, and so is a shard without samples."""
+    keys, values = [], []
+    for key in members.order:
+        if key not in members.images:
+            raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
+        found = members.labels["cls"].get(key) or members.labels["json"].get(key)
+        if found is None:
+            raise GpupipeError(
+                f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
+                f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)"
+            )
+        keys.append(key)
+        values.append(_label(path, *found))
+    if not keys:
+        raise GpupipeError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
+    return keys, values
 
 
 def _split(name: str) -> tuple[str, str]:
