@@ -336,21 +336,29 @@ def prepare(
         "fingerprint": _fingerprint(source),
     }
     if (out / META).exists():
-        meta = json.loads((out / META).read_text())
-        if {k: meta.get(k) for k in plan} != plan:
-            raise FileExistsError(
-                f"{out}: holds a data set prepared from another source or with other options; "
-                "remove it or choose another folder"
-            )
-        return Summary(
-            out,
-            meta["samples"],
-            len(meta["shards"]),
-            meta["copied"],
-            meta["reencoded"],
-            meta["left_out"],
-            up_to_date=True,
+        return _up_to_date(out, plan)
+    _start_or_resume(out, plan)
+    manifests = _complete_shards(out)
+    start = manifests[-1]["source_end"] if manifests else 0
+    pending = _write_shards(out, source, options, manifests, start, workers, on_progress)
+    return _finish(out, source, plan, manifests, pending, start)
+
+
+def _up_to_date(out: Path, plan: dict) -> Summary:
+    """The summary of the set ``out`` already holds, when it was prepared with this plan."""
+    meta = json.loads((out / META).read_text())
+    if {k: meta.get(k) for k in plan} != plan:
+        raise FileExistsError(
+            f"{out}: holds a data set prepared from another source or with other options; "
+            "remove it or choose another folder"
         )
+    return Summary(
+        out, meta["samples"], len(meta["shards"]), meta["copied"], meta["reencoded"], meta["left_out"], up_to_date=True
+    )
+
+
+def _start_or_resume(out: Path, plan: dict) -> None:
+    """Write the plan into an empty ``out``; in a folder that holds one, go on only when it is this plan."""
     if (out / PLAN).exists():
         if json.loads((out / PLAN).read_text()) != plan:
             raise FileExistsError(
@@ -362,8 +370,18 @@ def prepare(
     else:
         _write_durably(out / PLAN, json.dumps(plan).encode())
 
-    manifests = _complete_shards(out)
-    start = manifests[-1]["source_end"] if manifests else 0
+
+def _write_shards(
+    out: Path,
+    source: ImageList,
+    options: PrepareOptions,
+    manifests: list[dict],
+    start: int,
+    workers: int,
+    on_progress: Callable[[int, int], None] | None,
+) -> list[dict]:
+    """Convert the samples from ``start`` on and write them in order into shards of at most ``options.shard_size``,
+    appending each closed shard's manifest to ``manifests``. Returns the files left out after the last shard."""
     total = len(source)
     if on_progress:
         on_progress(start, total)
@@ -386,7 +404,7 @@ def prepare(
             on_progress(index + 1, total)
     if writer is not None:
         manifests.append(writer.close(source_end=total))
-    return _finish(out, source, plan, manifests, pending, start)
+    return pending
 
 
 def _finish(
