@@ -40,7 +40,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def build_loader(
     root: str | os.PathLike | Sequence[str | os.PathLike],
-    backend: BackendName = "pillow",
+    backend: BackendName | str = "pillow",  # or a name registered with gpupipe.backends.register
     *,
     batch_size: int = 256,
     train: bool = True,

@@ -315,6 +315,7 @@ class Policy:
 
     def _color_jitter(self, rng: random.Random) -> list[Op]:
         """torchvision ``ColorJitter``: the four adjustments in a random order, each factor drawn uniformly."""
+        assert self.jitter is not None  # drawn only when jitter is on
         b, c, s, h = self.jitter
         order = [0, 1, 2, 3]
         rng.shuffle(order)
@@ -474,7 +475,7 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 def _rotate(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
     """PIL ``Image.rotate`` about the centre: (a, b, c, d, e, f) maps output (x, y) to input (ax+by+c, dx+ey+f)."""
-    out = []
+    out: list[tuple[float, ...]] = []
     for deg in a[:, 0].tolist():
         r = -math.radians(deg)
         cos, sin = math.cos(r), math.sin(r)
@@ -570,6 +571,7 @@ class SampleAugment:
     def _user(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's
             torch.default_generator.manual_seed(_hash_key(self.seed, epoch, index))
+            assert self.per_image is not None  # called only when there are per-image transforms
             return self.per_image(image)
 
 

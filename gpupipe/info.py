@@ -94,10 +94,11 @@ def install_info() -> dict:
     if direct:
         origin = direct.get("url", "?") + (" (editable)" if direct.get("dir_info", {}).get("editable") else "")
     info["distribution"] = f"gpupipe {dist.version} from {origin}"
-    if not (dist.metadata.get("Summary") or "").startswith(_SUMMARY):
+    summary = str(dist.metadata.json.get("summary") or "")
+    if not (summary or "").startswith(_SUMMARY):
         info["problem"] = (
             f"the installed distribution 'gpupipe' {dist.version} is another project "
-            f"({dist.metadata.get('Summary')!r}); `pip uninstall gpupipe`, then install this one "
+            f"({summary!r}); `pip uninstall gpupipe`, then install this one "
             "from its source tree (README: Install)"
         )
     return info

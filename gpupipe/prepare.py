@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image, JpegImagePlugin
@@ -164,6 +164,7 @@ def _init_worker(source: ImageList, options: PrepareOptions) -> None:
 
 
 def _convert_sample(index: int) -> Converted:
+    assert _job is not None  # set by _init_worker
     source, options = _job
     path = source.samples[index][0]
     try:
@@ -220,6 +221,7 @@ class _ShardWriter:
         return not len(self) or self.bytes + _sample_bytes(size) + len(_END) <= limit
 
     def add(self, sample: Converted, label: int, source: str) -> None:
+        assert sample.data is not None  # a sample left out is never added
         key = f"{self.first + len(self):08d}"
         for k, v in zip(
             self.rows, (self.bytes + _BLOCK, len(sample.data), label, sample.height, sample.width, source), strict=True
@@ -393,6 +395,7 @@ def _write_shards(
         if sample.reason is not None:
             (pending if writer is None else writer.left_out).append({"path": name, "reason": sample.reason})
         else:
+            assert sample.data is not None  # left out when there is no data, stored otherwise
             if writer is not None and not writer.fits(len(sample.data), options.shard_size):
                 manifests.append(writer.close(source_end=index))
                 first += len(writer)
@@ -416,7 +419,7 @@ def _finish(
         first = f", e.g. {left_out[0]['path']}: {left_out[0]['reason']}" if left_out else ""
         raise GpupipeError(f"{plan['source']}: no file could be read as an image ({len(left_out)} left out){first}")
     col = lambda k, dtype: np.array([v for m in manifests for v in m[k]], dtype)
-    index = {
+    index: dict[str, Any] = {
         "shard": np.concatenate([np.full(m["count"], i, np.uint32) for i, m in enumerate(manifests)]),
         "offset": col("offset", np.uint64),
         "size": col("size", np.uint64),
@@ -428,7 +431,7 @@ def _finish(
     buf = io.BytesIO()
     np.savez(buf, **index)
     _write_durably(out / INDEX, buf.getvalue())
-    reencoded = Counter()
+    reencoded: Counter[str] = Counter()
     for m in manifests:
         reencoded.update(m["reencoded"])
     samples = len(index["label"])

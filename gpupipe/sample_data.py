@@ -33,7 +33,7 @@ def _image(rng: np.random.Generator, cls: int, num_classes: int) -> Image.Image:
         mask = np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))[..., None]
         bg = bg * (1 - 0.6 * mask) + rng.uniform(0, 255, 3).astype(np.float32) * 0.6 * mask
     bg_img = Image.fromarray(np.clip(bg, 0, 255).astype(np.uint8), "RGB").resize((w, h), Image.Resampling.BILINEAR)
-    img = np.asarray(bg_img, dtype=np.float32)
+    img: np.ndarray = np.asarray(bg_img, dtype=np.float32)
     # the class: stripes at a class-specific angle and frequency, with a little jitter
     angle = math.pi * cls / num_classes + rng.normal(0, 0.05)
     freq = 6 + 3 * (cls % 3) + rng.normal(0, 0.3)

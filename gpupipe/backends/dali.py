@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -172,7 +173,7 @@ class DaliLoader(Loader):
         self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
         self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
         self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
-        self._pipe = None
+        self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
         self._headers = None  # (upright sizes, {index: reason}, {indices for Pillow}): read once, up front
@@ -255,6 +256,7 @@ class DaliLoader(Loader):
                 self._decode_on_cpu(work, pos, data, plan)
                 continue
             height, width = int(sizes[i][0]), int(sizes[i][1])
+            meta: tuple[float, ...]
             if self.train:
                 box = plan(height, width)
                 meta = (box.top, box.left, box.height, box.width, int(box.flip))

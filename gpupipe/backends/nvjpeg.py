@@ -33,7 +33,7 @@ class _Item(NamedTuple):
 
     path: str
     label: int
-    index: int  # the sample's index in the data set (its key, with the epoch)
+    sample: int  # the sample's index in the data set (its key, with the epoch)
     data: np.ndarray | None  # uint8: the file's bytes, or with decoded_on_cpu (H,W,3) RGB pixels; None: error
     decoded_on_cpu: bool  # Pillow decoded it in the worker (nvJPEG cannot take it): counted as a fallback
     orientation: int  # the EXIF orientation the GPU path applies after decoding (1: upright)
@@ -158,7 +158,7 @@ class NvjpegLoader(Loader):
             "NCHW",
             errors,
             sum(fallback for _, _, fallback in images),
-            torch.tensor([(epoch, it.index) for it, _, _ in images], dtype=torch.int64).view(-1, 2),
+            torch.tensor([(epoch, it.sample) for it, _, _ in images], dtype=torch.int64).view(-1, 2),
         )
 
     def _upright_images(

@@ -70,21 +70,23 @@ def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float
 
     from ..data.scan import scan
 
+    name = cfg.model
+    assert name is not None  # suite.run calls this only with a model
     num_classes = len(scan(cfg.data).classes)
     if cfg.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     backends = ["synthetic"] + [b for b in cfg.backends if b != "synthetic"]
     rows = []
     for b in backends:
-        progress(f"end-to-end {cfg.model} with {b}")
+        progress(f"end-to-end {name} with {b}")
         torch.manual_seed(0)
-        model = timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)
-        model.to(cfg.device, memory_format=torch.channels_last).train()
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+        model.to(cfg.device, memory_format=torch.channels_last).train()  # type: ignore[call-overload]  # (stubs)
         rate, wait = _train_rate(cfg, b, model)
         rows.append(
             Result(
                 b,
-                f"train:{cfg.model}",
+                f"train:{name}",
                 cfg.device.type,
                 cfg.workers,
                 rate,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -28,7 +29,7 @@ def print_table(rep: dict, console: Console | None = None) -> None:
         f"batch {cfg['batch_size']}, {m['cores_usable']} usable cores"
     )
     table = Table(title=title)
-    for col, justify in [
+    columns: list[tuple[str, Literal["left", "right"]]] = [
         ("pipeline", "left"),
         ("backend", "left"),
         ("img/s", "right"),
@@ -40,7 +41,8 @@ def print_table(rep: dict, console: Console | None = None) -> None:
         ("GPU util", "right"),
         ("vs synthetic", "right"),
         ("data-wait", "right"),
-    ]:
+    ]
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for r in rep["results"]:
 
@@ -87,7 +89,7 @@ def plot(rep: dict, path: str | Path) -> None:
     width = 0.8 / max(len(backends), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(pipelines) * max(1, len(backends) / 3)), 4), dpi=120)
     for i, b in enumerate(backends):
-        xs, ys, err = [], [], [[], []]
+        xs, ys, err = [], [], [[], []]  # type: list[float], list[float], list[list[float]]
         for j, p in enumerate(pipelines):
             hit = [r for r in rows if r["backend"] == b and r["pipeline"] == p]
             if hit:

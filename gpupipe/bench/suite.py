@@ -9,7 +9,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -142,6 +143,7 @@ def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[i
     if spec.decode_job is not None and not floor:
         return spec.decode_job(data, cfg)
     recipe = Recipe(cfg.image_size) if floor else None
+    assert spec.decoder is not None  # _backend_job plans decode and floor only for a backend with a decoder
     ds = _DecodeOnly(data, spec.decoder(None, True), recipe)
     dl = torch.utils.data.DataLoader(
         ds,
@@ -222,14 +224,14 @@ def _plan(cfg: Config) -> list[_Job]:
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
         if pipeline in ("train", "eval"):
-            jobs.append(_Job("baseline", pipeline, lambda p=pipeline: _baseline_counts(cfg, p == "train")))
+            jobs.append(_Job("baseline", pipeline, partial(_baseline_counts, cfg, pipeline == "train")))
         for b in cfg.backends:
             make = _backend_job(cfg, b, pipeline)
             if make is None:
                 continue
             jobs.append(_Job(b, pipeline, make))
             if b == "dali" and pipeline in ("train", "eval") and cfg.dali_reference:
-                jobs.append(_Job("dali-reference", pipeline, lambda p=pipeline: _reference_counts(cfg, p == "train")))
+                jobs.append(_Job("dali-reference", pipeline, partial(_reference_counts, cfg, pipeline == "train")))
     return jobs
 
 
@@ -281,7 +283,8 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
         for job, rs, gpu in zip(group, rates, gpu_samplers, strict=True):
             results.append(_result(cfg, job, rs, mp, gpu.mean))
         for stream in streams:
-            stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
+            if isinstance(stream, Generator):  # every job's stream is one; a plain iterator has nothing to end
+                stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
     return results
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +16,9 @@ from ..recipe import Recipe
 from .device import DeviceStage, normalise
 from .sampler import ShardSampler
 from .scan import ImageList
+
+if TYPE_CHECKING:
+    from ..backends.registry import Decoder
 
 
 @dataclass
@@ -216,7 +219,7 @@ class _SampleDataset(torch.utils.data.Dataset):
     """One sample per ``(epoch, index)`` key: read, decode, crop, resize. Errors come back as data, so the main
     process raises them (with the file named) instead of a worker's traceback."""
 
-    def __init__(self, dataset: ImageList, decoder, recipe: Recipe, train: bool, seed: int, augment=None):
+    def __init__(self, dataset: ImageList, decoder: Decoder, recipe: Recipe, train: bool, seed: int, augment=None):
         self.dataset, self.decoder, self.recipe, self.train, self.seed = dataset, decoder, recipe, train, seed
         self.augment = augment  # a SampleAugment to run here, in the worker (CPU device), or None
 
@@ -252,11 +255,11 @@ class _Collate:
         good = [it for it in items if it.image is not None]
         images = torch.empty((len(good), 3, self.size, self.size), dtype=torch.uint8)
         if good:
-            np.stack([it.image for it in good], out=images.numpy())  # one copy, into the batch
+            np.stack([it.image for it in good if it.image is not None], out=images.numpy())  # one copy, into the batch
         if self.normalize is not None:
             images = normalise(images, *self.normalize)
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
-        errors = [(it.path, it.error) for it in items if it.image is None]
+        errors = [(it.path, it.error or "") for it in items if it.image is None]
         keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2) if self.keys else None
         return Batch(images, labels, "NCHW", errors, sum(it.fell_back for it in items), keys)
 
@@ -264,7 +267,7 @@ class _Collate:
 class CpuLoader(Loader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
-    def __init__(self, parts: LoaderParts, decoder):
+    def __init__(self, parts: LoaderParts, decoder: Decoder):
         super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder

@@ -23,10 +23,10 @@ class ImageList:
     """
 
     root: str
-    samples: list[tuple[str, int]]
+    samples: Sequence[tuple[str, int]]  # a list, or a view of a shard index
     classes: list[str]
     class_to_idx: dict[str, int] = field(default_factory=dict)
-    sizes: list[tuple[int, int]] | None = None
+    sizes: Sequence[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -66,6 +66,8 @@ def scan(
                 "folders with the same classes"
             )
         return shards
+    if not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"{root}: a list of sources must name tar shards")
     path = Path(root)
     if path.is_dir():
         classes, found = find_classes(str(path))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import io
 import json
 import mmap
 import os
@@ -62,7 +61,7 @@ class _Samples(Sequence):
             and all(tuple(b) == a for a, b in zip(self, other, strict=True))
         )
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as the list it stands for
 
 
 class _Sizes(Sequence):
@@ -102,7 +101,7 @@ class ShardImageList(ImageList):
         widths: np.ndarray | None = None,
     ):
         names = [os.path.basename(p) for p in shard_paths]
-        sizes = _Sizes(heights, widths) if heights is not None else None
+        sizes = _Sizes(heights, widths) if heights is not None and widths is not None else None
         super().__init__(
             root, _Samples(names, shard, members, labels), classes, {c: i for i, c in enumerate(classes)}, sizes
         )
@@ -125,7 +124,7 @@ class ShardImageList(ImageList):
             mm = self._open(s)
         start = int(self._offset[index])
         size = int(self._size[index])
-        data = os.pread(mm.fileno(), size, start) if isinstance(mm, io.IOBase) else mm[start : start + size]
+        data = mm[start : start + size] if isinstance(mm, mmap.mmap) else os.pread(mm.fileno(), size, start)
         if len(data) != size:
             raise OSError(f"{self.shard_paths[s]} ends before its member at byte {start} of {size} bytes: truncated?")
         return data
@@ -224,8 +223,8 @@ def load_tars(paths: list[str]) -> ShardImageList:
         classes = [str(i) for i in range(int(labels.max()) + 1)]
         labels = labels.astype(np.int64)
     else:
-        classes, labels = np.unique(labels, return_inverse=True)
-        classes = classes.tolist()
+        names, labels = np.unique(labels, return_inverse=True)
+        classes = names.tolist()
     shard = np.concatenate([np.full(len(p["label"]), i, np.uint32) for i, p in enumerate(parts)])
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
     return ShardImageList(
@@ -323,7 +322,9 @@ def _walk_tar(path: str) -> _TarMembers:
                         )
                     images[key] = (m.name, m.offset_data, m.size)
                 else:
-                    labels[ext][key] = (m.name, tf.extractfile(m).read())
+                    member = tf.extractfile(m)  # a regular file (isfile above): never None
+                    assert member is not None
+                    labels[ext][key] = (m.name, member.read())
     except tarfile.TarError as e:
         raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
     return members

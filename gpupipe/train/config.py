@@ -6,7 +6,7 @@ Merging is OmegaConf's (typed, with errors naming the unknown key), not a hand-w
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -169,7 +169,7 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if given:
         merged = OmegaConf.merge(merged, given)
-    return TrainConfig(**OmegaConf.to_container(merged))
+    return TrainConfig(**cast(dict[str, Any], OmegaConf.to_container(merged)))
 
 
 def _read_yaml(path: str) -> tuple[str, dict[str, int]]:

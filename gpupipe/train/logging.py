@@ -11,10 +11,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 @dataclass
@@ -63,8 +67,8 @@ class RunLogger:
         self.console = Console(stderr=True)
         if not self.console.is_terminal:
             self.console = Console(stderr=True, soft_wrap=True)
-        self._tb = None
-        self._progress = None
+        self._tb: SummaryWriter | None = None
+        self._progress: Progress | None = None
         self._epoch, self._next_line = 0, 0
         if enabled:
             out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,7 +56,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
 
     # Model, optimizer, schedule, precision, loss.
     model = model if model is not None else build_model(cfg, num_classes)
-    model.to(device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
+    model.to(device, memory_format=memory_format)  # type: ignore[call-overload]  # torch's stubs lack this overload
     optimizer = build_optimizer(cfg, model)
     warmup_steps = round(cfg.warmup_epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps_per_epoch * cfg.epochs, warmup_steps))
@@ -74,7 +77,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
 
     # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.
     run_model = dist.wrap(model)
-    run_model = torch.compile(run_model) if cfg.compile else run_model
+    run_model = cast(nn.Module, torch.compile(run_model)) if cfg.compile else run_model  # an OptimizedModule
 
     logger = RunLogger(out, enabled=dist.is_main, total=steps_per_epoch * cfg.accum, world_size=dist.world_size)
     if dist.is_main:
@@ -150,7 +153,8 @@ def train_one_epoch(
         need_update = (batch_idx + 1) % cfg.accum == 0
 
         # Under DDP, gradients are all-reduced only on the micro-batch that ends an accumulation.
-        with run_model.no_sync() if dist.enabled and not need_update else contextlib.nullcontext():
+        ddp = cast(nn.parallel.DistributedDataParallel, run_model)  # under DDP (compiled: forwards to it)
+        with ddp.no_sync() if dist.enabled and not need_update else contextlib.nullcontext():
             with precision.autocast():
                 loss = criterion(run_model(images), targets)
             precision.backward(loss / cfg.accum)  # the accumulated gradient is the mean over the micro-batches
@@ -165,7 +169,7 @@ def train_one_epoch(
         meter.update(loss, len(labels), wait)
         if (batch_idx + 1) % cfg.log_every == 0 or batch_idx + 1 == n_batches:
             meter.sync()  # one host sync every log_every micro-batches, not every one
-            logger.progress(batch_idx + 1, meter, scheduler.get_last_lr()[0], state.step)
+            logger.progress(batch_idx + 1, meter, float(scheduler.get_last_lr()[0]), state.step)
         if need_update and cfg.save_every and state.step % cfg.save_every == 0 and batch_idx + 1 < n_batches:
             meter.sync()
             save_checkpoint(state, {"epoch": epoch, "batch": batch_idx + 1}, meter, cfg, dist)
@@ -214,23 +218,22 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         re_mode=cfg.remode,
         re_count=cfg.recount,
     )  # the policies apply to the train loader only
-    common = dict(
+    loader = partial(
+        build_loader,
+        backend=cfg.backend,
+        batch_size=cfg.batch_size,
         image_size=cfg.image_size,
         device=device,
         num_workers=cfg.workers,
         seed=cfg.seed,
         channels_last=cfg.channels_last,
-        on_error=cfg.on_error,
+        on_error=cfg.on_error,  # type: ignore[arg-type]  # TrainConfig checked it is one of ON_ERROR
         recipe=recipe,
     )
-    train_loader = build_loader(cfg.data, cfg.backend, batch_size=cfg.batch_size, train=True, **common)
+    train_loader = loader(cfg.data, train=True)
     if not cfg.val:
         return train_loader, None
-    class_to_idx = train_loader.dataset.class_to_idx
-    val_loader = build_loader(
-        cfg.val, cfg.backend, batch_size=cfg.batch_size, train=False, class_to_idx=class_to_idx, **common
-    )
-    return train_loader, val_loader
+    return train_loader, loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
