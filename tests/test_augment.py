@@ -14,7 +14,7 @@ import gpupipe
 from gpupipe.augment import Op, Policy
 from gpupipe.recipe import Recipe
 
-from .conftest import CPU_LOADER_BACKENDS
+from .common_utils import CPU_LOADER_BACKENDS
 
 RA = "rand-m9-mstd0.5-inc1"
 FULL = Recipe(auto_augment=RA, color_jitter=0.4, re_prob=0.5, re_count=2)

@@ -10,7 +10,7 @@ from PIL import Image
 
 import gpupipe
 
-from .conftest import cpu_and_cuda, photo
+from .common_utils import cpu_and_cuda, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -94,3 +94,30 @@ def test_only_the_failing_file_leaves_dali(tmp_path):
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["3.jpg"]
     assert loader.fallbacks == 0  # nothing was left to Pillow but the verdict
     assert loader.pipelines_built == 2  # DALI's failure invalidated the first pipeline
+
+
+@pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
+def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
+    """A DALI pipeline left in a garbage cycle used to be freed inside the next forked DataLoader worker, where its
+    shutdown waited for threads that only exist in the parent: the worker hung before its first batch."""
+    import gc
+
+    from gpupipe.backends.dali import build_pipeline
+    from gpupipe.recipe import Recipe
+
+    files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:2]
+    pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
+    pipe.feed_input("enc", [np.fromfile(f, dtype=np.uint8) for f in files])
+    pipe.feed_input("meta", [np.array(Recipe(32).eval_offsets(h, w)) for h, w in [(120, 180), (200, 150)]])
+    pipe.run()
+    pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
+    gc.disable()
+    try:
+        del pipe
+        loader = torch.utils.data.DataLoader(
+            range(4), batch_size=2, num_workers=1, timeout=60, worker_init_fn=lambda _: gc.collect()
+        )
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    finally:
+        gc.enable()
+        gc.collect()

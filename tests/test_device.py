@@ -9,7 +9,7 @@ from gpupipe.data.device import DeviceStage, normalise
 from gpupipe.data.loader import Batch
 from gpupipe.recipe import Recipe
 
-from .conftest import cpu_and_cuda
+from .common_utils import cpu_and_cuda
 
 
 def _stage(device, recipe):

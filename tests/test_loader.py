@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from PIL import Image
 from torchvision.datasets import ImageFolder
 
 import gpupipe
 
-from .conftest import CPU_LOADER_BACKENDS, cpu_and_cuda
+from .common_utils import CPU_LOADER_BACKENDS, GPU_DECODERS, cpu_and_cuda, float_tiff, make_folder
 
 ALL = [*CPU_LOADER_BACKENDS, "synthetic"]
 
@@ -238,7 +239,7 @@ def test_auto_picks_a_usable_backend(folder):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+@pytest.mark.parametrize("backend", GPU_DECODERS)
 def test_gpu_backends_contract_and_parity(folder, backend):
     def run(b, device):
         loader = gpupipe.build_loader(
@@ -254,3 +255,62 @@ def test_gpu_backends_contract_and_parity(folder, backend):
     train = gpupipe.build_loader(folder, backend, batch_size=8, train=True, image_size=64, num_workers=1, device="cuda")
     images, labels = next(iter(train))
     assert images.is_cuda and images.shape == (8, 3, 64, 64) and labels.dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loaders_and_check_flag_float_images(tmp_path, backend):
+    from gpupipe.cli import main
+
+    root = make_folder(tmp_path / "data", 2, 3)
+    float_tiff(root / "c01" / "zz_float.tif")
+    loader = gpupipe.build_loader(
+        root, backend, batch_size=2, train=False, image_size=16, num_workers=0, device="cpu", on_error="skip"
+    )
+    list(loader)
+    assert [(p.rsplit("/", 1)[-1], "mode F" in r) for p, r in loader.skipped] == [("zz_float.tif", True)]
+    if backend == "pillow":
+        assert main(["check", str(root), "--workers", "1"]) == 1
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_raises_in_the_main_process(dirty_folder, backend):
+    loader = gpupipe.build_loader(
+        dirty_folder, backend, batch_size=4, train=False, image_size=32, num_workers=1, device="cpu"
+    )
+    with pytest.raises(gpupipe.DecodeError, match=r"zz_truncated\.jpg|zz_empty\.jpg"):
+        list(loader)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_skips_refills_and_reports(dirty_folder, backend):
+    loader = gpupipe.build_loader(
+        dirty_folder,
+        backend,
+        batch_size=4,
+        train=True,
+        image_size=32,
+        num_workers=1,
+        device="cpu",
+        on_error="skip",
+        drop_last=False,
+    )
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    assert [len(y) for _, y in batches] == [len(b) for b in loader.sampler.batches(0)]  # full batches, equal steps
+    assert sorted(p.rsplit("/", 1)[-1] for p, _ in loader.skipped) == ["zz_empty.jpg", "zz_truncated.jpg"]
+    assert all(reason for _, reason in loader.skipped)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_pixel_limit_from_the_header(tmp_path, backend):
+    """A picture over the limit is refused from its header by every loader (DALI included: it has no limit of its
+    own), raised in the main process or skipped and reported."""
+    root = make_folder(tmp_path / "data", 2, 4)
+    Image.new("RGB", (1200, 1000)).save(root / "c01" / "zz_big.jpg")
+    kw = dict(batch_size=4, image_size=32, num_workers=1, device="cpu", max_pixels=1_000_000)
+    with pytest.raises(gpupipe.DecodeError, match=r"zz_big\.jpg.*1200x1000 = 1200000 pixels exceeds the limit"):
+        list(gpupipe.build_loader(root, backend, train=False, **kw))
+    loader = gpupipe.build_loader(root, backend, train=True, on_error="skip", drop_last=False, **kw)
+    batches = list(loader)
+    assert [len(y) for _, y in batches] == [4, 4, 1]
+    assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]

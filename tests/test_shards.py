@@ -17,7 +17,11 @@ from gpupipe.data.scan import scan
 from gpupipe.errors import DecodeError, GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
 
-from .conftest import CPU_LOADER_BACKENDS, photo
+from .common_utils import (
+    CPU_LOADER_BACKENDS,
+    GPU_DECODERS,
+    photo,
+)
 
 wds = pytest.importorskip("webdataset")
 BACKENDS = CPU_LOADER_BACKENDS
@@ -245,7 +249,7 @@ def test_shards_are_read_with_pread_where_mmap_is_refused(unique_prepared, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+@pytest.mark.parametrize("backend", GPU_DECODERS)
 def test_gpu_backends_read_shards(unique_folder, unique_prepared, backend):
     def run(root, b, device):
         loader = gpupipe.build_loader(

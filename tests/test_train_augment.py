@@ -8,7 +8,7 @@ import torch
 
 from gpupipe.train import checkpoint
 
-from .conftest import make_folder
+from .common_utils import make_folder
 
 pytest.importorskip("timm")
 
