@@ -140,6 +140,7 @@ def train_one_epoch(
     n_batches = len(loader) // cfg.accum * cfg.accum  # a tail shorter than --accum is left out
     run_model.train()
     logger.start_epoch(epoch, first)
+    ddp = cast(nn.parallel.DistributedDataParallel, run_model)  # its no_sync, under DDP (a compiled one forwards it)
     batches = iter(loader)
     meter.start()
     for batch_idx in range(first, n_batches):
@@ -153,7 +154,6 @@ def train_one_epoch(
         need_update = (batch_idx + 1) % cfg.accum == 0
 
         # Under DDP, gradients are all-reduced only on the micro-batch that ends an accumulation.
-        ddp = cast(nn.parallel.DistributedDataParallel, run_model)  # under DDP (compiled: forwards to it)
         with ddp.no_sync() if dist.enabled and not need_update else contextlib.nullcontext():
             with precision.autocast():
                 loss = criterion(run_model(images), targets)
