@@ -1,3 +1,5 @@
+"""gpupipe/recipe.py: the train boxes follow RandomResizedCrop, the eval geometry Resize + CenterCrop, DCT scales."""
+
 import math
 import random
 
