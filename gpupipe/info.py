@@ -7,6 +7,7 @@ import platform
 import re
 from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,7 +95,8 @@ def install_info() -> dict:
     if direct:
         origin = direct.get("url", "?") + (" (editable)" if direct.get("dir_info", {}).get("editable") else "")
     info["distribution"] = f"gpupipe {dist.version} from {origin}"
-    summary = str(dist.metadata.json.get("summary") or "")
+    metadata: Any = dist.metadata  # an email Message: .get is there, though the PackageMetadata protocol omits it
+    summary = metadata.get("Summary")
     if not (summary or "").startswith(_SUMMARY):
         info["problem"] = (
             f"the installed distribution 'gpupipe' {dist.version} is another project "

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import mmap
 import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, NamedTuple, cast
 
 import numpy as np
 
@@ -124,7 +125,11 @@ class ShardImageList(ImageList):
             mm = self._open(s)
         start = int(self._offset[index])
         size = int(self._size[index])
-        data = mm[start : start + size] if isinstance(mm, mmap.mmap) else os.pread(mm.fileno(), size, start)
+        data = (
+            os.pread(mm.fileno(), size, start)
+            if isinstance(mm, io.IOBase)
+            else cast(mmap.mmap, mm)[start : start + size]
+        )
         if len(data) != size:
             raise OSError(f"{self.shard_paths[s]} ends before its member at byte {start} of {size} bytes: truncated?")
         return data
