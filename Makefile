@@ -37,8 +37,11 @@ demo: setup $(DATA)/.complete
 	$(VENV)/bin/gpupipe info
 	$(VENV)/bin/gpupipe bench --data $(DATA) --seconds 3 --json runs/demo/bench.json --plot runs/demo/bench.png
 
+# The checks .pre-commit-config.yaml also runs: lint (with complexity, C90), formatting, types, the Dockerfile.
 lint: setup
 	$(VENV)/bin/ruff check gpupipe tests bench
+	$(VENV)/bin/ruff format --check gpupipe tests bench
+	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 test: setup lint

@@ -76,8 +76,10 @@ def main() -> None:
             keys = torch.tensor([(0, base + j) for j in range(args.batch)])
             aug.batch(images, keys)
 
-        print(f"{name:38} {_rate(one, args.seconds, args.repeats, 1):17.0f} "
-              f"{_rate(batch, args.seconds, args.repeats, args.batch):14.0f}")
+        print(
+            f"{name:38} {_rate(one, args.seconds, args.repeats, 1):17.0f} "
+            f"{_rate(batch, args.seconds, args.repeats, args.batch):14.0f}"
+        )
 
     try:
         from PIL import Image
@@ -87,8 +89,10 @@ def main() -> None:
     else:  # the reference: timm's PIL ops, one image at a time
         pil = Image.fromarray(images[0].permute(1, 2, 0).numpy())
         hp = {"translate_const": int(args.size * 0.45), "img_mean": (124, 116, 104)}
-        for name, t in (("timm PIL rand-m9-mstd0.5-inc1", rand_augment_transform("rand-m9-mstd0.5-inc1", dict(hp))),
-                        ("timm PIL original (AutoAugment)", auto_augment_transform("original", dict(hp)))):
+        for name, t in (
+            ("timm PIL rand-m9-mstd0.5-inc1", rand_augment_transform("rand-m9-mstd0.5-inc1", dict(hp))),
+            ("timm PIL original (AutoAugment)", auto_augment_transform("original", dict(hp))),
+        ):
             print(f"{name:38} {_rate(lambda t=t: _call(t, pil), args.seconds, args.repeats, 1):17.0f}")
 
     print("\nuser transforms=v2.Compose([RandomErasing(1.0), ColorJitter(0.4, 0.4, 0.4)])")
@@ -96,8 +100,10 @@ def main() -> None:
     per_image = SampleAugment(None, 0, t, "image")
     per_batch = SampleAugment(None, 0, t, "batch")
     keys = torch.tensor([(0, j) for j in range(args.batch)])
-    print(f"{'per image (default)':38} {_rate(lambda: per_image.batch(images, keys), args.seconds, args.repeats, args.batch):17.0f}")  # noqa: E501
-    print(f"{'per batch (transforms_mode=batch)':38} {_rate(lambda: per_batch.batch(images, None), args.seconds, args.repeats, args.batch):17.0f}")  # noqa: E501
+    rate_image = _rate(lambda: per_image.batch(images, keys), args.seconds, args.repeats, args.batch)
+    rate_batch = _rate(lambda: per_batch.batch(images, None), args.seconds, args.repeats, args.batch)
+    print(f"{'per image (default)':38} {rate_image:17.0f}")
+    print(f"{'per batch (transforms_mode=batch)':38} {rate_batch:17.0f}")
 
 
 if __name__ == "__main__":

@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     ours = {f"class_{i % args.classes:02d}/img_{i:05d}.jpg" for i in range(args.count)}
     others = [f for f in args.out.glob("*/*") if f.relative_to(args.out).as_posix() not in ours]
     if others:  # never deleted: they are somebody's files, but they would be timed as part of the set
-        print(f"warning: {args.out} already holds {len(others)} other files (e.g. {others[0]}); they stay, and "
-              "gpupipe bench will time them too: use a new --out for a clean set")
+        print(
+            f"warning: {args.out} already holds {len(others)} other files (e.g. {others[0]}); they stay, and "
+            "gpupipe bench will time them too: use a new --out for a clean set"
+        )
     rng = np.random.default_rng(args.seed)
     pixels = 0
     for i in range(args.count):

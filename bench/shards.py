@@ -36,8 +36,14 @@ from gpupipe.prepare import PrepareOptions, prepare
 
 
 def _report(kind: str, config: dict, results: list[dict], path: str | None) -> None:
-    rep = {"kind": kind, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-           "gpupipe": gpupipe.__version__, "config": config, "results": results}
+    rep = {
+        "kind": kind,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "gpupipe": gpupipe.__version__,
+        "config": config,
+        "results": results,
+    }
     text = json.dumps(rep, indent=1)
     if path:
         Path(path).write_text(text)
@@ -49,23 +55,38 @@ def _prepared(data: str, out: str | None, options: PrepareOptions, workers: int)
     suffix = f"-max{options.max_side}" if options.max_side else ""
     out = Path(out or data.rstrip("/") + f"-shards{suffix}")
     summary = prepare(data, out, options, workers=workers)
-    print(f"{out}: {summary.samples} samples, {summary.copied} copied, re-encoded {summary.reencoded}, "
-          f"{len(summary.left_out)} left out", file=sys.stderr)
+    print(
+        f"{out}: {summary.samples} samples, {summary.copied} copied, re-encoded {summary.reencoded}, "
+        f"{len(summary.left_out)} left out",
+        file=sys.stderr,
+    )
     return out
 
 
 def cmd_read(args) -> None:
     options = PrepareOptions(max_side=args.max_side, quality=args.quality)
     shards = _prepared(args.data, args.prepared, options, gpupipe.api.usable_cores())
-    backends = args.backends.split(",") if args.backends else [
-        b for b in ("pillow", "pillow-simd", "turbojpeg", "dali") if b in gpupipe.available_backends()]
+    backends = (
+        args.backends.split(",")
+        if args.backends
+        else [b for b in ("pillow", "pillow-simd", "turbojpeg", "dali") if b in gpupipe.available_backends()]
+    )
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     jobs = [(b, src, root) for b in backends for src, root in (("folder", args.data), ("shards", str(shards)))]
     streams = []
     for backend, src, root in jobs:
-        loader = gpupipe.build_loader(root, backend, batch_size=args.batch_size, train=True, image_size=224,
-                                      device=device, num_workers=args.workers, drop_last=False, normalize=False)
+        loader = gpupipe.build_loader(
+            root,
+            backend,
+            batch_size=args.batch_size,
+            train=True,
+            image_size=224,
+            device=device,
+            num_workers=args.workers,
+            drop_last=False,
+            normalize=False,
+        )
         streams.append((len(y) for _, y in _forever(lambda loader=loader: loader)))
         _warm(streams[-1], max(1.0, args.seconds / 4))
         print(f"started {backend} on {src}", file=sys.stderr)
@@ -77,9 +98,17 @@ def cmd_read(args) -> None:
     for s in streams:
         s.close()
     med = {(b, src): statistics.median(r) for (b, src, _), r in zip(jobs, rates, strict=True)}
-    results = [{"backend": b, "source": src, "images_per_s": med[b, src], "min": min(r), "max": max(r),
-                "shards_vs_folder": med[b, "shards"] / med[b, "folder"]}
-               for (b, src, _), r in zip(jobs, rates, strict=True)]
+    results = [
+        {
+            "backend": b,
+            "source": src,
+            "images_per_s": med[b, src],
+            "min": min(r),
+            "max": max(r),
+            "shards_vs_folder": med[b, "shards"] / med[b, "folder"],
+        }
+        for (b, src, _), r in zip(jobs, rates, strict=True)
+    ]
     _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results, args.json)
 
 
@@ -125,10 +154,21 @@ def cmd_startup(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in map(int, args.sizes.split(",")):
             folder = fake_prepared(Path(tmp), n)
-            runs = [json.loads(subprocess.run([sys.executable, "-c", _STARTUP, str(folder)], check=True,
-                                              capture_output=True, text=True).stdout) for _ in range(args.repeats)]
-            results.append({"samples": n, **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
-                            "build_loader_max_s": max(r["build_loader_s"] for r in runs)})
+            runs = [
+                json.loads(
+                    subprocess.run(
+                        [sys.executable, "-c", _STARTUP, str(folder)], check=True, capture_output=True, text=True
+                    ).stdout
+                )
+                for _ in range(args.repeats)
+            ]
+            results.append(
+                {
+                    "samples": n,
+                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                    "build_loader_max_s": max(r["build_loader_s"] for r in runs),
+                }
+            )
     _report("startup", {**vars(args), "func": None}, results, args.json)
 
 
@@ -141,8 +181,16 @@ def cmd_prepare(args) -> None:
             s = prepare(args.data, Path(tmp) / "out", options, workers=w)
             dt = time.perf_counter() - t0
         n = s.samples + len(s.left_out)
-        results.append({"workers": w, "images": n, "seconds": dt, "images_per_s": n / dt,
-                        "images_per_s_per_worker": n / dt / w, "reencoded": s.samples - s.copied})
+        results.append(
+            {
+                "workers": w,
+                "images": n,
+                "seconds": dt,
+                "images_per_s": n / dt,
+                "images_per_s_per_worker": n / dt / w,
+                "reencoded": s.samples - s.copied,
+            }
+        )
     _report("prepare", {**vars(args), "func": None}, results, args.json)
 
 

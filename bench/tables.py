@@ -1,6 +1,6 @@
 """Markdown tables of `gpupipe bench --json` reports, for bench/README.md.
 
-    python bench/tables.py bench/results/cpu-photos-1w-2026-11-22.json [...]
+python bench/tables.py bench/results/cpu-photos-1w-2026-11-22.json [...]
 """
 
 import json

@@ -14,8 +14,8 @@ INSTALL_HINTS = {
         'pip uninstall -y pillow && CC="cc -mavx2" pip install --no-binary :all: pillow-simd '
         "(needs libjpeg-dev zlib1g-dev; see bench/pillow_simd.sh)"
     ),
-    "train": "pip install timm tensorboard omegaconf  (or pip install \".[train]\" in the gpupipe source tree)",
-    "bench": "pip install matplotlib nvidia-ml-py  (or pip install \".[bench]\" in the gpupipe source tree)",
+    "train": 'pip install timm tensorboard omegaconf  (or pip install ".[train]" in the gpupipe source tree)',
+    "bench": 'pip install matplotlib nvidia-ml-py  (or pip install ".[bench]" in the gpupipe source tree)',
 }
 
 

@@ -40,7 +40,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def build_loader(
     root: str | os.PathLike | Sequence[str | os.PathLike],
-    backend: BackendName = "pillow",
+    backend: BackendName | str = "pillow",  # or a name registered with gpupipe.backends.register
     *,
     batch_size: int = 256,
     train: bool = True,
@@ -113,8 +113,16 @@ def build_loader(
     recipe = recipe or Recipe(image_size or 224)
     rank, world_size = _resolve_rank(rank, world_size)
     # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
-    sampler = ShardSampler(len(dataset), batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size,
-                           drop_last=train if drop_last is None else drop_last, equal_steps=train)
+    sampler = ShardSampler(
+        len(dataset),
+        batch_size,
+        shuffle=train,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        drop_last=train if drop_last is None else drop_last,
+        equal_steps=train,
+    )
     policy = Policy(recipe) if train else None
     augment = SampleAugment(policy, seed, transforms, transforms_mode)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)

@@ -38,26 +38,66 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 _LEVEL_DENOM = 10.0
-_RAND_TRANSFORMS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
-                    "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")
-_RAND_INCREASING_TRANSFORMS = ("AutoContrast", "Equalize", "Invert", "Rotate", "PosterizeIncreasing",
-                               "SolarizeIncreasing", "SolarizeAdd", "ColorIncreasing", "ContrastIncreasing",
-                               "BrightnessIncreasing", "SharpnessIncreasing", "ShearX", "ShearY", "TranslateXRel",
-                               "TranslateYRel")
+_RAND_TRANSFORMS = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "Posterize",
+    "Solarize",
+    "SolarizeAdd",
+    "Color",
+    "Contrast",
+    "Brightness",
+    "Sharpness",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
+_RAND_INCREASING_TRANSFORMS = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "PosterizeIncreasing",
+    "SolarizeIncreasing",
+    "SolarizeAdd",
+    "ColorIncreasing",
+    "ContrastIncreasing",
+    "BrightnessIncreasing",
+    "SharpnessIncreasing",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
 # AutoAugment's ImageNet policy (Cubuk et al. 2018, as timm's 'original'): 25 sub-policies of (op, prob, magnitude)
 _AA_ORIGINAL = (
-    (("PosterizeOriginal", 0.4, 8), ("Rotate", 0.6, 9)), (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
-    (("Equalize", 0.8, 8), ("Equalize", 0.6, 3)), (("PosterizeOriginal", 0.6, 7), ("PosterizeOriginal", 0.6, 6)),
-    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)), (("Equalize", 0.4, 4), ("Rotate", 0.8, 8)),
-    (("Solarize", 0.6, 3), ("Equalize", 0.6, 7)), (("PosterizeOriginal", 0.8, 5), ("Equalize", 1.0, 2)),
-    (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)), (("Equalize", 0.6, 8), ("PosterizeOriginal", 0.4, 6)),
-    (("Rotate", 0.8, 8), ("Color", 0.4, 0)), (("Rotate", 0.4, 9), ("Equalize", 0.6, 2)),
-    (("Equalize", 0.0, 7), ("Equalize", 0.8, 8)), (("Invert", 0.6, 4), ("Equalize", 1.0, 8)),
-    (("Color", 0.6, 4), ("Contrast", 1.0, 8)), (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
-    (("Color", 0.8, 8), ("Solarize", 0.8, 7)), (("Sharpness", 0.4, 7), ("Invert", 0.6, 8)),
-    (("ShearX", 0.6, 5), ("Equalize", 1.0, 9)), (("Color", 0.4, 0), ("Equalize", 0.6, 3)),
-    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)), (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
-    (("Invert", 0.6, 4), ("Equalize", 1.0, 8)), (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("PosterizeOriginal", 0.4, 8), ("Rotate", 0.6, 9)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
+    (("Equalize", 0.8, 8), ("Equalize", 0.6, 3)),
+    (("PosterizeOriginal", 0.6, 7), ("PosterizeOriginal", 0.6, 6)),
+    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)),
+    (("Equalize", 0.4, 4), ("Rotate", 0.8, 8)),
+    (("Solarize", 0.6, 3), ("Equalize", 0.6, 7)),
+    (("PosterizeOriginal", 0.8, 5), ("Equalize", 1.0, 2)),
+    (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)),
+    (("Equalize", 0.6, 8), ("PosterizeOriginal", 0.4, 6)),
+    (("Rotate", 0.8, 8), ("Color", 0.4, 0)),
+    (("Rotate", 0.4, 9), ("Equalize", 0.6, 2)),
+    (("Equalize", 0.0, 7), ("Equalize", 0.8, 8)),
+    (("Invert", 0.6, 4), ("Equalize", 1.0, 8)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
+    (("Color", 0.8, 8), ("Solarize", 0.8, 7)),
+    (("Sharpness", 0.4, 7), ("Invert", 0.6, 8)),
+    (("ShearX", 0.6, 5), ("Equalize", 1.0, 9)),
+    (("Color", 0.4, 0), ("Equalize", 0.6, 3)),
+    (("Equalize", 0.4, 7), ("Solarize", 0.2, 4)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, 5)),
+    (("Invert", 0.6, 4), ("Equalize", 1.0, 8)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
     (("Equalize", 0.8, 8), ("Equalize", 0.6, 3)),
 )
 # torchvision TrivialAugmentWide: op -> (magnitude of bin i out of 31, signed)
@@ -94,32 +134,41 @@ def _negate(v: float, rng: random.Random) -> float:
     return -v if rng.random() > 0.5 else v
 
 
+# timm's LEVEL_TO_ARG, grouped by form: no argument; a signed value up to a maximum at level 10 (TranslateX/Y's
+# maximum is the image's translate_const); an enhancement factor; a bit count or a threshold.
+_NO_ARGS = ("AutoContrast", "Equalize", "Invert")
+_SIGNED_MAX = {"Rotate": 30.0, "ShearX": 0.3, "ShearY": 0.3, "TranslateXRel": 0.45, "TranslateYRel": 0.45}
+_ENHANCE = ("Color", "Contrast", "Brightness", "Sharpness")
+
+
 def _level_args(name: str, level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
     """timm's ``LEVEL_TO_ARG`` for ``name`` at ``level`` (0..10), the sign coin drawn from ``rng``."""
     base = name.removesuffix("Increasing").removesuffix("Original")
     increasing = name.endswith("Increasing")
-    if base in ("AutoContrast", "Equalize", "Invert"):
+    frac = level / _LEVEL_DENOM
+    if base in _NO_ARGS:
         return ()
-    if base == "Rotate":
-        return (_negate(level / _LEVEL_DENOM * 30.0, rng),)
-    if base in ("Color", "Contrast", "Brightness", "Sharpness"):
-        if increasing:
-            return (max(0.1, 1.0 + _negate(level / _LEVEL_DENOM * 0.9, rng)),)
-        return (level / _LEVEL_DENOM * 1.8 + 0.1,)
-    if base in ("ShearX", "ShearY"):
-        return (_negate(level / _LEVEL_DENOM * 0.3, rng),)
     if base in ("TranslateX", "TranslateY"):
-        return (_negate(level / _LEVEL_DENOM * translate_const, rng),)
-    if base in ("TranslateXRel", "TranslateYRel"):
-        return (_negate(level / _LEVEL_DENOM * 0.45, rng),)
+        return (_negate(frac * translate_const, rng),)
+    if base in _SIGNED_MAX:
+        return (_negate(frac * _SIGNED_MAX[base], rng),)
+    if base in _ENHANCE:
+        if increasing:
+            return (max(0.1, 1.0 + _negate(frac * 0.9, rng)),)
+        return (frac * 1.8 + 0.1,)
+    return (_bits_or_threshold(name, base, frac, increasing),)
+
+
+def _bits_or_threshold(name: str, base: str, frac: float, increasing: bool) -> float:
+    """Posterize's bits, Solarize's and SolarizeAdd's thresholds (no sign coin)."""
     if base == "Posterize":
-        bits = int(level / _LEVEL_DENOM * 4)
-        return (float(4 - bits if increasing else bits + 4 if name.endswith("Original") else bits),)
+        bits = int(frac * 4)
+        return float(4 - bits if increasing else bits + 4 if name.endswith("Original") else bits)
     if base == "Solarize":
-        thresh = min(256, int(level / _LEVEL_DENOM * 256))
-        return (float(256 - thresh if increasing else thresh),)
+        thresh = min(256, int(frac * 256))
+        return float(256 - thresh if increasing else thresh)
     if base == "SolarizeAdd":
-        return (float(min(128, int(level / _LEVEL_DENOM * 110))),)
+        return float(min(128, int(frac * 110)))
     raise ValueError(f"unknown op {name!r}")
 
 
@@ -166,8 +215,10 @@ class Policy:
             elif aa.split("-")[0] in ("original", "originalr"):
                 self._aa = self._auto_augment(aa)
             else:
-                raise ValueError(f"auto_augment must be 'rand-...' (timm's RandAugment string), 'original', "
-                                 f"'originalr' or 'trivialaugment', got {recipe.auto_augment!r}")
+                raise ValueError(
+                    f"auto_augment must be 'rand-...' (timm's RandAugment string), 'original', "
+                    f"'originalr' or 'trivialaugment', got {recipe.auto_augment!r}"
+                )
         cj = recipe.color_jitter
         self.jitter: tuple[float, float, float, float] | None = None
         if cj is not None:
@@ -204,8 +255,10 @@ class Policy:
         _, kv = _split_config(config)
         unknown = set(kv) - {"m", "n", "p", "mstd", "mmax", "inc"}
         if unknown:
-            raise ValueError(f"unsupported RandAugment section(s) {sorted(unknown)} in {config!r}; "
-                             "supported: m, n, p, mstd, mmax, inc")
+            raise ValueError(
+                f"unsupported RandAugment section(s) {sorted(unknown)} in {config!r}; "
+                "supported: m, n, p, mstd, mmax, inc"
+            )
         self._m, self._n, self._p = int(kv.get("m", 10)), int(kv.get("n", 2)), float(kv.get("p", 0.5))
         mstd = float(kv.get("mstd", 0))
         self._mag = _Magnitude(math.inf if mstd > 100 else mstd, int(kv["mmax"]) if "mmax" in kv else None)
@@ -225,9 +278,14 @@ class Policy:
         if set(kv) - {"mstd"}:
             raise ValueError(f"unsupported AutoAugment section(s) in {config!r}; supported: mstd")
         self._mag = _Magnitude(float(kv.get("mstd", 0)))
-        self._table = _AA_ORIGINAL if head == "original" else tuple(
-            tuple((n.replace("PosterizeOriginal", "PosterizeIncreasing"), p, m) for n, p, m in sub)
-            for sub in _AA_ORIGINAL)
+        self._table = (
+            _AA_ORIGINAL
+            if head == "original"
+            else tuple(
+                tuple((n.replace("PosterizeOriginal", "PosterizeIncreasing"), p, m) for n, p, m in sub)
+                for sub in _AA_ORIGINAL
+            )
+        )
         return self._draw_auto
 
     def _draw_auto(self, rng: random.Random) -> list[Op]:
@@ -257,6 +315,7 @@ class Policy:
 
     def _color_jitter(self, rng: random.Random) -> list[Op]:
         """torchvision ``ColorJitter``: the four adjustments in a random order, each factor drawn uniformly."""
+        assert self.jitter is not None  # drawn only when jitter is on
         b, c, s, h = self.jitter
         order = [0, 1, 2, 3]
         rng.shuffle(order)
@@ -416,7 +475,7 @@ _KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 def _rotate(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
     """PIL ``Image.rotate`` about the centre: (a, b, c, d, e, f) maps output (x, y) to input (ax+by+c, dx+ey+f)."""
-    out = []
+    out: list[tuple[float, ...]] = []
     for deg in a[:, 0].tolist():
         r = -math.radians(deg)
         cos, sin = math.cos(r), math.sin(r)
@@ -449,8 +508,9 @@ def _affine(x: torch.Tensor, mats: list[tuple[float, ...]], fill: tuple[float, .
     # sampling (image - fill) with zero padding, then adding fill back, blends the fill in where the source runs out
     # (v2's extra mask channel, without the fourth channel)
     fill_t = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
-    out = torch.nn.functional.grid_sample(x.float() - fill_t, grid, mode=mode, padding_mode="zeros",
-                                          align_corners=False)
+    out = torch.nn.functional.grid_sample(
+        x.float() - fill_t, grid, mode=mode, padding_mode="zeros", align_corners=False
+    )
     return out.add_(fill_t).round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -511,6 +571,7 @@ class SampleAugment:
     def _user(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's
             torch.default_generator.manual_seed(_hash_key(self.seed, epoch, index))
+            assert self.per_image is not None  # called only when there are per-image transforms
             return self.per_image(image)
 
 

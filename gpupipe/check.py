@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 
-from .backends._image import ARITHMETIC_SOF, default_max_pixels, is_jpeg, jpeg_sof, probe
+from .backends._image import ARITHMETIC_SOF, Header, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
 from .errors import DecodeError
 
@@ -19,34 +19,47 @@ def inspect(path: str, max_pixels: int | None = None) -> dict:
         with open(path, "rb") as f:
             data = f.read()
         header = probe(data, path, "check", limit)
-        img = header.image
-        notes = []
-        suffix = path.lower().rsplit(".", 1)[-1]
-        if suffix in ("jpg", "jpeg") and not is_jpeg(data):
-            notes.append(f"{img.format} data under a .{suffix} name")
-        if img.mode not in ("RGB",):
-            notes.append(f"mode {img.mode}")
-        if header.is_jpeg:
-            if img.info.get("progressive") or img.info.get("progression"):
-                notes.append("progressive JPEG")
-            if jpeg_sof(data) in ARITHMETIC_SOF:
-                notes.append("arithmetic-coded JPEG (nvJPEG falls back to Pillow)")
-            if getattr(img, "layers", 3) == 4:
-                notes.append("CMYK/YCCK JPEG (TurboJPEG and nvJPEG fall back to Pillow)")
-        if header.orientation != 1:
-            notes.append(f"EXIF orientation {header.orientation} (applied)")
-        h, w = header.upright_size
-        if min(h, w) < TINY:
-            notes.append(f"tiny ({w}x{h})")
-        if max(h, w) / min(h, w) > ELONGATED:
-            notes.append(f"elongated ({w}x{h})")
+        notes = _format_notes(path, data, header) + _shape_notes(header)
         decoded = PillowDecoder(limit).decode_opened(header, path)
         decoded.getpixel((0, 0))
+        h, w = header.upright_size
         return {"path": path, "ok": True, "notes": notes, "size": [w, h]}
     except DecodeError as e:
         return {"path": path, "ok": False, "reason": e.reason, "notes": []}
     except OSError as e:
         return {"path": path, "ok": False, "reason": f"cannot read the file ({e.strerror or e})", "notes": []}
+
+
+def _format_notes(path: str, data: bytes, header: Header) -> list[str]:
+    """What is unusual in how the file is stored: its name, colour mode, JPEG coding, orientation."""
+    img = header.image
+    notes = []
+    suffix = path.lower().rsplit(".", 1)[-1]
+    if suffix in ("jpg", "jpeg") and not is_jpeg(data):
+        notes.append(f"{img.format} data under a .{suffix} name")
+    if img.mode not in ("RGB",):
+        notes.append(f"mode {img.mode}")
+    if header.is_jpeg:
+        if img.info.get("progressive") or img.info.get("progression"):
+            notes.append("progressive JPEG")
+        if jpeg_sof(data) in ARITHMETIC_SOF:
+            notes.append("arithmetic-coded JPEG (nvJPEG falls back to Pillow)")
+        if getattr(img, "layers", 3) == 4:
+            notes.append("CMYK/YCCK JPEG (TurboJPEG and nvJPEG fall back to Pillow)")
+    if header.orientation != 1:
+        notes.append(f"EXIF orientation {header.orientation} (applied)")
+    return notes
+
+
+def _shape_notes(header: Header) -> list[str]:
+    """What is unusual in the upright image's shape for a training crop."""
+    h, w = header.upright_size
+    notes = []
+    if min(h, w) < TINY:
+        notes.append(f"tiny ({w}x{h})")
+    if max(h, w) / min(h, w) > ELONGATED:
+        notes.append(f"elongated ({w}x{h})")
+    return notes
 
 
 def check(paths: list[str], workers: int, on_result=lambda r: None) -> list[dict]:
@@ -61,5 +74,3 @@ def check(paths: list[str], workers: int, on_result=lambda r: None) -> list[dict
             results.append(r)
             on_result(r)
     return results
-
-

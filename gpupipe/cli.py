@@ -45,70 +45,103 @@ def _cmd_sample_data(args) -> int:
     per_class = args.per_class or (60 if args.split == "train" else 20)
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(f"writing the {args.split} split", total=args.classes * per_class)
-        root = make_sample_data(args.dir, args.classes, per_class, args.seed, args.split,
-                                on_image=lambda: progress.advance(task))
+        root = make_sample_data(
+            args.dir, args.classes, per_class, args.seed, args.split, on_image=lambda: progress.advance(task)
+        )
     console.print(f"sample data ({args.split} split) in {root}: {args.classes} classes x {per_class} JPEGs")
     return 0
 
 
 def _cmd_bench(args) -> int:
-    import torch
-
     from .api import _resolve_device
-    from .backends import available_backends, check_name, get, names
-    from .bench import report, store, suite
-    from .info import machine_info
+    from .bench import suite
+    from .bench.records import Config
+    from .recipe import Recipe
     from .sample_data import DEFAULT_DIR, make_sample_data
 
-    data = args.data
-    if data is None:
-        data = str(make_sample_data(DEFAULT_DIR))
+    data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
     device = _resolve_device(args.device)
-    avail = available_backends()
-    if args.backends:
-        backends = [check_name(b) for b in args.backends.split(",")]
-        if "auto" in backends:
-            raise ValueError("--backends auto: auto is not a backend but a choice among them, made from a bench's "
-                             f"results; list the backends to measure from: {', '.join(names())}")
-        from .backends import unavailable_reason
-
-        unusable = {b: unavailable_reason(b) for b in backends if b not in avail}
-        unusable |= {b: f"delivers batches on {' or '.join(get(b).devices)}, not {device.type}"
-                     for b in backends if b in avail and device.type not in get(b).devices}
-        if unusable:
-            for b, why in unusable.items():
-                console.print(f"[red]{b}[/]: {why}")
-            return 2
-    else:
-        backends = [b for b in names() if b in avail and device.type in get(b).devices]
-    workers = suite.default_workers() if args.workers is None else args.workers
-    from .recipe import Recipe
-
-    recipe = Recipe(args.image_size, auto_augment=args.aa, color_jitter=args.color_jitter, re_prob=args.reprob)
+    backends = _bench_backends(args.backends, device)
+    if backends is None:
+        return 2
     pipelines = args.pipelines.split(",")
     if (args.aa or args.color_jitter or args.reprob) and "augment" not in pipelines:
         pipelines.append("augment")  # the policies' cost: train with them, beside train without
-    cfg = suite.Config(data, backends, pipelines, workers, device, args.batch_size, args.seconds,
-                       args.repeats, args.image_size, args.model, recipe)
+    cfg = Config(
+        data,
+        backends,
+        pipelines,
+        suite.default_workers() if args.workers is None else args.workers,
+        device,
+        batch_size=args.batch_size,
+        seconds=args.seconds,
+        repeats=args.repeats,
+        image_size=args.image_size,
+        model=args.model,
+        recipe=Recipe(args.image_size, auto_augment=args.aa, color_jitter=args.color_jitter, re_prob=args.reprob),
+    )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
     with _bench_progress() as progress:
         results = suite.run(cfg, progress=progress)
     if not results:
         raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
-    rep = report.report(results, machine_info(), {
-        "data": data, "workers": workers, "device": device.type, "batch_size": cfg.batch_size,
-        "seconds": cfg.seconds, "repeats": cfg.repeats, "image_size": cfg.image_size, "model": cfg.model,
-        "torch_threads": torch.get_num_threads()})
-    report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
-    store.save_latest(rep, data, device)  # what backend="auto" reads
-    if args.json:
-        report.write_json(rep, args.json)
-        console.print(f"JSON: {args.json}")
-    if args.plot:
-        report.plot(rep, args.plot)
-        console.print(f"chart: {args.plot}")
+    _bench_outputs(cfg, results, args.json, args.plot)
     return 0
+
+
+def _bench_backends(asked: str | None, device) -> list[str] | None:
+    """The backends to measure: those asked for (``--backends a,b``), or every one that runs on ``device`` here.
+    None, with each reason printed, when one asked for cannot run."""
+    from .backends import available_backends, check_name, get, names, unavailable_reason
+
+    avail = available_backends()
+    if not asked:
+        return [b for b in names() if b in avail and device.type in get(b).devices]
+    backends = [check_name(b) for b in asked.split(",")]
+    if "auto" in backends:
+        raise ValueError(
+            "--backends auto: auto is not a backend but a choice among them, made from a bench's "
+            f"results; list the backends to measure from: {', '.join(names())}"
+        )
+    unusable = {b: unavailable_reason(b) for b in backends if b not in avail}
+    unusable |= {
+        b: f"delivers batches on {' or '.join(get(b).devices)}, not {device.type}"
+        for b in backends
+        if b in avail and device.type not in get(b).devices
+    }
+    for b, why in unusable.items():
+        console.print(f"[red]{b}[/]: {why}")
+    return None if unusable else backends
+
+
+def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None) -> None:
+    """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
+    import torch
+
+    from .bench import report, store
+    from .info import machine_info
+
+    settings = {
+        "data": cfg.data,
+        "workers": cfg.workers,
+        "device": cfg.device.type,
+        "batch_size": cfg.batch_size,
+        "seconds": cfg.seconds,
+        "repeats": cfg.repeats,
+        "image_size": cfg.image_size,
+        "model": cfg.model,
+        "torch_threads": torch.get_num_threads(),
+    }
+    rep = report.report(results, machine_info(), settings)
+    report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
+    store.save_latest(rep, cfg.data, cfg.device)
+    if json_path:
+        report.write_json(rep, json_path)
+        console.print(f"JSON: {json_path}")
+    if plot_path:
+        report.plot(rep, plot_path)
+        console.print(f"chart: {plot_path}")
 
 
 @contextlib.contextmanager
@@ -162,12 +195,21 @@ def _cmd_prepare(args) -> int:
     from .api import usable_cores
     from .prepare import PrepareOptions, parse_size, prepare
 
-    given = {"max_side": args.max_side, "quality": args.quality, "subsampling": args.subsampling,
-             "shard_size": None if args.shard_size is None else parse_size(args.shard_size)}
+    given = {
+        "max_side": args.max_side,
+        "quality": args.quality,
+        "subsampling": args.subsampling,
+        "shard_size": None if args.shard_size is None else parse_size(args.shard_size),
+    }
     options = PrepareOptions(**{k: v for k, v in given.items() if v is not None})
     workers = usable_cores() if args.workers is None else args.workers
-    columns = (TextColumn("preparing"), BarColumn(), MofNCompleteColumn(), TextColumn("time left"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("preparing"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("time left"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("prepare", total=None)
 
@@ -182,11 +224,16 @@ def _cmd_prepare(args) -> int:
     for r in summary.left_out:
         out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
     causes = ", ".join(f"{v} {k}" for k, v in summary.reencoded.items())
-    state = "already prepared" if summary.up_to_date else (
-        f"resumed at sample {summary.resumed_at}" if summary.resumed_at else "prepared")
-    out.print(f"{summary.out}: {state}: {summary.samples} samples in {summary.shards} shards ({summary.copied} "
-              f"copied, {summary.samples - summary.copied} re-encoded{': ' + causes if causes else ''}); "
-              f"{len(summary.left_out)} left out")
+    state = (
+        "already prepared"
+        if summary.up_to_date
+        else (f"resumed at sample {summary.resumed_at}" if summary.resumed_at else "prepared")
+    )
+    out.print(
+        f"{summary.out}: {state}: {summary.samples} samples in {summary.shards} shards ({summary.copied} "
+        f"copied, {summary.samples - summary.copied} re-encoded{': ' + causes if causes else ''}); "
+        f"{len(summary.left_out)} left out"
+    )
     return 0
 
 
@@ -217,8 +264,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         if tp is bool:
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            p.add_argument(*flags, type=tp, default=None, choices=choices.get(f.name), help=help,
-                           metavar=None if f.name in choices else f.name.upper())
+            p.add_argument(
+                *flags,
+                type=tp,
+                default=None,
+                choices=choices.get(f.name),
+                help=help,
+                metavar=None if f.name in choices else f.name.upper(),
+            )
     p.add_argument("--config", help="a YAML file whose keys override the defaults; flags override both")
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
 
@@ -261,8 +314,9 @@ def _positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks "
-                                     "and a training core.")
+    parser = argparse.ArgumentParser(
+        prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core."
+    )
     parser.add_argument("--version", action="version", version=f"gpupipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -270,11 +324,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw values as JSON")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("sample-data", help="write the embedded data set (an ImageFolder of JPEGs): a train split, "
-                       "and a held-out val split that shares no image with it")
+    p = sub.add_parser(
+        "sample-data",
+        help="write the embedded data set (an ImageFolder of JPEGs): a train split, "
+        "and a held-out val split that shares no image with it",
+    )
     p.add_argument("dir", nargs="?", help="where (default: data/sample for train, data/sample-val for val)")
-    p.add_argument("--split", choices=["train", "val"], default="train",
-                   help="train, or val: the same classes drawn from other random streams (default train)")
+    p.add_argument(
+        "--split",
+        choices=["train", "val"],
+        default="train",
+        help="train, or val: the same classes drawn from other random streams (default train)",
+    )
     p.add_argument("--classes", type=_positive_int, default=10, help="number of classes (default 10)")
     p.add_argument("--per-class", type=_positive_int, help="images per class (default 60 for train, 20 for val)")
     p.add_argument("--seed", type=int, default=0, help="the data set's seed (default 0)")
@@ -283,17 +344,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="which backend is fastest on this machine and data")
     p.add_argument("--data", help="ImageFolder directory or CSV list (default: the sample data, made on first use)")
     p.add_argument("--backends", help="comma-separated (default: every available backend)")
-    p.add_argument("--pipelines", default="decode,train,eval",
-                   help="comma-separated from decode, floor, train, eval (floor: the decode a train pipeline cannot "
-                        "avoid, at the DCT scale its crops allow; train rows then say how close they come)")
+    p.add_argument(
+        "--pipelines",
+        default="decode,train,eval",
+        help="comma-separated from decode, floor, train, eval (floor: the decode a train pipeline cannot "
+        "avoid, at the DCT scale its crops allow; train rows then say how close they come)",
+    )
     p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
     p.add_argument("--image-size", type=_positive_int, default=224, help="(default 224)")
-    p.add_argument("--seconds", type=_positive_float, default=6.0,
-                   help="timed seconds per measurement, after a warm-up (default 6)")
-    p.add_argument("--repeats", type=_positive_int, default=3,
-                   help="timed windows per measurement; the median is reported (default 3)")
+    p.add_argument(
+        "--seconds",
+        type=_positive_float,
+        default=6.0,
+        help="timed seconds per measurement, after a warm-up (default 6)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed windows per measurement; the median is reported (default 3)",
+    )
     p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
     p.add_argument("--aa", help="add an 'augment' pipeline: train with this policy (e.g. rand-m9-mstd0.5-inc1)")
     p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")
@@ -315,17 +387,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .prepare import PrepareOptions  # its defaults are the CLI's
 
     defaults = PrepareOptions()
-    p = sub.add_parser("prepare", help="convert a data set to tar shards (WebDataset layout) with an index, for fast "
-                       "start-up and decode on every backend")
+    p = sub.add_parser(
+        "prepare",
+        help="convert a data set to tar shards (WebDataset layout) with an index, for fast "
+        "start-up and decode on every backend",
+    )
     p.add_argument("src", help="anything build_loader reads: ImageFolder directory, CSV list, shards")
     p.add_argument("out", help="an empty folder (or an interrupted prepare's, which then resumes)")
     p.add_argument("--max-side", type=int, help="shrink images whose longer side is larger (default: keep sizes)")
     p.add_argument("--quality", type=int, help=f"JPEG quality of re-encoded images (default {defaults.quality})")
     p.add_argument("--shard-size", help=f"bytes per shard at most (default {defaults.shard_size // 2**20}MB)")
     p.add_argument("--workers", type=int, help="processes (default: every usable core)")
-    p.add_argument("--subsampling", choices=["keep", "420"],
-                   help="420: re-encode 4:4:4 and 4:2:2 JPEGs to 4:2:0, which decodes faster "
-                        f"(default {defaults.subsampling})")
+    p.add_argument(
+        "--subsampling",
+        choices=["keep", "420"],
+        help=f"420: re-encode 4:4:4 and 4:2:2 JPEGs to 4:2:0, which decodes faster (default {defaults.subsampling})",
+    )
     p.set_defaults(func=_cmd_prepare)
     return parser
 

@@ -7,6 +7,7 @@ import platform
 import re
 from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,8 +33,9 @@ def machine_info() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
-        else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     import torchvision
 
     return {
@@ -93,10 +95,14 @@ def install_info() -> dict:
     if direct:
         origin = direct.get("url", "?") + (" (editable)" if direct.get("dir_info", {}).get("editable") else "")
     info["distribution"] = f"gpupipe {dist.version} from {origin}"
-    if not (dist.metadata.get("Summary") or "").startswith(_SUMMARY):
-        info["problem"] = (f"the installed distribution 'gpupipe' {dist.version} is another project "
-                           f"({dist.metadata.get('Summary')!r}); `pip uninstall gpupipe`, then install this one "
-                           "from its source tree (README: Install)")
+    metadata: Any = dist.metadata  # an email Message: .get is there, though the PackageMetadata protocol omits it
+    summary = metadata.get("Summary")
+    if not (summary or "").startswith(_SUMMARY):
+        info["problem"] = (
+            f"the installed distribution 'gpupipe' {dist.version} is another project "
+            f"({summary!r}); `pip uninstall gpupipe`, then install this one "
+            "from its source tree (README: Install)"
+        )
     return info
 
 

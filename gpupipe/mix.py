@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 
-def soft_targets(labels: torch.Tensor, num_classes: int, lam: float | torch.Tensor = 1.0,
-                 smoothing: float = 0.0) -> torch.Tensor:
+def soft_targets(
+    labels: torch.Tensor, num_classes: int, lam: float | torch.Tensor = 1.0, smoothing: float = 0.0
+) -> torch.Tensor:
     """Smoothed one-hot targets mixed with the reversed batch's: ``y * lam + y.flip(0) * (1 - lam)`` (timm's
     ``mixup_target``). Each row sums to 1."""
     off = smoothing / num_classes
@@ -37,9 +38,18 @@ class Mix:
     even, as timm requires.
     """
 
-    def __init__(self, mixup_alpha: float = 1.0, cutmix_alpha: float = 0.0, prob: float = 1.0,
-                 switch_prob: float = 0.5, mode: Literal["batch", "elem"] = "batch", label_smoothing: float = 0.1,
-                 num_classes: int = 1000, correct_lam: bool = True, seed: int | None = None):
+    def __init__(
+        self,
+        mixup_alpha: float = 1.0,
+        cutmix_alpha: float = 0.0,
+        prob: float = 1.0,
+        switch_prob: float = 0.5,
+        mode: Literal["batch", "elem"] = "batch",
+        label_smoothing: float = 0.1,
+        num_classes: int = 1000,
+        correct_lam: bool = True,
+        seed: int | None = None,
+    ):
         if mixup_alpha < 0 or cutmix_alpha < 0 or mixup_alpha == cutmix_alpha == 0:
             raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0, one > 0; got {mixup_alpha}, {cutmix_alpha}")
         if mode not in ("batch", "elem"):
@@ -91,8 +101,11 @@ class Mix:
         n = len(x)
         if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
             cutmix = self.rng.rand(n) < self.switch_prob
-            lam = np.where(cutmix, self.rng.beta(self.cutmix_alpha, self.cutmix_alpha, size=n),
-                           self.rng.beta(self.mixup_alpha, self.mixup_alpha, size=n))
+            lam = np.where(
+                cutmix,
+                self.rng.beta(self.cutmix_alpha, self.cutmix_alpha, size=n),
+                self.rng.beta(self.mixup_alpha, self.mixup_alpha, size=n),
+            )
         else:
             cutmix = np.full(n, self.cutmix_alpha > 0)
             a = self.cutmix_alpha if self.cutmix_alpha > 0 else self.mixup_alpha

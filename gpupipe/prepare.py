@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image, JpegImagePlugin
@@ -164,6 +164,7 @@ def _init_worker(source: ImageList, options: PrepareOptions) -> None:
 
 
 def _convert_sample(index: int) -> Converted:
+    assert _job is not None  # set by _init_worker
     source, options = _job
     path = source.samples[index][0]
     try:
@@ -220,9 +221,11 @@ class _ShardWriter:
         return not len(self) or self.bytes + _sample_bytes(size) + len(_END) <= limit
 
     def add(self, sample: Converted, label: int, source: str) -> None:
+        assert sample.data is not None  # a sample left out is never added
         key = f"{self.first + len(self):08d}"
-        for k, v in zip(self.rows, (self.bytes + _BLOCK, len(sample.data), label, sample.height, sample.width, source),
-                        strict=True):
+        for k, v in zip(
+            self.rows, (self.bytes + _BLOCK, len(sample.data), label, sample.height, sample.width, source), strict=True
+        ):
             self.rows[k].append(v)
         self.changes.update(sample.changes)
         self.copied += not sample.changes
@@ -239,11 +242,19 @@ class _ShardWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.out / f"{self.name}.tar")
-        manifest = {"shard": f"{self.name}.tar", "bytes": self.bytes, "sha256": self.sha.hexdigest(),
-                    "source_start": self.source_start, "source_end": source_end, "first": self.first,
-                    "count": len(self), "copied": self.copied, "reencoded": dict(sorted(self.changes.items())),
-                    "left_out": self.left_out,
-                    **self.rows}
+        manifest = {
+            "shard": f"{self.name}.tar",
+            "bytes": self.bytes,
+            "sha256": self.sha.hexdigest(),
+            "source_start": self.source_start,
+            "source_end": source_end,
+            "first": self.first,
+            "count": len(self),
+            "copied": self.copied,
+            "reencoded": dict(sorted(self.changes.items())),
+            "left_out": self.left_out,
+            **self.rows,
+        }
         _write_durably(self.out / f"{self.name}.json", json.dumps(manifest).encode())
         return manifest
 
@@ -294,8 +305,15 @@ def _absolute(src) -> str | list[str]:
     return os.path.abspath(src)
 
 
-def prepare(src, out: str | os.PathLike, options: PrepareOptions | None = None, *, workers: int = 1,
-            on_progress: Callable[[int, int], None] | None = None, allow_outside_root: bool = False) -> Summary:
+def prepare(
+    src,
+    out: str | os.PathLike,
+    options: PrepareOptions | None = None,
+    *,
+    workers: int = 1,
+    on_progress: Callable[[int, int], None] | None = None,
+    allow_outside_root: bool = False,
+) -> Summary:
     """Write ``src`` (anything ``build_loader`` reads) to ``out`` as tar shards, index and metadata.
 
     Args:
@@ -312,26 +330,60 @@ def prepare(src, out: str | os.PathLike, options: PrepareOptions | None = None, 
     if isinstance(src, str) and os.path.isdir(src) and Path(src).resolve() in (out.resolve(), *out.resolve().parents):
         raise ValueError(f"{out}: inside the source folder {src}; write the shards elsewhere (a rescan would see them)")
     out.mkdir(parents=True, exist_ok=True)
-    plan = {"format": FORMAT, "version": VERSION, "source": src, "options": asdict(options),
-            "fingerprint": _fingerprint(source)}
+    plan = {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": src,
+        "options": asdict(options),
+        "fingerprint": _fingerprint(source),
+    }
     if (out / META).exists():
-        meta = json.loads((out / META).read_text())
-        if {k: meta.get(k) for k in plan} != plan:
-            raise FileExistsError(f"{out}: holds a data set prepared from another source or with other options; "
-                                  "remove it or choose another folder")
-        return Summary(out, meta["samples"], len(meta["shards"]), meta["copied"], meta["reencoded"],
-                       meta["left_out"], up_to_date=True)
+        return _up_to_date(out, plan)
+    _start_or_resume(out, plan)
+    manifests = _complete_shards(out)
+    start = manifests[-1]["source_end"] if manifests else 0
+    pending = _write_shards(out, source, options, manifests, start, workers, on_progress)
+    return _finish(out, source, plan, manifests, pending, start)
+
+
+def _up_to_date(out: Path, plan: dict) -> Summary:
+    """The summary of the set ``out`` already holds, when it was prepared with this plan."""
+    meta = json.loads((out / META).read_text())
+    if {k: meta.get(k) for k in plan} != plan:
+        raise FileExistsError(
+            f"{out}: holds a data set prepared from another source or with other options; "
+            "remove it or choose another folder"
+        )
+    return Summary(
+        out, meta["samples"], len(meta["shards"]), meta["copied"], meta["reencoded"], meta["left_out"], up_to_date=True
+    )
+
+
+def _start_or_resume(out: Path, plan: dict) -> None:
+    """Write the plan into an empty ``out``; in a folder that holds one, go on only when it is this plan."""
     if (out / PLAN).exists():
         if json.loads((out / PLAN).read_text()) != plan:
-            raise FileExistsError(f"{out}: holds an interrupted prepare of another source or with other options; "
-                                  "remove it or choose another folder")
+            raise FileExistsError(
+                f"{out}: holds an interrupted prepare of another source or with other options; "
+                "remove it or choose another folder"
+            )
     elif any(out.iterdir()):
         raise FileExistsError(f"{out}: not empty; prepare writes into an empty folder (or resumes its own)")
     else:
         _write_durably(out / PLAN, json.dumps(plan).encode())
 
-    manifests = _complete_shards(out)
-    start = manifests[-1]["source_end"] if manifests else 0
+
+def _write_shards(
+    out: Path,
+    source: ImageList,
+    options: PrepareOptions,
+    manifests: list[dict],
+    start: int,
+    workers: int,
+    on_progress: Callable[[int, int], None] | None,
+) -> list[dict]:
+    """Convert the samples from ``start`` on and write them in order into shards of at most ``options.shard_size``,
+    appending each closed shard's manifest to ``manifests``. Returns the files left out after the last shard."""
     total = len(source)
     if on_progress:
         on_progress(start, total)
@@ -343,6 +395,7 @@ def prepare(src, out: str | os.PathLike, options: PrepareOptions | None = None, 
         if sample.reason is not None:
             (pending if writer is None else writer.left_out).append({"path": name, "reason": sample.reason})
         else:
+            assert sample.data is not None  # left out when there is no data, stored otherwise
             if writer is not None and not writer.fits(len(sample.data), options.shard_size):
                 manifests.append(writer.close(source_end=index))
                 first += len(writer)
@@ -354,31 +407,44 @@ def prepare(src, out: str | os.PathLike, options: PrepareOptions | None = None, 
             on_progress(index + 1, total)
     if writer is not None:
         manifests.append(writer.close(source_end=total))
-    return _finish(out, source, plan, manifests, pending, start)
+    return pending
 
 
-def _finish(out: Path, source: ImageList, plan: dict, manifests: list[dict], trailing: list[dict],
-            resumed_at: int) -> Summary:
+def _finish(
+    out: Path, source: ImageList, plan: dict, manifests: list[dict], trailing: list[dict], resumed_at: int
+) -> Summary:
     """Write the index and then the metadata (whose presence marks the set complete) from the shards' manifests."""
     left_out = [r for m in manifests for r in m["left_out"]] + trailing
     if not manifests:
         first = f", e.g. {left_out[0]['path']}: {left_out[0]['reason']}" if left_out else ""
         raise GpupipeError(f"{plan['source']}: no file could be read as an image ({len(left_out)} left out){first}")
     col = lambda k, dtype: np.array([v for m in manifests for v in m[k]], dtype)
-    index = {"shard": np.concatenate([np.full(m["count"], i, np.uint32) for i, m in enumerate(manifests)]),
-             "offset": col("offset", np.uint64), "size": col("size", np.uint64), "label": col("label", np.int64),
-             "height": col("height", np.uint32), "width": col("width", np.uint32), "source": col("source", str)}
+    index: dict[str, Any] = {
+        "shard": np.concatenate([np.full(m["count"], i, np.uint32) for i, m in enumerate(manifests)]),
+        "offset": col("offset", np.uint64),
+        "size": col("size", np.uint64),
+        "label": col("label", np.int64),
+        "height": col("height", np.uint32),
+        "width": col("width", np.uint32),
+        "source": col("source", str),
+    }
     buf = io.BytesIO()
     np.savez(buf, **index)
     _write_durably(out / INDEX, buf.getvalue())
-    reencoded = Counter()
+    reencoded: Counter[str] = Counter()
     for m in manifests:
         reencoded.update(m["reencoded"])
     samples = len(index["label"])
-    meta = {**plan, "classes": source.classes, "class_to_idx": {c: i for i, c in enumerate(source.classes)},
-            "samples": samples, "shards": [m["shard"] for m in manifests],
-            "copied": sum(m["copied"] for m in manifests), "reencoded": dict(sorted(reencoded.items())),
-            "left_out": left_out}
+    meta = {
+        **plan,
+        "classes": source.classes,
+        "class_to_idx": {c: i for i, c in enumerate(source.classes)},
+        "samples": samples,
+        "shards": [m["shard"] for m in manifests],
+        "copied": sum(m["copied"] for m in manifests),
+        "reencoded": dict(sorted(reencoded.items())),
+        "left_out": left_out,
+    }
     _write_durably(out / META, json.dumps(meta, indent=1).encode())
     (out / PLAN).unlink()
     return Summary(out, samples, len(manifests), meta["copied"], meta["reencoded"], left_out, resumed_at)

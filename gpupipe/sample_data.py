@@ -33,7 +33,7 @@ def _image(rng: np.random.Generator, cls: int, num_classes: int) -> Image.Image:
         mask = np.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * r * r))[..., None]
         bg = bg * (1 - 0.6 * mask) + rng.uniform(0, 255, 3).astype(np.float32) * 0.6 * mask
     bg_img = Image.fromarray(np.clip(bg, 0, 255).astype(np.uint8), "RGB").resize((w, h), Image.Resampling.BILINEAR)
-    img = np.asarray(bg_img, dtype=np.float32)
+    img: np.ndarray = np.asarray(bg_img, dtype=np.float32)
     # the class: stripes at a class-specific angle and frequency, with a little jitter
     angle = math.pi * cls / num_classes + rng.normal(0, 0.05)
     freq = 6 + 3 * (cls % 3) + rng.normal(0, 0.3)
@@ -53,8 +53,14 @@ def default_dir(split: str) -> Path:
     return DEFAULT_DIR if split == "train" else DEFAULT_DIR.with_name(f"{DEFAULT_DIR.name}-{split}")
 
 
-def make_sample_data(root: str | Path | None = None, classes: int = 10, per_class: int = 60, seed: int = 0,
-                     split: str = "train", on_image: Callable[[], None] = lambda: None) -> Path:
+def make_sample_data(
+    root: str | Path | None = None,
+    classes: int = 10,
+    per_class: int = 60,
+    seed: int = 0,
+    split: str = "train",
+    on_image: Callable[[], None] = lambda: None,
+) -> Path:
     """Write ``root/class_XX/img_YYYY.jpg`` (``root`` default ``data/sample``, or ``data/sample-val`` for the val
     split). Each split draws its images from its own random streams, so train and val never share an image.
 
@@ -72,8 +78,9 @@ def make_sample_data(root: str | Path | None = None, classes: int = 10, per_clas
         made = json.loads(marker.read_text())
         if made != settings:
             diff = ", ".join(f"{k} {made.get(k)} (now {v})" for k, v in settings.items() if made.get(k) != v)
-            raise FileExistsError(f"{root} holds sample data made with other settings: {diff}; choose another "
-                                  "folder or delete this one")
+            raise FileExistsError(
+                f"{root} holds sample data made with other settings: {diff}; choose another folder or delete this one"
+            )
     elif root.is_dir() and any(root.iterdir()):
         raise FileExistsError(f"{root} exists and was not made by `gpupipe sample-data`: choose another folder")
     root.mkdir(parents=True, exist_ok=True)

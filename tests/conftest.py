@@ -1,23 +1,12 @@
+"""Hooks and fixtures only; shared helpers are in common_utils.py."""
+
 import random
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-import gpupipe
-from gpupipe import backends
-
-# From the registry: every decoding backend usable here that delivers on the CPU (pillow, turbojpeg, DALI's CPU
-# pipeline...), and the ones among them that decode image by image in DataLoader workers.
-CPU_LOADER_BACKENDS = [
-    b for b in gpupipe.available_backends() if backends.get(b).read is not None and "cpu" in backends.get(b).devices
-]
-DECODERS = [b for b in backends.cpu_decoders() if b in gpupipe.available_backends()]
-
-
-def cpu_and_cuda():
-    return ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+from .common_utils import INVALID, VALID, make_folder, photo
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,31 +22,13 @@ def pytest_collection_modifyitems(config, items):
 def prevent_leaking_rng():
     """torchvision's habit: a test may use the global RNGs, but must not change them for the next test."""
     torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     yield
     torch.set_rng_state(torch_state)
     random.setstate(py_state)
     np.random.set_state(np_state)
-
-
-def photo(rng: np.random.Generator, h: int, w: int) -> Image.Image:
-    """A smooth, photo-like image (JPEG-friendly), distinct per rng."""
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    a = rng.uniform(0, 255, 3)
-    b = rng.uniform(0.1, 0.5, 3)
-    img = a + 60 * np.sin(x[..., None] * b / 7 + y[..., None] * b[::-1] / 11)
-    img += rng.normal(0, 3, img.shape)
-    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")
-
-
-def make_folder(root, classes: int, per_class: int, seed: int = 0, sizes=((120, 180), (200, 150), (96, 96))):
-    rng = np.random.default_rng(seed)
-    for c in range(classes):
-        d = root / f"c{c:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            h, w = sizes[(c + i) % len(sizes)]
-            photo(rng, h, w).save(d / f"{i:03d}.jpg", quality=90)
-    return root
+    if cuda_states is not None:
+        torch.cuda.set_rng_state_all(cuda_states)
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +41,20 @@ def folder(tmp_path_factory):
 def unique_folder(tmp_path_factory):
     """13 classes of one image each: a label identifies its sample."""
     return make_folder(tmp_path_factory.mktemp("unique"), 13, 1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def base():
+    """A small photo: the source of the unusual and the broken files (common_utils.VALID, INVALID)."""
+    return photo(np.random.default_rng(7), 60, 90)
+
+
+@pytest.fixture()
+def dirty_folder(tmp_path, base):
+    """An ImageFolder with a truncated and an empty file beside one file of every unusual valid kind."""
+    root = make_folder(tmp_path / "data", 2, 5)
+    (root / "c00" / "zz_truncated.jpg").write_bytes(INVALID["truncated"](base))
+    (root / "c01" / "zz_empty.jpg").write_bytes(b"")
+    for i, (kind, make) in enumerate(sorted(VALID.items())):  # every valid oddity, beside the broken files
+        (root / f"c0{i % 2}" / f"zz_valid_{kind}.jpg").write_bytes(make(base))
+    return root

@@ -111,9 +111,23 @@ def main() -> None:
         model = Tiny().double()
         model.load_state_dict(torch.load(init, weights_only=True))
         model.register_forward_pre_hook(lambda m, args: (args[0].double(),))
-        cfg = TrainConfig(data=data, out=out, model="tiny", epochs=1, batch_size=int(batch), accum=int(accum),
-                          image_size=32, workers=0, device="cpu", lr=0.05, warmup_epochs=0.5, log_every=1,
-                          optimizer="sgd", momentum=0.0, clip=None)
+        cfg = TrainConfig(
+            data=data,
+            out=out,
+            model="tiny",
+            epochs=1,
+            batch_size=int(batch),
+            accum=int(accum),
+            image_size=32,
+            workers=0,
+            device="cpu",
+            lr=0.05,
+            warmup_epochs=0.5,
+            log_every=1,
+            optimizer="sgd",
+            momentum=0.0,
+            clip=None,
+        )
         train(cfg, model=model)
     rank = int(os.environ["RANK"])
     state = {k: v.detach().clone() for k, v in models[0].state_dict().items()}

@@ -14,7 +14,7 @@ import gpupipe
 from gpupipe.augment import Op, Policy
 from gpupipe.recipe import Recipe
 
-from .conftest import CPU_LOADER_BACKENDS
+from .common_utils import CPU_LOADER_BACKENDS
 
 RA = "rand-m9-mstd0.5-inc1"
 FULL = Recipe(auto_augment=RA, color_jitter=0.4, re_prob=0.5, re_count=2)
@@ -44,8 +44,14 @@ def test_defaults_are_off_and_the_crop_stream_is_untouched(folder):
 
 
 def test_bad_policies_raise_value_error():
-    for kw in [dict(auto_augment="rand-x3"), dict(auto_augment="v9"), dict(re_mode="noise"), dict(re_prob=2.0),
-               dict(color_jitter=(0.1, 0.2)), dict(re_count=0)]:
+    for kw in [
+        dict(auto_augment="rand-x3"),
+        dict(auto_augment="v9"),
+        dict(re_mode="noise"),
+        dict(re_prob=2.0),
+        dict(color_jitter=(0.1, 0.2)),
+        dict(re_count=0),
+    ]:
         with pytest.raises(ValueError):
             Recipe(**kw)
 
@@ -125,8 +131,9 @@ def test_user_transforms_draw_per_image(folder, device_path):
 
 def test_batch_mode_transforms_draw_once_per_batch(folder):
     plain = _pixels(_loader(folder, train=False))[:8]
-    erased = _pixels(_loader(folder, train=False, transforms=v2.RandomErasing(p=1.0, value=0),
-                             transforms_mode="batch"))[:8]
+    erased = _pixels(
+        _loader(folder, train=False, transforms=v2.RandomErasing(p=1.0, value=0), transforms_mode="batch")
+    )[:8]
     masks = (erased != plain).any(1)
     assert all(torch.equal(masks[0] | m, masks[0] | masks[1]) for m in masks)  # one box
     with pytest.raises(ValueError, match="transforms_mode"):
@@ -212,9 +219,35 @@ def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch):
 
     monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
     j = tmp_path / "b.json"
-    rc = main(["bench", "--data", str(folder), "--device", "cpu", "--workers", "0", "--backends", "pillow",
-               "--pipelines", "train", "--seconds", "0.2", "--repeats", "1", "--batch-size", "8", "--image-size", "32",
-               "--aa", RA, "--reprob", "0.25", "--json", str(j)])
+    rc = main(
+        [
+            "bench",
+            "--data",
+            str(folder),
+            "--device",
+            "cpu",
+            "--workers",
+            "0",
+            "--backends",
+            "pillow",
+            "--pipelines",
+            "train",
+            "--seconds",
+            "0.2",
+            "--repeats",
+            "1",
+            "--batch-size",
+            "8",
+            "--image-size",
+            "32",
+            "--aa",
+            RA,
+            "--reprob",
+            "0.25",
+            "--json",
+            str(j),
+        ]
+    )
     assert rc == 0
     got = {(r["backend"], r["pipeline"]) for r in json.loads(j.read_text())["results"]}
     assert {("pillow", "train"), ("pillow", "augment")} <= got

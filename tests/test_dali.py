@@ -10,7 +10,7 @@ from PIL import Image
 
 import gpupipe
 
-from .conftest import cpu_and_cuda, photo
+from .common_utils import cpu_and_cuda, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -67,8 +67,9 @@ def test_dali_resumes_mid_epoch_with_identical_pixels(photos, device):
 
 def test_one_pipeline_per_loader_across_epochs(photos):
     for train in (True, False):
-        loader = gpupipe.build_loader(photos, "dali", batch_size=8, train=train, image_size=32, num_workers=1,
-                                      device="cpu")
+        loader = gpupipe.build_loader(
+            photos, "dali", batch_size=8, train=train, image_size=32, num_workers=1, device="cpu"
+        )
         for epoch in range(3):
             loader.set_epoch(epoch)
             assert sum(len(y) for _, y in loader) == (16 if train else 20)
@@ -86,9 +87,37 @@ def test_only_the_failing_file_leaves_dali(tmp_path):
     photo(rng, 80, 100).save(buf, "JPEG", quality=90)
     corrupt = buf.getvalue()[:300] + bytes(range(256)) * 4 + b"\xff\xd9"  # broken entropy data, then an end marker
     (tmp_path / "a" / "3.jpg").write_bytes(corrupt)
-    loader = gpupipe.build_loader(tmp_path, "dali", batch_size=4, train=False, image_size=32, num_workers=1,
-                                  device="cpu", on_error="skip")
+    loader = gpupipe.build_loader(
+        tmp_path, "dali", batch_size=4, train=False, image_size=32, num_workers=1, device="cpu", on_error="skip"
+    )
     assert sum(len(y) for _, y in loader) == 7
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["3.jpg"]
     assert loader.fallbacks == 0  # nothing was left to Pillow but the verdict
     assert loader.pipelines_built == 2  # DALI's failure invalidated the first pipeline
+
+
+@pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
+def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
+    """A DALI pipeline left in a garbage cycle used to be freed inside the next forked DataLoader worker, where its
+    shutdown waited for threads that only exist in the parent: the worker hung before its first batch."""
+    import gc
+
+    from gpupipe.backends.dali import build_pipeline
+    from gpupipe.recipe import Recipe
+
+    files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:2]
+    pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
+    pipe.feed_input("enc", [np.fromfile(f, dtype=np.uint8) for f in files])
+    pipe.feed_input("meta", [np.array(Recipe(32).eval_offsets(h, w)) for h, w in [(120, 180), (200, 150)]])
+    pipe.run()
+    pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
+    gc.disable()
+    try:
+        del pipe
+        loader = torch.utils.data.DataLoader(
+            range(4), batch_size=2, num_workers=1, timeout=60, worker_init_fn=lambda _: gc.collect()
+        )
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    finally:
+        gc.enable()
+        gc.collect()

@@ -9,7 +9,7 @@ from gpupipe.data.device import DeviceStage, normalise
 from gpupipe.data.loader import Batch
 from gpupipe.recipe import Recipe
 
-from .conftest import cpu_and_cuda
+from .common_utils import cpu_and_cuda
 
 
 def _stage(device, recipe):
@@ -22,11 +22,11 @@ def test_keys_select_the_per_sample_augmentation(device):
     stage = _stage(device, recipe)
     x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
     keys = torch.tensor([(1, i) for i in range(6)])
-    (done, _), = list(stage.iterate([Batch(x, torch.arange(6), "NCHW", keys=keys)]))
+    ((done, _),) = list(stage.iterate([Batch(x, torch.arange(6), "NCHW", keys=keys)]))
     policy = Policy(recipe)
     expected = policy.apply(x, [policy.draw(7, 1, i) for i in range(6)]).to(device)
     assert torch.allclose(done, normalise(expected, stage.mean, stage.inv_std), atol=1e-5 if device == "cpu" else 0.1)
-    (plain, _), = list(stage.iterate([Batch(x, torch.arange(6), "NCHW")]))  # no keys: already augmented
+    ((plain, _),) = list(stage.iterate([Batch(x, torch.arange(6), "NCHW")]))  # no keys: already augmented
     assert torch.allclose(plain, normalise(x.to(device), stage.mean, stage.inv_std))
 
 
@@ -51,8 +51,9 @@ def test_batches_made_on_the_gpu_are_read_after_they_are_written():
 @pytest.mark.parametrize("backend", ["nvjpeg", "synthetic", "pillow"])
 def test_one_cuda_device_object_and_the_policy_on_the_gpu(folder, backend):
     recipe = Recipe(auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
-    loader = gpupipe.build_loader(folder, backend, batch_size=8, image_size=48, num_workers=1, device="cuda",
-                                  recipe=recipe)
+    loader = gpupipe.build_loader(
+        folder, backend, batch_size=8, image_size=48, num_workers=1, device="cuda", recipe=recipe
+    )
     assert loader.device == torch.device("cuda", torch.cuda.current_device())
     for x, _ in loader:
         assert x.device == loader.device and x.shape[1:] == (3, 48, 48) and torch.isfinite(x).all()

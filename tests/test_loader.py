@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from PIL import Image
 from torchvision.datasets import ImageFolder
 
 import gpupipe
 
-from .conftest import CPU_LOADER_BACKENDS, cpu_and_cuda
+from .common_utils import CPU_LOADER_BACKENDS, GPU_DECODERS, cpu_and_cuda, float_tiff, make_folder
 
 ALL = [*CPU_LOADER_BACKENDS, "synthetic"]
 
@@ -14,8 +15,9 @@ ALL = [*CPU_LOADER_BACKENDS, "synthetic"]
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("backend", ALL)
 def test_eval_contract(folder, backend, device):
-    loader = gpupipe.build_loader(folder, backend, batch_size=5, train=False, image_size=32, num_workers=1,
-                                  device=device)
+    loader = gpupipe.build_loader(
+        folder, backend, batch_size=5, train=False, image_size=32, num_workers=1, device=device
+    )
     assert loader.dataset.samples == ImageFolder(str(folder)).samples
     batches = list(loader)
     assert len(batches) == len(loader) == 5  # 24 samples, last batch partial
@@ -30,16 +32,26 @@ def test_eval_contract(folder, backend, device):
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("backend", ALL)
 def test_uint8_batches(folder, backend, device):
-    loader = gpupipe.build_loader(folder, backend, batch_size=8, train=True, image_size=40, num_workers=0,
-                                  normalize=False, device=device)
+    loader = gpupipe.build_loader(
+        folder, backend, batch_size=8, train=True, image_size=40, num_workers=0, normalize=False, device=device
+    )
     x, y = next(iter(loader))
     assert x.shape == (8, 3, 40, 40) and x.dtype == torch.uint8 and y.shape == (8,)
 
 
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_train_epoch_holds_every_sample_once_in_a_new_order(unique_folder, backend):
-    loader = gpupipe.build_loader(unique_folder, backend, batch_size=4, train=True, image_size=24, num_workers=1,
-                                  drop_last=False, device="cpu", seed=3)
+    loader = gpupipe.build_loader(
+        unique_folder,
+        backend,
+        batch_size=4,
+        train=True,
+        image_size=24,
+        num_workers=1,
+        drop_last=False,
+        device="cpu",
+        seed=3,
+    )
     orders = []
     for epoch in range(3):
         loader.set_epoch(epoch)
@@ -55,8 +67,18 @@ def test_train_epoch_holds_every_sample_once_in_a_new_order(unique_folder, backe
 def test_two_shards_take_equal_steps_and_cover_the_data(unique_folder, backend):
     seen, steps = [], []
     for rank in range(2):
-        loader = gpupipe.build_loader(unique_folder, backend, batch_size=3, train=True, image_size=24, num_workers=0,
-                                      rank=rank, world_size=2, drop_last=False, device="cpu")
+        loader = gpupipe.build_loader(
+            unique_folder,
+            backend,
+            batch_size=3,
+            train=True,
+            image_size=24,
+            num_workers=0,
+            rank=rank,
+            world_size=2,
+            drop_last=False,
+            device="cpu",
+        )
         labels = [y for _, y in loader]
         steps.append(len(labels))
         seen.append(set(torch.cat(labels).tolist()))
@@ -68,8 +90,9 @@ def test_two_shards_take_equal_steps_and_cover_the_data(unique_folder, backend):
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_eval_pixels_agree_with_pillow(folder, backend):
     def pixels(b):
-        loader = gpupipe.build_loader(folder, b, batch_size=8, train=False, image_size=64, num_workers=0,
-                                      normalize=False, device="cpu")
+        loader = gpupipe.build_loader(
+            folder, b, batch_size=8, train=False, image_size=64, num_workers=0, normalize=False, device="cpu"
+        )
         return torch.cat([x for x, _ in loader]).float()
 
     assert (pixels(backend) - pixels("pillow")).abs().mean() <= 1.0
@@ -80,16 +103,27 @@ def test_eval_pixels_agree_with_torchvision(folder):
 
     tv = ImageFolder(str(folder), T.Compose([T.Resize(73), T.CenterCrop(64), T.PILToTensor()]))
     ref = torch.stack([tv[i][0] for i in range(len(tv))]).float()
-    loader = gpupipe.build_loader(folder, "pillow", batch_size=8, train=False, image_size=64, num_workers=0,
-                                  normalize=False, device="cpu")
+    loader = gpupipe.build_loader(
+        folder, "pillow", batch_size=8, train=False, image_size=64, num_workers=0, normalize=False, device="cpu"
+    )
     assert (torch.cat([x for x, _ in loader]).float() - ref).abs().mean() <= 1.0
 
 
 def test_normalisation_and_transforms(folder, monkeypatch):
-    raw = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0,
-                               normalize=False, device="cpu")
-    norm = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0,
-                                device="cpu", transforms=[lambda x: x.flip(-1)], channels_last=True)
+    raw = gpupipe.build_loader(
+        folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=0, normalize=False, device="cpu"
+    )
+    norm = gpupipe.build_loader(
+        folder,
+        "pillow",
+        batch_size=4,
+        train=False,
+        image_size=32,
+        num_workers=0,
+        device="cpu",
+        transforms=[lambda x: x.flip(-1)],
+        channels_last=True,
+    )
     x8, _ = next(iter(raw))
     xf, _ = next(iter(norm))
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
@@ -98,8 +132,17 @@ def test_normalisation_and_transforms(folder, monkeypatch):
     assert xf.is_contiguous(memory_format=torch.channels_last)
     # on a CPU whose cores the workers all take, the workers normalise (in parallel): the same numbers
     monkeypatch.setattr(gpupipe.data.loader, "usable_cores", lambda: 2)
-    par = gpupipe.build_loader(folder, "pillow", batch_size=4, train=False, image_size=32, num_workers=2,
-                               device="cpu", transforms=[lambda x: x.flip(-1)], channels_last=True)
+    par = gpupipe.build_loader(
+        folder,
+        "pillow",
+        batch_size=4,
+        train=False,
+        image_size=32,
+        num_workers=2,
+        device="cpu",
+        transforms=[lambda x: x.flip(-1)],
+        channels_last=True,
+    )
     xp, _ = next(iter(par))
     torch.testing.assert_close(xp, xf, rtol=0, atol=0)
     assert xp.dtype == torch.float32 and xp.is_contiguous(memory_format=torch.channels_last)
@@ -191,17 +234,17 @@ def test_missing_dependency_says_how_to_install(folder):
 
 
 def test_auto_picks_a_usable_backend(folder):
-    loader = gpupipe.build_loader(folder, "auto", batch_size=4, train=False, image_size=24, num_workers=0,
-                                  device="cpu")
+    loader = gpupipe.build_loader(folder, "auto", batch_size=4, train=False, image_size=24, num_workers=0, device="cpu")
     assert loader.backend in gpupipe.available_backends()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+@pytest.mark.parametrize("backend", GPU_DECODERS)
 def test_gpu_backends_contract_and_parity(folder, backend):
     def run(b, device):
-        loader = gpupipe.build_loader(folder, b, batch_size=8, train=False, image_size=64, num_workers=1,
-                                      normalize=False, device=device)
+        loader = gpupipe.build_loader(
+            folder, b, batch_size=8, train=False, image_size=64, num_workers=1, normalize=False, device=device
+        )
         batches = list(loader)
         return torch.cat([x.cpu() for x, _ in batches]).float(), torch.cat([y.cpu() for _, y in batches])
 
@@ -209,7 +252,65 @@ def test_gpu_backends_contract_and_parity(folder, backend):
     ref_x, ref_y = run("pillow", "cpu")
     assert torch.equal(y, ref_y)
     assert (x - ref_x).abs().mean() <= 1.0
-    train = gpupipe.build_loader(folder, backend, batch_size=8, train=True, image_size=64, num_workers=1,
-                                 device="cuda")
+    train = gpupipe.build_loader(folder, backend, batch_size=8, train=True, image_size=64, num_workers=1, device="cuda")
     images, labels = next(iter(train))
     assert images.is_cuda and images.shape == (8, 3, 64, 64) and labels.dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loaders_and_check_flag_float_images(tmp_path, backend):
+    from gpupipe.cli import main
+
+    root = make_folder(tmp_path / "data", 2, 3)
+    float_tiff(root / "c01" / "zz_float.tif")
+    loader = gpupipe.build_loader(
+        root, backend, batch_size=2, train=False, image_size=16, num_workers=0, device="cpu", on_error="skip"
+    )
+    list(loader)
+    assert [(p.rsplit("/", 1)[-1], "mode F" in r) for p, r in loader.skipped] == [("zz_float.tif", True)]
+    if backend == "pillow":
+        assert main(["check", str(root), "--workers", "1"]) == 1
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_raises_in_the_main_process(dirty_folder, backend):
+    loader = gpupipe.build_loader(
+        dirty_folder, backend, batch_size=4, train=False, image_size=32, num_workers=1, device="cpu"
+    )
+    with pytest.raises(gpupipe.DecodeError, match=r"zz_truncated\.jpg|zz_empty\.jpg"):
+        list(loader)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_skips_refills_and_reports(dirty_folder, backend):
+    loader = gpupipe.build_loader(
+        dirty_folder,
+        backend,
+        batch_size=4,
+        train=True,
+        image_size=32,
+        num_workers=1,
+        device="cpu",
+        on_error="skip",
+        drop_last=False,
+    )
+    batches = list(loader)
+    assert len(batches) == len(loader)
+    assert [len(y) for _, y in batches] == [len(b) for b in loader.sampler.batches(0)]  # full batches, equal steps
+    assert sorted(p.rsplit("/", 1)[-1] for p, _ in loader.skipped) == ["zz_empty.jpg", "zz_truncated.jpg"]
+    assert all(reason for _, reason in loader.skipped)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loader_pixel_limit_from_the_header(tmp_path, backend):
+    """A picture over the limit is refused from its header by every loader (DALI included: it has no limit of its
+    own), raised in the main process or skipped and reported."""
+    root = make_folder(tmp_path / "data", 2, 4)
+    Image.new("RGB", (1200, 1000)).save(root / "c01" / "zz_big.jpg")
+    kw = dict(batch_size=4, image_size=32, num_workers=1, device="cpu", max_pixels=1_000_000)
+    with pytest.raises(gpupipe.DecodeError, match=r"zz_big\.jpg.*1200x1000 = 1200000 pixels exceeds the limit"):
+        list(gpupipe.build_loader(root, backend, train=False, **kw))
+    loader = gpupipe.build_loader(root, backend, train=True, on_error="skip", drop_last=False, **kw)
+    batches = list(loader)
+    assert [len(y) for _, y in batches] == [4, 4, 1]
+    assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]

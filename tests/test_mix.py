@@ -13,8 +13,15 @@ timm_mixup = pytest.importorskip("timm.data.mixup")
 @pytest.mark.parametrize("mode", ["batch", "elem"])
 @pytest.mark.parametrize("alphas", [(0.2, 0.0), (0.0, 1.0), (0.8, 1.0)])
 def test_matches_timm_mixup(mode, alphas):
-    kw = dict(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], prob=0.9, switch_prob=0.5, mode=mode,
-              label_smoothing=0.1, num_classes=7)
+    kw = dict(
+        mixup_alpha=alphas[0],
+        cutmix_alpha=alphas[1],
+        prob=0.9,
+        switch_prob=0.5,
+        mode=mode,
+        label_smoothing=0.1,
+        num_classes=7,
+    )
     ours = gpupipe.Mix(**kw, seed=0)
     theirs = timm_mixup.Mixup(**kw)
     np.random.seed(0)  # timm draws from numpy's global stream; ours from its own RandomState(0): the same numbers

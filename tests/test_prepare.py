@@ -21,10 +21,12 @@ from gpupipe.cli import main
 from gpupipe.data.scan import scan
 from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
 
-from .conftest import make_folder, photo
+from .common_utils import make_folder, photo
 
-LOADERS = [pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
-           for b in ("pillow", "turbojpeg", "dali")]
+LOADERS = [
+    pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
+    for b in ("pillow", "turbojpeg", "dali")
+]
 SMALL = PrepareOptions(shard_size=parse_size("16KB"))  # a few samples per shard
 
 
@@ -70,7 +72,7 @@ def test_metadata_and_shards_hold_the_webdataset_layout(folder, prepared):
     assert all(p.stat().st_size <= 16 * 1024 for p in prepared.glob("*.tar"))
 
 
-def _jpeg(img, **kw) -> bytes:
+def jpeg_bytes(img, **kw) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "JPEG", **kw)
     return buf.getvalue()
@@ -85,21 +87,25 @@ def _png(img) -> bytes:
 def _rotated(img) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = 6
-    return _jpeg(img, quality=95, exif=exif)
+    return jpeg_bytes(img, quality=95, exif=exif)
 
 
 BASE = photo(np.random.default_rng(3), 60, 90)
 CASES = {  # name: (bytes, options, expected change, upright (h, w) of the result)
-    "baseline": (_jpeg(BASE, quality=90), PrepareOptions(), (), (60, 90)),
-    "progressive": (_jpeg(BASE, progressive=True), PrepareOptions(), ("progressive",), (60, 90)),
-    "cmyk": (_jpeg(BASE.convert("CMYK")), PrepareOptions(), ("CMYK JPEG",), (60, 90)),
+    "baseline": (jpeg_bytes(BASE, quality=90), PrepareOptions(), (), (60, 90)),
+    "progressive": (jpeg_bytes(BASE, progressive=True), PrepareOptions(), ("progressive",), (60, 90)),
+    "cmyk": (jpeg_bytes(BASE.convert("CMYK")), PrepareOptions(), ("CMYK JPEG",), (60, 90)),
     "png": (_png(BASE), PrepareOptions(), ("PNG (not JPEG)",), (60, 90)),
     "rotated": (_rotated(BASE), PrepareOptions(), ("EXIF orientation",), (90, 60)),
-    "444_keep": (_jpeg(BASE, subsampling=0), PrepareOptions(), (), (60, 90)),
-    "444_to_420": (_jpeg(BASE, subsampling=0), PrepareOptions(subsampling="420"), ("4:4:4",), (60, 90)),
-    "large": (_jpeg(BASE), PrepareOptions(max_side=45), ("larger than max-side",), (30, 45)),
-    "large_rotated": (_rotated(BASE), PrepareOptions(max_side=45), ("EXIF orientation", "larger than max-side"),
-                      (45, 30)),
+    "444_keep": (jpeg_bytes(BASE, subsampling=0), PrepareOptions(), (), (60, 90)),
+    "444_to_420": (jpeg_bytes(BASE, subsampling=0), PrepareOptions(subsampling="420"), ("4:4:4",), (60, 90)),
+    "large": (jpeg_bytes(BASE), PrepareOptions(max_side=45), ("larger than max-side",), (30, 45)),
+    "large_rotated": (
+        _rotated(BASE),
+        PrepareOptions(max_side=45),
+        ("EXIF orientation", "larger than max-side"),
+        (45, 30),
+    ),
 }
 
 

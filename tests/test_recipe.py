@@ -1,15 +1,13 @@
-import io
+"""gpupipe/recipe.py: the train boxes follow RandomResizedCrop, the eval geometry Resize + CenterCrop, DCT scales."""
+
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
 from torchvision.transforms import v2
 
 from gpupipe.recipe import Box, Recipe, dct_scale
-
-from .conftest import DECODERS, photo
 
 
 def test_train_box_statistics_match_random_resized_crop():
@@ -50,22 +48,3 @@ def test_dct_scale_keeps_output_resolution():
 def test_bad_recipe_values():
     with pytest.raises(ValueError, match="scale"):
         Recipe(scale=(0.5, 0.1))
-
-
-@pytest.mark.parametrize("backend", DECODERS)
-def test_reduced_decode_keeps_what_the_crop_needs(backend):
-    """The DCT-reduced decode is as small as the crop allows (1/4 here) yet still at least the output size, and the
-    train crop it gives matches the full-resolution decode's within resampling noise."""
-    from gpupipe.backends import cpu_decoder
-
-    buf = io.BytesIO()
-    photo(np.random.default_rng(3), 1200, 1600).save(buf, "JPEG", quality=90)
-    data = buf.getvalue()
-    box = Box(100, 200, 960, 1000, flip=True)
-    img, got_box, hw, fell_back = cpu_decoder(backend).decode_for_crop(data, "x.jpg", lambda h, w: box, 224)
-    assert got_box == box and hw == (1200, 1600) and not fell_back
-    assert np.asarray(img).shape[:2] == (300, 400)  # 1/4: the crop stays 240x250 >= 224
-    reduced, _ = cpu_decoder(backend).crop(data, "x.jpg", lambda h, w: box, 224)
-    full, _ = cpu_decoder(backend, reduced_decode=False).crop(data, "x.jpg", lambda h, w: box, 224)
-    assert reduced.shape == full.shape == (3, 224, 224)
-    assert np.abs(reduced.astype(np.float32) - full).mean() <= 2.0

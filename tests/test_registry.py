@@ -23,8 +23,10 @@ def toy():
 def test_a_backend_added_in_one_place_works_everywhere(folder, toy, tmp_path):
     assert toy in gpupipe.available_backends() and toy in backends.cpu_decoders()
     kw = dict(batch_size=4, train=False, image_size=32, num_workers=0, device="cpu", normalize=False)
-    (x, y), (rx, ry) = next(iter(gpupipe.build_loader(folder, toy, **kw))), next(iter(
-        gpupipe.build_loader(folder, "pillow", **kw)))
+    (x, y), (rx, ry) = (
+        next(iter(gpupipe.build_loader(folder, toy, **kw))),
+        next(iter(gpupipe.build_loader(folder, "pillow", **kw))),
+    )
     assert torch.equal(x, rx) and torch.equal(y, ry)
     path = next(folder.rglob("*.jpg"))
     assert torch.equal(gpupipe.read_image(path, toy), gpupipe.read_image(path, "pillow"))
@@ -32,8 +34,30 @@ def test_a_backend_added_in_one_place_works_everywhere(folder, toy, tmp_path):
     from gpupipe.cli import main
 
     out = tmp_path / "bench.json"
-    assert main(["bench", "--data", str(folder), "--backends", toy, "--pipelines", "decode", "--device", "cpu",
-                 "--workers", "0", "--seconds", "0.3", "--repeats", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--data",
+                str(folder),
+                "--backends",
+                toy,
+                "--pipelines",
+                "decode",
+                "--device",
+                "cpu",
+                "--workers",
+                "0",
+                "--seconds",
+                "0.3",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert '"backend": "toy"' in out.read_text()
 
 

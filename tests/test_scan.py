@@ -3,7 +3,7 @@ from torchvision.datasets import ImageFolder
 
 from gpupipe.data.scan import scan
 
-from .conftest import photo
+from .common_utils import photo
 
 
 def test_samples_equal_torchvision_imagefolder(tmp_path):

@@ -17,7 +17,11 @@ from gpupipe.data.scan import scan
 from gpupipe.errors import DecodeError, GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
 
-from .conftest import CPU_LOADER_BACKENDS, photo
+from .common_utils import (
+    CPU_LOADER_BACKENDS,
+    GPU_DECODERS,
+    photo,
+)
 
 wds = pytest.importorskip("webdataset")
 BACKENDS = CPU_LOADER_BACKENDS
@@ -53,8 +57,9 @@ def test_webdataset_shards_load_with_their_labels(wds_shards):
         assert data.read(12) == tf.extractfile("s0012.png").read()
     as_list = scan([wds_shards / "part-01.tar", wds_shards / "part-00.tar"])  # a list keeps its order
     assert as_list.targets == [i % 5 for i in (*range(6, 10), *range(6))]
-    loader = gpupipe.build_loader(str(wds_shards / "part-*.tar"), "pillow", batch_size=4, train=False,
-                                  image_size=24, num_workers=2, device="cpu")
+    loader = gpupipe.build_loader(
+        str(wds_shards / "part-*.tar"), "pillow", batch_size=4, train=False, image_size=24, num_workers=2, device="cpu"
+    )
     assert torch.cat([y for _, y in loader]).tolist() == data.targets
 
 
@@ -85,7 +90,8 @@ def test_an_unwritable_shard_folder_caches_the_index_in_the_user_cache(wds_shard
     monkeypatch.setattr(os, "access", lambda p, mode: False)  # root writes anywhere: pretend it cannot
     shards.shard_index(str(wds_shards / "part-01.tar"))
     assert [p.name[17:] for p in (tmp_path / "cache" / "gpupipe" / "shard-index").iterdir()] == [
-        "part-01.tar.gpupipe-index.npz"]
+        "part-01.tar.gpupipe-index.npz"
+    ]
 
 
 def _tar(path, members: dict[str, bytes]):
@@ -97,13 +103,19 @@ def _tar(path, members: dict[str, bytes]):
     return path
 
 
-@pytest.mark.parametrize(("members", "message"), [
-    ({"a.jpg": b"x", "b.jpg": b"x", "b.cls": b"1"}, r"key 'a' has no label"),
-    ({"a.jpg": b"x", "a.png": b"x", "a.cls": b"1"}, r"key 'a' has two images \(a.jpg and a.png\): mixed extensions"),
-    ({"a.jpg": b"x", "a.json": json.dumps({"caption": "x"}).encode()}, r"a.json: no label field"),
-    ({"a.jpg": b"x", "a.cls": b"dog"}, r"a.cls: a .cls member must hold an integer"),
-    ({"a.txt": b"x"}, r"no samples"),
-])
+@pytest.mark.parametrize(
+    ("members", "message"),
+    [
+        ({"a.jpg": b"x", "b.jpg": b"x", "b.cls": b"1"}, r"key 'a' has no label"),
+        (
+            {"a.jpg": b"x", "a.png": b"x", "a.cls": b"1"},
+            r"key 'a' has two images \(a.jpg and a.png\): mixed extensions",
+        ),
+        ({"a.jpg": b"x", "a.json": json.dumps({"caption": "x"}).encode()}, r"a.json: no label field"),
+        ({"a.jpg": b"x", "a.cls": b"dog"}, r"a.cls: a .cls member must hold an integer"),
+        ({"a.txt": b"x"}, r"no samples"),
+    ],
+)
 def test_unusable_shards_are_named_with_their_key(tmp_path, members, message):
     path = _tar(tmp_path / "bad.tar", members)
     with pytest.raises(GpupipeError, match=message) as e:
@@ -128,10 +140,13 @@ def unique_prepared(unique_folder, tmp_path_factory):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_epochs_follow_the_folders_order_on_shards(unique_folder, unique_prepared, backend):
-    kw = dict(batch_size=4, train=True, image_size=24, num_workers=2, drop_last=False, device="cpu", seed=3,
-              normalize=False)
-    on_shards, on_files = gpupipe.build_loader(unique_prepared, backend, **kw), gpupipe.build_loader(
-        unique_folder, backend, **kw)
+    kw = dict(
+        batch_size=4, train=True, image_size=24, num_workers=2, drop_last=False, device="cpu", seed=3, normalize=False
+    )
+    on_shards, on_files = (
+        gpupipe.build_loader(unique_prepared, backend, **kw),
+        gpupipe.build_loader(unique_folder, backend, **kw),
+    )
     orders = []
     for epoch in range(3):
         on_shards.set_epoch(epoch)
@@ -148,8 +163,18 @@ def test_epochs_follow_the_folders_order_on_shards(unique_folder, unique_prepare
 def test_ranks_take_equal_steps_and_cover_the_shards(unique_prepared, backend):
     seen, steps = [], []
     for rank in range(2):
-        loader = gpupipe.build_loader(unique_prepared, backend, batch_size=3, train=True, image_size=24,
-                                      num_workers=0, rank=rank, world_size=2, drop_last=False, device="cpu")
+        loader = gpupipe.build_loader(
+            unique_prepared,
+            backend,
+            batch_size=3,
+            train=True,
+            image_size=24,
+            num_workers=0,
+            rank=rank,
+            world_size=2,
+            drop_last=False,
+            device="cpu",
+        )
         labels = [y for _, y in loader]
         steps.append(len(labels))
         seen.append(set(torch.cat(labels).tolist()))
@@ -174,8 +199,7 @@ def test_a_truncated_shard_names_itself(unique_prepared, tmp_path):
     out = shutil.copytree(unique_prepared, tmp_path / "copy")
     last = sorted(out.glob("*.tar"))[-1]
     last.write_bytes(last.read_bytes()[:600])
-    loader = gpupipe.build_loader(out, "pillow", batch_size=13, train=False, image_size=24, num_workers=0,
-                                  device="cpu")
+    loader = gpupipe.build_loader(out, "pillow", batch_size=13, train=False, image_size=24, num_workers=0, device="cpu")
     with pytest.raises(DecodeError, match=f"{last.name}.*truncated"):
         list(loader)
 
@@ -205,13 +229,11 @@ def test_a_large_index_loads_without_opening_shards(unique_prepared, tmp_path):
     np.savez(out / "index.npz", **big)
     meta.update(samples=n, shards=meta["shards"][:1], classes=[str(i) for i in range(1000)])
     (out / "gpupipe.json").write_text(json.dumps(meta))
-    loader = gpupipe.build_loader(out, "pillow", batch_size=64, train=True, image_size=24, num_workers=0,
-                                  device="cpu")
+    loader = gpupipe.build_loader(out, "pillow", batch_size=64, train=True, image_size=24, num_workers=0, device="cpu")
     assert len(loader.dataset) == n and len(loader) == n // 64
     assert loader.dataset.sizes[n - 1] == (int(one["height"][0]), int(one["width"][0]))
     x, y = next(iter(loader))
     assert x.shape == (64, 3, 24, 24) and y.max() < 1000
-
 
 
 def test_shards_are_read_with_pread_where_mmap_is_refused(unique_prepared, monkeypatch):
@@ -227,11 +249,12 @@ def test_shards_are_read_with_pread_where_mmap_is_refused(unique_prepared, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+@pytest.mark.parametrize("backend", GPU_DECODERS)
 def test_gpu_backends_read_shards(unique_folder, unique_prepared, backend):
     def run(root, b, device):
-        loader = gpupipe.build_loader(root, b, batch_size=4, train=False, image_size=32, num_workers=1,
-                                      normalize=False, device=device)
+        loader = gpupipe.build_loader(
+            root, b, batch_size=4, train=False, image_size=32, num_workers=1, normalize=False, device=device
+        )
         batches = list(loader)
         return torch.cat([x.cpu() for x, _ in batches]).float(), torch.cat([y.cpu() for _, y in batches])
 

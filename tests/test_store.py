@@ -9,16 +9,23 @@ from gpupipe.bench import store
 
 
 def _report(date, *rows):
-    return {"date": date, "results": [{"backend": b, "pipeline": p, "device": "cpu", "images_per_s": v,
-                                       "spread": [v, v]} for b, p, v in rows]}
+    return {
+        "date": date,
+        "results": [
+            {"backend": b, "pipeline": p, "device": "cpu", "images_per_s": v, "spread": [v, v]} for b, p, v in rows
+        ],
+    }
 
 
 def test_partial_runs_merge_and_auto_says_what_it_chose(tmp_path, folder, monkeypatch, caplog):
     monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path))
     cpu = torch.device("cpu")
     fast = "turbojpeg" if "turbojpeg" in gpupipe.available_backends() else "pillow"
-    store.save_latest(_report("2026-01-01", ("pillow", "train", 100.0), (fast, "train", 300.0),
-                              ("pillow", "eval", 50.0)), str(folder), cpu)
+    store.save_latest(
+        _report("2026-01-01", ("pillow", "train", 100.0), (fast, "train", 300.0), ("pillow", "eval", 50.0)),
+        str(folder),
+        cpu,
+    )
     store.save_latest(_report("2026-02-02", ("pillow", "train", 120.0)), str(folder), cpu)  # --backends pillow
     store.save_latest(_report("2026-03-03"), str(folder), cpu)  # --backends synthetic --pipelines decode
     best = store.best_backend(str(folder), cpu, train=True)

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from gpupipe.train import checkpoint
-from gpupipe.train.config import TrainConfig, load_config
+from gpupipe.train.config import TrainConfig
 from gpupipe.train.loop import train
 
-from .conftest import make_folder
+from .common_utils import (
+    make_folder,
+)
 from .probe import Tiny
 
 
@@ -23,8 +25,19 @@ def data(tmp_path_factory):
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
-    base = dict(data=str(data), out=str(out), model="test_resnet", epochs=2, batch_size=8, image_size=32, workers=0,
-                device="cpu", lr=0.05, warmup_epochs=0.5, log_every=1)
+    base = dict(
+        data=str(data),
+        out=str(out),
+        model="test_resnet",
+        epochs=2,
+        batch_size=8,
+        image_size=32,
+        workers=0,
+        device="cpu",
+        lr=0.05,
+        warmup_epochs=0.5,
+        log_every=1,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -69,9 +82,31 @@ def test_outputs_and_refusing_to_overwrite(data, tmp_path):
 
 
 def _cli(data, out, *extra):
-    return [sys.executable, "-m", "gpupipe", "train", "--data", str(data), "--out", str(out), "--model", "test_resnet",
-            "--epochs", "2", "--batch-size", "4", "--image-size", "32", "--workers", "0", "--device", "cpu",
-            "--lr", "0.05", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gpupipe",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--model",
+        "test_resnet",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--image-size",
+        "32",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--lr",
+        "0.05",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("save_every", [0, 3])
@@ -90,18 +125,6 @@ def test_killed_run_resumes_to_the_straight_runs_weights(data, tmp_path, save_ev
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert checkpoint.load(ckpt)["loader"]["epoch"] == 2  # the run's own epoch count, not more
-
-
-def test_config_file_overrides_only_what_it_names(tmp_path):
-    f = tmp_path / "c.yaml"
-    f.write_text("epochs: 3\nprecision: bf16\n")
-    cfg = load_config(str(f), {"lr": 0.5, "model": None})
-    assert (cfg.epochs, cfg.precision, cfg.lr, cfg.model) == (3, "bf16", 0.5, TrainConfig.model)
-    f.write_text("epocs: 3\n")
-    with pytest.raises(Exception, match="epocs"):
-        load_config(str(f))
-    with pytest.raises(ValueError, match="precision"):
-        TrainConfig(precision="fp8")
 
 
 def _run(*args):
@@ -123,9 +146,12 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     assert r.returncode == 0 and "resumed" not in r.stderr
     r = _run(*_cli(data, out, "--resume", "--epochs", "1"))
     assert r.returncode == 0 and "already finished its 1 epochs" in r.stderr
-    for flags, said in ((("--batch-size", "8"), "batch_size 4 -> 8"), (("--model", "resnet10t"), "model"),
-                        (("--epochs", "2", "--allow-config-change", "--image-size", "40"), "image_size 32 -> 40"),
-                        (("--epochs", "2", "--lr", "0.1"), "epochs 1 -> 2; lr 0.05 -> 0.1")):
+    for flags, said in (
+        (("--batch-size", "8"), "batch_size 4 -> 8"),
+        (("--model", "resnet10t"), "model"),
+        (("--epochs", "2", "--allow-config-change", "--image-size", "40"), "image_size 32 -> 40"),
+        (("--epochs", "2", "--lr", "0.1"), "epochs 1 -> 2; lr 0.05 -> 0.1"),
+    ):
         err = _one_error_line(_run(*_cli(data, out, "--resume", *flags)).stderr)
         assert said in err and "last.pt" in err, err
     assert "--allow-config-change" in err
@@ -153,44 +179,6 @@ def test_a_broken_checkpoint_is_one_line_naming_it(data, tmp_path, content):
     ckpt.write_bytes(content)
     err = _one_error_line(_run(*_cli(data, out, "--resume")).stderr)
     assert f"{ckpt}: cannot resume from it" in err and "delete it" in err
-
-
-def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):
-    from gpupipe.cli import main
-
-    f = tmp_path / "run.yaml"
-    for text, said in (("lr: 0.1\nepocs: 3\n", "run.yaml:2: unknown key 'epocs'; did you mean 'epochs'?"),
-                       ("epochs: [3\n", "run.yaml:2: not valid YAML"),
-                       ("lr: 0.1\nepochs: ten\n", "run.yaml:2: epochs: Value 'ten'"),
-                       ("precision: fp8\n", "precision must be one of fp32, bf16, fp16")):
-        f.write_text(text)
-        assert main(["train", "--config", str(f), "--print-config"]) == 2
-        assert said in _one_error_line(capsys.readouterr().err)
-    assert main(["train", "--data", str(data), "--out", str(tmp_path / "m"), "--model", "resnt18"]) == 2
-    err = _one_error_line(capsys.readouterr().err)
-    assert "unknown --model 'resnt18'" in err and "resnet18" in err
-
-
-def test_help_explains_every_flag_and_booleans_turn_off(tmp_path, capsys):
-    from dataclasses import fields
-
-    from gpupipe.cli import main
-    from gpupipe.train.config import HELP
-
-    with pytest.raises(SystemExit):
-        main(["train", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert {f.name for f in fields(TrainConfig)} == HELP.keys()
-    for name in HELP:
-        assert f"--{name.replace('_', '-')}" in text
-    for choices in ("{fp32,bf16,fp16}", "{sgd,adamw}", "{raise,skip}", "{auto,pillow,"):
-        assert choices in text
-    assert "--no-channels-last" in text and "(default None: every usable core)" in text
-    f = tmp_path / "run.yaml"
-    f.write_text("channels_last: true\ncompile: true\n")
-    assert main(["train", "--config", str(f), "--no-channels-last", "--print-config"]) == 0
-    printed = capsys.readouterr().out
-    assert "channels_last: false" in printed and "compile: true" in printed
 
 
 def test_validation_uses_the_training_classes_and_logs_stay_whole(data, tmp_path):
@@ -221,24 +209,6 @@ def test_skipped_files_are_named(data, tmp_path):
     assert f"skipped {bad / 'c02' / 'broken.jpg'}: " in r.stderr
     rows = (out / "skipped.txt").read_text().splitlines()
     assert len(rows) == 1 and rows[0].startswith(f"0\t{bad / 'c02' / 'broken.jpg'}\t")
-
-
-def test_ddp_progress_labels_rank_zero_and_summary_all_ranks(tmp_path):
-    import io
-
-    from rich.console import Console
-
-    from gpupipe.train.logging import RunLogger
-
-    logger = RunLogger(tmp_path, enabled=True, total=4, world_size=2)
-    buf = io.StringIO()
-    logger.console = Console(file=buf, width=80, soft_wrap=True)
-    logger.start_epoch(0, 0)
-    logger.progress(4, {"images": 64, "time": 1.0, "wait": 0.1, "loss": 64.0}, 0.1, 4)
-    logger.end_epoch({"epoch": 0, "train_loss": 1.0, "images_per_s": 128.0, "data_wait": 0.1}, None)
-    logger.close()
-    text = buf.getvalue()
-    assert "64 img/s (rank 0)" in text and "all 2 ranks" in text
 
 
 def _torchrun(*args, timeout=300):
@@ -274,12 +244,39 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch(data, tmp_path):
 def test_torchrun_two_ranks(data, tmp_path):
     """``torchrun ... -m gpupipe train --device cpu``: disjoint shards, identical parameters, rank 0 alone logs."""
     out = tmp_path / "ddp"
-    _torchrun("cli", "--", "train", "--data", str(data), "--out", str(out), "--model", "test_resnet", "--epochs", "2",
-              "--batch-size", "4", "--image-size", "32", "--workers", "0", "--device", "cpu", "--accum", "2")
+    _torchrun(
+        "cli",
+        "--",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--model",
+        "test_resnet",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--image-size",
+        "32",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--accum",
+        "2",
+    )
     assert (out / "checkpoints" / "last.pt").exists()
     assert (out / "metrics.jsonl").read_text().count("\n") == 2  # one row per epoch: rank 0 alone wrote it
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "probe-rank0.pt",
-                                                     "probe-rank1.pt", "tb"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints",
+        "config.yaml",
+        "metrics.jsonl",
+        "probe-rank0.pt",
+        "probe-rank1.pt",
+        "tb",
+    ]
     ranks = [torch.load(out / f"probe-rank{r}.pt", weights_only=True) for r in (0, 1)]
     for epoch in (0, 1):
         shards = [{i for e, i in r["seen"] if e == epoch} for r in ranks]
@@ -323,10 +320,20 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
     args = _cli(data, tmp_path / "run", "--dist-timeout-s", "30")[3:]
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(_probe("rank-exits", "1", "2", "--", *args), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                _probe("rank-exits", "1", "2", "--", *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
     assert procs[1].wait(timeout=120) == 3
     t0 = time.monotonic()
     try:
@@ -335,3 +342,21 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
         procs[0].kill()
     assert code != 0
     assert time.monotonic() - t0 < 60
+
+
+def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):
+    from gpupipe.cli import main
+
+    f = tmp_path / "run.yaml"
+    for text, said in (
+        ("lr: 0.1\nepocs: 3\n", "run.yaml:2: unknown key 'epocs'; did you mean 'epochs'?"),
+        ("epochs: [3\n", "run.yaml:2: not valid YAML"),
+        ("lr: 0.1\nepochs: ten\n", "run.yaml:2: epochs: Value 'ten'"),
+        ("precision: fp8\n", "precision must be one of fp32, bf16, fp16"),
+    ):
+        f.write_text(text)
+        assert main(["train", "--config", str(f), "--print-config"]) == 2
+        assert said in _one_error_line(capsys.readouterr().err)
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "m"), "--model", "resnt18"]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert "unknown --model 'resnt18'" in err and "resnet18" in err

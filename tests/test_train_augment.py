@@ -8,7 +8,7 @@ import torch
 
 from gpupipe.train import checkpoint
 
-from .conftest import make_folder
+from .common_utils import make_folder
 
 pytest.importorskip("timm")
 
@@ -19,10 +19,46 @@ def data(tmp_path_factory):
 
 
 def _cli(data, out, *extra):
-    return [sys.executable, "-m", "gpupipe", "train", "--data", str(data), "--val", str(data), "--out", str(out),
-            "--model", "test_resnet", "--epochs", "1", "--batch-size", "8", "--image-size", "32", "--workers", "0",
-            "--device", "cpu", "--lr", "0.05", "--aa", "rand-m9-mstd0.5-inc1", "--mixup", "0.2", "--cutmix", "1.0",
-            "--reprob", "0.25", "--smoothing", "0.1", "--model-ema", "--model-ema-decay", "0.9", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "gpupipe",
+        "train",
+        "--data",
+        str(data),
+        "--val",
+        str(data),
+        "--out",
+        str(out),
+        "--model",
+        "test_resnet",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "32",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--lr",
+        "0.05",
+        "--aa",
+        "rand-m9-mstd0.5-inc1",
+        "--mixup",
+        "0.2",
+        "--cutmix",
+        "1.0",
+        "--reprob",
+        "0.25",
+        "--smoothing",
+        "0.1",
+        "--model-ema",
+        "--model-ema-decay",
+        "0.9",
+        *extra,
+    ]
 
 
 def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
@@ -31,16 +67,18 @@ def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
     state = checkpoint.load(out / "checkpoints" / "last.pt")
     assert state["config"]["aa"] == "rand-m9-mstd0.5-inc1" and state["config"]["label_smoothing"] == 0.1
     assert state["model_ema"].keys() == state["model"].keys()
-    differs = [k for k in state["model"] if state["model"][k].is_floating_point()
-               and not torch.equal(state["model"][k], state["model_ema"][k])]
+    differs = [
+        k
+        for k in state["model"]
+        if state["model"][k].is_floating_point() and not torch.equal(state["model"][k], state["model_ema"][k])
+    ]
     assert differs  # the EMA lags the model
     metrics = (out / "metrics.jsonl").read_text()
     assert '"ema_val_acc"' in metrics and '"val_acc"' in metrics
 
 
 def test_bad_policy_is_a_clear_error(data, tmp_path):
-    proc = subprocess.run(_cli(data, tmp_path / "bad", "--aa", "rand-q3"), capture_output=True,
-                          text=True)
+    proc = subprocess.run(_cli(data, tmp_path / "bad", "--aa", "rand-q3"), capture_output=True, text=True)
     assert proc.returncode == 2 and "unsupported RandAugment" in proc.stderr
 
 

@@ -15,7 +15,7 @@ from . import (
     synthetic,
     turbojpeg,
 )
-from .registry import BackendSpec, get, names, register, unregister
+from .registry import BackendSpec, Decoder, get, names, register, unregister
 
 BackendName = Literal["auto", "pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic"]
 
@@ -26,6 +26,7 @@ for _spec in (pillow.SPEC, pillow.SIMD_SPEC, turbojpeg.SPEC, dali.SPEC, nvjpeg.S
 __all__ = [
     "BackendName",
     "BackendSpec",
+    "Decoder",
     "available_backends",
     "check_name",
     "cpu_decoder",
@@ -71,7 +72,7 @@ def require_backend(name: str) -> BackendSpec:
     return spec
 
 
-def cpu_decoder(name: str, max_pixels: int | None = None, reduced_decode: bool = True):
+def cpu_decoder(name: str, max_pixels: int | None = None, reduced_decode: bool = True) -> Decoder:
     """The CPU decoder behind ``pillow``, ``pillow-simd``, ``turbojpeg`` (or a registered one)."""
     spec = require_backend(name)
     if spec.decoder is None:

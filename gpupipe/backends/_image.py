@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +31,15 @@ _ORIENT = {
     8: Image.Transpose.ROTATE_90,
 }
 _JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+class ForCrop(NamedTuple):
+    """What a decoder's ``decode_for_crop`` gives: everything before the resize."""
+
+    image: np.ndarray | Image.Image  # RGB, upright; a JPEG maybe decoded at a reduced DCT scale
+    box: Box  # the recipe's crop, in full-size upright pixels
+    upright_hw: tuple[int, int]  # the full-size upright (height, width)
+    fell_back: bool  # a slower decoder had to take the file
 
 
 def default_max_pixels() -> int:
@@ -98,8 +108,10 @@ def float_image_reason(mode: str) -> str | None:
     """The rule for floating-point images (TIFF mode ``F``), the same on every backend: refused, as their value range
     (0-1? 0-255? HDR?) says nothing about which 8-bit value a pixel is. Integer modes are scaled (see ``to_rgb``)."""
     if mode == "F":
-        return ("a floating-point image (mode F): its value range does not say which 8-bit colour a pixel is; "
-                "convert it to 8- or 16-bit integers first")
+        return (
+            "a floating-point image (mode F): its value range does not say which 8-bit colour a pixel is; "
+            "convert it to 8- or 16-bit integers first"
+        )
     return None
 
 
@@ -273,15 +285,14 @@ def crop_resize(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, 
     least ``size`` wide). A fractional box (the eval recipe's centre crop, in source pixels) means "resize the whole
     image by the box's scale, then cut": exactly torchvision's ``Resize`` + ``CenterCrop``.
     """
-    is_pil = isinstance(img, Image.Image)
-    h, w = (img.height, img.width) if is_pil else img.shape[:2]
+    h, w = (img.height, img.width) if isinstance(img, Image.Image) else img.shape[:2]
     sy, sx = h / upright_hw[0], w / upright_hw[1]
     whole = all(float(v).is_integer() for v in (box.top, box.left, box.height, box.width))
     if whole:
         bh, bw = min(h, max(1, round(box.height * sy))), min(w, max(1, round(box.width * sx)))
         top, left = min(h - bh, round(box.top * sy)), min(w - bw, round(box.left * sx))
         # a PIL image is cut before it becomes an array, so only the crop's pixels are copied out of Pillow
-        if is_pil:
+        if isinstance(img, Image.Image):
             region = np.asarray(img.crop((left, top, left + bw, top + bh)))
         else:
             region = img[top : top + bh, left : left + bw]

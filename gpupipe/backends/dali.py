@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,8 +62,16 @@ def _device_id(device: torch.device) -> int | None:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
-def build_pipeline(recipe, *, train: bool, batch_size: int, device: torch.device, num_threads: int,
-                   hw_decoder_load: float = 0.65, normalize: bool = False):
+def build_pipeline(
+    recipe,
+    *,
+    train: bool,
+    batch_size: int,
+    device: torch.device,
+    num_threads: int,
+    hw_decoder_load: float = 0.65,
+    normalize: bool = False,
+):
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
     train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
     ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop). Output (N, 3, S, S) uint8, or
@@ -74,26 +83,49 @@ def build_pipeline(recipe, *, train: bool, batch_size: int, device: torch.device
     decode_kw = {"device": "mixed", "hw_decoder_load": hw_decoder_load} if gpu else {"device": "cpu"}
     S = recipe.size
 
-    @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=_device_id(device),
-                  prefetch_queue_depth=1, exec_dynamic=True)
+    @pipeline_def(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=_device_id(device),
+        prefetch_queue_depth=1,
+        exec_dynamic=True,
+    )
     def pipe():
         enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
         meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
         if train:
-            images = fn.decoders.image_slice(enc, meta[0:2], meta[2:4], output_type=types.RGB, axis_names="HW",
-                                             normalized_anchor=False, normalized_shape=False, **decode_kw)
+            images = fn.decoders.image_slice(
+                enc,
+                meta[0:2],
+                meta[2:4],
+                output_type=types.RGB,
+                axis_names="HW",
+                normalized_anchor=False,
+                normalized_shape=False,
+                **decode_kw,
+            )
             images = fn.resize(images, resize_x=S, resize_y=S, antialias=True, interp_type=types.INTERP_LINEAR)
             mirror = fn.cast(meta[4], dtype=types.INT32)
         else:
             images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
-            images = fn.resize(images, resize_x=fn.cast(meta[1], dtype=types.FLOAT),
-                               resize_y=fn.cast(meta[0], dtype=types.FLOAT), antialias=True,
-                               interp_type=types.INTERP_LINEAR)
+            images = fn.resize(
+                images,
+                resize_x=fn.cast(meta[1], dtype=types.FLOAT),
+                resize_y=fn.cast(meta[0], dtype=types.FLOAT),
+                antialias=True,
+                interp_type=types.INTERP_LINEAR,
+            )
             images = fn.slice(images, meta[2:4], types.Constant([S, S], dtype=types.INT64), axis_names="HW")
             mirror = 0
         if normalize:
-            return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mirror=mirror,
-                                            mean=[m * 255 for m in recipe.mean], std=[s * 255 for s in recipe.std])
+            return fn.crop_mirror_normalize(
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                mirror=mirror,
+                mean=[m * 255 for m in recipe.mean],
+                std=[s * 255 for s in recipe.std],
+            )
         return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
 
     p = pipe()
@@ -141,7 +173,7 @@ class DaliLoader(Loader):
         self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
         self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
         self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
-        self._pipe = None
+        self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
         self._headers = None  # (upright sizes, {index: reason}, {indices for Pillow}): read once, up front
@@ -150,9 +182,15 @@ class DaliLoader(Loader):
 
     def _pipeline(self):
         if self._pipe is None:
-            self._pipe = build_pipeline(self.recipe, train=self.train, batch_size=self.batch_size,
-                                        device=self.stage.device, num_threads=self.num_threads,
-                                        hw_decoder_load=self.hw_decoder_load, normalize=self._normalize_in_dali)
+            self._pipe = build_pipeline(
+                self.recipe,
+                train=self.train,
+                batch_size=self.batch_size,
+                device=self.stage.device,
+                num_threads=self.num_threads,
+                hw_decoder_load=self.hw_decoder_load,
+                normalize=self._normalize_in_dali,
+            )
             self.pipelines_built += 1
             self._scheduled = 0
         return self._pipe
@@ -223,6 +261,7 @@ class DaliLoader(Loader):
                 self._decode_on_cpu(work, pos, data, plan)
                 continue
             height, width = int(sizes[i][0]), int(sizes[i][1])
+            meta: tuple[float, ...]
             if self.train:
                 box = plan(height, width)
                 meta = (box.top, box.left, box.height, box.width, int(box.flip))
@@ -264,8 +303,9 @@ class DaliLoader(Loader):
             except RuntimeError:
                 self._discard_pipeline()
         for pos, data in zip(work.dali, work.data, strict=True):  # only DALI refuses these: Pillow decodes them
-            self._decode_on_cpu(work, pos, data.tobytes(), self.recipe.plan(self.train, self.seed, epoch,
-                                                                             work.indices[pos]))
+            self._decode_on_cpu(
+                work, pos, data.tobytes(), self.recipe.plan(self.train, self.seed, epoch, work.indices[pos])
+            )
         work.dali, work.data, work.meta = [], [], []
         return None
 
@@ -320,8 +360,13 @@ def dali_decode_counts(dataset, cfg) -> Iterator[int]:
     gpu = cfg.device.type == "cuda"
     data = [np.frombuffer(dataset.read(i), dtype=np.uint8) for i in range(len(dataset))]
 
-    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=_device_id(cfg.device),
-                  prefetch_queue_depth=1, exec_dynamic=True)
+    @pipeline_def(
+        batch_size=cfg.batch_size,
+        num_threads=max(1, cfg.workers),
+        device_id=_device_id(cfg.device),
+        prefetch_queue_depth=1,
+        exec_dynamic=True,
+    )
     def pipe():
         enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
         return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
@@ -354,26 +399,39 @@ def dali_reference_counts(dataset, cfg, train: bool) -> Iterator[int]:
     S = cfg.image_size
     decode_device = "mixed" if gpu else "cpu"
 
-    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=_device_id(cfg.device),
-                  seed=0)
+    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=_device_id(cfg.device), seed=0)
     def pipe():
-        jpegs, labels = fn.readers.file(files=[p for p, _ in dataset.samples], labels=dataset.targets,
-                                        random_shuffle=train, name="Reader")
+        jpegs, labels = fn.readers.file(
+            files=[p for p, _ in dataset.samples], labels=dataset.targets, random_shuffle=train, name="Reader"
+        )
         if train:
-            images = fn.decoders.image_random_crop(jpegs, device=decode_device, output_type=types.RGB,
-                                                   random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+            images = fn.decoders.image_random_crop(
+                jpegs,
+                device=decode_device,
+                output_type=types.RGB,
+                random_area=[0.08, 1.0],
+                random_aspect_ratio=[3 / 4, 4 / 3],
+            )
             images = fn.resize(images, resize_x=S, resize_y=S)
             mirror = fn.random.coin_flip(probability=0.5)
         else:
             images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
             images = fn.resize(images, resize_shorter=round(S / 0.875))
             mirror = 0
-        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", crop=(S, S), mirror=mirror,
-                                          mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD])
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            crop=(S, S),
+            mirror=mirror,
+            mean=[m * 255 for m in IMAGENET_MEAN],
+            std=[s * 255 for s in IMAGENET_STD],
+        )
         return images, labels
 
-    it = DALIGenericIterator(pipe(), ["images", "labels"], reader_name="Reader",
-                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+    it = DALIGenericIterator(
+        pipe(), ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
+    )
     while True:
         for out in it:
             yield len(out[0]["labels"])
@@ -406,6 +464,11 @@ def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.devi
 
 
 SPEC = BackendSpec(
-    "dali", "NVIDIA DALI: decode (GPU 'mixed' with the hardware JPEG decoders, or CPU) + crop + resize in one pipeline",
-    ("cpu", "cuda"), _unavailable, DaliLoader, read=read_dali, decode_job=dali_decode_counts,
+    "dali",
+    "NVIDIA DALI: decode (GPU 'mixed' with the hardware JPEG decoders, or CPU) + crop + resize in one pipeline",
+    ("cpu", "cuda"),
+    _unavailable,
+    DaliLoader,
+    read=read_dali,
+    decode_job=dali_decode_counts,
 )

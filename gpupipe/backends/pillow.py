@@ -10,7 +10,7 @@ from PIL import Image
 
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
-from ._image import Header, crop_resize, default_max_pixels, probe, resize_box, to_rgb, upright
+from ._image import ForCrop, Header, crop_resize, default_max_pixels, probe, resize_box, to_rgb, upright
 from .registry import cpu_decoder_spec
 
 
@@ -37,10 +37,10 @@ class PillowDecoder:
         """Finish decoding a probed file: load the pixels, RGB, upright."""
         return upright(to_rgb(self._load(header.image, path)), header.orientation)
 
-    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int):
+    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> ForCrop:
         """Everything before the resize: ``plan(height, width)`` picks the crop from the upright size, and the JPEG
         is decoded at the largest DCT reduction that keeps that crop at least ``size`` (``gpupipe bench``'s
-        ``floor`` pipeline times this alone). Returns (RGB upright image, box, upright (height, width), fell_back)."""
+        ``floor`` pipeline times this alone)."""
         header = probe(data, path, self.name, self.max_pixels)
         box = plan(*header.upright_size)
         img = header.image
@@ -48,13 +48,14 @@ class PillowDecoder:
             denom = dct_scale(box, size)
             if denom > 1:  # libjpeg scales in the IDCT: 1/denom of the work, and no resolution the crop needs is lost
                 img.draft(None, (header.width // denom, header.height // denom))
-        return upright(to_rgb(self._load(img, path)), header.orientation), box, header.upright_size, False
+        return ForCrop(upright(to_rgb(self._load(img, path)), header.orientation), box, header.upright_size, False)
 
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
         """``plan(height, width)`` picks the crop from the upright size; returns ((3, size, size) uint8, fell_back)."""
         img, box, upright_hw, fell_back = self.decode_for_crop(data, path, plan, size)
-        resize = resize_box if self.pil_resize else crop_resize
-        return resize(img, box, upright_hw, size), fell_back
+        if self.pil_resize and isinstance(img, Image.Image):  # Pillow's decode_for_crop gives a PIL image
+            return resize_box(img, box, upright_hw, size), fell_back
+        return crop_resize(img, box, upright_hw, size), fell_back
 
     def _load(self, img: Image.Image, path: str) -> Image.Image:
         try:
@@ -76,10 +77,14 @@ def _simd_unavailable() -> str | None:
 
 
 SPEC = cpu_decoder_spec(
-    "pillow", "Pillow in DataLoader workers: DCT-reduced JPEG decode, torch's AVX2 resampler", PillowDecoder,
+    "pillow",
+    "Pillow in DataLoader workers: DCT-reduced JPEG decode, torch's AVX2 resampler",
+    PillowDecoder,
     lambda: None,
 )
 SIMD_SPEC = cpu_decoder_spec(
-    "pillow-simd", "pillow-simd in DataLoader workers: its SIMD resampler does crop + resize", PillowSimdDecoder,
+    "pillow-simd",
+    "pillow-simd in DataLoader workers: its SIMD resampler does crop + resize",
+    PillowSimdDecoder,
     _simd_unavailable,
 )

@@ -9,13 +9,37 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+    from PIL import Image
 
     from ..data.loader import Loader, LoaderParts
     from ..data.scan import ImageList
+    from ..recipe import Box
+    from ._image import ForCrop
+
+
+class Decoder(Protocol):
+    """A CPU decoder (``pillow``, ``pillow-simd``, ``turbojpeg``): one image at a time, in DataLoader workers, so it
+    must pickle. Every method raises :class:`~gpupipe.errors.DecodeError` naming the file for bad data."""
+
+    name: str  # the backend's name, for errors and counters
+
+    def decode(self, data: bytes, path: str) -> np.ndarray | Image.Image:
+        """The whole image: RGB, upright, as an (H, W, 3) uint8 array or a PIL image."""
+        ...
+
+    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> ForCrop:
+        """Everything before the resize: ``plan(height, width)`` picks the crop from the upright size, and the image
+        is decoded at the smallest scale that keeps that crop at least ``size``."""
+        ...
+
+    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
+        """The recipe's output: ((3, size, size) uint8, whether a slower decoder had to take the file)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +66,7 @@ class BackendSpec:
     unavailable: Callable[[], str | None]
     make_loader: Callable[[LoaderParts], Loader]
     read: Callable[[bytes, str, int | None, torch.device], torch.Tensor] | None = None
-    decoder: Callable[[int | None, bool], Any] | None = None
+    decoder: Callable[[int | None, bool], Decoder] | None = None
     decode_job: Callable[[ImageList, Any], Iterator[int]] | None = None
 
 
@@ -76,7 +100,7 @@ def get(name: str) -> BackendSpec:
 
 
 def cpu_decoder_spec(
-    name: str, summary: str, make_decoder: Callable[[int | None, bool], Any], unavailable: Callable[[], str | None]
+    name: str, summary: str, make_decoder: Callable[[int | None, bool], Decoder], unavailable: Callable[[], str | None]
 ) -> BackendSpec:
     """The spec of a backend that decodes one image at a time on the CPU (``decode``/``decode_for_crop``/``crop``):
     DataLoader workers run it, and batches go to any device."""

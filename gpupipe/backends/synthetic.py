@@ -31,6 +31,9 @@ class SyntheticLoader(Loader):
 
 
 SPEC = BackendSpec(
-    "synthetic", "random uint8 batches made on the device, no I/O: the compute ceiling", ("cpu", "cuda"),
-    lambda: None, SyntheticLoader,
+    "synthetic",
+    "random uint8 batches made on the device, no I/O: the compute ceiling",
+    ("cpu", "cuda"),
+    lambda: None,
+    SyntheticLoader,
 )

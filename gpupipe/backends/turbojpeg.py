@@ -17,6 +17,7 @@ from .._deps import require
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
 from ._image import (
+    ForCrop,
     crop_resize,
     default_max_pixels,
     is_jpeg,
@@ -98,18 +99,17 @@ class TurboJpegDecoder:
             return self._fallback.decode(data, path)
         return upright_array(self._decode_array(data, path, 1), header[2])
 
-    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int):
+    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> ForCrop:
         """As :meth:`PillowDecoder.decode_for_crop`; the image is an (H, W, 3) array here (a PIL image when Pillow
         took the file, and then ``fell_back`` is True)."""
         header = self._header(data, path)
         if header is None:
-            img, box, size_hw, _ = self._fallback.decode_for_crop(data, path, plan, size)
-            return img, box, size_hw, True
+            return self._fallback.decode_for_crop(data, path, plan, size)._replace(fell_back=True)
         height, width, orientation = header
         size_hw = upright_hw(height, width, orientation)
         box = plan(*size_hw)
         denom = dct_scale(box, size) if self.reduced_decode else 1
-        return upright_array(self._decode_array(data, path, denom), orientation), box, size_hw, False
+        return ForCrop(upright_array(self._decode_array(data, path, denom), orientation), box, size_hw, False)
 
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
         img, box, size_hw, fell_back = self.decode_for_crop(data, path, plan, size)
@@ -127,5 +127,6 @@ def _unavailable() -> str | None:
 SPEC = cpu_decoder_spec(
     "turbojpeg",
     "libjpeg-turbo (PyTurboJPEG) in DataLoader workers: header in C, DCT-scaled decode; Pillow for the rest",
-    TurboJpegDecoder, _unavailable,
+    TurboJpegDecoder,
+    _unavailable,
 )

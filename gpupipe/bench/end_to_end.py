@@ -7,16 +7,27 @@ with its data-wait fraction: the time the training step spent blocked on the nex
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..api import build_loader
+from .records import Config, Result
 
 
-def _train_rate(cfg, backend: str, model: nn.Module) -> tuple[float, float]:
-    loader = build_loader(cfg.data, backend, batch_size=cfg.batch_size, train=True, image_size=cfg.image_size,
-                          device=cfg.device, num_workers=cfg.workers, channels_last=True, drop_last=True)
+def _train_rate(cfg: Config, backend: str, model: nn.Module) -> tuple[float, float]:
+    loader = build_loader(
+        cfg.data,
+        backend,
+        batch_size=cfg.batch_size,
+        train=True,
+        image_size=cfg.image_size,
+        device=cfg.device,
+        num_workers=cfg.workers,
+        channels_last=True,
+        drop_last=True,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     dtype = torch.bfloat16 if cfg.device.type == "cuda" else torch.float32
@@ -54,25 +65,37 @@ def _train_rate(cfg, backend: str, model: nn.Module) -> tuple[float, float]:
     return images / elapsed, waited / elapsed
 
 
-def run_end_to_end(cfg, progress, megapixels: float) -> list:
+def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float) -> list[Result]:
     import timm
 
     from ..data.scan import scan
-    from .suite import Result
 
+    name = cfg.model
+    assert name is not None  # suite.run calls this only with a model
     num_classes = len(scan(cfg.data).classes)
     if cfg.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     backends = ["synthetic"] + [b for b in cfg.backends if b != "synthetic"]
     rows = []
     for b in backends:
-        progress(f"end-to-end {cfg.model} with {b}")
+        progress(f"end-to-end {name} with {b}")
         torch.manual_seed(0)
-        model = timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)
-        model.to(cfg.device, memory_format=torch.channels_last).train()
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+        model.to(cfg.device, memory_format=torch.channels_last).train()  # type: ignore[call-overload]  # (stubs)
         rate, wait = _train_rate(cfg, b, model)
-        rows.append(Result(b, f"train:{cfg.model}", cfg.device.type, cfg.workers, rate, (rate, rate), rate * megapixels,
-                           rate / max(cfg.workers, 1), extra={"data_wait": wait}))
+        rows.append(
+            Result(
+                b,
+                f"train:{name}",
+                cfg.device.type,
+                cfg.workers,
+                rate,
+                (rate, rate),
+                rate * megapixels,
+                rate / max(cfg.workers, 1),
+                extra={"data_wait": wait},
+            )
+        )
     synthetic = rows[0].images_per_s
     for r in rows:
         r.extra["vs_synthetic"] = r.images_per_s / synthetic

@@ -5,36 +5,63 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
+from typing import Literal
 
 from rich.console import Console
 from rich.table import Table
 
 
 def report(results: list, machine: dict, config: dict) -> dict:
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine, "config": config, "results": [r.as_dict() for r in results]}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "config": config,
+        "results": [r.as_dict() for r in results],
+    }
 
 
 def print_table(rep: dict, console: Console | None = None) -> None:
     console = console or Console()
     m = rep["machine"]
     cfg = rep["config"]
-    title = (f"gpupipe bench — {m['cpu']}, {cfg['workers']} worker(s), device {cfg['device']}, "
-             f"batch {cfg['batch_size']}, {m['cores_usable']} usable cores")
+    title = (
+        f"gpupipe bench — {m['cpu']}, {cfg['workers']} worker(s), device {cfg['device']}, "
+        f"batch {cfg['batch_size']}, {m['cores_usable']} usable cores"
+    )
     table = Table(title=title)
-    for col, justify in [("pipeline", "left"), ("backend", "left"), ("img/s", "right"), ("spread", "right"),
-                         ("MP/s", "right"), ("img/s/worker", "right"), ("vs baseline", "right"), ("vs floor", "right"),
-                         ("GPU util", "right"), ("vs synthetic", "right"), ("data-wait", "right")]:
+    columns: list[tuple[str, Literal["left", "right"]]] = [
+        ("pipeline", "left"),
+        ("backend", "left"),
+        ("img/s", "right"),
+        ("spread", "right"),
+        ("MP/s", "right"),
+        ("img/s/worker", "right"),
+        ("vs baseline", "right"),
+        ("vs floor", "right"),
+        ("GPU util", "right"),
+        ("vs synthetic", "right"),
+        ("data-wait", "right"),
+    ]
+    for col, justify in columns:
         table.add_column(col, justify=justify)
     for r in rep["results"]:
+
         def fmt(v, spec):
             return "" if v is None else format(v, spec)
 
-        table.add_row(r["pipeline"], r["backend"], fmt(r["images_per_s"], ",.0f"),
-                      f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}", fmt(r["megapixels_per_s"], ",.1f"),
-                      fmt(r["images_per_s_per_worker"], ",.0f"), fmt(r.get("vs_baseline"), ".2f") + ("x" if
-                      r.get("vs_baseline") is not None else ""), fmt(r.get("vs_floor"), ".0%"),
-                      fmt(r.get("gpu_util"), ".0f"), fmt(r.get("vs_synthetic"), ".2f"), fmt(r.get("data_wait"), ".0%"))
+        table.add_row(
+            r["pipeline"],
+            r["backend"],
+            fmt(r["images_per_s"], ",.0f"),
+            f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}",
+            fmt(r["megapixels_per_s"], ",.1f"),
+            fmt(r["images_per_s_per_worker"], ",.0f"),
+            fmt(r.get("vs_baseline"), ".2f") + ("x" if r.get("vs_baseline") is not None else ""),
+            fmt(r.get("vs_floor"), ".0%"),
+            fmt(r.get("gpu_util"), ".0f"),
+            fmt(r.get("vs_synthetic"), ".2f"),
+            fmt(r.get("data_wait"), ".0%"),
+        )
     console.print(table)
 
 
@@ -62,7 +89,7 @@ def plot(rep: dict, path: str | Path) -> None:
     width = 0.8 / max(len(backends), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(pipelines) * max(1, len(backends) / 3)), 4), dpi=120)
     for i, b in enumerate(backends):
-        xs, ys, err = [], [], [[], []]
+        xs, ys, err = [], [], [[], []]  # type: list[float], list[float], list[list[float]]
         for j, p in enumerate(pipelines):
             hit = [r for r in rows if r["backend"] == b and r["pipeline"] == p]
             if hit:
@@ -78,8 +105,11 @@ def plot(rep: dict, path: str | Path) -> None:
     m, cfg = rep["machine"], rep["config"]
     title = f"gpupipe bench: {cfg['workers']} worker(s), {cfg['device']}, {m['cpu'][:40]}"
     if ceiling:
-        title += "\nsynthetic (the compute ceiling, not drawn): " + ", ".join(
-            f"{r['pipeline']} {r['images_per_s']:,.0f}" for r in ceiling) + " img/s"
+        title += (
+            "\nsynthetic (the compute ceiling, not drawn): "
+            + ", ".join(f"{r['pipeline']} {r['images_per_s']:,.0f}" for r in ceiling)
+            + " img/s"
+        )
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, ncol=min(len(backends), 4))
     ax.margins(y=0.2)

@@ -55,8 +55,11 @@ def _load_rows(path: Path) -> dict[str, dict]:
     if "rows" in stored:
         return stored["rows"]
     # a version-1 file: one whole report
-    return {f"{r['backend']}|{r['pipeline']}": {**r, "date": stored.get("date")} for r in stored.get("results", [])
-            if "backend" in r and "pipeline" in r}
+    return {
+        f"{r['backend']}|{r['pipeline']}": {**r, "date": stored.get("date")}
+        for r in stored.get("results", [])
+        if "backend" in r and "pipeline" in r
+    }
 
 
 def best_backend(data_root: str, device: torch.device, train: bool) -> dict | None:
@@ -65,8 +68,14 @@ def best_backend(data_root: str, device: torch.device, train: bool) -> dict | No
 
     pipeline = "train" if train else "eval"
     usable = set(available_backends()) - {"synthetic"}
-    rows = [r for r in _load_rows(result_path(data_root, device)).values() if r.get("pipeline") == pipeline
-            and r.get("backend") in usable and r.get("device") == device.type and r.get("images_per_s")]
+    rows = [
+        r
+        for r in _load_rows(result_path(data_root, device)).values()
+        if r.get("pipeline") == pipeline
+        and r.get("backend") in usable
+        and r.get("device") == device.type
+        and r.get("images_per_s")
+    ]
     return max(rows, key=lambda r: r["images_per_s"]) if rows else None
 
 
@@ -78,10 +87,14 @@ def choose_auto(data_root: str, device: torch.device, train: bool) -> str:
     pipeline = "train" if train else "eval"
     if best is not None:
         name = best["backend"]
-        log.info(f"backend auto chose {name}: {best['images_per_s']:,.0f} img/s ({pipeline}) in the bench of "
-                 f"{best.get('date') or 'an unknown date'}")
+        log.info(
+            f"backend auto chose {name}: {best['images_per_s']:,.0f} img/s ({pipeline}) in the bench of "
+            f"{best.get('date') or 'an unknown date'}"
+        )
     else:
         name = rule_of_thumb(device)
-        log.info(f"backend auto chose {name}: no bench result for this data and machine, so the rule: dali on a "
-                 f"GPU, then turbojpeg, pillow-simd, pillow (`gpupipe bench --data {data_root}` measures them)")
+        log.info(
+            f"backend auto chose {name}: no bench result for this data and machine, so the rule: dali on a "
+            f"GPU, then turbojpeg, pillow-simd, pillow (`gpupipe bench --data {data_root}` measures them)"
+        )
     return name

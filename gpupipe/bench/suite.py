@@ -9,8 +9,9 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Iterable, Iterator
+from functools import partial
+from typing import NamedTuple
 
 import torch
 from PIL import Image
@@ -20,47 +21,12 @@ from ..api import build_loader
 from ..backends import get
 from ..data.scan import scan
 from ..recipe import Recipe
+from .records import Config, Result
 
 PIPELINES = ("decode", "floor", "train", "eval", "augment")
 # decode: the whole image at full size. floor (CPU decoders): only the decode the train pipeline cannot avoid, at the
 # DCT scale each train crop allows; the train figure's ``vs_floor`` says how close the rest of the pipeline comes.
 # augment: the train pipeline with the config's recipe policies (--aa, --color-jitter, --reprob), beside plain train.
-
-
-@dataclass
-class Config:
-    data: str
-    backends: list[str]
-    pipelines: list[str]
-    workers: int
-    device: torch.device
-    batch_size: int = 64
-    seconds: float = 6.0
-    repeats: int = 3
-    image_size: int = 224
-    model: str | None = None
-    dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
-    recipe: Recipe | None = None  # the augment pipeline's policies
-
-
-@dataclass
-class Result:
-    backend: str
-    pipeline: str
-    device: str
-    workers: int
-    images_per_s: float
-    spread: tuple[float, float]
-    megapixels_per_s: float
-    images_per_s_per_worker: float
-    vs_baseline: float | None = None
-    gpu_util: float | None = None
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        d["spread"] = list(self.spread)
-        return {**d, **self.extra}
 
 
 class _GpuSampler:
@@ -129,8 +95,17 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 
 
 def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None = None) -> Iterator[int]:
-    loader = build_loader(cfg.data, backend, batch_size=cfg.batch_size, train=train, image_size=cfg.image_size,
-                          device=cfg.device, num_workers=cfg.workers, drop_last=False, recipe=recipe)
+    loader = build_loader(
+        cfg.data,
+        backend,
+        batch_size=cfg.batch_size,
+        train=train,
+        image_size=cfg.image_size,
+        device=cfg.device,
+        num_workers=cfg.workers,
+        drop_last=False,
+        recipe=recipe,
+    )
     return (len(y) for _, y in _forever(lambda: loader))
 
 
@@ -141,12 +116,21 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
 
     norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     s = cfg.image_size
-    tf = (T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip(), T.ToTensor(), norm]) if train
-          else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm]))
+    tf = (
+        T.Compose([T.RandomResizedCrop(s), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+        if train
+        else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm])
+    )
     ds = datasets.ImageFolder(cfg.data, tf)
     cuda = cfg.device.type == "cuda"
-    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, shuffle=train, num_workers=cfg.workers,
-                                     pin_memory=cuda, persistent_workers=cfg.workers > 0)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=cfg.batch_size,
+        shuffle=train,
+        num_workers=cfg.workers,
+        pin_memory=cuda,
+        persistent_workers=cfg.workers > 0,
+    )
     for x, y in _forever(lambda: dl):
         x.to(cfg.device, non_blocking=cuda)
         yield len(y)
@@ -159,9 +143,16 @@ def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[i
     if spec.decode_job is not None and not floor:
         return spec.decode_job(data, cfg)
     recipe = Recipe(cfg.image_size) if floor else None
+    assert spec.decoder is not None  # _backend_job plans decode and floor only for a backend with a decoder
     ds = _DecodeOnly(data, spec.decoder(None, True), recipe)
-    dl = torch.utils.data.DataLoader(ds, batch_size=cfg.batch_size, num_workers=cfg.workers, shuffle=floor,
-                                     collate_fn=len, persistent_workers=cfg.workers > 0)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=cfg.batch_size,
+        num_workers=cfg.workers,
+        shuffle=floor,
+        collate_fn=len,
+        persistent_workers=cfg.workers > 0,
+    )
     return _forever(lambda: dl)
 
 
@@ -208,64 +199,113 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
     """Every (backend, pipeline) of the config, plus the baseline for train and eval. ``progress(text, fraction)``
     hears of each job and window, with the fraction of the planned time done."""
     mp = mean_megapixels(cfg.data)
-    sync = _sync_for(cfg.device)
-    jobs: list[tuple[str, str, Callable[[], Iterator[int]]]] = []
+    jobs = _plan(cfg)
+    results = _time_interleaved(cfg, jobs, mp, progress)
+    results.sort(key=lambda r: cfg.pipelines.index(r.pipeline))  # stable: backends keep their order
+    _add_ratios(results)
+    if cfg.model:
+        from .end_to_end import run_end_to_end
+
+        results += run_end_to_end(cfg, progress, mp)
+    return results
+
+
+class _Job(NamedTuple):
+    backend: str
+    pipeline: str
+    make: Callable[[], Iterator[int]]  # starts the job: an endless stream of batch sizes
+
+
+def _plan(cfg: Config) -> list[_Job]:
+    """The jobs in the config's order: per pipeline, the baseline (train, eval), then each backend that has that
+    pipeline, with DALI's own reference pipeline beside the dali backend."""
+    jobs = []
     for pipeline in cfg.pipelines:
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
         if pipeline in ("train", "eval"):
-            jobs.append(("baseline", pipeline, lambda p=pipeline: _baseline_counts(cfg, p == "train")))
+            jobs.append(_Job("baseline", pipeline, partial(_baseline_counts, cfg, pipeline == "train")))
         for b in cfg.backends:
-            spec = get(b)
-            if (pipeline == "decode" and spec.decode_job is None and spec.decoder is None) or (
-                pipeline == "floor" and spec.decoder is None
-            ):
+            make = _backend_job(cfg, b, pipeline)
+            if make is None:
                 continue
-            if pipeline in ("decode", "floor"):
-                jobs.append((b, pipeline, lambda b=b, p=pipeline: _decode_counts(cfg, b, floor=p == "floor")))
-            elif pipeline == "augment":
-                jobs.append((b, pipeline, lambda b=b: _loader_counts(cfg, b, True, cfg.recipe)))
-            else:
-                jobs.append((b, pipeline, lambda b=b, p=pipeline: _loader_counts(cfg, b, p == "train")))
+            jobs.append(_Job(b, pipeline, make))
             if b == "dali" and pipeline in ("train", "eval") and cfg.dali_reference:
-                jobs.append(("dali-reference", pipeline, lambda p=pipeline: _reference_counts(cfg, p == "train")))
-    # Interleaved: the jobs of one pipeline are all started, then timed in turns (one window each per round), so a
-    # slow patch of a noisy machine hits every backend alike and the ratios to the baseline hold. The floor is timed
-    # in the train rounds, as train figures are read against it.
+                jobs.append(_Job("dali-reference", pipeline, partial(_reference_counts, cfg, pipeline == "train")))
+    return jobs
+
+
+def _backend_job(cfg: Config, backend: str, pipeline: str) -> Callable[[], Iterator[int]] | None:
+    """How to start ``backend``'s ``pipeline``; None when the backend has no such pipeline (decode needs a decode
+    job or a CPU decoder, floor a CPU decoder)."""
+    spec = get(backend)
+    if pipeline == "decode" and spec.decode_job is None and spec.decoder is None:
+        return None
+    if pipeline == "floor" and spec.decoder is None:
+        return None
+    if pipeline in ("decode", "floor"):
+        return lambda: _decode_counts(cfg, backend, floor=pipeline == "floor")
+    if pipeline == "augment":
+        return lambda: _loader_counts(cfg, backend, True, cfg.recipe)
+    return lambda: _loader_counts(cfg, backend, pipeline == "train")
+
+
+def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callable[..., None]) -> list[Result]:
+    """One Result per job, pipeline by pipeline. Interleaved: the jobs of one pipeline are all started, then timed
+    in turns (one window each per round), so a slow patch of a noisy machine hits every backend alike and the ratios
+    to the baseline hold. The floor is timed in the train rounds, as train figures are read against it."""
+
     def timed_with(pipeline: str) -> str:
         return "train" if pipeline == "floor" and "train" in cfg.pipelines else pipeline
 
+    sync = _sync_for(cfg.device)
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
     warm = max(1.0, cfg.seconds / 4)
     planned, done = max(len(jobs), 1) * (warm + cfg.seconds), 0.0  # seconds: the time-left estimate
     drain = 4 * max(cfg.workers, 1) + 2  # DataLoaders keep prefetch_factor batches per worker (2, ours 4)
     for rounds in dict.fromkeys(map(timed_with, cfg.pipelines)):
-        group = [(b, p, make) for b, p, make in jobs if timed_with(p) == rounds]
-        streams, rates = [], []
-        for backend, pipeline, make in group:
-            progress(f"{pipeline}: starting {backend}", done / planned)
-            streams.append(make())
+        group = [job for job in jobs if timed_with(job.pipeline) == rounds]
+        streams = []
+        for job in group:
+            progress(f"{job.pipeline}: starting {job.backend}", done / planned)
+            streams.append(job.make())
             _warm(streams[-1], warm)
             done += warm
-            rates.append([])
+        rates: list[list[float]] = [[] for _ in group]
         gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
-            for i, (backend, pipeline, _) in enumerate(group):
-                progress(f"{pipeline}: {backend}, window {r + 1}/{cfg.repeats}", done / planned)
+            for i, job in enumerate(group):
+                progress(f"{job.pipeline}: {job.backend}, window {r + 1}/{cfg.repeats}", done / planned)
                 with gpu_samplers[i]:
                     rates[i].append(_window(streams[i], window, drain, sync))
                 done += window
-        for (backend, pipeline, _), rs, gpu in zip(group, rates, gpu_samplers, strict=True):
-            rate = statistics.median(rs)
-            w = max(cfg.workers, 1)
-            results.append(
-                Result(backend, pipeline, cfg.device.type, cfg.workers, rate, (min(rs), max(rs)), rate * mp, rate / w,
-                       gpu_util=gpu.mean)
-            )
+        for job, rs, gpu in zip(group, rates, gpu_samplers, strict=True):
+            results.append(_result(cfg, job, rs, mp, gpu.mean))
         for stream in streams:
-            stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
-    results.sort(key=lambda r: cfg.pipelines.index(r.pipeline))  # stable: backends keep their order
+            if isinstance(stream, Generator):  # every job's stream is one; a plain iterator has nothing to end
+                stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
+    return results
+
+
+def _result(cfg: Config, job: _Job, rates: list[float], mp: float, gpu_util: float | None) -> Result:
+    rate = statistics.median(rates)
+    per_worker = rate / max(cfg.workers, 1)
+    return Result(
+        job.backend,
+        job.pipeline,
+        cfg.device.type,
+        cfg.workers,
+        rate,
+        (min(rates), max(rates)),
+        rate * mp,
+        per_worker,
+        gpu_util=gpu_util,
+    )
+
+
+def _add_ratios(results: list[Result]) -> None:
+    """Each figure against the baseline of its pipeline, and each train figure against its backend's floor."""
     base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
     floor = {r.backend: r.images_per_s for r in results if r.pipeline == "floor"}
     for r in results:
@@ -273,11 +313,6 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
             r.vs_baseline = r.images_per_s / base[r.pipeline]
         if r.pipeline == "train" and r.backend in floor:
             r.extra["vs_floor"] = r.images_per_s / floor[r.backend]
-    if cfg.model:
-        from .end_to_end import run_end_to_end
-
-        results += run_end_to_end(cfg, progress, mp)
-    return results
 
 
 def default_workers() -> int:

@@ -63,8 +63,10 @@ class DeviceStage:
             on_side = not b.images.is_cuda
             if on_side:
                 with torch.cuda.stream(stream):
-                    ready = (self.finish(b.images.to(self.device, non_blocking=True), b.layout, b.keys),
-                             b.labels.to(self.device, non_blocking=True))
+                    ready = (
+                        self.finish(b.images.to(self.device, non_blocking=True), b.layout, b.keys),
+                        b.labels.to(self.device, non_blocking=True),
+                    )
             else:
                 # Made on the GPU (nvjpeg, synthetic, DALI), in order with this stream: finished here, so it is never
                 # read on a side stream before it is written, nor freed while read.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +16,9 @@ from ..recipe import Recipe
 from .device import DeviceStage, normalise
 from .sampler import ShardSampler
 from .scan import ImageList
+
+if TYPE_CHECKING:
+    from ..backends.registry import Decoder
 
 
 @dataclass
@@ -55,8 +58,12 @@ class LoaderParts:
 def empty_batch(size: int, device: torch.device | str = "cpu", errors: list[tuple[str, str]] | None = None) -> Batch:
     """A batch with no sample (only failures); its images on ``device``, so it concatenates with that device's
     batches (labels stay on the CPU in every batch: the device stage moves them)."""
-    return Batch(torch.empty(0, 3, size, size, dtype=torch.uint8, device=device), torch.empty(0, dtype=torch.int64),
-                 "NCHW", errors or [])
+    return Batch(
+        torch.empty(0, 3, size, size, dtype=torch.uint8, device=device),
+        torch.empty(0, dtype=torch.int64),
+        "NCHW",
+        errors or [],
+    )
 
 
 class Loader:
@@ -122,8 +129,10 @@ class Loader:
             self._position += 1
             yield images, labels
             if self._pass != this_pass:  # a newer pass took over the workers or the pipeline: stop, never mix
-                raise GpupipeError("this loader was iterated again while this iterator was unfinished; only the "
-                                   "newest iterator of a loader delivers batches")
+                raise GpupipeError(
+                    "this loader was iterated again while this iterator was unfinished; only the "
+                    "newest iterator of a loader delivers batches"
+                )
         self.sampler.set_epoch(epoch + 1)  # a full pass: the next one reshuffles unless told otherwise
         self._position, self._unfinished = 0, False
 
@@ -189,8 +198,10 @@ def _cat(a: Batch, b: Batch) -> Batch:
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
     k = (None, None) if b.keys is None else (b.keys[:n], b.keys[n:])
-    return (Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0]),
-            Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1]))
+    return (
+        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0]),
+        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1]),
+    )
 
 
 class Sample(NamedTuple):
@@ -208,7 +219,7 @@ class _SampleDataset(torch.utils.data.Dataset):
     """One sample per ``(epoch, index)`` key: read, decode, crop, resize. Errors come back as data, so the main
     process raises them (with the file named) instead of a worker's traceback."""
 
-    def __init__(self, dataset: ImageList, decoder, recipe: Recipe, train: bool, seed: int, augment=None):
+    def __init__(self, dataset: ImageList, decoder: Decoder, recipe: Recipe, train: bool, seed: int, augment=None):
         self.dataset, self.decoder, self.recipe, self.train, self.seed = dataset, decoder, recipe, train, seed
         self.augment = augment  # a SampleAugment to run here, in the worker (CPU device), or None
 
@@ -244,11 +255,11 @@ class _Collate:
         good = [it for it in items if it.image is not None]
         images = torch.empty((len(good), 3, self.size, self.size), dtype=torch.uint8)
         if good:
-            np.stack([it.image for it in good], out=images.numpy())  # one copy, into the batch
+            np.stack([it.image for it in good if it.image is not None], out=images.numpy())  # one copy, into the batch
         if self.normalize is not None:
             images = normalise(images, *self.normalize)
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
-        errors = [(it.path, it.error) for it in items if it.image is None]
+        errors = [(it.path, it.error or "") for it in items if it.image is None]
         keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2) if self.keys else None
         return Batch(images, labels, "NCHW", errors, sum(it.fell_back for it in items), keys)
 
@@ -256,7 +267,7 @@ class _Collate:
 class CpuLoader(Loader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
-    def __init__(self, parts: LoaderParts, decoder):
+    def __init__(self, parts: LoaderParts, decoder: Decoder):
         super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder
@@ -279,7 +290,14 @@ class CpuLoader(Loader):
         idle), and by the workers, in parallel, once they take every core."""
         workers = self._kwargs.get("num_workers", 0)
         augment = self.stage.augment
-        in_workers = (self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores()
-                      and (augment is None or augment.batch_transforms is None))  # those see uint8 on the device
-        return _Collate(self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None,
-                        keys=augment is not None and self._data.augment is None)
+        in_workers = (
+            self.stage.device.type == "cpu"
+            and self.stage.normalize
+            and workers >= usable_cores()
+            and (augment is None or augment.batch_transforms is None)
+        )  # those see uint8 on the device
+        return _Collate(
+            self.recipe.size,
+            (self.stage.mean, self.stage.inv_std) if in_workers else None,
+            keys=augment is not None and self._data.augment is None,
+        )

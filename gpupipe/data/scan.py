@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
@@ -22,10 +23,10 @@ class ImageList:
     """
 
     root: str
-    samples: list[tuple[str, int]]
+    samples: Sequence[tuple[str, int]]  # a list, or a view of a shard index
     classes: list[str]
     class_to_idx: dict[str, int] = field(default_factory=dict)
-    sizes: list[tuple[int, int]] | None = None
+    sizes: Sequence[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -40,8 +41,12 @@ class ImageList:
         return [label for _, label in self.samples]
 
 
-def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside_root: bool = False,
-         class_to_idx: dict[str, int] | None = None) -> ImageList:
+def scan(
+    root: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    allow_outside_root: bool = False,
+    class_to_idx: dict[str, int] | None = None,
+) -> ImageList:
     """Scan an ImageFolder directory (``root/<class>/**/<image>``) or a CSV file list (``path,label``); tar shards
     (a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them) go to :mod:`.shards`.
 
@@ -56,9 +61,13 @@ def scan(root: str | os.PathLike | Sequence[str | os.PathLike], *, allow_outside
     if is_shard_source(root):
         shards = scan_shards(root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
-            raise ValueError(f"{root}: the shards' classes differ from the training set's; prepare both from "
-                             "folders with the same classes")
+            raise ValueError(
+                f"{root}: the shards' classes differ from the training set's; prepare both from "
+                "folders with the same classes"
+            )
         return shards
+    if not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"{root}: a list of sources must name tar shards")
     path = Path(root)
     if path.is_dir():
         classes, found = find_classes(str(path))
@@ -78,12 +87,17 @@ def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[st
     """``names`` mapped through ``class_to_idx``: unknown names are an error, absent ones a warning."""
     unknown = sorted(set(names) - set(class_to_idx))
     if unknown:
-        raise ValueError(f"{source}: classes not in the training set: {', '.join(map(str, unknown[:10]))}"
-                         + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""))
+        raise ValueError(
+            f"{source}: classes not in the training set: {', '.join(map(str, unknown[:10]))}"
+            + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        )
     absent = sorted(set(class_to_idx) - set(names))
     if absent:
-        warnings.warn(f"{source}: no samples of {len(absent)} training class(es): "
-                      f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}", stacklevel=3)
+        warnings.warn(
+            f"{source}: no samples of {len(absent)} training class(es): "
+            f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}",
+            stacklevel=3,
+        )
     return {n: class_to_idx[n] for n in names}
 
 
@@ -94,57 +108,97 @@ def _is_int(label: str) -> bool:
     return label.lstrip("-").isdigit()
 
 
+class _Row(NamedTuple):
+    lineno: int
+    path: str
+    label: str
+
+
 def _scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] | None = None) -> ImageList:
     """Rows ``path,label``; labels are all integers (class indices) or all names. The first row is a header when its
     first column is a usual header word (``path``, ``image``...), or names no file and either has no image extension
     or is the only row whose label is not an integer."""
     base = path.parent.resolve()
-    rows: list[tuple[int, str, str]] = []
+    rows = _without_header(_csv_rows(path), base)
+    if not rows:
+        raise ValueError(f"{path}: the file list is empty")
+    numeric = _labels_are_indices(path, rows)
+    if class_to_idx is not None:  # a held-out set, labelled as the training set
+        names = {row.label for row in rows}
+        if numeric:
+            _check_indices(path, names, len(class_to_idx))
+        else:
+            _known_classes(path, names, class_to_idx)
+        classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
+    elif numeric:
+        classes = [str(i) for i in range(max(int(row.label) for row in rows) + 1)]
+    else:
+        classes = sorted({row.label for row in rows})
+    class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
+    samples = [
+        (_resolve(path, base, row.path, allow_outside_root), _label(row.label, numeric, class_to_idx)) for row in rows
+    ]
+    return ImageList(str(base), samples, classes, class_to_idx)
+
+
+def _csv_rows(path: Path) -> list[_Row]:
+    """The rows with a path and a label; blank rows and ``#`` comments are left out."""
+    rows = []
     with open(path, newline="", encoding="utf-8-sig") as f:  # utf-8-sig: Excel's byte-order mark
         for lineno, row in enumerate(csv.reader(f), 1):
             if not row or row[0].startswith("#"):
                 continue
             if len(row) < 2:
                 raise ValueError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
-            rows.append((lineno, row[0].strip(), row[1].strip()))
-    if len(rows) > 1:  # a header is followed by data
-        _, first, first_label = rows[0]
-        others_int = all(_is_int(label) for _, _, label in rows[1:])
-        a_file = (base / first).is_file()
-        if first.lower() in _HEADER_WORDS or (not a_file and (not first.lower().endswith(IMG_EXTENSIONS)
-                                                              or (others_int and not _is_int(first_label)))):
-            rows = rows[1:]
-    if not rows:
-        raise ValueError(f"{path}: the file list is empty")
-    numeric = _is_int(rows[0][2])
+            rows.append(_Row(lineno, row[0].strip(), row[1].strip()))
+    return rows
+
+
+def _without_header(rows: list[_Row], base: Path) -> list[_Row]:
+    if len(rows) < 2:  # a header is followed by data
+        return rows
+    first = rows[0]
+    others_int = all(_is_int(row.label) for row in rows[1:])
+    a_file = (base / first.path).is_file()
+    name = first.path.lower()
+    if name in _HEADER_WORDS or (
+        not a_file and (not name.endswith(IMG_EXTENSIONS) or (others_int and not _is_int(first.label)))
+    ):
+        return rows[1:]
+    return rows
+
+
+def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
+    """Whether the labels are class indices (else class names); a mix of both, or a negative index, is an error."""
+    numeric = _is_int(rows[0].label)
     for lineno, _, label in rows:
         if _is_int(label) != numeric:
             kind = "an integer" if numeric else "a class name"
-            raise ValueError(f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0][0]} "
-                             f"({rows[0][2]!r}); use class indices or class names, not both")
+            raise ValueError(
+                f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
+                f"({rows[0].label!r}); use class indices or class names, not both"
+            )
         if numeric and int(label) < 0:
             raise ValueError(f"{path}:{lineno}: label {label} must be >= 0")
-    if class_to_idx is not None:
-        names = {label for _, _, label in rows}
-        if numeric:
-            names = {n for n in names if int(n) >= len(class_to_idx)}
-            if names:
-                raise ValueError(f"{path}: labels {', '.join(sorted(names, key=int))} are beyond the training "
-                                 f"set's {len(class_to_idx)} classes")
-        else:
-            _known_classes(path, names, class_to_idx)
-        classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
-    elif numeric:
-        classes = [str(i) for i in range(max(int(label) for _, _, label in rows) + 1)]
-    else:
-        classes = sorted({label for _, _, label in rows})
-    class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
-    samples = []
-    for _, rel, label in rows:
-        full = (base / rel).resolve()
-        if not allow_outside_root and not full.is_relative_to(base):
-            raise ValueError(
-                f"{path}: {rel!r} points outside {base}; pass allow_outside_root=True to build_loader if you trust it"
-            )
-        samples.append((str(full), int(label) if numeric else class_to_idx[label]))
-    return ImageList(str(base), samples, classes, class_to_idx)
+    return numeric
+
+
+def _check_indices(path: Path, labels: set[str], num_classes: int) -> None:
+    beyond = {n for n in labels if int(n) >= num_classes}
+    if beyond:
+        raise ValueError(
+            f"{path}: labels {', '.join(sorted(beyond, key=int))} are beyond the training set's {num_classes} classes"
+        )
+
+
+def _resolve(path: Path, base: Path, rel: str, allow_outside_root: bool) -> str:
+    full = (base / rel).resolve()
+    if not allow_outside_root and not full.is_relative_to(base):
+        raise ValueError(
+            f"{path}: {rel!r} points outside {base}; pass allow_outside_root=True to build_loader if you trust it"
+        )
+    return str(full)
+
+
+def _label(label: str, numeric: bool, class_to_idx: dict[str, int]) -> int:
+    return int(label) if numeric else class_to_idx[label]

@@ -15,7 +15,7 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple, cast
 
 import numpy as np
 
@@ -56,10 +56,13 @@ class _Samples(Sequence):
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and all(
-            tuple(b) == a for a, b in zip(self, other, strict=True))
+        return (
+            isinstance(other, Sequence)
+            and len(other) == len(self)
+            and all(tuple(b) == a for a, b in zip(self, other, strict=True))
+        )
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as the list it stands for
 
 
 class _Sizes(Sequence):
@@ -84,13 +87,25 @@ class _Sizes(Sequence):
 class ShardImageList(ImageList):
     """Samples stored as members of uncompressed tar shards; :meth:`read` slices them out of a per-process mmap."""
 
-    def __init__(self, root: str, shard_paths: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 labels: np.ndarray, classes: list[str], *, members: np.ndarray | None = None,
-                 heights: np.ndarray | None = None, widths: np.ndarray | None = None):
+    def __init__(
+        self,
+        root: str,
+        shard_paths: list[str],
+        shard: np.ndarray,
+        offset: np.ndarray,
+        size: np.ndarray,
+        labels: np.ndarray,
+        classes: list[str],
+        *,
+        members: np.ndarray | None = None,
+        heights: np.ndarray | None = None,
+        widths: np.ndarray | None = None,
+    ):
         names = [os.path.basename(p) for p in shard_paths]
-        sizes = _Sizes(heights, widths) if heights is not None else None
-        super().__init__(root, _Samples(names, shard, members, labels), classes,
-                         {c: i for i, c in enumerate(classes)}, sizes)
+        sizes = _Sizes(heights, widths) if heights is not None and widths is not None else None
+        super().__init__(
+            root, _Samples(names, shard, members, labels), classes, {c: i for i, c in enumerate(classes)}, sizes
+        )
         self.shard_paths, self.labels = shard_paths, labels
         self._shard, self._offset, self._size = shard, offset, size
         self._maps: dict[int, mmap.mmap | BinaryIO] = {}
@@ -110,7 +125,11 @@ class ShardImageList(ImageList):
             mm = self._open(s)
         start = int(self._offset[index])
         size = int(self._size[index])
-        data = os.pread(mm.fileno(), size, start) if isinstance(mm, io.IOBase) else mm[start : start + size]
+        data = (
+            os.pread(mm.fileno(), size, start)
+            if isinstance(mm, io.IOBase)
+            else cast(mmap.mmap, mm)[start : start + size]
+        )
         if len(data) != size:
             raise OSError(f"{self.shard_paths[s]} ends before its member at byte {start} of {size} bytes: truncated?")
         return data
@@ -172,12 +191,23 @@ def load_prepared(folder: str | os.PathLike) -> ShardImageList:
     folder = Path(folder)
     meta = json.loads((folder / META).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise GpupipeError(f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
-                           f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again")
+        raise GpupipeError(
+            f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
+            f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again"
+        )
     with np.load(folder / INDEX) as z:  # ``source`` (one path per sample) is left unread: start-up needs none
         cols = {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
-    return ShardImageList(str(folder), [str(folder / n) for n in meta["shards"]], cols["shard"], cols["offset"],
-                          cols["size"], cols["label"], meta["classes"], heights=cols["height"], widths=cols["width"])
+    return ShardImageList(
+        str(folder),
+        [str(folder / n) for n in meta["shards"]],
+        cols["shard"],
+        cols["offset"],
+        cols["size"],
+        cols["label"],
+        meta["classes"],
+        heights=cols["height"],
+        widths=cols["width"],
+    )
 
 
 def load_tars(paths: list[str]) -> ShardImageList:
@@ -187,8 +217,10 @@ def load_tars(paths: list[str]) -> ShardImageList:
     parts = [shard_index(p) for p in paths]
     numeric = [p["label"].dtype.kind in "iu" for p in parts]
     if any(numeric) and not all(numeric):
-        raise GpupipeError(f"{paths[numeric.index(True)]} has numeric labels but {paths[numeric.index(False)]} has "
-                           "class names: one data set needs one kind")
+        raise GpupipeError(
+            f"{paths[numeric.index(True)]} has numeric labels but {paths[numeric.index(False)]} has "
+            "class names: one data set needs one kind"
+        )
     labels = np.concatenate([p["label"] for p in parts])
     if all(numeric):
         if labels.size and labels.min() < 0:
@@ -196,13 +228,20 @@ def load_tars(paths: list[str]) -> ShardImageList:
         classes = [str(i) for i in range(int(labels.max()) + 1)]
         labels = labels.astype(np.int64)
     else:
-        classes, labels = np.unique(labels, return_inverse=True)
-        classes = classes.tolist()
+        names, labels = np.unique(labels, return_inverse=True)
+        classes = names.tolist()
     shard = np.concatenate([np.full(len(p["label"]), i, np.uint32) for i, p in enumerate(parts)])
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
-    return ShardImageList(root, [os.path.abspath(p) for p in paths], shard,
-                          np.concatenate([p["offset"] for p in parts]), np.concatenate([p["size"] for p in parts]),
-                          labels.astype(np.int64), classes, members=np.concatenate([p["member"] for p in parts]))
+    return ShardImageList(
+        root,
+        [os.path.abspath(p) for p in paths],
+        shard,
+        np.concatenate([p["offset"] for p in parts]),
+        np.concatenate([p["size"] for p in parts]),
+        labels.astype(np.int64),
+        classes,
+        members=np.concatenate([p["member"] for p in parts]),
+    )
 
 
 def shard_index(path: str) -> dict[str, np.ndarray]:
@@ -245,41 +284,18 @@ def _save_npz(target: Path, **arrays) -> None:
     os.replace(tmp, target)
 
 
+class _TarMembers(NamedTuple):
+    images: dict[str, tuple[str, int, int]]  # key -> (member name, data offset, size)
+    labels: dict[str, dict[str, tuple[str, bytes]]]  # "cls" or "json" -> key -> (member name, its bytes)
+    order: list[str]  # the keys in the order the tar first names them
+
+
 def index_tar(path: str) -> dict[str, np.ndarray]:
     """Walk a tar's headers (image data is skipped; only the small label members are read) and pair each key's
     image with its label, WebDataset's way: the key is the member name up to the first dot of its last part."""
-    images: dict[str, tuple[str, int, int]] = {}
-    label_members: dict[str, dict[str, tuple[str, bytes]]] = {"cls": {}, "json": {}}
-    order: list[str] = []
-    try:
-        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
-            for m in tf:
-                key, ext = _split(m.name)
-                if not m.isfile() or (ext not in IMAGE_EXTS and ext not in label_members):
-                    continue
-                if key not in images and all(key not in d for d in label_members.values()):
-                    order.append(key)
-                if ext in IMAGE_EXTS:
-                    if key in images:
-                        raise GpupipeError(f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
-                                           "mixed extensions, which one is the sample?")
-                    images[key] = (m.name, m.offset_data, m.size)
-                else:
-                    label_members[ext][key] = (m.name, tf.extractfile(m).read())
-    except tarfile.TarError as e:
-        raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
-    keys, values = [], []
-    for key in order:
-        if key not in images:
-            raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
-        found = label_members["cls"].get(key) or label_members["json"].get(key)
-        if found is None:
-            raise GpupipeError(f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
-                               f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)")
-        keys.append(key)
-        values.append(_label(path, *found))
-    if not keys:
-        raise GpupipeError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
+    members = _walk_tar(path)
+    images = members.images
+    keys, values = _paired(path, members)
     kinds = {type(v) for v in values}
     if len(kinds) > 1:
         raise GpupipeError(f"{path}: labels mix numbers and class names")
@@ -289,6 +305,54 @@ def index_tar(path: str) -> dict[str, np.ndarray]:
         "size": np.array([images[k][2] for k in keys], np.uint64),
         "label": np.array(values, np.int64 if kinds == {int} else None),
     }
+
+
+def _walk_tar(path: str) -> _TarMembers:
+    """The image and label members of each key, reading only the label members' bytes."""
+    members = _TarMembers({}, {"cls": {}, "json": {}}, [])
+    images, labels = members.images, members.labels
+    try:
+        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
+            for m in tf:
+                key, ext = _split(m.name)
+                if not m.isfile() or (ext not in IMAGE_EXTS and ext not in labels):
+                    continue
+                if key not in images and all(key not in d for d in labels.values()):
+                    members.order.append(key)
+                if ext in IMAGE_EXTS:
+                    if key in images:
+                        raise GpupipeError(
+                            f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
+                            "mixed extensions, which one is the sample?"
+                        )
+                    images[key] = (m.name, m.offset_data, m.size)
+                else:
+                    member = tf.extractfile(m)  # a regular file (isfile above): never None
+                    assert member is not None
+                    labels[ext][key] = (m.name, member.read())
+    except tarfile.TarError as e:
+        raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
+    return members
+
+
+def _paired(path: str, members: _TarMembers) -> tuple[list[str], list[int | str]]:
+    """The keys in tar order and their labels (a .cls member's, else a .json's); a key without its image or its
+    label is an error, and so is a shard without samples."""
+    keys, values = [], []
+    for key in members.order:
+        if key not in members.images:
+            raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
+        found = members.labels["cls"].get(key) or members.labels["json"].get(key)
+        if found is None:
+            raise GpupipeError(
+                f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
+                f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)"
+            )
+        keys.append(key)
+        values.append(_label(path, *found))
+    if not keys:
+        raise GpupipeError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
+    return keys, values
 
 
 def _split(name: str) -> tuple[str, str]:

@@ -1,11 +1,66 @@
-"""Checkpoints that lose nothing: written atomically (temp file, fsync, rename), loaded with ``weights_only``."""
+"""Checkpoints that lose nothing: written atomically (temp file, fsync, rename), loaded with ``weights_only``.
+
+``save`` and ``restore`` say what a training checkpoint holds: a :class:`TrainState`, the loader's position, the
+epoch's running sums, the run's config and the RNG states.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
+
+from .precision import Precision
+
+
+@dataclass
+class TrainState:
+    """The model and everything that decides its next update: what a resume restores besides the data's position."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    ema: Any = None  # timm's ModelEmaV3 (its ``module`` is saved), or None
+    step: int = 0  # optimizer steps taken
+
+
+def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, config: dict) -> None:
+    """Write a training checkpoint: ``state``, where the ``loader`` is (``{"epoch", "batch"}``), the epoch's
+    ``running`` sums, the run's ``config`` and the RNG states."""
+    save_atomic(
+        {
+            "model": state.model.state_dict(),
+            "optimizer": state.optimizer.state_dict(),
+            "scaler": state.precision.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "step": state.step,
+            "epoch": loader["epoch"],
+            "loader": loader,
+            "rng": rng_state(),
+            "running": running,
+            "config": config,
+            **({"model_ema": state.ema.module.state_dict()} if state.ema is not None else {}),
+        },
+        path,
+    )
+
+
+def restore(saved: dict, state: TrainState) -> None:
+    """Load a checkpoint (from :func:`load_for_resume`) into ``state`` and the global RNGs; the loader's position
+    (``saved["loader"]``) and the running sums (``saved["running"]``) are the caller's."""
+    state.model.load_state_dict(saved["model"])
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.precision.load_state_dict(saved["scaler"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    set_rng_state(saved["rng"])
+    state.step = saved["step"]
+    if state.ema is not None:
+        state.ema.module.load_state_dict(saved["model_ema"])
 
 
 def save_atomic(state: dict, path: str | Path) -> None:
@@ -56,12 +111,15 @@ def load_for_resume(path: str | Path) -> dict:
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         if cause.startswith("Weights only load failed"):
             cause = "not a checkpoint of tensors and plain values"
-        raise ValueError(f"{path}: cannot resume from it ({cause}); restore a good copy, or delete it to start "
-                         "the run again") from None
+        raise ValueError(
+            f"{path}: cannot resume from it ({cause}); restore a good copy, or delete it to start the run again"
+        ) from None
     missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
     if missing:
-        raise ValueError(f"{path}: cannot resume from it (not a gpupipe train checkpoint: no {', '.join(missing)}); "
-                         "restore a good copy, or delete it to start the run again")
+        raise ValueError(
+            f"{path}: cannot resume from it (not a gpupipe train checkpoint: no {', '.join(missing)}); "
+            "restore a good copy, or delete it to start the run again"
+        )
     return state
 
 

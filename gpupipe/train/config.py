@@ -6,21 +6,43 @@ Merging is OmegaConf's (typed, with errors naming the unknown key), not a hand-w
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 ON_ERROR = ("raise", "skip")
-CHOICES = {"precision": PRECISIONS, "optimizer": OPTIMIZERS, "on_error": ON_ERROR,
-           "remode": ("pixel", "rand", "const")}  # backend: the registry's names
+CHOICES = {
+    "precision": PRECISIONS,
+    "optimizer": OPTIMIZERS,
+    "on_error": ON_ERROR,
+    "remode": ("pixel", "rand", "const"),
+}  # backend: the registry's names
 
 
 # What a resume compares with the checkpoint's config. Fixed keys decide the checkpoint's shapes or the data order;
 # changeable ones change the run's maths, so they need --allow-config-change; the rest (out, workers, ...) are free.
 RESUME_FIXED = ("data", "model", "batch_size", "accum", "image_size", "seed", "optimizer", "model_ema")
-RESUME_CHANGEABLE = ("epochs", "lr", "momentum", "weight_decay", "warmup_epochs", "label_smoothing", "clip",
-                     "precision", "backend", "aa", "color_jitter", "reprob", "remode", "recount", "mixup", "cutmix",
-                     "mixup_prob", "mixup_switch_prob", "model_ema_decay")
+RESUME_CHANGEABLE = (
+    "epochs",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "warmup_epochs",
+    "label_smoothing",
+    "clip",
+    "precision",
+    "backend",
+    "aa",
+    "color_jitter",
+    "reprob",
+    "remode",
+    "recount",
+    "mixup",
+    "cutmix",
+    "mixup_prob",
+    "mixup_switch_prob",
+    "model_ema_decay",
+)
 
 
 @dataclass(frozen=True)
@@ -106,14 +128,17 @@ HELP = {  # the --help text of each field; a None default is explained here
     "out": "run folder: checkpoints/last.pt, metrics.jsonl, tb/, config.yaml",
     "resume": "continue the run in --out from checkpoints/last.pt; refused when there is none",
     "resume_or_start": "resume when --out has a checkpoint, else start a new run (jobs that get re-queued)",
-    "allow_config_change": "resume although these changed: " + ", ".join(RESUME_CHANGEABLE) + " (never: "
-                           + ", ".join(RESUME_FIXED) + ")",
+    "allow_config_change": "resume although these changed: "
+    + ", ".join(RESUME_CHANGEABLE)
+    + " (never: "
+    + ", ".join(RESUME_FIXED)
+    + ")",
     "save_every": "optimizer steps between mid-epoch checkpoints (0: at epoch ends only)",
     "on_error": "an undecodable file: raise an error naming it, or skip it (listed in the log and skipped.txt)",
     "log_every": "micro-batches between progress updates",
     "dist_timeout_s": "seconds before a rank that stops answering ends a DDP run, instead of a hang",
     "aa": "per-image auto-augmentation, timm's names: rand-m9-mstd0.5-inc1 (RandAugment), original (AutoAugment), "
-          "trivialaugment (default None: off)",
+    "trivialaugment (default None: off)",
     "color_jitter": "per-image colour jitter strength for brightness, contrast and saturation (default None: off)",
     "reprob": "per-image random-erasing probability (0: off)",
     "remode": "random-erasing fill: pixel (per-pixel noise), rand (per-channel) or const (the mean)",
@@ -144,7 +169,7 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if given:
         merged = OmegaConf.merge(merged, given)
-    return TrainConfig(**OmegaConf.to_container(merged))
+    return TrainConfig(**cast(dict[str, Any], OmegaConf.to_container(merged)))
 
 
 def _read_yaml(path: str) -> tuple[str, dict[str, int]]:

@@ -23,8 +23,11 @@ class Distributed:
         else:
             self.device = torch.device("cpu")
         if self.enabled and not dist.is_initialized():
-            dist.init_process_group("nccl" if want_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                    device_id=self.device if want_cuda else None)
+            dist.init_process_group(
+                "nccl" if want_cuda else "gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=self.device if want_cuda else None,
+            )
 
     @property
     def enabled(self) -> bool:
@@ -33,6 +36,14 @@ class Distributed:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` in DistributedDataParallel when there are several ranks (it broadcasts rank 0's weights, then
+        all-reduces gradients in backward); the model itself on one process."""
+        if not self.enabled:
+            return model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum a few scalars over ranks (metrics); a no-op on one process."""

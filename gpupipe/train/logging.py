@@ -7,11 +7,58 @@ every tenth of an epoch. Under DDP the bar's img/s are rank 0's own; the epoch s
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+
+@dataclass
+class Meter:
+    """One epoch's running sums on this rank: shown as progress, all-reduced into the epoch's metrics, and
+    checkpointed, so that a resumed epoch reports what the straight one would."""
+
+    loss: float = 0.0  # summed over images
+    images: int = 0
+    wait: float = 0.0  # seconds spent waiting for the loader
+    time: float = 0.0  # seconds of training
+
+    def __post_init__(self) -> None:
+        self._loss_sum: torch.Tensor | None = None  # on the loss's device: summed without a host sync
+        self._tick = time.perf_counter()
+
+    def start(self) -> None:
+        """Start the clock (at the first batch of the epoch, or of its resumed part)."""
+        self._tick = time.perf_counter()
+
+    def update(self, loss: torch.Tensor, images: int, wait: float) -> None:
+        """Add one micro-batch: its mean ``loss`` is weighted by ``images`` and stays on the device."""
+        if self._loss_sum is None:
+            self._loss_sum = torch.zeros((), device=loss.device)
+        self._loss_sum += loss.detach() * images
+        self.images += images
+        self.wait += wait
+
+    def sync(self) -> None:
+        """Bring the loss sum to the host and the clock up to now: a device sync, so every ``log_every``
+        micro-batches and before a checkpoint, not every step."""
+        if self._loss_sum is not None:
+            self.loss += self._loss_sum.item()
+            self._loss_sum.zero_()
+        now = time.perf_counter()
+        self.time += now - self._tick
+        self._tick = now
+
+    def state_dict(self) -> dict[str, float]:
+        return {"loss": self.loss, "images": self.images, "wait": self.wait, "time": self.time}
 
 
 class RunLogger:
@@ -20,8 +67,8 @@ class RunLogger:
         self.console = Console(stderr=True)
         if not self.console.is_terminal:
             self.console = Console(stderr=True, soft_wrap=True)
-        self._tb = None
-        self._progress = None
+        self._tb: SummaryWriter | None = None
+        self._progress: Progress | None = None
         self._epoch, self._next_line = 0, 0
         if enabled:
             out.mkdir(parents=True, exist_ok=True)
@@ -30,8 +77,9 @@ class RunLogger:
 
                 self._tb = SummaryWriter(str(out / "tb"))
             except ImportError:
-                self.console.print("[yellow]tensorboard is not installed: no TensorBoard logs (pip install "
-                                   "tensorboard)[/]")
+                self.console.print(
+                    "[yellow]tensorboard is not installed: no TensorBoard logs (pip install tensorboard)[/]"
+                )
 
     def note(self, text: str) -> None:
         if self.enabled:
@@ -43,18 +91,25 @@ class RunLogger:
         self._epoch, self._next_line = epoch, first
         if not self.console.is_terminal:
             return
-        self._progress = Progress(TextColumn(f"epoch {epoch}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=self.console,
-                                  transient=False)
+        self._progress = Progress(
+            TextColumn(f"epoch {epoch}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total, completed=first, stats="")
 
-    def progress(self, done: int, running: dict, lr: float, step: int) -> None:
+    def progress(self, done: int, meter: Meter, lr: float, step: int) -> None:
+        """After ``done`` micro-batches of the epoch (``meter`` synced) and ``step`` optimizer steps of the run."""
         if not self.enabled:
             return
-        ips = running["images"] / max(running["time"], 1e-9)
-        wait = running["wait"] / max(running["time"], 1e-9)
-        loss = running["loss"] / max(running["images"], 1)
+        ips = meter.images / max(meter.time, 1e-9)
+        wait = meter.wait / max(meter.time, 1e-9)
+        loss = meter.loss / max(meter.images, 1)
         rank = " (rank 0)" if self.world_size > 1 else ""
         stats = f"loss {loss:.3f}  {ips:,.0f} img/s{rank}  data-wait {wait:.0%}{rank}  lr {lr:.3g}"
         if self._progress is not None:
@@ -79,14 +134,7 @@ class RunLogger:
             parts.append(f"(images_per_s, data_wait: all {self.world_size} ranks)")
         self.console.print("  ".join(parts), highlight=False)
         if skipped:
-            self.console.print(f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch (listed in "
-                               f"{self.out / 'skipped.txt'}):[/]")
-            with open(self.out / "skipped.txt", "a") as f:
-                f.writelines(f"{metrics['epoch']}\t{path}\t{reason}\n" for path, reason in skipped)
-            for path, reason in skipped[:20]:
-                self.console.print(f"  skipped {path}: {reason}", highlight=False, markup=False)
-            if len(skipped) > 20:
-                self.console.print(f"  ... and {len(skipped) - 20} more")
+            self._list_skipped(metrics["epoch"], skipped)
         if hint:
             self.console.print(f"[yellow]{hint}[/]")
         with open(self.out / "metrics.jsonl", "a") as f:
@@ -96,6 +144,18 @@ class RunLogger:
                 if k != "epoch" and isinstance(v, (int, float)):
                     self._tb.add_scalar(f"epoch/{k}", v, metrics["epoch"])
             self._tb.flush()
+
+    def _list_skipped(self, epoch: int, skipped: Sequence[tuple[str, str]]) -> None:
+        """All of them in skipped.txt (epoch, path, reason), the first 20 on the console."""
+        self.console.print(
+            f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch (listed in {self.out / 'skipped.txt'}):[/]"
+        )
+        with open(self.out / "skipped.txt", "a") as f:
+            f.writelines(f"{epoch}\t{path}\t{reason}\n" for path, reason in skipped)
+        for path, reason in skipped[:20]:
+            self.console.print(f"  skipped {path}: {reason}", highlight=False, markup=False)
+        if len(skipped) > 20:
+            self.console.print(f"  ... and {len(skipped) - 20} more")
 
     def close(self) -> None:
         if self._progress is not None:

@@ -1,22 +1,78 @@
-"""Mixed precision: autocast on the loader's device type, and a GradScaler that is on only for fp16."""
+"""Mixed precision: autocast on the loader's device type, and a GradScaler that is on only for fp16.
+
+Lightning Fabric's ``plugins/precision/amp.py`` is the model: the plugin owns backward's loss scaling and the
+optimizer step (unscale, clip, step, update), so the training loop says ``precision.step(optimizer)`` and no more.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
+from torch import nn
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    def __init__(self, precision: str, device: torch.device):
+    """Autocast, loss scaling and the optimizer step for one precision.
+
+    Args:
+        precision: ``fp32``; or autocast to ``bf16`` or ``fp16`` (fp16 adds a GradScaler).
+        device: where the model runs (autocast's device type).
+        clip: clip the gradients' total norm to this before each step; ``None``: no clipping.
+    """
+
+    def __init__(self, precision: PrecisionName | str, device: torch.device, clip: float | None = None):
+        if precision not in _DTYPES:
+            raise ValueError(f"precision must be one of {', '.join(_DTYPES)}, got {precision!r}")
         self.dtype = _DTYPES[precision]
         self.device_type = device.type
+        self.clip = clip
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self._scale = self.scaler.get_scale()  # the scale after the last update (no sync: not on the device yet)
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()  # scale() is the identity when the scaler is off
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale and clip the gradients, step the optimizer, update the scale; whether the step was taken.
+
+        Only fp16's scaler skips steps: when the gradients hold inf or NaN it lowers its scale and leaves the
+        weights alone. Telling that costs one host sync (reading the new scale), in fp16 only; fp32 and bf16 always
+        step and never sync here.
+        """
+        if self.clip is not None:
+            self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(_parameters(optimizer), self.clip)
+        self.scaler.step(optimizer)
+        if not self.scaler.is_enabled():
+            return True
+        before = self._scale
+        self.scaler.update()
+        self._scale = self.scaler.get_scale()  # the one sync: a skipped step lowered the scale, a taken one did not
+        return self._scale >= before
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (empty without fp16)."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a checkpoint of an fp32 or bf16 run has no scale to restore: an fp16 resume starts a fresh scaler
+        if state or not self.scaler.is_enabled():
+            self.scaler.load_state_dict(state)
+        self._scale = self.scaler.get_scale()  # the loaded scale (no sync before the first step)
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]

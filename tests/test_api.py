@@ -11,7 +11,12 @@ import torch
 
 import gpupipe
 
-from .conftest import CPU_LOADER_BACKENDS, make_folder, photo
+from .common_utils import (
+    CPU_LOADER_BACKENDS,
+    GPU_DECODERS,
+    make_folder,
+    photo,
+)
 
 KW = dict(image_size=32, num_workers=1, device="cpu", normalize=False)
 
@@ -123,11 +128,20 @@ def test_read_image_returns_a_cpu_tensor_by_default(unique_folder):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["nvjpeg", *(["dali"] if "dali" in gpupipe.available_backends() else [])])
+@pytest.mark.parametrize("backend", GPU_DECODERS)
 def test_gpu_error_batches_and_devices(first_bad, backend):
     """Skip mode on CUDA: the empty batch of a failure is made on the loader's device and joins CUDA batches."""
-    loader = gpupipe.build_loader(first_bad, backend, batch_size=4, train=False, on_error="skip", image_size=32,
-                                  num_workers=1, device="cuda:0", normalize=False)
+    loader = gpupipe.build_loader(
+        first_bad,
+        backend,
+        batch_size=4,
+        train=False,
+        on_error="skip",
+        image_size=32,
+        num_workers=1,
+        device="cuda:0",
+        normalize=False,
+    )
     batches = list(loader)
     assert all(x.device == torch.device("cuda", 0) for x, _ in batches)
     assert [os.path.basename(p) for p, _ in loader.skipped] == ["000_truncated.jpg"]

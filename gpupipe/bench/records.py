@@ -1,0 +1,53 @@
+"""The bench's records: what a run is asked to measure (:class:`Config`) and each figure it gives (:class:`Result`).
+
+Kept apart from ``suite`` and ``end_to_end`` so that both use them without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..recipe import Recipe
+
+
+@dataclass
+class Config:
+    """One ``gpupipe bench`` run: the data, the backends and pipelines to time, and how long."""
+
+    data: str
+    backends: list[str]
+    pipelines: list[str]
+    workers: int
+    device: torch.device
+    batch_size: int = 64
+    seconds: float = 6.0
+    repeats: int = 3
+    image_size: int = 224
+    model: str | None = None
+    dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
+    recipe: Recipe | None = None  # the augment pipeline's policies
+
+
+@dataclass
+class Result:
+    """One figure: a backend's images per second in one pipeline (median over the timed windows, with their
+    range), and its ratios to the run's references (``extra``: ``vs_floor``, ``vs_synthetic``, ``data_wait``)."""
+
+    backend: str
+    pipeline: str
+    device: str
+    workers: int
+    images_per_s: float
+    spread: tuple[float, float]
+    megapixels_per_s: float
+    images_per_s_per_worker: float
+    vs_baseline: float | None = None
+    gpu_util: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d["spread"] = list(self.spread)
+        return {**d, **self.extra}

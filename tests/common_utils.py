@@ -1,0 +1,138 @@
+"""Helpers shared by the tests (torchvision's ``test/common_utils.py`` habit): tiny image data, devices, and the
+backend lists, all derived from the registry so that a new backend is tested where it belongs without editing here.
+Fixtures and hooks live in conftest.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import gpupipe
+from gpupipe import backends
+
+_AVAILABLE = gpupipe.available_backends()
+
+# Every decoding backend usable here that can deliver batches on the CPU (pillow, turbojpeg, DALI's CPU
+# pipeline...). DataLoader-worker decoders and DALI alike: the loader contract is the same.
+CPU_LOADER_BACKENDS = [b for b in _AVAILABLE if backends.get(b).read is not None and "cpu" in backends.get(b).devices]
+# The CPU decoders usable here (one image at a time in DataLoader workers: pillow, pillow-simd, turbojpeg).
+DECODERS = [b for b in backends.cpu_decoders() if b in _AVAILABLE]
+# The same backends, as the decoders ``read_image`` can use on the CPU side.
+READERS = CPU_LOADER_BACKENDS
+# The batched GPU decoders usable here (nvjpeg, dali): no per-image CPU decoder, and able to deliver on CUDA.
+GPU_DECODERS = [
+    b
+    for b in _AVAILABLE
+    if backends.get(b).read is not None and backends.get(b).decoder is None and "cuda" in backends.get(b).devices
+]
+
+
+def cpu_and_cuda():
+    """torchvision's device parametrisation: the CUDA case carries the ``gpu`` marker (skipped without CUDA)."""
+    return ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+
+
+def photo(rng: np.random.Generator, h: int, w: int) -> Image.Image:
+    """A smooth, photo-like image (JPEG-friendly), distinct per rng."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    a = rng.uniform(0, 255, 3)
+    b = rng.uniform(0.1, 0.5, 3)
+    img = a + 60 * np.sin(x[..., None] * b / 7 + y[..., None] * b[::-1] / 11)
+    img += rng.normal(0, 3, img.shape)
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")
+
+
+def make_folder(root, classes: int, per_class: int, seed: int = 0, sizes=((120, 180), (200, 150), (96, 96))):
+    """An ImageFolder of ``classes`` x ``per_class`` JPEGs of mixed sizes under ``root``."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = root / f"c{c:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            h, w = sizes[(c + i) % len(sizes)]
+            photo(rng, h, w).save(d / f"{i:03d}.jpg", quality=90)
+    return root
+
+
+def jpeg_bytes(img, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def jpeg_with_orientation(img: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return jpeg_bytes(img, quality=95, exif=exif)
+
+
+# Unusual but valid files, made from a base image: every decoder gives RGB for each.
+VALID = {
+    "cmyk": lambda b: jpeg_bytes(b.convert("CMYK"), quality=95),
+    "gray": lambda b: jpeg_bytes(b.convert("L"), quality=95),
+    "progressive": lambda b: jpeg_bytes(b, quality=95, progressive=True),
+    "arithmetic": lambda b: arithmetic_jpeg(jpeg_bytes(b, quality=95)),
+    "444": lambda b: jpeg_bytes(b, quality=95, subsampling=0),
+    "422": lambda b: jpeg_bytes(b, quality=95, subsampling=1),
+    "png_as_jpg": lambda b: encoded(b, "PNG"),
+    "webp_as_jpg": lambda b: encoded(b, "WEBP", lossless=True),
+    "bmp_as_jpg": lambda b: encoded(b, "BMP"),
+    "rgba_png": lambda b: encoded(b.convert("RGBA"), "PNG"),
+    "png16": lambda b: encoded(Image.fromarray(np.asarray(b.convert("L")).astype(np.uint16) * 257), "PNG"),
+    "tiny": lambda b: jpeg_bytes(b.resize((3, 2)), quality=95),
+    "elongated": lambda b: jpeg_bytes(b.resize((400, 8)), quality=95),
+}
+
+
+def arithmetic_jpeg(baseline: bytes) -> bytes:
+    """Arithmetic-coded JPEG (Pillow cannot write one): libjpeg-turbo's jpegtran, which `make test` installs."""
+    if shutil.which("jpegtran") is None:
+        pytest.skip("jpegtran is missing (apt-get install libjpeg-turbo-progs)")
+    out = subprocess.run(["jpegtran", "-arithmetic"], input=baseline, capture_output=True, check=True).stdout
+    assert out[:2] == b"\xff\xd8" and b"\xff\xc9" in out  # SOF9: arithmetic sequential
+    return out
+
+
+def encoded(img, fmt, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+# Broken files: every decoder raises a DecodeError naming the file.
+INVALID = {
+    "truncated": lambda b: jpeg_bytes(b, quality=95)[:-400],
+    "empty": lambda b: b"",
+    "not_an_image": lambda b: b"hello, this is text" * 10,
+    "corrupt_after_marker": lambda b: jpeg_bytes(b, quality=95)[:200] + bytes(range(256)) * 8,
+}
+
+
+def float_tiff(path):
+    Image.fromarray(np.linspace(0, 1, 64 * 48, dtype=np.float32).reshape(48, 64), "F").save(path, format="TIFF")
+    return path
+
+
+def exif_upright(data: bytes) -> Image.Image:
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpupipe_cli(*args, **kw):
+    """``python -m gpupipe ...`` as a user runs it, output to pipes (not a terminal)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **kw.pop("env", {})}
+    return subprocess.run(
+        [sys.executable, "-m", "gpupipe", *map(str, args)], capture_output=True, text=True, env=env, timeout=600, **kw
+    )

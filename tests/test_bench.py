@@ -1,0 +1,149 @@
+"""``gpupipe bench`` (gpupipe/bench/suite.py through the CLI): options, progress, the table, JSON, chart and the
+store ``backend="auto"`` reads; bench/run_gpu.sh."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+import gpupipe
+from gpupipe.cli import main
+
+from .common_utils import (
+    REPO_ROOT,
+    gpupipe_cli,
+)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--repeats", "0"], "--repeats: must be >= 1"),
+        (["--seconds", "0"], "--seconds: must be > 0"),
+        (["--seconds", "-1"], "--seconds: must be > 0"),
+        (["--workers", "-2"], "--workers: must be >= 0"),
+    ],
+)
+def test_bench_rejects_bad_numbers(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_backends_auto_is_a_clear_error(folder):
+    r = gpupipe_cli("bench", "--data", folder, "--device", "cpu", "--backends", "auto")
+    assert r.returncode == 2 and "auto is not a backend" in r.stderr and "None" not in r.stderr
+
+
+def test_bench_shows_progress_and_time_left_in_a_log(tmp_path, folder):
+    r = gpupipe_cli(
+        "bench",
+        "--data",
+        folder,
+        "--device",
+        "cpu",
+        "--workers",
+        0,
+        "--backends",
+        "pillow",
+        "--pipelines",
+        "decode,eval",
+        "--seconds",
+        0.2,
+        "--repeats",
+        2,
+        "--batch-size",
+        4,
+        "--image-size",
+        32,
+        env={"GPUPIPE_CACHE": str(tmp_path / "cache")},
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("bench ")]
+    assert len(lines) >= 6 and all("left:" in line for line in lines)  # one line per job and window
+    assert "eval: pillow, window 2/2" in lines[-1]
+
+
+def test_run_gpu_script_runs_every_part_after_a_failing_one(tmp_path):
+    """bench/run_gpu.sh with a stand-in python whose pytest fails: the bench parts still run, the status is 1."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *pytest*) exit 1;; esac\n')
+    fake.chmod(0o755)
+    r = subprocess.run(
+        ["bash", str(REPO_ROOT / "bench" / "run_gpu.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")},
+        timeout=60,
+    )
+    calls = log.read_text().splitlines()
+    assert r.returncode == 1 and "part tests failed" in r.stderr
+    pipelines = [c.split("--pipelines ")[1].split()[0] for c in calls if "bench" in c]
+    assert pipelines == ["decode", "train", "eval", "train"]  # the last: end-to-end
+    assert "--model resnet50" in calls[-1]
+
+
+def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
+    backends = [b for b in ("pillow", "turbojpeg", "dali", "synthetic") if b in gpupipe.available_backends()]
+    j, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = main(
+        [
+            "bench",
+            "--data",
+            str(folder),
+            "--device",
+            "cpu",
+            "--workers",
+            "1",
+            "--backends",
+            ",".join(backends),
+            "--pipelines",
+            "decode,floor,train,eval",
+            "--seconds",
+            "0.3",
+            "--repeats",
+            "2",
+            "--batch-size",
+            "8",
+            "--image-size",
+            "32",
+            "--json",
+            str(j),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert rc == 0
+    rep = json.loads(j.read_text())
+    got = {(r["backend"], r["pipeline"]) for r in rep["results"]}
+    assert {("baseline", "train"), ("baseline", "eval")} <= got
+    for b in backends:
+        assert (b, "train") in got and (b, "eval") in got
+        assert b == "synthetic" or (b, "decode") in got
+        assert ((b, "floor") in got) == (b in ("pillow", "turbojpeg"))  # the CPU decoders' train floor
+    if "dali" in backends:  # DALI's own pipeline, timed beside the dali backend
+        assert {("dali-reference", "train"), ("dali-reference", "eval")} <= got
+    for r in rep["results"]:
+        assert r["images_per_s"] > 0 and r["workers"] == 1 and r["device"] == "cpu"
+        if r["pipeline"] in ("train", "eval"):
+            assert r["vs_baseline"] > 0
+        assert ("vs_floor" in r) == (r["pipeline"] == "train" and r["backend"] in ("pillow", "turbojpeg"))
+    assert {"torch", "cpu", "cores_usable"} <= rep["machine"].keys()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "img/s" in capsys.readouterr().out
+    # backend="auto" now follows the measurement
+    real = set(backends) - {"synthetic"}
+    best = max(
+        (r for r in rep["results"] if r["pipeline"] == "eval" and r["backend"] in real), key=lambda r: r["images_per_s"]
+    )["backend"]
+    loader = gpupipe.build_loader(folder, "auto", train=False, batch_size=4, num_workers=0, device="cpu")
+    assert loader.backend == best
+
+
+def test_bench_rejects_unavailable_backend(folder):
+    if "nvjpeg" in gpupipe.available_backends():
+        pytest.skip("CUDA is here")
+    assert main(["bench", "--data", str(folder), "--device", "cpu", "--backends", "nvjpeg"]) == 2

@@ -1,0 +1,133 @@
+"""The CPU decoders (backends/pillow.py, backends/turbojpeg.py, backends/_image.py) and ``read_image`` on every
+backend: one policy for bad and unusual files, EXIF orientation, reduced (DCT-scaled) decoding."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import gpupipe
+from gpupipe.recipe import Box
+
+from .common_utils import (
+    DECODERS,
+    INVALID,
+    READERS,
+    VALID,
+    exif_upright,
+    float_tiff,
+    jpeg_bytes,
+    jpeg_with_orientation,
+    photo,
+)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("kind", sorted(VALID))
+def test_unusual_valid_files_decode_to_rgb(base, backend, kind):
+    data = VALID[kind](base)
+    img = gpupipe.read_image(data, backend)
+    ref = gpupipe.read_image(data, "pillow")
+    assert img.dtype == torch.uint8 and img.shape[0] == 3 and img.shape == ref.shape
+    assert (img.float() - ref.float()).abs().mean() < 3
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_everywhere(base, backend, orientation):
+    data = jpeg_with_orientation(base, orientation)
+    img = gpupipe.read_image(data, backend)
+    upright = torch.from_numpy(
+        np.asarray(
+            __import__("PIL.ImageOps").ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+        ).copy()
+    ).permute(2, 0, 1)
+    assert img.shape == upright.shape
+    assert (img.float() - upright.float()).abs().mean() < 3
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("kind", sorted(INVALID))
+def test_invalid_files_raise_decode_error_naming_the_file(tmp_path, base, backend, kind):
+    path = tmp_path / f"{kind}.jpg"
+    path.write_bytes(INVALID[kind](base))
+    with pytest.raises(gpupipe.DecodeError) as e:
+        gpupipe.read_image(path, backend)
+    assert str(path) in str(e.value) and e.value.backend == backend
+
+
+@pytest.mark.parametrize("backend", READERS)
+def test_pixel_limit_is_checked_from_the_header(tmp_path, backend):
+    path = tmp_path / "big.png"
+    Image.new("L", (3000, 2000)).save(path)
+    with pytest.raises(gpupipe.DecodeError, match="exceeds the limit"):
+        gpupipe.read_image(path, backend, max_pixels=1_000_000)
+
+
+@pytest.mark.parametrize("backend", READERS)
+def test_float_images_follow_one_rule_everywhere(tmp_path, backend):
+    """A float TIFF (mode F) is refused by every backend, as its value range says nothing about 8-bit colours; 16-bit
+    integer TIFFs are scaled (the top 8 bits)."""
+    with pytest.raises(gpupipe.DecodeError, match=r"floating-point image \(mode F\)"):
+        gpupipe.read_image(float_tiff(tmp_path / "f.tif"), backend)
+    if backend in DECODERS:
+        arr = np.full((8, 8), 0xABCD, dtype=np.uint16)
+        Image.fromarray(arr).save(tmp_path / "i16.tif")
+        assert gpupipe.read_image(tmp_path / "i16.tif", backend).unique().tolist() == [0xAB]
+
+
+@pytest.mark.parametrize("backend", READERS)
+def test_reasons_do_not_name_python_objects(backend):
+    with pytest.raises(gpupipe.DecodeError) as e:
+        gpupipe.read_image(b"this is not an image at all", backend)
+    assert "BytesIO" not in str(e.value) and " at 0x" not in str(e.value)
+    assert "not a readable image" in e.value.reason
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orientation_on_arrays_and_tensors_matches_pil(base, orientation):
+    """The crop path's numpy views and the nvJPEG path's tensor ops turn an image as PIL's exif_transpose does."""
+    from gpupipe.backends._image import upright_array
+    from gpupipe.backends.nvjpeg import _upright_chw
+
+    data = jpeg_with_orientation(base, orientation)
+    want = np.asarray(exif_upright(data))
+    arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert np.array_equal(upright_array(arr, orientation), want)
+    chw = _upright_chw(torch.from_numpy(arr.copy()).permute(2, 0, 1), orientation)
+    assert torch.equal(chw.permute(1, 2, 0), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_train_crop_of_a_rotated_file_is_the_upright_crop(base, backend, orientation):
+    """The crop is chosen on the upright image and cut from it, whichever way the file is stored."""
+    from gpupipe.backends import cpu_decoder
+    from gpupipe.recipe import Box
+
+    stored = jpeg_with_orientation(base, orientation)
+    box = Box(5, 10, 40, 30, flip=True)  # in upright pixels
+    got, _ = cpu_decoder(backend).crop(stored, "x.jpg", lambda h, w: box, 32)
+    ref, _ = cpu_decoder(backend).crop(jpeg_bytes(exif_upright(stored), quality=95), "y.jpg", lambda h, w: box, 32)
+    assert np.abs(got.astype(np.float32) - ref).mean() < 3
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_reduced_decode_keeps_what_the_crop_needs(backend):
+    """The DCT-reduced decode is as small as the crop allows (1/4 here) yet still at least the output size, and the
+    train crop it gives matches the full-resolution decode's within resampling noise."""
+    from gpupipe.backends import cpu_decoder
+
+    buf = io.BytesIO()
+    photo(np.random.default_rng(3), 1200, 1600).save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    box = Box(100, 200, 960, 1000, flip=True)
+    img, got_box, hw, fell_back = cpu_decoder(backend).decode_for_crop(data, "x.jpg", lambda h, w: box, 224)
+    assert got_box == box and hw == (1200, 1600) and not fell_back
+    assert np.asarray(img).shape[:2] == (300, 400)  # 1/4: the crop stays 240x250 >= 224
+    reduced, _ = cpu_decoder(backend).crop(data, "x.jpg", lambda h, w: box, 224)
+    full, _ = cpu_decoder(backend, reduced_decode=False).crop(data, "x.jpg", lambda h, w: box, 224)
+    assert reduced.shape == full.shape == (3, 224, 224)
+    assert np.abs(reduced.astype(np.float32) - full).mean() <= 2.0

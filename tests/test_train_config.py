@@ -1,0 +1,39 @@
+"""gpupipe/train/config.py: defaults <- YAML <- flags, one-line errors, ``--help`` for every field."""
+
+import pytest
+
+from gpupipe.train.config import TrainConfig, load_config
+
+
+def test_config_file_overrides_only_what_it_names(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("epochs: 3\nprecision: bf16\n")
+    cfg = load_config(str(f), {"lr": 0.5, "model": None})
+    assert (cfg.epochs, cfg.precision, cfg.lr, cfg.model) == (3, "bf16", 0.5, TrainConfig.model)
+    f.write_text("epocs: 3\n")
+    with pytest.raises(Exception, match="epocs"):
+        load_config(str(f))
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp8")
+
+
+def test_help_explains_every_flag_and_booleans_turn_off(tmp_path, capsys):
+    from dataclasses import fields
+
+    from gpupipe.cli import main
+    from gpupipe.train.config import HELP
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert {f.name for f in fields(TrainConfig)} == HELP.keys()
+    for name in HELP:
+        assert f"--{name.replace('_', '-')}" in text
+    for choices in ("{fp32,bf16,fp16}", "{sgd,adamw}", "{raise,skip}", "{auto,pillow,"):
+        assert choices in text
+    assert "--no-channels-last" in text and "(default None: every usable core)" in text
+    f = tmp_path / "run.yaml"
+    f.write_text("channels_last: true\ncompile: true\n")
+    assert main(["train", "--config", str(f), "--no-channels-last", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "channels_last: false" in printed and "compile: true" in printed
