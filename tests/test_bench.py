@@ -147,3 +147,20 @@ def test_bench_rejects_unavailable_backend(folder):
     if "nvjpeg" in gpupipe.available_backends():
         pytest.skip("CUDA is here")
     assert main(["bench", "--data", str(folder), "--device", "cpu", "--backends", "nvjpeg"]) == 2
+
+
+def test_windows_wait_for_the_other_jobs_prefetch_to_stop(monkeypatch):
+    """The machine is busy for three polls (another job's workers refilling), then quiet: the window waits for it."""
+    from gpupipe.bench import suite
+
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = iter([0, hz, 2 * hz, 3 * hz, 3 * hz, 3 * hz])  # 1 core busy per 0.2 s poll... then nothing more
+    polls = []
+    monkeypatch.setattr(suite, "_cpu_busy", lambda: (int(next(busy) * 0.2), 0))
+    monkeypatch.setattr(suite.time, "sleep", polls.append)
+    suite._wait_quiet(limit=60.0)
+    assert len(polls) == 4  # three busy intervals, then the quiet one
+    polls.clear()
+    monkeypatch.setattr(suite, "_cpu_busy", lambda: None)  # no /proc/stat: no wait
+    suite._wait_quiet(limit=60.0)
+    assert polls == []

@@ -6,6 +6,7 @@ also given as a ratio to the baseline measured in the same run, so they hold on 
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -88,6 +89,33 @@ def _window(batches: Iterator, seconds: float, drain: int, sync: Callable[[], No
             break
     sync()
     return count / (time.perf_counter() - t0)
+
+
+def _cpu_busy() -> tuple[int, int] | None:
+    """(busy, total) CPU jiffies of the whole machine since boot (Linux ``/proc/stat``); None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def _wait_quiet(limit: float, interval: float = 0.2, cores: float = 0.3) -> None:
+    """Wait, at most ``limit`` seconds, until the machine uses fewer than ``cores`` CPUs. A job's prefetching workers
+    refill their queues after its own window: without this, that work runs in the next job's window and costs it."""
+    before = _cpu_busy()
+    if before is None:
+        return
+    hz = os.sysconf("SC_CLK_TCK")
+    until = time.monotonic() + limit
+    while time.monotonic() < until:
+        time.sleep(interval)
+        now = _cpu_busy()
+        if now is None or (now[0] - before[0]) / hz / interval < cores:
+            return
+        before = now
 
 
 def _sync_for(device: torch.device) -> Callable[[], None]:
@@ -277,6 +305,7 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
         for r in range(cfg.repeats):
             for i, job in enumerate(group):
                 progress(f"{job.pipeline}: {job.backend}, window {r + 1}/{cfg.repeats}", done / planned)
+                _wait_quiet(limit=min(10.0, 2 * window))
                 with gpu_samplers[i]:
                     rates[i].append(_window(streams[i], window, drain, sync))
                 done += window
