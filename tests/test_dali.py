@@ -121,3 +121,24 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     finally:
         gc.enable()
         gc.collect()
+
+
+def test_the_next_epoch_is_scheduled_before_this_one_ends(photos):
+    """DALI never runs dry at an epoch edge: the next epoch's first batches are in flight when the last ones are
+    delivered, and what they hold is what a fresh loader gives for that epoch (or they are dropped: set_epoch)."""
+    kw = dict(batch_size=4, train=True, image_size=48, num_workers=1, normalize=False, seed=4, device="cpu")
+
+    def epoch_of_fresh(epoch):
+        fresh = gpupipe.build_loader(photos, "dali", **kw)
+        fresh.set_epoch(epoch)
+        return list(fresh)
+
+    loader = gpupipe.build_loader(photos, "dali", **kw)
+    list(loader)
+    assert [w.epoch for w in loader._ahead] == [1, 1]
+    for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(1), strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    loader.set_epoch(5)  # not the epoch scheduled ahead (2): those batches are dropped
+    for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(5), strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert loader.pipelines_built == 1

@@ -12,6 +12,7 @@ on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .._deps import INSTALL_HINTS, has_module, require
 from .._system import usable_cores
 from ..data.device import normalise
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
+from ..data.scan import ImageList
 from ..errors import DecodeError
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
 from ._image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
@@ -158,6 +160,7 @@ class _Work:
     errors: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: int = 0
     scheduled: bool = False
+    stamps: list[tuple[int, int] | None] = field(default_factory=list)  # next-epoch work: its files' (mtime, size)
 
 
 class DaliLoader(Loader):
@@ -177,6 +180,7 @@ class DaliLoader(Loader):
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
         self._headers = None  # (upright sizes, {index: reason}, {indices for Pillow}): read once, up front
+        self._ahead: deque[_Work] = deque()  # the next epoch's first batches, scheduled before this epoch ended
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
@@ -217,13 +221,40 @@ class DaliLoader(Loader):
         finally:
             self._pipe.release_outputs()
 
-    def _drain(self) -> None:
-        """Fetch and drop what an earlier, unfinished pass left in the pipeline, so this pass starts clean."""
-        while self._pipe is not None and self._scheduled > 0:
+    def _drain(self, keep: int = 0) -> None:
+        """Fetch and drop what an earlier, unfinished pass left in the pipeline (the oldest first), until ``keep``
+        batches are left in flight, so this pass starts clean."""
+        while self._pipe is not None and self._scheduled > keep:
             try:
                 self._fetch()
             except RuntimeError:
                 self._discard_pipeline()
+
+    def _take_ahead(self, epoch: int, start_batch: int) -> deque[_Work]:
+        """The batches scheduled ahead at the end of the last pass, when this pass is the one they were for (the
+        next epoch, from its start) and their files are unchanged since they were read; else nothing (dropped)."""
+        ahead, self._ahead = self._ahead, deque()
+        if not (ahead and ahead[0].epoch == epoch and start_batch == 0 and all(map(self._unchanged, ahead))):
+            ahead = deque()
+        keep = sum(w.scheduled for w in ahead)
+        self._drain(keep)
+        if self._scheduled < keep:  # a failure in the drain took the pipeline, and them with it: schedule again
+            for work in ahead:
+                if work.dali:
+                    self._submit(work)
+        return ahead
+
+    def _stamp(self, index: int) -> tuple[int, int] | None:
+        if type(self.dataset).read is not ImageList.read:  # shards are not rewritten under a running loader
+            return None
+        try:
+            st = os.stat(self.dataset.samples[index][0])
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _unchanged(self, work: _Work) -> bool:
+        return all(self._stamp(i) == stamp for i, stamp in zip(work.indices, work.stamps, strict=True))
 
     # -- the samples ------------------------------------------------------------------------------------------------
 
@@ -329,27 +360,47 @@ class DaliLoader(Loader):
         return normalise(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        self._drain()
-        todo = deque(self.sampler.batches(epoch, start_batch))
-        pending: deque[_Work] = deque()
-        while todo or pending:
-            while todo and len(pending) < _PREFETCH:
-                work = self._prepare(epoch, todo.popleft())
-                if work.dali:
-                    self._submit(work)
-                pending.append(work)
+        """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first
+        ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
+        pending = self._take_ahead(epoch, start_batch)
+        todo = deque(self.sampler.batches(epoch, start_batch)[len(pending) :])
+        following = deque(self.sampler.batches(epoch + 1))
+        while True:
+            self._fill(pending, epoch, todo, following)
+            if not pending or pending[0].epoch != epoch:
+                break
             work = pending.popleft()
-            decoded = None
+            yield self._assemble(work, self._decoded(work, pending))
+        self._ahead = pending
+
+    def _fill(self, pending: deque[_Work], epoch: int, todo: deque[list[int]], following: deque[list[int]]) -> None:
+        """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
+        while len(pending) < _PREFETCH and (todo or following):
+            if todo:
+                work = self._prepare(epoch, todo.popleft())
+            else:
+                indices = following.popleft()
+                stamps = [self._stamp(i) for i in indices]  # taken before the read: a later change shows
+                work = self._prepare(epoch + 1, indices)
+                work.stamps = stamps
             if work.dali:
-                try:
-                    decoded = self._fetch()
-                except RuntimeError:
-                    self._discard_pipeline()
-                    decoded = self._recover(work, epoch)
-                    for later in pending:  # lost with the pipeline: scheduled again, in order, on a new one
-                        if later.dali:
-                            self._submit(later)
-            yield self._assemble(work, decoded)
+                self._submit(work)
+            pending.append(work)
+
+    def _decoded(self, work: _Work, pending: deque[_Work]) -> torch.Tensor | None:
+        """DALI's images of ``work``; after a failure, what :meth:`_recover` saves (the batches behind it, lost with
+        the pipeline, are scheduled again, in order, on a new one)."""
+        if not work.dali:
+            return None
+        try:
+            return self._fetch()
+        except RuntimeError:
+            self._discard_pipeline()
+            decoded = self._recover(work, work.epoch)
+            for later in pending:
+                if later.dali:
+                    self._submit(later)
+            return decoded
 
 
 def dali_decode_counts(dataset, cfg) -> Iterator[int]:
