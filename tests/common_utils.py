@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import gpupipe
@@ -136,3 +137,39 @@ def gpupipe_cli(*args, **kw):
     return subprocess.run(
         [sys.executable, "-m", "gpupipe", *map(str, args)], capture_output=True, text=True, env=env, timeout=600, **kw
     )
+
+
+def assert_resume_is_exact(make_loader, epoch: int, batch: int) -> None:
+    """A loader resumed at ``(epoch, batch)`` by ``load_state_dict`` delivers exactly the rest of a straight epoch:
+    the same images and labels, to the bit."""
+    straight = make_loader()
+    straight.set_epoch(epoch)
+    whole = list(straight)
+    resumed = make_loader()
+    resumed.load_state_dict({"epoch": epoch, "batch": batch})
+    rest = list(resumed)
+    assert len(rest) == len(whole) - batch
+    for (a, la), (b, lb) in zip(whole[batch:], rest, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def two_rank_epochs(root, backend: str) -> tuple[list[int], list[set[int]]]:
+    """Steps and label sets of ranks 0 and 1 of a train loader over ``root`` (batch 3, one epoch)."""
+    steps, seen = [], []
+    for rank in range(2):
+        loader = gpupipe.build_loader(
+            root,
+            backend,
+            batch_size=3,
+            train=True,
+            image_size=24,
+            num_workers=0,
+            rank=rank,
+            world_size=2,
+            drop_last=False,
+            device="cpu",
+        )
+        labels = [y for _, y in loader]
+        steps.append(len(labels))
+        seen.append(set(torch.cat(labels).tolist()))
+    return steps, seen

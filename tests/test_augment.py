@@ -14,7 +14,7 @@ import gpupipe
 from gpupipe.augment import Op, Policy
 from gpupipe.recipe import Recipe
 
-from .common_utils import CPU_LOADER_BACKENDS
+from .common_utils import CPU_LOADER_BACKENDS, assert_resume_is_exact
 
 RA = "rand-m9-mstd0.5-inc1"
 FULL = Recipe(auto_augment=RA, color_jitter=0.4, re_prob=0.5, re_count=2)
@@ -83,15 +83,7 @@ def test_worker_path_and_batched_device_path_give_the_same_pixels(folder):
 
 
 def test_resumed_run_with_randaugment_gives_the_same_pixels(folder):
-    loader = _loader(folder, recipe=FULL, batch_size=4)
-    loader.set_epoch(2)
-    straight = list(loader)
-    again = _loader(folder, recipe=FULL, batch_size=4)
-    again.load_state_dict({"epoch": 2, "batch": 3})
-    rest = list(again)
-    assert len(rest) == len(straight) - 3
-    for (a, la), (b, lb) in zip(straight[3:], rest, strict=True):
-        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert_resume_is_exact(lambda: _loader(folder, recipe=FULL, batch_size=4), epoch=2, batch=3)
 
 
 @pytest.mark.parametrize("backend", [*CPU_LOADER_BACKENDS, "synthetic"])

@@ -10,7 +10,7 @@ from PIL import Image
 
 import gpupipe
 
-from .common_utils import cpu_and_cuda, photo
+from .common_utils import assert_resume_is_exact, cpu_and_cuda, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -54,15 +54,7 @@ def test_dali_uses_the_recipes_boxes(photos, device, train):
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_dali_resumes_mid_epoch_with_identical_pixels(photos, device):
     kw = dict(batch_size=4, train=True, image_size=64, num_workers=1, normalize=False, seed=9, device=device)
-    straight = gpupipe.build_loader(photos, "dali", **kw)
-    straight.set_epoch(1)
-    whole = list(straight)
-    resumed = gpupipe.build_loader(photos, "dali", **kw)
-    resumed.load_state_dict({"epoch": 1, "batch": 2})
-    rest = list(resumed)
-    assert len(rest) == len(whole) - 2
-    for (a, la), (b, lb) in zip(whole[2:], rest, strict=True):
-        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert_resume_is_exact(lambda: gpupipe.build_loader(photos, "dali", **kw), epoch=1, batch=2)
 
 
 def test_one_pipeline_per_loader_across_epochs(photos):

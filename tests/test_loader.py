@@ -7,7 +7,15 @@ from torchvision.datasets import ImageFolder
 
 import gpupipe
 
-from .common_utils import CPU_LOADER_BACKENDS, GPU_DECODERS, cpu_and_cuda, float_tiff, make_folder
+from .common_utils import (
+    CPU_LOADER_BACKENDS,
+    GPU_DECODERS,
+    assert_resume_is_exact,
+    cpu_and_cuda,
+    float_tiff,
+    make_folder,
+    two_rank_epochs,
+)
 
 ALL = [*CPU_LOADER_BACKENDS, "synthetic"]
 
@@ -65,23 +73,7 @@ def test_train_epoch_holds_every_sample_once_in_a_new_order(unique_folder, backe
 
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_two_shards_take_equal_steps_and_cover_the_data(unique_folder, backend):
-    seen, steps = [], []
-    for rank in range(2):
-        loader = gpupipe.build_loader(
-            unique_folder,
-            backend,
-            batch_size=3,
-            train=True,
-            image_size=24,
-            num_workers=0,
-            rank=rank,
-            world_size=2,
-            drop_last=False,
-            device="cpu",
-        )
-        labels = [y for _, y in loader]
-        steps.append(len(labels))
-        seen.append(set(torch.cat(labels).tolist()))
+    steps, seen = two_rank_epochs(unique_folder, backend)
     assert steps[0] == steps[1]
     assert seen[0] | seen[1] == set(range(13))
     assert len(seen[0] & seen[1]) <= 1  # 13 over 2 ranks: one sample pads the short shard
@@ -150,15 +142,7 @@ def test_normalisation_and_transforms(folder, monkeypatch):
 
 def test_resume_mid_epoch_gives_the_same_batches(folder):
     kw = dict(batch_size=4, train=True, image_size=24, num_workers=0, normalize=False, device="cpu", seed=5)
-    loader = gpupipe.build_loader(folder, "pillow", **kw)
-    loader.set_epoch(2)
-    straight = list(loader)
-    again = gpupipe.build_loader(folder, "pillow", **kw)
-    again.load_state_dict({"epoch": 2, "batch": 3})
-    rest = list(again)
-    assert len(rest) == len(straight) - 3
-    for (a, la), (b, lb) in zip(straight[3:], rest, strict=False):
-        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert_resume_is_exact(lambda: gpupipe.build_loader(folder, "pillow", **kw), epoch=2, batch=3)
 
 
 def _labels(batches):

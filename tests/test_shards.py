@@ -20,7 +20,9 @@ from gpupipe.prepare import PrepareOptions, prepare
 from .common_utils import (
     CPU_LOADER_BACKENDS,
     GPU_DECODERS,
+    assert_resume_is_exact,
     photo,
+    two_rank_epochs,
 )
 
 wds = pytest.importorskip("webdataset")
@@ -161,36 +163,13 @@ def test_epochs_follow_the_folders_order_on_shards(unique_folder, unique_prepare
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "synthetic"])
 def test_ranks_take_equal_steps_and_cover_the_shards(unique_prepared, backend):
-    seen, steps = [], []
-    for rank in range(2):
-        loader = gpupipe.build_loader(
-            unique_prepared,
-            backend,
-            batch_size=3,
-            train=True,
-            image_size=24,
-            num_workers=0,
-            rank=rank,
-            world_size=2,
-            drop_last=False,
-            device="cpu",
-        )
-        labels = [y for _, y in loader]
-        steps.append(len(labels))
-        seen.append(set(torch.cat(labels).tolist()))
+    steps, seen = two_rank_epochs(unique_prepared, backend)
     assert steps[0] == steps[1] and seen[0] | seen[1] == set(range(13)) and len(seen[0] & seen[1]) <= 1
 
 
 def test_resume_mid_epoch_on_shards(unique_prepared):
     kw = dict(batch_size=3, train=True, image_size=24, num_workers=1, normalize=False, device="cpu", seed=5)
-    loader = gpupipe.build_loader(unique_prepared, "pillow", **kw)
-    loader.set_epoch(2)
-    straight = list(loader)
-    again = gpupipe.build_loader(unique_prepared, "pillow", **kw)
-    again.load_state_dict({"epoch": 2, "batch": 2})
-    rest = list(again)
-    assert len(rest) == len(straight) - 2
-    assert all(torch.equal(a, b) and torch.equal(la, lb) for (a, la), (b, lb) in zip(straight[2:], rest, strict=True))
+    assert_resume_is_exact(lambda: gpupipe.build_loader(unique_prepared, "pillow", **kw), epoch=2, batch=2)
 
 
 def test_a_truncated_shard_names_itself(unique_prepared, tmp_path):

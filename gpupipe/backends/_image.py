@@ -170,7 +170,7 @@ def header_scan(dataset, max_pixels: int, workers: int = 1):
         problems = {int(i): pixel_limit_reason(int(hw[i, 1]), int(hw[i, 0]), max_pixels) for i in over}
         return hw, problems, set()
     check = partial(_header_entry, max_pixels=max_pixels)
-    if type(dataset).read is not _plain_read():  # another storage layout: its bytes, read one by one
+    if not dataset.reads_files:  # another storage layout: its bytes, read one by one
         entries = [_entry_of(dataset, i, check) for i in range(n)]
     elif workers <= 1 or n < 4096:
         entries = [check(path) for path, _ in dataset.samples]
@@ -183,12 +183,6 @@ def header_scan(dataset, max_pixels: int, workers: int = 1):
     problems = {i: e for i, e in enumerate(entries) if isinstance(e, str)}
     pillow_only = {i for i, e in enumerate(entries) if not isinstance(e, str) and e[2]}
     return sizes, problems, pillow_only
-
-
-def _plain_read():
-    from ..data.scan import ImageList
-
-    return ImageList.read
 
 
 def _entry_of(dataset, index: int, check) -> tuple[int, int, bool] | str:

@@ -25,7 +25,6 @@ from .._deps import INSTALL_HINTS, has_module, require
 from .._system import usable_cores
 from ..data.device import normalise
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
-from ..data.scan import ImageList
 from ..errors import DecodeError
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
 from ._image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
@@ -245,7 +244,7 @@ class DaliLoader(Loader):
         return ahead
 
     def _stamp(self, index: int) -> tuple[int, int] | None:
-        if type(self.dataset).read is not ImageList.read:  # shards are not rewritten under a running loader
+        if not self.dataset.reads_files:  # shards are not rewritten under a running loader
             return None
         try:
             st = os.stat(self.dataset.samples[index][0])
@@ -281,7 +280,7 @@ class DaliLoader(Loader):
             if not data:
                 work.errors.append((path, "empty file"))
                 continue
-            if is_jpeg(data) and _EOI not in data[-_EOI_TAIL:]:
+            if is_jpeg(data) and data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) < 0:
                 try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
                     self._check.decode(data, path)
                 except DecodeError as e:
@@ -311,7 +310,7 @@ class DaliLoader(Loader):
         except DecodeError as e:
             work.errors.append((path, e.reason))
 
-    def _recover(self, work: _Work, epoch: int) -> torch.Tensor | None:
+    def _recover(self, work: _Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
         decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
@@ -335,14 +334,14 @@ class DaliLoader(Loader):
                 self._discard_pipeline()
         for pos, data in zip(work.dali, work.data, strict=True):  # only DALI refuses these: Pillow decodes them
             self._decode_on_cpu(
-                work, pos, data.tobytes(), self.recipe.plan(self.train, self.seed, epoch, work.indices[pos])
+                work, pos, data.tobytes(), self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
             )
         work.dali, work.data, work.meta = [], [], []
         return None
 
     def _assemble(self, work: _Work, decoded: torch.Tensor | None) -> Batch:
         """The batch in the sampler's order: DALI's images and Pillow's, less the failures."""
-        device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # DALI's output's
+        device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # where DALI outputs
         if not work.cpu:
             positions = work.dali
             images = decoded if decoded is not None else empty_batch(self.recipe.size, device).images
@@ -364,7 +363,7 @@ class DaliLoader(Loader):
         ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
         pending = self._take_ahead(epoch, start_batch)
         todo = deque(self.sampler.batches(epoch, start_batch)[len(pending) :])
-        following = deque(self.sampler.batches(epoch + 1))
+        following = self._batches_of(epoch + 1)  # lazy: only the epoch's end asks for it
         while True:
             self._fill(pending, epoch, todo, following)
             if not pending or pending[0].epoch != epoch:
@@ -373,13 +372,17 @@ class DaliLoader(Loader):
             yield self._assemble(work, self._decoded(work, pending))
         self._ahead = pending
 
-    def _fill(self, pending: deque[_Work], epoch: int, todo: deque[list[int]], following: deque[list[int]]) -> None:
+    def _batches_of(self, epoch: int) -> Iterator[list[int]]:
+        yield from self.sampler.batches(epoch)
+
+    def _fill(self, pending: deque[_Work], epoch: int, todo: deque[list[int]], following: Iterator[list[int]]) -> None:
         """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
-        while len(pending) < _PREFETCH and (todo or following):
+        while len(pending) < _PREFETCH:
             if todo:
                 work = self._prepare(epoch, todo.popleft())
+            elif (indices := next(following, None)) is None:
+                return
             else:
-                indices = following.popleft()
                 stamps = [self._stamp(i) for i in indices]  # taken before the read: a later change shows
                 work = self._prepare(epoch + 1, indices)
                 work.stamps = stamps
@@ -396,7 +399,7 @@ class DaliLoader(Loader):
             return self._fetch()
         except RuntimeError:
             self._discard_pipeline()
-            decoded = self._recover(work, work.epoch)
+            decoded = self._recover(work)
             for later in pending:
                 if later.dali:
                     self._submit(later)

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
@@ -27,6 +27,7 @@ class ImageList:
     classes: list[str]
     class_to_idx: dict[str, int] = field(default_factory=dict)
     sizes: Sequence[tuple[int, int]] | None = None
+    reads_files: ClassVar[bool] = True  # samples[i][0] is a file read whole by read(); False for other layouts
 
     def __len__(self) -> int:
         return len(self.samples)

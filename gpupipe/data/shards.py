@@ -87,6 +87,8 @@ class _Sizes(Sequence):
 class ShardImageList(ImageList):
     """Samples stored as members of uncompressed tar shards; :meth:`read` slices them out of a per-process mmap."""
 
+    reads_files = False
+
     def __init__(
         self,
         root: str,
