@@ -42,6 +42,7 @@ lint: setup
 	$(VENV)/bin/ruff check gpupipe tests bench
 	$(VENV)/bin/ruff format --check gpupipe tests bench
 	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_imports.py
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 test: setup lint

@@ -11,10 +11,11 @@ import torch
 from ._system import usable_cores
 from .augment import Policy, SampleAugment
 from .backends import BackendName, check_name, require_backend
+from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import Loader, LoaderParts
 from .data.sampler import ShardSampler
-from .data.scan import scan
+from .data.sources import open_source
 from .recipe import Recipe
 
 __all__ = ["build_loader", "read_image", "usable_cores"]
@@ -100,10 +101,8 @@ def build_loader(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     dev = _resolve_device(device)
-    dataset = scan(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
+    dataset = open_source(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
     if name == "auto":
-        from .bench.store import choose_auto
-
         name = choose_auto(dataset.root, dev, train)
     spec = require_backend(name)
     if dev.type not in spec.devices:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
 
-from .backends._image import ARITHMETIC_SOF, Header, default_max_pixels, is_jpeg, jpeg_sof, probe
+from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
 from .errors import DecodeError
 

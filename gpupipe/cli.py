@@ -168,9 +168,9 @@ def _cmd_check(args) -> int:
 
     from ._system import usable_cores
     from .check import check
-    from .data.scan import scan
+    from .data.sources import open_source
 
-    paths = [p for p, _ in scan(args.dir).samples]
+    paths = [p for p, _ in open_source(args.dir).samples]
     workers = usable_cores() if args.workers is None else args.workers
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("checking", total=len(paths))

@@ -36,10 +36,11 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from PIL import Image, JpegImagePlugin
 
-from .backends._image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
+from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
-from .data.scan import ImageList, scan
+from .data.scan import ImageList
 from .data.shards import FORMAT, INDEX, META, VERSION
+from .data.sources import open_source
 from .errors import DecodeError, GpupipeError
 
 PLAN = ".prepare-plan.json"  # what an unfinished prepare in this folder was asked to do
@@ -325,7 +326,7 @@ def prepare(
     """
     options = options or PrepareOptions()
     src = _absolute(src)  # the same sample names (and so the same fingerprint) from any working directory
-    source = scan(src, allow_outside_root=allow_outside_root)
+    source = open_source(src, allow_outside_root=allow_outside_root)
     out = Path(out)
     if isinstance(src, str) and os.path.isdir(src) and Path(src).resolve() in (out.resolve(), *out.resolve().parents):
         raise ValueError(f"{out}: inside the source folder {src}; write the shards elsewhere (a rescan would see them)")

@@ -11,6 +11,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .augment.parse import check_erasing, parse_auto_augment, parse_color_jitter
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -49,7 +51,7 @@ class Recipe:
     auto_augment: str | None = None
     color_jitter: float | tuple[float, ...] | None = None
     re_prob: float = 0.0
-    re_mode: str = "pixel"
+    re_mode: str = "pixel"  # "const", "rand" or "pixel"
     re_count: int = 1
 
     def __post_init__(self):
@@ -61,9 +63,10 @@ class Recipe:
             raise ValueError(f"ratio must satisfy 0 < lo <= hi, got {self.ratio}")
         if not 0 < self.crop_pct <= 1:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
-        from .augment import Policy  # checks the policy strings and values now, not in a worker
-
-        Policy(self)
+        # the augmentation settings, checked now rather than in a decode worker
+        parse_auto_augment(self.auto_augment)
+        parse_color_jitter(self.color_jitter)
+        check_erasing(self.re_prob, self.re_mode, self.re_count)
 
     @property
     def resize_size(self) -> int:

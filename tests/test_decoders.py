@@ -1,4 +1,4 @@
-"""The CPU decoders (backends/pillow.py, backends/turbojpeg.py, backends/_image.py) and ``read_image`` on every
+"""The CPU decoders (backends/pillow.py, backends/turbojpeg.py, backends/image.py) and ``read_image`` on every
 backend: one policy for bad and unusual files, EXIF orientation, reduced (DCT-scaled) decoding."""
 
 import io
@@ -89,7 +89,7 @@ def test_reasons_do_not_name_python_objects(backend):
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_orientation_on_arrays_and_tensors_matches_pil(base, orientation):
     """The crop path's numpy views and the nvJPEG path's tensor ops turn an image as PIL's exif_transpose does."""
-    from gpupipe.backends._image import upright_array
+    from gpupipe.backends.image import upright_array
     from gpupipe.backends.nvjpeg import _upright_chw
 
     data = jpeg_with_orientation(base, orientation)

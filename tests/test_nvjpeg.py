@@ -9,7 +9,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset
-from gpupipe.data.scan import scan
+from gpupipe.data.sources import open_source as scan
 from gpupipe.recipe import Recipe
 
 from .common_utils import encoded, jpeg_bytes, jpeg_with_orientation, photo

@@ -16,9 +16,9 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 import gpupipe
-from gpupipe.backends._image import jpeg_sof
+from gpupipe.backends.image import jpeg_sof
 from gpupipe.cli import main
-from gpupipe.data.scan import scan
+from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
 
 from .common_utils import make_folder, photo

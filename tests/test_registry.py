@@ -5,8 +5,8 @@ import torch
 
 import gpupipe
 from gpupipe import backends
+from gpupipe.backends.cpu import cpu_decoder_spec
 from gpupipe.backends.pillow import PillowDecoder
-from gpupipe.backends.registry import cpu_decoder_spec
 
 
 class _ToyDecoder(PillowDecoder):

@@ -13,7 +13,7 @@ from torchvision.datasets import ImageFolder
 
 import gpupipe
 from gpupipe.data import shards
-from gpupipe.data.scan import scan
+from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError, GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
 

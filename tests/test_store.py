@@ -5,6 +5,7 @@ import logging
 import torch
 
 import gpupipe
+from gpupipe.backends.auto import best_backend
 from gpupipe.bench import store
 
 
@@ -28,9 +29,9 @@ def test_partial_runs_merge_and_auto_says_what_it_chose(tmp_path, folder, monkey
     )
     store.save_latest(_report("2026-02-02", ("pillow", "train", 120.0)), str(folder), cpu)  # --backends pillow
     store.save_latest(_report("2026-03-03"), str(folder), cpu)  # --backends synthetic --pipelines decode
-    best = store.best_backend(str(folder), cpu, train=True)
+    best = best_backend(str(folder), cpu, train=True)
     assert (best["backend"], best["images_per_s"], best["date"]) == (fast, 300.0, "2026-01-01")
-    assert store.best_backend(str(folder), cpu, train=False)["backend"] == "pillow"
+    assert best_backend(str(folder), cpu, train=False)["backend"] == "pillow"
     with caplog.at_level(logging.INFO, logger="gpupipe"):
         loader = gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu")
     assert loader.backend == fast

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
-
 from . import (
     _fork,  # noqa: F401  (registers the DALI fork guard)
     dali,
@@ -35,7 +33,6 @@ __all__ = [
     "names",
     "register",
     "require_backend",
-    "rule_of_thumb",
     "unavailable_reason",
     "unregister",
 ]
@@ -78,14 +75,3 @@ def cpu_decoder(name: str, max_pixels: int | None = None, reduced_decode: bool =
     if spec.decoder is None:
         raise ValueError(f"{name!r} is not a CPU decoder; CPU decoders: {', '.join(cpu_decoders())}")
     return spec.decoder(max_pixels, reduced_decode)
-
-
-def rule_of_thumb(device: torch.device) -> str:
-    """The stated rule for ``backend="auto"`` when no benchmark result applies."""
-    avail = available_backends()
-    if device.type == "cuda" and "dali" in avail:
-        return "dali"
-    for name in ("turbojpeg", "pillow-simd"):
-        if name in avail:
-            return name
-    return "pillow"

@@ -26,8 +26,7 @@ from .._system import usable_cores
 from ..data.device import normalise
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from ..recipe import IMAGENET_MEAN, IMAGENET_STD
-from ._image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
+from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
@@ -57,7 +56,7 @@ def _unavailable() -> str | None:
     return None if has_module("nvidia.dali") else f"DALI is not installed; {INSTALL_HINTS['dali']}"
 
 
-def _device_id(device: torch.device) -> int | None:
+def dali_device_id(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.current_device() if device.index is None else device.index
@@ -87,7 +86,7 @@ def build_pipeline(
     @pipeline_def(
         batch_size=batch_size,
         num_threads=num_threads,
-        device_id=_device_id(device),
+        device_id=dali_device_id(device),
         prefetch_queue_depth=1,
         exec_dynamic=True,
     )
@@ -406,91 +405,6 @@ class DaliLoader(Loader):
             return decoded
 
 
-def dali_decode_counts(dataset, cfg) -> Iterator[int]:
-    """``gpupipe bench``'s decode pipeline for DALI: bytes in, RGB at full size out, nothing else; yields batch
-    sizes."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    gpu = cfg.device.type == "cuda"
-    data = [np.frombuffer(dataset.read(i), dtype=np.uint8) for i in range(len(dataset))]
-
-    @pipeline_def(
-        batch_size=cfg.batch_size,
-        num_threads=max(1, cfg.workers),
-        device_id=_device_id(cfg.device),
-        prefetch_queue_depth=1,
-        exec_dynamic=True,
-    )
-    def pipe():
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
-        return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
-
-    p = pipe()
-    p.build()
-    batches = [data[i : i + cfg.batch_size] for i in range(0, len(data), cfg.batch_size)]
-    k = 0
-    for _ in range(_PREFETCH):
-        p.feed_input("enc", batches[k % len(batches)])
-        p.schedule_run()
-        k += 1
-    while True:
-        (out,) = p.outputs()
-        p.feed_input("enc", batches[k % len(batches)])
-        p.schedule_run()
-        k += 1
-        yield len(out)
-
-
-def dali_reference_counts(dataset, cfg, train: bool) -> Iterator[int]:
-    """DALI's own pipeline, as its documentation writes it (``readers.file`` -> ``decoders.image_random_crop`` ->
-    ``resize`` -> ``crop_mirror_normalize``; eval: ``decoders.image`` -> ``resize`` -> centre crop), normalised
-    float32 CHW batches on ``cfg.device``, as the dali backend delivers them: what it is measured against, side by
-    side. Its crops are DALI's own, not the recipe's."""
-    from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-
-    gpu = cfg.device.type == "cuda"
-    S = cfg.image_size
-    decode_device = "mixed" if gpu else "cpu"
-
-    @pipeline_def(batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=_device_id(cfg.device), seed=0)
-    def pipe():
-        jpegs, labels = fn.readers.file(
-            files=[p for p, _ in dataset.samples], labels=dataset.targets, random_shuffle=train, name="Reader"
-        )
-        if train:
-            images = fn.decoders.image_random_crop(
-                jpegs,
-                device=decode_device,
-                output_type=types.RGB,
-                random_area=[0.08, 1.0],
-                random_aspect_ratio=[3 / 4, 4 / 3],
-            )
-            images = fn.resize(images, resize_x=S, resize_y=S)
-            mirror = fn.random.coin_flip(probability=0.5)
-        else:
-            images = fn.decoders.image(jpegs, device=decode_device, output_type=types.RGB)
-            images = fn.resize(images, resize_shorter=round(S / 0.875))
-            mirror = 0
-        images = fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            crop=(S, S),
-            mirror=mirror,
-            mean=[m * 255 for m in IMAGENET_MEAN],
-            std=[s * 255 for s in IMAGENET_STD],
-        )
-        return images, labels
-
-    it = DALIGenericIterator(
-        pipe(), ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True
-    )
-    while True:
-        for out in it:
-            yield len(out[0]["labels"])
-
-
 def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
     """``read_image(backend="dali")``: a one-image pipeline on ``device`` (slow to start: for checks, not loops)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: heavy
@@ -500,7 +414,7 @@ def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.devi
         return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
     gpu = device.type == "cuda"
 
-    @pipeline_def(batch_size=1, num_threads=1, device_id=_device_id(device), prefetch_queue_depth=1)
+    @pipeline_def(batch_size=1, num_threads=1, device_id=dali_device_id(device), prefetch_queue_depth=1)
     def pipe():
         enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
         return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
@@ -524,5 +438,4 @@ SPEC = BackendSpec(
     _unavailable,
     DaliLoader,
     read=read_dali,
-    decode_job=dali_decode_counts,
 )

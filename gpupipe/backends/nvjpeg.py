@@ -16,7 +16,7 @@ import torch
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..recipe import Box, Recipe
-from ._image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
+from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
@@ -213,23 +213,6 @@ class NvjpegLoader(Loader):
         return chw_tensor(img).to(self.stage.device)
 
 
-def nvjpeg_decode_counts(dataset, cfg) -> Iterator[int]:
-    """``gpupipe bench``'s decode pipeline for nvJPEG: batched decode on CUDA from bytes held in memory."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    data = []
-    for i in range(len(dataset)):
-        raw = dataset.read(i)
-        if is_jpeg(raw):
-            data.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    if not data:
-        raise ValueError("no JPEG files to decode with nvjpeg")
-    while True:
-        for i in range(0, len(data), cfg.batch_size):
-            out = decode_jpeg(data[i : i + cfg.batch_size], mode=ImageReadMode.RGB, device=cfg.device)
-            yield len(out)
-
-
 def read_nvjpeg(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
     """``read_image(backend="nvjpeg")``: decoded on CUDA (``device``, or the current CUDA device when ``device`` is
     the CPU), returned on ``device``; what nvJPEG cannot take is decoded by Pillow."""
@@ -257,5 +240,4 @@ SPEC = BackendSpec(
     _unavailable,
     NvjpegLoader,
     read=read_nvjpeg,
-    decode_job=nvjpeg_decode_counts,
 )

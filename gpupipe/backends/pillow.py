@@ -10,8 +10,8 @@ from PIL import Image
 
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
-from ._image import ForCrop, Header, crop_resize, default_max_pixels, probe, resize_box, to_rgb, upright
-from .registry import cpu_decoder_spec
+from .cpu import cpu_decoder_spec
+from .image import ForCrop, Header, crop_resize, default_max_pixels, probe, resize_box, to_rgb, upright
 
 
 def pil_is_simd() -> bool:

@@ -7,9 +7,9 @@ to :func:`register` from user code).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -17,9 +17,8 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from ..data.loader import Loader, LoaderParts
-    from ..data.scan import ImageList
     from ..recipe import Box
-    from ._image import ForCrop
+    from .image import ForCrop
 
 
 class Decoder(Protocol):
@@ -56,8 +55,6 @@ class BackendSpec:
         read: ``(data, name, max_pixels, device) -> (3, H, W) uint8`` for ``read_image``; ``None``: not a decoder.
         decoder: ``(max_pixels, reduced_decode) -> decoder`` for backends that decode one image at a time on the
             CPU (``decode``/``decode_for_crop``/``crop``); the bench's ``floor`` pipeline uses it.
-        decode_job: ``(dataset, bench config) -> iterator of batch sizes``: the bench's ``decode`` pipeline
-            (decode to RGB at full size, nothing else); ``None`` falls back to ``decoder`` in DataLoader workers.
     """
 
     name: str
@@ -67,7 +64,6 @@ class BackendSpec:
     make_loader: Callable[[LoaderParts], Loader]
     read: Callable[[bytes, str, int | None, torch.device], torch.Tensor] | None = None
     decoder: Callable[[int | None, bool], Decoder] | None = None
-    decode_job: Callable[[ImageList, Any], Iterator[int]] | None = None
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -97,22 +93,3 @@ def get(name: str) -> BackendSpec:
         return _REGISTRY[name.lower()]
     except KeyError:
         raise ValueError(f"unknown backend {name!r}; valid names: {', '.join(('auto', *_REGISTRY))}") from None
-
-
-def cpu_decoder_spec(
-    name: str, summary: str, make_decoder: Callable[[int | None, bool], Decoder], unavailable: Callable[[], str | None]
-) -> BackendSpec:
-    """The spec of a backend that decodes one image at a time on the CPU (``decode``/``decode_for_crop``/``crop``):
-    DataLoader workers run it, and batches go to any device."""
-
-    def make_loader(parts: LoaderParts) -> Loader:
-        from ..data.loader import CpuLoader
-
-        return CpuLoader(parts, make_decoder(parts.max_pixels, True))
-
-    def read(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
-        from ._image import chw_tensor
-
-        return chw_tensor(make_decoder(max_pixels, True).decode(data, path)).to(device)
-
-    return BackendSpec(name, summary, ("cpu", "cuda"), unavailable, make_loader, read, make_decoder)

@@ -16,7 +16,8 @@ from PIL import Image
 from .._deps import require
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
-from ._image import (
+from .cpu import cpu_decoder_spec
+from .image import (
     ForCrop,
     crop_resize,
     default_max_pixels,
@@ -27,7 +28,6 @@ from ._image import (
     upright_hw,
 )
 from .pillow import PillowDecoder
-from .registry import cpu_decoder_spec
 
 
 def turbojpeg_handle():

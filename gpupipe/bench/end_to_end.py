@@ -68,11 +68,11 @@ def _train_rate(cfg: Config, backend: str, model: nn.Module) -> tuple[float, flo
 def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float) -> list[Result]:
     import timm
 
-    from ..data.scan import scan
+    from ..data.sources import open_source
 
     name = cfg.model
     assert name is not None  # suite.run calls this only with a model
-    num_classes = len(scan(cfg.data).classes)
+    num_classes = len(open_source(cfg.data).classes)
     if cfg.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     backends = ["synthetic"] + [b for b in cfg.backends if b != "synthetic"]

@@ -20,8 +20,9 @@ from PIL import Image
 from .._system import usable_cores
 from ..api import build_loader
 from ..backends import get
-from ..data.scan import scan
+from ..data.sources import open_source
 from ..recipe import Recipe
+from .jobs import DECODE_JOBS, dali_reference_counts
 from .records import Config, Result
 
 PIPELINES = ("decode", "floor", "train", "eval", "augment")
@@ -166,10 +167,10 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
 
 def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
     """Decode to uint8 RGB at full size, nothing else; with ``floor``, at the scale each train crop allows."""
-    data = scan(cfg.data)
+    data = open_source(cfg.data)
     spec = get(backend)
-    if spec.decode_job is not None and not floor:
-        return spec.decode_job(data, cfg)
+    if backend in DECODE_JOBS and not floor:
+        return DECODE_JOBS[backend](data, cfg)
     recipe = Recipe(cfg.image_size) if floor else None
     assert spec.decoder is not None  # _backend_job plans decode and floor only for a backend with a decoder
     ds = _DecodeOnly(data, spec.decoder(None, True), recipe)
@@ -186,9 +187,7 @@ def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[i
 
 def _reference_counts(cfg: Config, train: bool) -> Iterator[int]:
     """DALI's own pipeline as its documentation writes it, reading files itself (``dali_reference_counts``)."""
-    from ..backends.dali import dali_reference_counts
-
-    return dali_reference_counts(scan(cfg.data), cfg, train)
+    return dali_reference_counts(open_source(cfg.data), cfg, train)
 
 
 class _DecodeOnly(torch.utils.data.Dataset):
@@ -214,7 +213,7 @@ class _DecodeOnly(torch.utils.data.Dataset):
 def mean_megapixels(data: str) -> float:
     from PIL import Image
 
-    samples = scan(data).samples
+    samples = open_source(data).samples
     step = max(1, len(samples) // 200)
     sizes = []
     for path, _ in samples[::step]:
@@ -267,7 +266,7 @@ def _backend_job(cfg: Config, backend: str, pipeline: str) -> Callable[[], Itera
     """How to start ``backend``'s ``pipeline``; None when the backend has no such pipeline (decode needs a decode
     job or a CPU decoder, floor a CPU decoder)."""
     spec = get(backend)
-    if pipeline == "decode" and spec.decode_job is None and spec.decoder is None:
+    if pipeline == "decode" and backend not in DECODE_JOBS and spec.decoder is None:
         return None
     if pipeline == "floor" and spec.decoder is None:
         return None

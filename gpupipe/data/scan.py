@@ -1,9 +1,9 @@
-"""The one dataset scan that feeds every backend: torchvision ImageFolder semantics, or a CSV file list."""
+"""What every backend reads (:class:`ImageList`), and the scans of an ImageFolder directory (torchvision's semantics)
+and of a CSV file list. :func:`gpupipe.data.sources.open_source` picks the scan for a source."""
 
 from __future__ import annotations
 
 import csv
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,46 +42,16 @@ class ImageList:
         return [label for _, label in self.samples]
 
 
-def scan(
-    root: str | os.PathLike | Sequence[str | os.PathLike],
-    *,
-    allow_outside_root: bool = False,
-    class_to_idx: dict[str, int] | None = None,
-) -> ImageList:
-    """Scan an ImageFolder directory (``root/<class>/**/<image>``) or a CSV file list (``path,label``); tar shards
-    (a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them) go to :mod:`.shards`.
-
-    Directory scans reuse torchvision's own ``find_classes``/``make_dataset``, so ``classes``,
-    ``class_to_idx`` and the ``samples`` order equal ``torchvision.datasets.ImageFolder(root)`` exactly.
-    CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
-    ``class_to_idx`` (a training set's) labels a held-out set the same way: a class it lacks is an error, a class
-    missing here a warning.
-    """
-    from .shards import is_shard_source, scan_shards  # defer: shards imports ImageList from here
-
-    if is_shard_source(root):
-        shards = scan_shards(root)
-        if class_to_idx is not None and shards.class_to_idx != class_to_idx:
-            raise ValueError(
-                f"{root}: the shards' classes differ from the training set's; prepare both from "
-                "folders with the same classes"
-            )
-        return shards
-    if not isinstance(root, (str, os.PathLike)):
-        raise ValueError(f"{root}: a list of sources must name tar shards")
-    path = Path(root)
-    if path.is_dir():
-        classes, found = find_classes(str(path))
-        if class_to_idx is not None:
-            found = _known_classes(path, classes, class_to_idx)
-            classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
-        samples = make_dataset(str(path), found, extensions=IMG_EXTENSIONS)
-        return ImageList(str(path), samples, classes, class_to_idx or found)
-    if path.is_file() and path.suffix.lower() in (".csv", ".txt"):
-        return _scan_csv(path, allow_outside_root, class_to_idx)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such directory or file list")
-    raise ValueError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
+def scan_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> ImageList:
+    """An ImageFolder directory (``root/<class>/**/<image>``), with torchvision's own ``find_classes`` and
+    ``make_dataset``, so ``classes``, ``class_to_idx`` and the ``samples`` order equal
+    ``torchvision.datasets.ImageFolder(root)`` exactly."""
+    classes, found = find_classes(str(path))
+    if class_to_idx is not None:
+        found = _known_classes(path, classes, class_to_idx)
+        classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
+    samples = make_dataset(str(path), found, extensions=IMG_EXTENSIONS)
+    return ImageList(str(path), samples, classes, class_to_idx or found)
 
 
 def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[str, int]:
@@ -115,7 +85,7 @@ class _Row(NamedTuple):
     label: str
 
 
-def _scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] | None = None) -> ImageList:
+def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] | None = None) -> ImageList:
     """Rows ``path,label``; labels are all integers (class indices) or all names. The first row is a header when its
     first column is a usual header word (``path``, ``image``...), or names no file and either has no image extension
     or is the only row whose label is not an integer."""

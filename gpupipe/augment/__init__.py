@@ -1,0 +1,52 @@
+"""Per-image augmentation after the crop: RandAugment, AutoAugment, TrivialAugment, colour jitter, random erasing.
+
+Where each part lives: :mod:`.parse` reads the recipe's settings (policy strings, jitter, erasing); :mod:`.ops`
+is the op table (name -> kernel and timm's level function; a new op is one entry there); :mod:`.kernels` the
+batched pixel kernels; :mod:`.policies` one class per policy and :class:`Policy`, which combines them;
+:mod:`.sample` the per-sample driver.
+
+Three steps, so every backend and device gives the same pixels for the same sample:
+
+1. :meth:`Policy.draw` turns a sample key ``(seed, epoch, index)`` into a small record, the ops to apply with their
+   arguments, drawn from the sample's own stream ``random.Random(f"{seed}/{epoch}/{index}/aug")`` (a second stream:
+   the crop's stream, :func:`gpupipe.recipe.sample_rng`, is untouched, so the plain recipe keeps its pixels).
+2. :meth:`Policy.apply` applies the records of a (N,3,H,W) uint8 batch on its device, image by image in meaning but
+   batched in work: images are grouped by (position in their record, op), one call per group, each image with its
+   own arguments. The decode workers call it with N=1, the GPU device stage with the whole batch; the kernels are
+   elementwise or exact per image, so both give the same pixels.
+3. :class:`SampleAugment` adds the user's ``transforms=`` (per image by default, or batch-wise) and is what the
+   loader and the device stage hold.
+
+Semantics: the strings mean what timm's ``rand_augment_transform`` / ``auto_augment_transform`` make of them (the
+same op lists, level functions, ``m``, ``n``, ``p``, ``mstd``, ``mmax``, ``inc``; ``fill`` = the recipe mean, as
+timm's ``create_transform``), ``"trivialaugment"`` is torchvision's ``TrivialAugmentWide`` (31 bins, fill 0,
+nearest), ``color_jitter`` is torchvision's ``ColorJitter`` as timm builds it (one float: brightness = contrast =
+saturation). The pixel maths are torchvision v2's tensor kernels (``autocontrast``, ``equalize``, ``invert`` are
+called as they are; the blends take one factor per image), not PIL's: geometric ops sample bilinearly (timm picks
+bilinear or bicubic at random), contrast blends with the mean of the uint8 grayscale.
+
+Random erasing runs here, on uint8 before normalisation (timm erases normalised floats): ``const`` fills with the
+recipe mean (0 after normalisation, as timm), ``rand``/``pixel`` with normal noise of the normalised space, i.e.
+``mean + std * N(0, 1)`` per channel on the 0-255 scale, clamped to [0, 255] and rounded. The noise is a hash of
+(sample, channel, row, column) looked up in a normal quantile table, so it is the same on any device and batch.
+"""
+
+from .ops import OPS, Op, OpSpec, Record
+from .policies import AutoAugment, ColorJitter, Policy, RandAugment, RandomErasing, TrivialAugment
+from .sample import SampleAugment, TransformsMode, as_transform
+
+__all__ = [
+    "OPS",
+    "AutoAugment",
+    "ColorJitter",
+    "Op",
+    "OpSpec",
+    "Policy",
+    "RandAugment",
+    "RandomErasing",
+    "Record",
+    "SampleAugment",
+    "TransformsMode",
+    "TrivialAugment",
+    "as_transform",
+]

@@ -1,0 +1,111 @@
+"""The recipe's augmentation settings, read and checked: timm's policy strings (``rand-m9-mstd0.5-inc1``,
+``original``, ``originalr``, ``trivialaugment``), colour jitter factors and random-erasing settings. Pure
+functions, no gpupipe imports: :class:`gpupipe.Recipe` calls them when it is made, so a bad value fails there, not
+in a decode worker."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+EraseMode = Literal["const", "rand", "pixel"]
+ERASE_MODES: tuple[EraseMode, ...] = ("const", "rand", "pixel")
+
+
+@dataclass(frozen=True)
+class RandAugmentConfig:
+    """timm's ``rand-...`` string: ``m`` (magnitude), ``n`` (ops per image), ``p`` (each op's probability),
+    ``mstd`` (magnitude noise; > 100: uniform), ``mmax`` (magnitude cap), ``inc`` (the increasing op list)."""
+
+    m: int = 10
+    n: int = 2
+    p: float = 0.5
+    mstd: float = 0.0
+    mmax: int | None = None
+    increasing: bool = False
+
+
+@dataclass(frozen=True)
+class AutoAugmentConfig:
+    """AutoAugment's ImageNet policy: ``original`` or ``originalr`` (Posterize increasing), with ``mstd``."""
+
+    variant: Literal["original", "originalr"] = "original"
+    mstd: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrivialAugmentConfig:
+    """torchvision's ``TrivialAugmentWide``: no settings."""
+
+
+AutoAugmentSetting = RandAugmentConfig | AutoAugmentConfig | TrivialAugmentConfig
+
+
+def split_config(config: str) -> tuple[str, dict[str, str]]:
+    """``"rand-m9-mstd0.5"`` -> ``("rand", {"m": "9", "mstd": "0.5"})`` (timm's section syntax)."""
+    head, *sections = config.split("-")
+    out = {}
+    for s in sections:
+        parts = re.split(r"(\d.*)", s)
+        if len(parts) >= 2:
+            out[parts[0]] = parts[1]
+    return head, out
+
+
+def parse_auto_augment(text: str | None) -> AutoAugmentSetting | None:
+    """The policy a recipe's ``auto_augment`` names; ``ValueError`` naming what is wrong."""
+    if text is None:
+        return None
+    config = text.lower()
+    head, kv = split_config(config)
+    if head == "rand":
+        return _rand_augment(config, kv)
+    if config in ("trivialaugment", "trivialaugmentwide", "ta_wide"):
+        return TrivialAugmentConfig()
+    if head in ("original", "originalr"):
+        if set(kv) - {"mstd"}:
+            raise ValueError(f"unsupported AutoAugment section(s) in {config!r}; supported: mstd")
+        return AutoAugmentConfig("original" if head == "original" else "originalr", float(kv.get("mstd", 0)))
+    raise ValueError(
+        f"auto_augment must be 'rand-...' (timm's RandAugment string), 'original', "
+        f"'originalr' or 'trivialaugment', got {text!r}"
+    )
+
+
+def _rand_augment(config: str, kv: dict[str, str]) -> RandAugmentConfig:
+    unknown = set(kv) - {"m", "n", "p", "mstd", "mmax", "inc"}
+    if unknown:
+        raise ValueError(
+            f"unsupported RandAugment section(s) {sorted(unknown)} in {config!r}; supported: m, n, p, mstd, mmax, inc"
+        )
+    return RandAugmentConfig(
+        m=int(kv.get("m", 10)),
+        n=int(kv.get("n", 2)),
+        p=float(kv.get("p", 0.5)),
+        mstd=float(kv.get("mstd", 0)),
+        mmax=int(kv["mmax"]) if "mmax" in kv else None,
+        increasing=bool(int(kv.get("inc", 0))),
+    )
+
+
+def parse_color_jitter(cj: float | tuple[float, ...] | None) -> tuple[float, float, float, float] | None:
+    """``color_jitter`` as (brightness, contrast, saturation, hue): one float is timm's (the same for the first
+    three, no hue); three or four non-negative floats are torchvision's."""
+    if cj is None:
+        return None
+    factors = (float(cj),) * 3 if isinstance(cj, (int, float)) else tuple(float(c) for c in cj)
+    if len(factors) not in (3, 4) or min(factors) < 0:
+        raise ValueError(f"color_jitter must be a float or 3 or 4 non-negative floats, got {factors}")
+    b, c, s, *h = factors
+    return b, c, s, h[0] if h else 0.0
+
+
+def check_erasing(prob: float, mode: str, count: int) -> None:
+    """Random erasing's settings (timm's ``re_prob``, ``re_mode``, ``re_count``)."""
+    if not 0 <= prob <= 1:
+        raise ValueError(f"re_prob must be in [0, 1], got {prob}")
+    if mode not in ERASE_MODES:
+        raise ValueError(f"re_mode must be 'const', 'rand' or 'pixel', got {mode!r}")
+    if count < 1:
+        raise ValueError(f"re_count must be >= 1, got {count}")

@@ -1,0 +1,76 @@
+"""The per-sample driver: what the decode workers and the device stage call on each sample after its crop (the
+recipe's :class:`~.policies.Policy`, then the user's ``transforms=``)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+from .policies import Policy
+
+TransformsMode = Literal["image", "batch"]
+
+
+def as_transform(transforms) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``transforms=`` as one callable: a list or tuple becomes a v2 ``Compose``; a callable is used as it is."""
+    if transforms is None:
+        return None
+    if callable(transforms):
+        return transforms
+    from torchvision.transforms import v2
+
+    return v2.Compose(list(transforms))
+
+
+class SampleAugment:
+    """What runs on each sample after its crop, on uint8: the recipe's policy (train loaders), then the user's
+    ``transforms``. Per image (the default) the user's transforms run with torch's CPU generator seeded from the
+    sample key, so their draws are per image and reproducible; ``transforms_mode="batch"`` calls them once per
+    device batch (one draw for the whole batch, cheaper)."""
+
+    def __init__(self, policy: Policy | None, seed: int, transforms=None, transforms_mode: TransformsMode = "image"):
+        if transforms_mode not in ("image", "batch"):
+            raise ValueError(f"transforms_mode must be 'image' or 'batch', got {transforms_mode!r}")
+        self.policy = policy if policy is not None and policy.active else None
+        self.seed = seed
+        self.transforms = as_transform(transforms)
+        self.per_image = self.transforms if transforms_mode == "image" else None
+        self.batch_transforms = self.transforms if transforms_mode == "batch" else None
+
+    @property
+    def active(self) -> bool:
+        return self.policy is not None or self.transforms is not None
+
+    def one(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
+        """One (3,H,W) uint8 image: the policy and the per-image transforms (the decode workers' call)."""
+        if self.policy is not None:
+            image = self.policy.apply(image[None], [self.policy.draw(self.seed, epoch, index)])[0]
+        if self.per_image is not None:
+            image = self._user(image, epoch, index)
+        return image
+
+    def batch(self, images: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+        """A (N,3,H,W) uint8 device batch: with ``keys`` ((N,2) (epoch, index) pairs), the per-sample part, batched;
+        then the batch-wise transforms."""
+        if keys is not None and (self.policy is not None or self.per_image is not None):
+            pairs = keys.tolist()
+            if self.policy is not None:
+                images = self.policy.apply(images, [self.policy.draw(self.seed, e, i) for e, i in pairs])
+            if self.per_image is not None:
+                images = torch.stack([self._user(img, e, i) for img, (e, i) in zip(images, pairs, strict=True)])
+        if self.batch_transforms is not None:
+            images = self.batch_transforms(images)
+        return images
+
+    def _user(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's
+            torch.default_generator.manual_seed(_hash_key(self.seed, epoch, index))
+            assert self.per_image is not None  # called only when there are per-image transforms
+            return self.per_image(image)
+
+
+def _hash_key(seed: int, epoch: int, index: int) -> int:
+    return random.Random(f"{seed}/{epoch}/{index}/transforms").getrandbits(63)

@@ -1,0 +1,49 @@
+"""The one place a source is opened: whatever ``root`` names (an ImageFolder directory, a CSV file list, tar shards:
+a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them), :func:`open_source` returns the
+:class:`~gpupipe.data.scan.ImageList` every backend reads. A new kind of source is one more branch here and a
+module that builds its ``ImageList`` (a subclass when its bytes are not plain files)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .scan import ImageList, scan_csv, scan_folder
+from .shards import is_shard_source, scan_shards
+
+Source = str | os.PathLike | Sequence[str | os.PathLike]
+
+
+def open_source(
+    root: Source,
+    *,
+    allow_outside_root: bool = False,
+    class_to_idx: dict[str, int] | None = None,
+) -> ImageList:
+    """The samples of ``root``: an ImageFolder directory (``root/<class>/**/<image>``, exactly as torchvision's
+    ``ImageFolder``), a CSV file list (``path,label``), or tar shards (a folder written by ``gpupipe prepare``, a
+    ``.tar``, a glob or a list of them).
+
+    CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
+    ``class_to_idx`` (a training set's) labels a held-out set the same way: a class it lacks is an error, a class
+    missing here a warning.
+    """
+    if is_shard_source(root):
+        shards = scan_shards(root)
+        if class_to_idx is not None and shards.class_to_idx != class_to_idx:
+            raise ValueError(
+                f"{root}: the shards' classes differ from the training set's; prepare both from "
+                "folders with the same classes"
+            )
+        return shards
+    if not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"{root}: a list of sources must name tar shards")
+    path = Path(root)
+    if path.is_dir():
+        return scan_folder(path, class_to_idx)
+    if path.is_file() and path.suffix.lower() in (".csv", ".txt"):
+        return scan_csv(path, allow_outside_root, class_to_idx)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such directory or file list")
+    raise ValueError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
