@@ -237,41 +237,36 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
-def _optional(tp) -> tuple[type, bool]:
-    """(inner type, is_optional) of a dataclass field annotation such as ``int | None``."""
-    if isinstance(tp, str):
-        tp = eval(tp, {"typing": typing})  # dataclass annotations are strings under `from __future__`
+def _flag_type(tp) -> tuple[type, tuple | None]:
+    """(argparse type, choices) of a resolved field annotation: ``int | None`` -> int; a ``Literal`` -> str and its
+    values."""
     args = typing.get_args(tp)
-    if (typing.get_origin(tp) in (typing.Union, types.UnionType)) and type(None) in args:
-        return next(a for a in args if a is not type(None)), True
-    return tp, False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is typing.Literal:
+        return str, typing.get_args(tp)
+    return tp, None
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given"),
-    so only the flags given override the YAML file. Booleans also have a --no- form, to undo a YAML ``true``."""
+    so only the flags given override the YAML file. Booleans also have a --no- form, to undo a YAML ``true``. Help
+    text and choices come from the fields (their metadata and ``Literal`` types)."""
     from .backends import names
-    from .train.config import CHOICES, HELP, TrainConfig
+    from .train.config import HELP, HINTS, TrainConfig
 
     aliases = {"label_smoothing": ["--smoothing"]}  # timm's name
-    choices = {**CHOICES, "backend": ("auto", *names())}
     for f in fields(TrainConfig):
         flags = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, [])]
-        tp, _ = _optional(f.type)
-        text = HELP.get(f.name, "")  # tests/test_train.py holds HELP to every field
-        help = text if "(default" in text else f"{text} (default {f.default})".lstrip()
+        tp, choices = _flag_type(HINTS[f.name])
+        choices = ("auto", *names()) if f.name == "backend" else choices
+        help = HELP[f.name] if "(default" in HELP[f.name] else f"{HELP[f.name]} (default {f.default})"
         help = help.replace("%", "%%")
         if tp is bool:
             p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            p.add_argument(
-                *flags,
-                type=tp,
-                default=None,
-                choices=choices.get(f.name),
-                help=help,
-                metavar=None if f.name in choices else f.name.upper(),
-            )
+            metavar = None if choices else f.name.upper()
+            p.add_argument(*flags, type=tp, default=None, choices=choices, help=help, metavar=metavar)
     p.add_argument("--config", help="a YAML file whose keys override the defaults; flags override both")
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
 
@@ -324,6 +319,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw values as JSON")
     p.set_defaults(func=_cmd_info)
 
+    _add_sample_data_parser(sub)
+    _add_bench_args(sub.add_parser("bench", help="which backend is fastest on this machine and data"))
+
+    p = sub.add_parser("train", help="train a timm model fed by any backend (AMP, accumulation, DDP, resume)")
+    _add_train_args(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
+    p.add_argument("dir", help="an ImageFolder directory or a CSV list (path,label)")
+    p.add_argument("--workers", type=_non_negative_int, help="checking processes (default: every usable core)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_check)
+
+    _add_prepare_parser(sub)
+    return parser
+
+
+def _add_sample_data_parser(sub) -> None:
     p = sub.add_parser(
         "sample-data",
         help="write the embedded data set (an ImageFolder of JPEGs): a train split, "
@@ -341,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the data set's seed (default 0)")
     p.set_defaults(func=_cmd_sample_data)
 
-    p = sub.add_parser("bench", help="which backend is fastest on this machine and data")
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="ImageFolder directory or CSV list (default: the sample data, made on first use)")
     p.add_argument("--backends", help="comma-separated (default: every available backend)")
     p.add_argument(
@@ -374,16 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG bar chart")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("train", help="train a timm model fed by any backend (AMP, accumulation, DDP, resume)")
-    _add_train_args(p)
-    p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
-    p.add_argument("dir", help="an ImageFolder directory or a CSV list (path,label)")
-    p.add_argument("--workers", type=_non_negative_int, help="checking processes (default: every usable core)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=_cmd_check)
-
+def _add_prepare_parser(sub) -> None:
     from .prepare import PrepareOptions  # its defaults are the CLI's
 
     defaults = PrepareOptions()
@@ -404,7 +410,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"420: re-encode 4:4:4 and 4:2:2 JPEGs to 4:2:0, which decodes faster (default {defaults.subsampling})",
     )
     p.set_defaults(func=_cmd_prepare)
-    return parser
 
 
 class _ConsoleHandler(logging.Handler):

@@ -32,7 +32,7 @@ class Mix:
         num_classes: the targets' width.
         correct_lam: CutMix's lambda from the box actually pasted (clipped at the borders), as timm.
         seed: seeds this object's own stream (numpy ``RandomState``, drawn in timm's order); ``None`` seeds from
-            the OS.
+            the OS. ``set_key(...)`` restarts it at any key.
 
     Images are float (normalised) batches on any device; they are not modified in place. The batch size must be
     even, as timm requires.
@@ -59,7 +59,12 @@ class Mix:
         self.mixup_alpha, self.cutmix_alpha = mixup_alpha, cutmix_alpha
         self.prob, self.switch_prob, self.mode = prob, switch_prob, mode
         self.label_smoothing, self.num_classes, self.correct_lam = label_smoothing, num_classes, correct_lam
-        self.rng = np.random.RandomState(seed)
+        self._rng = np.random.RandomState(seed)
+
+    def set_key(self, *key: int) -> None:
+        """Restart this object's stream at ``key`` (the training loop's: seed, epoch, batch, rank), so that what it
+        draws next depends on the key alone, not on what it drew before: a resumed run mixes as the straight one."""
+        self._rng.seed(list(key))
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if len(images) % 2:
@@ -69,13 +74,13 @@ class Mix:
 
     def _lambda(self, cutmix: bool) -> float:
         a = self.cutmix_alpha if cutmix else self.mixup_alpha
-        return float(self.rng.beta(a, a))
+        return float(self._rng.beta(a, a))
 
     def _box(self, h: int, w: int, lam: float) -> tuple[tuple[int, int, int, int], float]:
         """timm's ``rand_bbox`` + lambda correction: a box of area ~(1 - lam) centred anywhere, clipped."""
         ratio = np.sqrt(1 - lam)
         cut_h, cut_w = int(h * ratio), int(w * ratio)
-        cy, cx = self.rng.randint(0, h), self.rng.randint(0, w)
+        cy, cx = self._rng.randint(0, h), self._rng.randint(0, w)
         yl, yh = np.clip(cy - cut_h // 2, 0, h), np.clip(cy + (cut_h + 1) // 2, 0, h)
         xl, xh = np.clip(cx - cut_w // 2, 0, w), np.clip(cx + (cut_w + 1) // 2, 0, w)
         if self.correct_lam:
@@ -83,10 +88,10 @@ class Mix:
         return (int(yl), int(yh), int(xl), int(xh)), lam
 
     def _mix_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        if self.rng.rand() >= self.prob:
+        if self._rng.rand() >= self.prob:
             return x, 1.0
         both = self.mixup_alpha > 0 and self.cutmix_alpha > 0
-        cutmix = self.rng.rand() < self.switch_prob if both else self.cutmix_alpha > 0
+        cutmix = self._rng.rand() < self.switch_prob if both else self.cutmix_alpha > 0
         lam = self._lambda(cutmix)
         if lam == 1.0:
             return x, 1.0
@@ -100,17 +105,17 @@ class Mix:
     def _mix_elem(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(x)
         if self.mixup_alpha > 0 and self.cutmix_alpha > 0:
-            cutmix = self.rng.rand(n) < self.switch_prob
+            cutmix = self._rng.rand(n) < self.switch_prob
             lam = np.where(
                 cutmix,
-                self.rng.beta(self.cutmix_alpha, self.cutmix_alpha, size=n),
-                self.rng.beta(self.mixup_alpha, self.mixup_alpha, size=n),
+                self._rng.beta(self.cutmix_alpha, self.cutmix_alpha, size=n),
+                self._rng.beta(self.mixup_alpha, self.mixup_alpha, size=n),
             )
         else:
             cutmix = np.full(n, self.cutmix_alpha > 0)
             a = self.cutmix_alpha if self.cutmix_alpha > 0 else self.mixup_alpha
-            lam = self.rng.beta(a, a, size=n)
-        lam = np.where(self.rng.rand(n) < self.prob, lam.astype(np.float32), np.ones(n, np.float32))
+            lam = self._rng.beta(a, a, size=n)
+        lam = np.where(self._rng.rand(n) < self.prob, lam.astype(np.float32), np.ones(n, np.float32))
         out, partner = x.clone(), x.flip(0)
         for i in range(n):
             if lam[i] == 1.0:

@@ -1,18 +1,19 @@
 """``gpupipe train``: one loop that reads top to bottom — data, model, precision, accumulation, DDP, checkpoints.
 
-``train()`` sets the run up and loops over epochs; ``train_one_epoch()`` runs its micro-steps. The helpers below
-them follow in the order ``train()`` calls them. Precision (autocast, fp16's scaler, clipping, the optimizer step)
-is ``precision.Precision``; what a checkpoint holds is ``checkpoint.TrainState``.
+``train()`` sets the run up into a ``Run`` (what every epoch reads) and loops over epochs; ``train_one_epoch()`` runs
+its micro-steps, ``end_epoch()`` evaluates, logs and saves. The helpers below them follow in the order ``train()``
+calls them. Precision (autocast, fp16's scaler, clipping, the optimizer step) is ``precision.Precision``; what a
+checkpoint holds is ``checkpoint.TrainState``. Teardown (the logger, the process group) is in one place: the
+``ExitStack`` of ``train()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import cast
@@ -24,175 +25,179 @@ from ..api import build_loader
 from ..data.loader import Loader
 from ..mix import Mix
 from ..recipe import Recipe
-from . import checkpoint
 from .checkpoint import TrainState
-from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig, to_yaml
+from .config import TrainConfig, to_yaml
 from .distributed import Distributed
 from .logging import Meter, RunLogger
 from .precision import Precision
+from .resume import checkpoint_path, resume_state, resuming, save_checkpoint
 
 DATA_WAIT_WARN = 0.20
+
+
+@dataclass
+class Run:
+    """A run as its epochs see it, built once by ``train()``."""
+
+    cfg: TrainConfig
+    dist: Distributed
+    state: TrainState  # the bare model, optimizer, scheduler, precision, EMA and step count: what a checkpoint holds
+    run_model: nn.Module  # the model as called: DDP-wrapped, compiled
+    train_loader: Loader
+    val_loader: Loader | None
+    criterion: nn.Module
+    mix: Mix | None
+    logger: RunLogger
+    steps_per_epoch: int  # optimizer steps
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per epoch: a tail shorter than ``--accum`` is left out."""
+        return self.steps_per_epoch * self.cfg.accum
 
 
 def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     """Train; returns the last epoch's metrics (``{}`` when the resumed run had already finished). ``model``
     replaces the timm model named in ``cfg``."""
-    dist = Distributed(cfg.device, cfg.dist_timeout_s)
-    device = dist.device
-    out, ckpt_path = Path(cfg.out), checkpoint_path(cfg)
-    resume = resuming(cfg, out, ckpt_path)  # refuses to overwrite a run, or to resume none, before reading data
-    if model is None:
-        check_model_name(cfg.model)
-    torch.manual_seed(cfg.seed)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
+    with contextlib.ExitStack() as teardown:  # the one place the logger and the process group are closed
+        dist = Distributed(cfg.device, cfg.dist_timeout_s)
+        teardown.callback(dist.close)
+        ckpt_path = checkpoint_path(cfg)
+        resume = resuming(cfg, Path(cfg.out), ckpt_path)  # refuses to overwrite a run, or to resume none, first
+        if model is None:
+            check_model_name(cfg.model)
+        torch.manual_seed(cfg.seed)
+        if dist.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
 
-    # Data: every rank reads its own shard, and every rank takes the same number of steps.
-    train_loader, val_loader = build_loaders(cfg, device)
-    steps_per_epoch = len(train_loader) // cfg.accum
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_loader)} batches per epoch make no optimizer step with --accum {cfg.accum}")
-    num_classes = len(train_loader.dataset.classes)
+        # Data: every rank reads its own shard, and every rank takes the same number of steps.
+        train_loader, val_loader = build_loaders(cfg, dist.device)
+        steps_per_epoch = optimizer_steps(len(train_loader), cfg.accum)
+        num_classes = len(train_loader.dataset.classes)
 
-    # Model, optimizer, schedule, precision, loss.
-    model = model if model is not None else build_model(cfg, num_classes)
-    memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
-    model.to(device, memory_format=memory_format)  # type: ignore[call-overload]  # torch's stubs lack this overload
-    optimizer = build_optimizer(cfg, model)
-    warmup_steps = round(cfg.warmup_epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps_per_epoch * cfg.epochs, warmup_steps))
-    precision = Precision(cfg.precision, device, clip=cfg.clip)
-    state = TrainState(model, optimizer, scheduler, precision, ema=build_ema(cfg, model))
-    criterion, mix = build_criterion(cfg, num_classes)
+        # Model, optimizer, schedule, precision, loss.
+        model = model if model is not None else build_model(cfg, num_classes)
+        state = build_state(cfg, model, dist.device, steps_per_epoch)
+        criterion, mix = build_criterion(cfg, num_classes)
 
-    # Resume: everything that decides the rest of the run, the loader's position included.
-    meter, changed = Meter(), []
-    if resume:
-        saved = checkpoint.load_for_resume(ckpt_path)
-        changed = check_resumable(saved.get("config", {}), cfg, ckpt_path)
-        checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
-        train_loader.load_state_dict(saved["loader"])
-        meter = Meter(**saved["running"])  # the resumed epoch's sums so far
-    start = train_loader.state_dict()  # epoch 0, batch 0 on a new run
+        # Resume: everything that decides the rest of the run, the loader's position included.
+        meter, changed = resume_state(cfg, ckpt_path, state, train_loader) if resume else (Meter(), [])
+        start = train_loader.state_dict()  # epoch 0, batch 0 on a new run
 
-    # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.
-    run_model = dist.wrap(model)
-    run_model = cast(nn.Module, torch.compile(run_model)) if cfg.compile else run_model  # an OptimizedModule
+        # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.
+        run_model = dist.wrap(model)
+        run_model = cast(nn.Module, torch.compile(run_model)) if cfg.compile else run_model  # an OptimizedModule
+        total = steps_per_epoch * cfg.accum
+        logger = RunLogger(Path(cfg.out), enabled=dist.is_main, total=total, world_size=dist.world_size)
+        teardown.callback(logger.close)
+        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch)
+        if dist.is_main:
+            write_config(Path(cfg.out), cfg, resume, changed, state.step, logger)
+        if start["epoch"] >= cfg.epochs:
+            logger.note(
+                f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
+                "longer, raise --epochs with --allow-config-change)"
+            )
+            return {}
+        if resume:
+            where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
+            logger.note(f"resumed from {where} of {ckpt_path}")
 
-    logger = RunLogger(out, enabled=dist.is_main, total=steps_per_epoch * cfg.accum, world_size=dist.world_size)
-    if dist.is_main:
-        write_config(out, cfg, resume, changed, state.step, logger)
-    if start["epoch"] >= cfg.epochs:
-        logger.note(
-            f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
-            "longer, raise --epochs with --allow-config-change)"
-        )
-        logger.close()
-        dist.close()
-        return {}
-    if resume:
-        where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
-        logger.note(f"resumed from {where} of {ckpt_path}")
-
-    metrics: dict = {}
-    try:
+        metrics: dict = {}
         for epoch in range(start["epoch"], cfg.epochs):
             train_loader.set_epoch(epoch)  # the resumed epoch keeps the checkpoint's position
             first = train_loader.state_dict()["batch"]
             meter = meter if first > 0 else Meter()  # a resumed epoch goes on with its sums
-            if first >= steps_per_epoch * cfg.accum:  # the checkpoint was the epoch's last step
+            if first >= run.micro_batches:  # the checkpoint was the epoch's last step
                 continue
-            train_one_epoch(epoch, first, state, run_model, train_loader, criterion, mix, meter, cfg, dist, logger)
-            metrics = epoch_metrics(epoch, meter, dist)
-            dist.average_buffers(model)  # BatchNorm statistics agree on every rank before evaluation and saving
-            metrics.update(validate(run_model, state.ema, val_loader, precision, dist))
-            metrics["lr"] = scheduler.get_last_lr()[0]
-            metrics["skipped"] = len(train_loader.skipped)
-            metrics["fallbacks"] = train_loader.fallbacks
-            skipped = train_loader.skipped + (val_loader.skipped if val_loader is not None else [])
-            logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], cfg), skipped=skipped)
-            save_checkpoint(state, {"epoch": epoch + 1, "batch": 0}, meter, cfg, dist)
-    finally:
-        logger.close()
-        dist.close()
-    return metrics
+            train_one_epoch(run, epoch, first, meter)
+            metrics = end_epoch(run, epoch, meter)
+        return metrics
 
 
-def train_one_epoch(
-    epoch: int,
-    first: int,
-    state: TrainState,
-    run_model: nn.Module,
-    loader: Loader,
-    criterion: nn.Module,
-    mix: Mix | None,
-    meter: Meter,
-    cfg: TrainConfig,
-    dist: Distributed,
-    logger: RunLogger,
-) -> None:
+def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     """The epoch's micro-batches from ``first`` on: forward and backward on each, an optimizer step on every
     ``cfg.accum``-th (``need_update``), progress every ``cfg.log_every``, a checkpoint every ``cfg.save_every`` steps.
-
-    ``run_model`` is the model as called (DDP-wrapped, compiled); ``state.model`` the bare one.
     """
-    optimizer, scheduler, precision, ema = state.optimizer, state.scheduler, state.precision, state.ema
-    n_batches = len(loader) // cfg.accum * cfg.accum  # a tail shorter than --accum is left out
-    run_model.train()
-    logger.start_epoch(epoch, first)
-    ddp = cast(nn.parallel.DistributedDataParallel, run_model)  # its no_sync, under DDP (a compiled one forwards it)
-    batches = iter(loader)
+    cfg, state, n_batches = run.cfg, run.state, run.micro_batches
+    run.run_model.train()
+    run.logger.start_epoch(epoch, first)
+    batches = iter(run.train_loader)
     meter.start()
     for batch_idx in range(first, n_batches):
         t_wait = time.perf_counter()
         images, labels = next(batches)
         wait = time.perf_counter() - t_wait
         targets = labels
-        if mix is not None:  # its stream keyed by (seed, epoch, batch, rank): a resumed run mixes alike
-            mix.rng.seed([cfg.seed, epoch, batch_idx, dist.rank])
-            images, targets = mix(images, labels)
+        if run.mix is not None:  # its stream keyed by (seed, epoch, batch, rank): a resumed run mixes alike
+            run.mix.set_key(cfg.seed, epoch, batch_idx, run.dist.rank)
+            images, targets = run.mix(images, labels)
         need_update = (batch_idx + 1) % cfg.accum == 0
-
-        # Under DDP, gradients are all-reduced only on the micro-batch that ends an accumulation.
-        with ddp.no_sync() if dist.enabled and not need_update else contextlib.nullcontext():
-            with precision.autocast():
-                loss = criterion(run_model(images), targets)
-            precision.backward(loss / cfg.accum)  # the accumulated gradient is the mean over the micro-batches
+        loss = forward_backward(run, images, targets, all_reduce=need_update)
         if need_update:
-            if precision.step(optimizer):  # a step fp16's scaler skipped (inf/NaN gradients) leaves the LR too
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            if ema is not None:
-                ema.update(state.model, step=state.step)
+            optimizer_step(state)
 
         meter.update(loss, len(labels), wait)
         if (batch_idx + 1) % cfg.log_every == 0 or batch_idx + 1 == n_batches:
             meter.sync()  # one host sync every log_every micro-batches, not every one
-            logger.progress(batch_idx + 1, meter, float(scheduler.get_last_lr()[0]), state.step)
+            run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
         if need_update and cfg.save_every and state.step % cfg.save_every == 0 and batch_idx + 1 < n_batches:
             meter.sync()
-            save_checkpoint(state, {"epoch": epoch, "batch": batch_idx + 1}, meter, cfg, dist)
+            save_checkpoint(state, {"epoch": epoch, "batch": batch_idx + 1}, meter, cfg, run.dist)
 
 
-def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> bool:
-    """Whether this run resumes the one in ``out``. Refuses, before any data is read, to overwrite a run, to resume
-    one that saved no checkpoint, or to overwrite another run's config."""
-    resume = ckpt_path.exists() and (cfg.resume or cfg.resume_or_start)
-    if ckpt_path.exists() and not resume:
-        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out")
-    if cfg.resume and not resume and not cfg.resume_or_start:
-        raise FileNotFoundError(
-            f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
-            "new run (--resume-or-start starts one when there is nothing to resume)"
-        )
-    config_file = out / "config.yaml"
-    if not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
-        raise FileExistsError(
-            f"{config_file} holds another run's config (it saved no checkpoint): choose another "
-            "--out, or delete that folder"
-        )
-    return resume
+def forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, all_reduce: bool) -> torch.Tensor:
+    """One micro-batch's loss, its gradient added to the accumulated ones. Under DDP, gradients are all-reduced only
+    on the micro-batch that ends an accumulation (``all_reduce``): ``no_sync()`` on the others."""
+    ddp = cast(nn.parallel.DistributedDataParallel, run.run_model)  # its no_sync, under DDP (compiled forwards it)
+    with ddp.no_sync() if run.dist.enabled and not all_reduce else contextlib.nullcontext():
+        with run.state.precision.autocast():
+            loss = run.criterion(run.run_model(images), targets)
+        run.state.precision.backward(loss / run.cfg.accum)  # the accumulated gradient: the micro-batches' mean
+    return loss
+
+
+def optimizer_step(state: TrainState) -> None:
+    """The optimizer step at the end of an accumulation, then the schedule, the step count and the EMA."""
+    if state.precision.step(state.optimizer):  # a step fp16's scaler skipped (inf/NaN gradients) leaves the LR too
+        state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    if state.ema is not None:
+        state.ema.update(state.model, step=state.step)
+
+
+def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
+    """The epoch's metrics over all ranks, validation (of the model and its EMA), the log, and the checkpoint that
+    resumes at the next epoch's start."""
+    metrics = epoch_metrics(epoch, meter, run.dist)
+    run.dist.average_buffers(run.state.model)  # BatchNorm statistics agree on every rank before evaluation, saving
+    metrics.update(validate(run.run_model, run.state.ema, run.val_loader, run.state.precision, run.dist))
+    metrics["lr"] = run.state.scheduler.get_last_lr()[0]
+    metrics["skipped"] = len(run.train_loader.skipped)
+    metrics["fallbacks"] = run.train_loader.fallbacks
+    skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
+    run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
+    save_checkpoint(run.state, {"epoch": epoch + 1, "batch": 0}, meter, run.cfg, run.dist)
+    return metrics
+
+
+def optimizer_steps(batches: int, accum: int) -> int:
+    """Optimizer steps per epoch; none is an error."""
+    if batches // accum == 0:
+        raise ValueError(f"{batches} batches per epoch make no optimizer step with --accum {accum}")
+    return batches // accum
+
+
+def build_state(cfg: TrainConfig, model: nn.Module, device: torch.device, steps_per_epoch: int) -> TrainState:
+    """``model`` on ``device``, its optimizer, warm-up + cosine schedule, ``Precision`` and EMA."""
+    memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
+    model.to(device, memory_format=memory_format)  # type: ignore[call-overload]  # torch's stubs lack this overload
+    optimizer = build_optimizer(cfg, model)
+    warmup_steps = round(cfg.warmup_epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps_per_epoch * cfg.epochs, warmup_steps))
+    precision = Precision(cfg.precision, device, clip=cfg.clip)
+    return TrainState(model, optimizer, scheduler, precision, ema=build_ema(cfg, model))
 
 
 def check_model_name(name: str) -> None:
@@ -227,7 +232,7 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         num_workers=cfg.workers,
         seed=cfg.seed,
         channels_last=cfg.channels_last,
-        on_error=cfg.on_error,  # type: ignore[arg-type]  # TrainConfig checked it is one of ON_ERROR
+        on_error=cfg.on_error,
         recipe=recipe,
     )
     train_loader = loader(cfg.data, train=True)
@@ -289,37 +294,6 @@ def build_criterion(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, Mix 
     return nn.CrossEntropyLoss(), mix
 
 
-def _same(key: str, a, b) -> bool:
-    if key == "data" and isinstance(a, str) and isinstance(b, str):
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a == b
-
-
-def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
-    """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
-    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new``."""
-
-    def diff(keys):
-        return [
-            f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}"
-            for k in keys
-            if k in saved and not _same(k, saved[k], getattr(cfg, k))
-        ]
-
-    fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
-    if fixed:
-        raise ValueError(
-            f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
-            "data order; restore them, or start a new run in another --out"
-        )
-    if changeable and not cfg.allow_config_change:
-        raise ValueError(
-            f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them, or "
-            "pass --allow-config-change to resume with the new ones"
-        )
-    return changeable
-
-
 def write_config(out: Path, cfg: TrainConfig, resume: bool, changed: list[str], step: int, logger: RunLogger) -> None:
     """``out/config.yaml``: the run's settings. A resume with changed settings keeps the old file beside it."""
     config_file = out / "config.yaml"
@@ -329,19 +303,6 @@ def write_config(out: Path, cfg: TrainConfig, resume: bool, changed: list[str], 
         logger.note(f"settings changed: {'; '.join(changed)} (the previous config is kept in {kept})")
     if not resume or changed or not config_file.exists():
         config_file.write_text(to_yaml(cfg))
-
-
-def save_checkpoint(state: TrainState, position: dict, meter: Meter, cfg: TrainConfig, dist: Distributed) -> None:
-    """``checkpoints/last.pt`` with the loader's ``position`` (``{"epoch", "batch"}``) to resume from. Every rank
-    holds the same weights: rank 0 writes, the others wait for it."""
-    if dist.is_main:
-        config = asdict(cfg)
-        checkpoint.save(checkpoint_path(cfg), state, loader=position, running=meter.state_dict(), config=config)
-    dist.barrier()
-
-
-def checkpoint_path(cfg: TrainConfig) -> Path:
-    return Path(cfg.out) / "checkpoints" / "last.pt"
 
 
 def validate(run_model: nn.Module, ema, loader: Loader | None, precision: Precision, dist: Distributed) -> dict:

@@ -1,0 +1,92 @@
+"""A run's checkpoint in ``--out``: whether this run resumes it, what may change on resume, restoring and saving it.
+
+What a checkpoint holds is ``checkpoint.TrainState`` (and ``checkpoint.save``/``restore``); this module is the run's
+side: the refusals before any data is read, the settings compared with the saved ones, the loader's position.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from ..data.loader import Loader
+from . import checkpoint
+from .checkpoint import TrainState
+from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig, to_yaml
+from .distributed import Distributed
+from .logging import Meter
+
+
+def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> bool:
+    """Whether this run resumes the one in ``out``. Refuses, before any data is read, to overwrite a run, to resume
+    one that saved no checkpoint, or to overwrite another run's config."""
+    resume = ckpt_path.exists() and (cfg.resume or cfg.resume_or_start)
+    if ckpt_path.exists() and not resume:
+        raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out")
+    if cfg.resume and not resume and not cfg.resume_or_start:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
+            "new run (--resume-or-start starts one when there is nothing to resume)"
+        )
+    config_file = out / "config.yaml"
+    if not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
+        raise FileExistsError(
+            f"{config_file} holds another run's config (it saved no checkpoint): choose another "
+            "--out, or delete that folder"
+        )
+    return resume
+
+
+def resume_state(cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: Loader) -> tuple[Meter, list[str]]:
+    """Restores ``state`` and ``loader`` from the checkpoint; returns the resumed epoch's sums so far and the
+    settings changed since (``check_resumable``)."""
+    saved = checkpoint.load_for_resume(ckpt_path)
+    changed = check_resumable(saved.get("config", {}), cfg, ckpt_path)
+    checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
+    loader.load_state_dict(saved["loader"])
+    return Meter(**saved["running"]), changed
+
+
+def _same(key: str, a, b) -> bool:
+    if key == "data" and isinstance(a, str) and isinstance(b, str):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
+    """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
+    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new``."""
+
+    def diff(keys):
+        return [
+            f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}"
+            for k in keys
+            if k in saved and not _same(k, saved[k], getattr(cfg, k))
+        ]
+
+    fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
+    if fixed:
+        raise ValueError(
+            f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
+            "data order; restore them, or start a new run in another --out"
+        )
+    if changeable and not cfg.allow_config_change:
+        raise ValueError(
+            f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them, or "
+            "pass --allow-config-change to resume with the new ones"
+        )
+    return changeable
+
+
+def save_checkpoint(state: TrainState, position: dict, meter: Meter, cfg: TrainConfig, dist: Distributed) -> None:
+    """``checkpoints/last.pt`` with the loader's ``position`` (``{"epoch", "batch"}``) to resume from. Every rank
+    holds the same weights: rank 0 writes, the others wait for it."""
+    if dist.is_main:
+        config = asdict(cfg)
+        checkpoint.save(checkpoint_path(cfg), state, loader=position, running=meter.state_dict(), config=config)
+    dist.barrier()
+
+
+def checkpoint_path(cfg: TrainConfig) -> Path:
+    return Path(cfg.out) / "checkpoints" / "last.pt"
