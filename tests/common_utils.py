@@ -173,3 +173,35 @@ def two_rank_epochs(root, backend: str) -> tuple[list[int], list[set[int]]]:
         steps.append(len(labels))
         seen.append(set(torch.cat(labels).tolist()))
     return steps, seen
+
+
+# A quick CPU training run (tests/test_train*.py, tests/probe.py): a tiny timm model on 32-pixel images.
+QUICK_TRAIN = {"model": "test_resnet", "epochs": 2, "image_size": 32, "workers": 0, "device": "cpu", "lr": 0.05}
+
+
+def train_args(data, out, *extra: str, **overrides) -> list[str]:
+    """``gpupipe train`` arguments for a quick run on ``data`` into ``out``: ``QUICK_TRAIN`` (batches of 4) with
+    ``overrides`` by field name (``True``: a bare flag; ``None``: left out, the default), then ``extra`` as given."""
+    settings = {"data": data, "out": out, **QUICK_TRAIN, "batch_size": 4, **overrides}
+    args: list[str] = []
+    for name, value in settings.items():
+        if value is None or value is False:
+            continue
+        args.append("--" + name.replace("_", "-"))
+        if value is not True:
+            args.append(str(value))
+    return [*args, *extra]
+
+
+def train_cli(data, out, *extra: str, **overrides) -> list[str]:
+    """``python -m gpupipe train ...`` with ``train_args``: the command a subprocess runs."""
+    return [sys.executable, "-m", "gpupipe", "train", *train_args(data, out, *extra, **overrides)]
+
+
+def train_config(data, out, **overrides):
+    """The ``TrainConfig`` of a quick in-process run (batches of 8, half an epoch of warm-up, progress every batch)
+    with ``overrides``."""
+    from gpupipe.train.config import TrainConfig
+
+    base = {**QUICK_TRAIN, "batch_size": 8, "warmup_epochs": 0.5, "log_every": 1}
+    return TrainConfig(**{**base, "data": str(data), "out": str(out), **overrides})

@@ -21,6 +21,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from gpupipe.data.sampler import ShardSampler
 
+try:
+    from .common_utils import train_config
+except ImportError:  # run as a script (torchrun tests/probe.py ...): tests/ itself is on sys.path
+    from common_utils import train_config  # type: ignore[no-redef]
+
 
 class Tiny(nn.Module):
     """No BatchNorm: micro-batches and one big batch must give the same gradients."""
@@ -104,30 +109,14 @@ def main() -> None:
         out = args[args.index("--out") + 1]
         cli_main(args)
     else:
-        from gpupipe.train.config import TrainConfig
         from gpupipe.train.loop import train
 
         out, init, data, batch, accum = sys.argv[2:7]
         model = Tiny().double()
         model.load_state_dict(torch.load(init, weights_only=True))
         model.register_forward_pre_hook(lambda m, args: (args[0].double(),))
-        cfg = TrainConfig(
-            data=data,
-            out=out,
-            model="tiny",
-            epochs=1,
-            batch_size=int(batch),
-            accum=int(accum),
-            image_size=32,
-            workers=0,
-            device="cpu",
-            lr=0.05,
-            warmup_epochs=0.5,
-            log_every=1,
-            optimizer="sgd",
-            momentum=0.0,
-            clip=None,
-        )
+        sgd = {"optimizer": "sgd", "momentum": 0.0, "clip": None}  # as tests/test_train.py's one-process run
+        cfg = train_config(data, out, model="tiny", epochs=1, batch_size=int(batch), accum=int(accum), **sgd)
         train(cfg, model=model)
     rank = int(os.environ["RANK"])
     state = {k: v.detach().clone() for k, v in models[0].state_dict().items()}

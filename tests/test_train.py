@@ -13,9 +13,7 @@ from gpupipe.train import checkpoint
 from gpupipe.train.config import TrainConfig
 from gpupipe.train.loop import train
 
-from .common_utils import (
-    make_folder,
-)
+from .common_utils import make_folder, train_args, train_cli, train_config
 from .probe import Tiny
 
 
@@ -25,20 +23,7 @@ def data(tmp_path_factory):
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
-    base = dict(
-        data=str(data),
-        out=str(out),
-        model="test_resnet",
-        epochs=2,
-        batch_size=8,
-        image_size=32,
-        workers=0,
-        device="cpu",
-        lr=0.05,
-        warmup_epochs=0.5,
-        log_every=1,
-    )
-    return TrainConfig(**{**base, **kw})
+    return train_config(data, out, **kw)
 
 
 def _weights(out):
@@ -81,46 +66,18 @@ def test_outputs_and_refusing_to_overwrite(data, tmp_path):
         train(_cfg(data, out, epochs=1))
 
 
-def _cli(data, out, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "gpupipe",
-        "train",
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--model",
-        "test_resnet",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "4",
-        "--image-size",
-        "32",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--lr",
-        "0.05",
-        *extra,
-    ]
-
-
 @pytest.mark.parametrize("save_every", [0, 3])
 def test_killed_run_resumes_to_the_straight_runs_weights(data, tmp_path, save_every):
-    subprocess.run(_cli(data, tmp_path / "straight", "--save-every", str(save_every)), check=True)
+    subprocess.run(train_cli(data, tmp_path / "straight", save_every=save_every), check=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(data, out, "--save-every", str(save_every)))
+    proc = subprocess.Popen(train_cli(data, out, save_every=save_every))
     ckpt = out / "checkpoints" / "last.pt"
     deadline = time.time() + 300
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    subprocess.run(_cli(data, out, "--resume", "--save-every", str(save_every)), check=True)
+    subprocess.run(train_cli(data, out, resume=True, save_every=save_every), check=True)
     a, b = _weights(tmp_path / "straight"), _weights(out)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -140,11 +97,11 @@ def _one_error_line(stderr: str) -> str:
 
 def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     out = tmp_path / "run"
-    err = _one_error_line(_run(*_cli(data, out, "--resume", "--epochs", "1")).stderr)
+    err = _one_error_line(_run(*train_cli(data, out, resume=True, epochs=1)).stderr)
     assert "--resume: no checkpoint at" in err and str(out) in err
-    r = _run(*_cli(data, out, "--resume-or-start", "--epochs", "1"))
+    r = _run(*train_cli(data, out, resume_or_start=True, epochs=1))
     assert r.returncode == 0 and "resumed" not in r.stderr
-    r = _run(*_cli(data, out, "--resume", "--epochs", "1"))
+    r = _run(*train_cli(data, out, resume=True, epochs=1))
     assert r.returncode == 0 and "already finished its 1 epochs" in r.stderr
     for flags, said in (
         (("--batch-size", "8"), "batch_size 4 -> 8"),
@@ -152,11 +109,11 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
         (("--epochs", "2", "--allow-config-change", "--image-size", "40"), "image_size 32 -> 40"),
         (("--epochs", "2", "--lr", "0.1"), "epochs 1 -> 2; lr 0.05 -> 0.1"),
     ):
-        err = _one_error_line(_run(*_cli(data, out, "--resume", *flags)).stderr)
+        err = _one_error_line(_run(*train_cli(data, out, "--resume", *flags)).stderr)
         assert said in err and "last.pt" in err, err
     assert "--allow-config-change" in err
     first_config = (out / "config.yaml").read_text()
-    r = _run(*_cli(data, out, "--resume", "--epochs", "2", "--allow-config-change"))
+    r = _run(*train_cli(data, out, resume=True, epochs=2, allow_config_change=True))
     assert r.returncode == 0, r.stderr
     assert "resumed from epoch 1, batch 0 (optimizer step 8)" in r.stderr and "epochs 1 -> 2" in r.stderr
     kept = list(out.glob("config.before-step-*.yaml"))
@@ -164,7 +121,7 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     other = tmp_path / "other"  # a run that saved no checkpoint: its config.yaml is not overwritten
     other.mkdir()
     (other / "config.yaml").write_text("epochs: 5\n")
-    err = _one_error_line(_run(*_cli(data, other)).stderr)
+    err = _one_error_line(_run(*train_cli(data, other)).stderr)
     assert "config.yaml holds another run's config" in err
 
 
@@ -173,11 +130,11 @@ def test_a_broken_checkpoint_is_one_line_naming_it(data, tmp_path, content):
     out = tmp_path / "run"
     ckpt = out / "checkpoints" / "last.pt"
     if content == "truncated":
-        subprocess.run(_cli(data, out, "--epochs", "1"), check=True, capture_output=True)
+        subprocess.run(train_cli(data, out, epochs=1), check=True, capture_output=True)
         content = ckpt.read_bytes()[:1000]
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     ckpt.write_bytes(content)
-    err = _one_error_line(_run(*_cli(data, out, "--resume")).stderr)
+    err = _one_error_line(_run(*train_cli(data, out, resume=True)).stderr)
     assert f"{ckpt}: cannot resume from it" in err and "delete it" in err
 
 
@@ -187,13 +144,13 @@ def test_validation_uses_the_training_classes_and_logs_stay_whole(data, tmp_path
     val = tmp_path / "val"
     shutil.copytree(data / "c01", val / "c01")
     shutil.copytree(data / "c03", val / "c03")
-    r = _run(*_cli(data, tmp_path / "run", "--val", str(val), "--epochs", "1"))
+    r = _run(*train_cli(data, tmp_path / "run", val=val, epochs=1))
     assert r.returncode == 0, r.stderr
     assert "no samples of 2 training class(es): c00, c02" in r.stderr
     summary = [line for line in r.stderr.splitlines() if line.startswith("epoch 0  train_loss")]
     assert len(summary) == 1 and "val_loss" in summary[0] and "val_acc" in summary[0]  # one line, not wrapped at 80
     shutil.copytree(data / "c00", val / "zebra")
-    err = _one_error_line(_run(*_cli(data, tmp_path / "run2", "--val", str(val), "--epochs", "1")).stderr)
+    err = _one_error_line(_run(*train_cli(data, tmp_path / "run2", val=val, epochs=1)).stderr)
     assert "classes not in the training set: zebra" in err
 
 
@@ -204,7 +161,7 @@ def test_skipped_files_are_named(data, tmp_path):
     shutil.copytree(data, bad)
     (bad / "c02" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     out = tmp_path / "run"
-    r = _run(*_cli(bad, out, "--on-error", "skip", "--epochs", "1"))
+    r = _run(*train_cli(bad, out, on_error="skip", epochs=1))
     assert r.returncode == 0, r.stderr
     assert f"skipped {bad / 'c02' / 'broken.jpg'}: " in r.stderr
     rows = (out / "skipped.txt").read_text().splitlines()
@@ -244,29 +201,7 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch(data, tmp_path):
 def test_torchrun_two_ranks(data, tmp_path):
     """``torchrun ... -m gpupipe train --device cpu``: disjoint shards, identical parameters, rank 0 alone logs."""
     out = tmp_path / "ddp"
-    _torchrun(
-        "cli",
-        "--",
-        "train",
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--model",
-        "test_resnet",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "4",
-        "--image-size",
-        "32",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--accum",
-        "2",
-    )
+    _torchrun("cli", "--", "train", *train_args(data, out, lr=None, accum=2))
     assert (out / "checkpoints" / "last.pt").exists()
     assert (out / "metrics.jsonl").read_text().count("\n") == 2  # one row per epoch: rank 0 alone wrote it
     assert sorted(p.name for p in out.iterdir()) == [
@@ -295,14 +230,14 @@ def _probe(*args):
 def test_kill_during_checkpoint_write_keeps_the_previous_one(data, tmp_path):
     """SIGKILL in the middle of the 3rd checkpoint write: the 2nd stays loadable, and resuming from it ends with the
     straight run's weights."""
-    subprocess.run(_cli(data, tmp_path / "straight", "--save-every", "3"), check=True)
+    subprocess.run(train_cli(data, tmp_path / "straight", save_every=3), check=True)
     out = tmp_path / "killed"
-    proc = subprocess.run(_probe("kill-in-save", "3", "--", *_cli(data, out, "--save-every", "3")[3:]), timeout=300)
+    proc = subprocess.run(_probe("kill-in-save", "3", "--", "train", *train_args(data, out, save_every=3)), timeout=300)
     assert proc.returncode == -signal.SIGKILL
     assert list((out / "checkpoints").glob(".last.pt.tmp-*"))  # the torn write is there, beside the good file
     state = checkpoint.load(out / "checkpoints" / "last.pt")
     assert state["step"] == 6  # the saves at steps 3 and 6 made it; the 3rd (the epoch end, step 8) was torn
-    subprocess.run(_cli(data, out, "--resume", "--save-every", "3"), check=True)
+    subprocess.run(train_cli(data, out, resume=True, save_every=3), check=True)
     a, b = _weights(tmp_path / "straight"), _weights(out)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -317,7 +252,7 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = _cli(data, tmp_path / "run", "--dist-timeout-s", "30")[3:]
+    args = ["train", *train_args(data, tmp_path / "run", dist_timeout_s=30)]
     procs = []
     for rank in (0, 1):
         env = {

@@ -1,14 +1,13 @@
 """``gpupipe train`` with timm's augmentation flags: RandAugment, MixUp/CutMix, random erasing, model EMA."""
 
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from gpupipe.train import checkpoint
 
-from .common_utils import make_folder
+from .common_utils import make_folder, train_cli
 
 pytest.importorskip("timm")
 
@@ -18,47 +17,20 @@ def data(tmp_path_factory):
     return make_folder(tmp_path_factory.mktemp("train_aug"), 4, 4)
 
 
-def _cli(data, out, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "gpupipe",
-        "train",
-        "--data",
-        str(data),
-        "--val",
-        str(data),
-        "--out",
-        str(out),
-        "--model",
-        "test_resnet",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--image-size",
-        "32",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--lr",
-        "0.05",
-        "--aa",
-        "rand-m9-mstd0.5-inc1",
-        "--mixup",
-        "0.2",
-        "--cutmix",
-        "1.0",
-        "--reprob",
-        "0.25",
-        "--smoothing",
-        "0.1",
-        "--model-ema",
-        "--model-ema-decay",
-        "0.9",
-        *extra,
-    ]
+def _cli(data, out, **overrides):
+    """A quick run with timm's flags, ``--smoothing`` (timm's name for --label-smoothing) among them."""
+    timm_flags = {
+        "val": data,
+        "epochs": 1,
+        "batch_size": 8,
+        "aa": "rand-m9-mstd0.5-inc1",
+        "mixup": 0.2,
+        "cutmix": 1.0,
+        "reprob": 0.25,
+        "model_ema": True,
+        "model_ema_decay": 0.9,
+    }
+    return train_cli(data, out, "--smoothing", "0.1", **{**timm_flags, **overrides})
 
 
 def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
@@ -78,7 +50,7 @@ def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
 
 
 def test_bad_policy_is_a_clear_error(data, tmp_path):
-    proc = subprocess.run(_cli(data, tmp_path / "bad", "--aa", "rand-q3"), capture_output=True, text=True)
+    proc = subprocess.run(_cli(data, tmp_path / "bad", aa="rand-q3"), capture_output=True, text=True)
     assert proc.returncode == 2 and "unsupported RandAugment" in proc.stderr
 
 
@@ -89,8 +61,8 @@ def test_killed_augmented_run_resumes_to_the_straight_runs_weights(data, tmp_pat
     import signal
     import time
 
-    def cli(out, *extra):
-        return _cli(data, out, "--epochs", "2", "--batch-size", "4", "--save-every", "2", *extra)
+    def cli(out, **extra):
+        return _cli(data, out, epochs=2, batch_size=4, save_every=2, **extra)
 
     subprocess.run(cli(tmp_path / "straight"), check=True)
     out = tmp_path / "killed"
@@ -101,7 +73,7 @@ def test_killed_augmented_run_resumes_to_the_straight_runs_weights(data, tmp_pat
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(cli(out, "--resume"), check=True)
+    subprocess.run(cli(out, resume=True), check=True)
     a, b = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt"), checkpoint.load(ckpt)
     for part in ("model", "model_ema"):
         for k in a[part]:
