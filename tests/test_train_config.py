@@ -37,3 +37,22 @@ def test_help_explains_every_flag_and_booleans_turn_off(tmp_path, capsys):
     assert main(["train", "--config", str(f), "--no-channels-last", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert "channels_last: false" in printed and "compile: true" in printed
+
+
+def test_each_field_carries_its_help_resume_rule_and_choices(tmp_path):
+    from dataclasses import fields
+
+    from gpupipe.train.config import CHOICES, RESUME_CHANGEABLE, RESUME_FIXED
+
+    for f in fields(TrainConfig):
+        assert f.metadata["help"] and f.metadata["resume"] in ("fixed", "changeable", None), f.name
+    assert {"data", "model", "batch_size", "accum", "seed"} <= set(RESUME_FIXED)
+    assert {"epochs", "lr", "precision", "backend"} <= set(RESUME_CHANGEABLE)
+    assert not set(RESUME_FIXED) & set(RESUME_CHANGEABLE) and "out" not in RESUME_FIXED + RESUME_CHANGEABLE
+    assert CHOICES["remode"] == ("pixel", "rand", "const") and "backend" not in CHOICES  # backend: the registry's
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 0.1\nremode: noise\n")
+    with pytest.raises(ValueError, match=r"c\.yaml:2: remode must be one of pixel, rand, const, got 'noise'"):
+        load_config(str(f))
+    with pytest.raises(ValueError, match="on_error must be one of raise, skip"):
+        TrainConfig(on_error="ignore")  # type: ignore[arg-type]
