@@ -8,11 +8,10 @@ import json
 import logging
 import sys
 import time
-import types
-import typing
-from dataclasses import fields
 
 from rich.console import Console
+
+from .train.cli import add_train_args, run_train
 
 console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())  # whole lines in a log file or pipe
 
@@ -237,54 +236,6 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
-def _flag_type(tp) -> tuple[type, tuple | None]:
-    """(argparse type, choices) of a resolved field annotation: ``int | None`` -> int; a ``Literal`` -> str and its
-    values."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        tp = next(a for a in args if a is not type(None))
-    if typing.get_origin(tp) is typing.Literal:
-        return str, typing.get_args(tp)
-    return tp, None
-
-
-def _add_train_args(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given"),
-    so only the flags given override the YAML file. Booleans also have a --no- form, to undo a YAML ``true``. Help
-    text and choices come from the fields (their metadata and ``Literal`` types)."""
-    from .backends import names
-    from .train.config import HELP, HINTS, TrainConfig
-
-    aliases = {"label_smoothing": ["--smoothing"]}  # timm's name
-    for f in fields(TrainConfig):
-        flags = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, [])]
-        tp, choices = _flag_type(HINTS[f.name])
-        choices = ("auto", *names()) if f.name == "backend" else choices
-        help = HELP[f.name] if "(default" in HELP[f.name] else f"{HELP[f.name]} (default {f.default})"
-        help = help.replace("%", "%%")
-        if tp is bool:
-            p.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help)
-        else:
-            metavar = None if choices else f.name.upper()
-            p.add_argument(*flags, type=tp, default=None, choices=choices, help=help, metavar=metavar)
-    p.add_argument("--config", help="a YAML file whose keys override the defaults; flags override both")
-    p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
-
-
-def _cmd_train(args) -> int:
-    from .train.config import TrainConfig, load_config, to_yaml
-
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
-    cfg = load_config(args.config, overrides)
-    if args.print_config:
-        print(to_yaml(cfg), end="")
-        return 0
-    from .train.loop import train
-
-    train(cfg)
-    return 0
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -323,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_args(sub.add_parser("bench", help="which backend is fastest on this machine and data"))
 
     p = sub.add_parser("train", help="train a timm model fed by any backend (AMP, accumulation, DDP, resume)")
-    _add_train_args(p)
-    p.set_defaults(func=_cmd_train)
+    add_train_args(p)
+    p.set_defaults(func=run_train)
 
     p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
     p.add_argument("dir", help="an ImageFolder directory or a CSV list (path,label)")
