@@ -3,7 +3,8 @@ with the A100/H100 hardware JPEG decoders) and batches never touch the host; ``d
 pipeline.
 
 DALI is fed, not left to read: each batch's encoded bytes (``dataset.read``, in the shared :class:`ShardSampler`'s
-order) and each sample's crop from :meth:`Recipe.plan` go in through ``fn.external_source``, and
+order) and each sample's crop from :meth:`Recipe.plan`, prepared a whole batch at a time in DataLoader workers
+(:mod:`.dali_feed`: nothing is read up front), go in through ``fn.external_source``, and
 ``fn.decoders.image_slice`` decodes exactly that window. So DALI's geometry, order, labels, sharding and resume are
 every other backend's; only interpolation differs. Because the loader knows each batch's files, a batch DALI fails
 on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded on the CPU and counted in
@@ -12,28 +13,26 @@ on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded
 
 from __future__ import annotations
 
-import os
+import itertools
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
-from .._system import usable_cores
 from ..data.device import normalise
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
+from .dali_feed import Feed, FeedStream, Request, Work, decode_on_cpu, file_stamp
+from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
 # would ask for a second batch the feed may not have): the Python feed of the next batch overlaps DALI's decode.
 _PREFETCH = 2
-_EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
 
 
 def dali_info() -> dict:
@@ -91,8 +90,9 @@ def build_pipeline(
         exec_dynamic=True,
     )
     def pipe():
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
-        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
+        # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
+        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
         if train:
             images = fn.decoders.image_slice(
                 enc,
@@ -134,31 +134,14 @@ def build_pipeline(
 
 
 def _to_torch(out, device: torch.device) -> torch.Tensor:
-    """A DALI batch of equal-shaped images, copied once into a torch tensor of its own (DALI reuses its buffers)."""
-    from nvidia.dali.plugin.pytorch import feed_ndarray
-    from nvidia.dali.types import DALIDataType
-
+    """A DALI batch of equal-shaped images as a torch tensor, through DLPack: no copy and no host wait. The dynamic
+    executor counts references to its buffers, so the tensor keeps DALI's output alive after ``release_outputs``;
+    torch asks DALI, through the protocol's stream argument, to order the hand-over on the consumer's stream."""
     tensor = out.as_tensor()
-    dtype = torch.float32 if tensor.dtype == DALIDataType.FLOAT else torch.uint8
-    dst = torch.empty(tensor.shape(), dtype=dtype, device=device)
-    feed_ndarray(tensor, dst, cuda_stream=torch.cuda.current_stream(device) if device.type == "cuda" else None)
-    return dst
-
-
-@dataclass
-class _Work:
-    """One batch on its way through the pipeline: which samples DALI decodes, which Pillow decoded, which failed."""
-
-    epoch: int
-    indices: list[int]  # the sampler's batch, in order
-    dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
-    data: list[np.ndarray] = field(default_factory=list)
-    meta: list[np.ndarray] = field(default_factory=list)
-    cpu: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (3, S, S) decoded by Pillow
-    errors: list[tuple[str, str]] = field(default_factory=list)
-    fallbacks: int = 0
-    scheduled: bool = False
-    stamps: list[tuple[int, int] | None] = field(default_factory=list)  # next-epoch work: its files' (mtime, size)
+    if device.type != "cuda":
+        return torch.from_dlpack(tensor)
+    with torch.cuda.device(device):
+        return torch.from_dlpack(tensor)
 
 
 class DaliLoader(Loader):
@@ -177,8 +160,8 @@ class DaliLoader(Loader):
         self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
-        self._headers = None  # (upright sizes, {index: reason}, {indices for Pillow}): read once, up front
-        self._ahead: deque[_Work] = deque()  # the next epoch's first batches, scheduled before this epoch ended
+        self._feed: FeedStream | None = None  # reads, judges and plans whole batches in DataLoader workers
+        self._ahead: deque[Work] = deque()  # the next epoch's first batches, scheduled before this epoch ended
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
@@ -201,10 +184,10 @@ class DaliLoader(Loader):
         """After a critical error DALI's pipeline is no longer valid: drop it; the next batch builds a new one."""
         self._pipe, self._scheduled = None, 0
 
-    def _submit(self, work: _Work) -> None:
+    def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
         pipe.feed_input("enc", work.data)
-        pipe.feed_input("meta", work.meta)
+        pipe.feed_input("meta", work.rows)  # one (n, 5) array: the whole batch at once
         pipe.schedule_run()
         self._scheduled += 1
         work.scheduled = True
@@ -228,7 +211,7 @@ class DaliLoader(Loader):
             except RuntimeError:
                 self._discard_pipeline()
 
-    def _take_ahead(self, epoch: int, start_batch: int) -> deque[_Work]:
+    def _take_ahead(self, epoch: int, start_batch: int) -> deque[Work]:
         """The batches scheduled ahead at the end of the last pass, when this pass is the one they were for (the
         next epoch, from its start) and their files are unchanged since they were read; else nothing (dropped)."""
         ahead, self._ahead = self._ahead, deque()
@@ -242,74 +225,20 @@ class DaliLoader(Loader):
                     self._submit(work)
         return ahead
 
-    def _stamp(self, index: int) -> tuple[int, int] | None:
-        if not self.dataset.reads_files:  # shards are not rewritten under a running loader
-            return None
-        try:
-            st = os.stat(self.dataset.samples[index][0])
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
-    def _unchanged(self, work: _Work) -> bool:
-        return all(self._stamp(i) == stamp for i, stamp in zip(work.indices, work.stamps, strict=True))
+    def _unchanged(self, work: Work) -> bool:
+        return all(file_stamp(self.dataset, i) == stamp for i, stamp in zip(work.indices, work.stamps, strict=True))
 
     # -- the samples ------------------------------------------------------------------------------------------------
 
-    def _scan_headers(self):
-        """Every sample's upright size (the recipe needs it for the crop) and what DALI must not be given: unusable
-        headers and images over the pixel limit (DALI has none of its own), and formats only Pillow decodes."""
-        if self._headers is None:
-            self._headers = header_scan(self.dataset, self.max_pixels, usable_cores())
-        return self._headers
+    def _stream(self, requests: Iterator[Request]) -> Iterator[Work]:
+        """The works of ``requests``, in order, prepared ahead in the feed's workers (a quarter of the loader's
+        workers, at least one: reading and header parsing are light next to DALI's decode threads)."""
+        if self._feed is None:
+            feed = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
+            self._feed = FeedStream(feed, 0 if self.parts.workers == 0 else max(1, self.parts.workers // 4))
+        return self._feed.stream(requests)
 
-    def _prepare(self, epoch: int, indices: list[int]) -> _Work:
-        sizes, problems, pillow_only = self._scan_headers()
-        work = _Work(epoch, indices)
-        for pos, i in enumerate(indices):
-            path = self.dataset.samples[i][0]
-            if i in problems:
-                work.errors.append((path, problems[i]))
-                continue
-            try:
-                data = self.dataset.read(i)
-            except OSError as e:
-                work.errors.append((path, f"cannot read the file ({e.strerror or e})"))
-                continue
-            if not data:
-                work.errors.append((path, "empty file"))
-                continue
-            if is_jpeg(data) and data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) < 0:
-                try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
-                    self._check.decode(data, path)
-                except DecodeError as e:
-                    work.errors.append((path, e.reason))
-                    continue
-            plan = self.recipe.plan(self.train, self.seed, epoch, i)
-            if i in pillow_only:
-                self._decode_on_cpu(work, pos, data, plan)
-                continue
-            height, width = int(sizes[i][0]), int(sizes[i][1])
-            meta: tuple[float, ...]
-            if self.train:
-                box = plan(height, width)
-                meta = (box.top, box.left, box.height, box.width, int(box.flip))
-            else:
-                meta = self.recipe.eval_offsets(height, width)
-            work.dali.append(pos)
-            work.data.append(np.frombuffer(data, dtype=np.uint8))
-            work.meta.append(np.array(meta, dtype=np.int64))
-        return work
-
-    def _decode_on_cpu(self, work: _Work, pos: int, data: bytes, plan) -> None:
-        path = self.dataset.samples[work.indices[pos]][0]
-        try:
-            work.cpu[pos], _ = self._check.crop(data, path, plan, self.recipe.size)
-            work.fallbacks += 1
-        except DecodeError as e:
-            work.errors.append((path, e.reason))
-
-    def _recover(self, work: _Work) -> torch.Tensor | None:
+    def _recover(self, work: Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
         decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
@@ -323,7 +252,7 @@ class DaliLoader(Loader):
                 work.errors.append((path, e.reason))
         if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
             chosen = [work.dali.index(pos) for pos in keep]
-            work.dali, work.data, work.meta = keep, [work.data[k] for k in chosen], [work.meta[k] for k in chosen]
+            work.dali, work.data, work.rows = keep, [work.data[k] for k in chosen], work.rows[chosen]
             if not work.dali:
                 return None
             try:
@@ -332,13 +261,13 @@ class DaliLoader(Loader):
             except RuntimeError:
                 self._discard_pipeline()
         for pos, data in zip(work.dali, work.data, strict=True):  # only DALI refuses these: Pillow decodes them
-            self._decode_on_cpu(
-                work, pos, data.tobytes(), self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
-            )
-        work.dali, work.data, work.meta = [], [], []
+            path = self.dataset.samples[work.indices[pos]][0]
+            plan = self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
+            decode_on_cpu(self._check, self.recipe.size, work, pos, path, data.tobytes(), plan)
+        work.dali, work.data, work.rows = [], [], None
         return None
 
-    def _assemble(self, work: _Work, decoded: torch.Tensor | None) -> Batch:
+    def _assemble(self, work: Work, decoded: torch.Tensor | None) -> Batch:
         """The batch in the sampler's order: DALI's images and Pillow's, less the failures."""
         device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # where DALI outputs
         if not work.cpu:
@@ -349,8 +278,10 @@ class DaliLoader(Loader):
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
             positions = sorted(parts)
             images = torch.stack([parts[pos] for pos in positions])
-        index = [work.indices[pos] for pos in positions]
-        keys = torch.tensor([(work.epoch, i) for i in index], dtype=torch.int64).view(-1, 2) if self._augment else None
+        index = torch.as_tensor(work.indices, dtype=torch.int64)
+        if len(positions) != len(index):
+            index = index[positions]
+        keys = torch.stack([torch.full_like(index, work.epoch), index], 1) if self._augment else None
         return Batch(images, self._labels[index], "NCHW", work.errors, work.fallbacks, keys)
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
@@ -361,10 +292,11 @@ class DaliLoader(Loader):
         """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first
         ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
         pending = self._take_ahead(epoch, start_batch)
-        todo = deque(self.sampler.batches(epoch, start_batch)[len(pending) :])
-        following = self._batches_of(epoch + 1)  # lazy: only the epoch's end asks for it
+        todo = self.sampler.batches(epoch, start_batch)[len(pending) :]
+        following = (Request(epoch + 1, b, True) for b in self._batches_of(epoch + 1))  # lazy: only at the end
+        prepared = self._stream(itertools.chain((Request(epoch, b, False) for b in todo), following))
         while True:
-            self._fill(pending, epoch, todo, following)
+            self._fill(pending, prepared)
             if not pending or pending[0].epoch != epoch:
                 break
             work = pending.popleft()
@@ -374,22 +306,17 @@ class DaliLoader(Loader):
     def _batches_of(self, epoch: int) -> Iterator[list[int]]:
         yield from self.sampler.batches(epoch)
 
-    def _fill(self, pending: deque[_Work], epoch: int, todo: deque[list[int]], following: Iterator[list[int]]) -> None:
+    def _fill(self, pending: deque[Work], prepared: Iterator[Work]) -> None:
         """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
         while len(pending) < _PREFETCH:
-            if todo:
-                work = self._prepare(epoch, todo.popleft())
-            elif (indices := next(following, None)) is None:
+            work = next(prepared, None)
+            if work is None:
                 return
-            else:
-                stamps = [self._stamp(i) for i in indices]  # taken before the read: a later change shows
-                work = self._prepare(epoch + 1, indices)
-                work.stamps = stamps
             if work.dali:
                 self._submit(work)
             pending.append(work)
 
-    def _decoded(self, work: _Work, pending: deque[_Work]) -> torch.Tensor | None:
+    def _decoded(self, work: Work, pending: deque[Work]) -> torch.Tensor | None:
         """DALI's images of ``work``; after a failure, what :meth:`_recover` saves (the batches behind it, lost with
         the pipeline, are scheduled again, in order, on a new one)."""
         if not work.dali:

@@ -129,7 +129,7 @@ PIPELINE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "TIFF", "WEBP", "PPM"
 PILLOW_ONLY_MODES = frozenset({"F", "I"})  # 32-bit pixels: one rule on every backend, Pillow's
 
 
-def _header_entry(src: str | bytes, max_pixels: int) -> tuple[int, int, bool] | str:
+def header_entry(src: str | bytes, max_pixels: int) -> tuple[int, int, bool] | str:
     """One file judged from its header alone (PIL reads only the first bytes): its upright (height, width) and
     whether only Pillow should decode it, or why it cannot be decoded (empty, not an image, over the pixel limit)."""
     if isinstance(src, bytes) and not src:
@@ -169,7 +169,7 @@ def header_scan(dataset, max_pixels: int, workers: int = 1):
         over = np.flatnonzero(hw[:, 0] * hw[:, 1] > max_pixels)  # vectorised: prepared sets hold millions
         problems = {int(i): pixel_limit_reason(int(hw[i, 1]), int(hw[i, 0]), max_pixels) for i in over}
         return hw, problems, set()
-    check = partial(_header_entry, max_pixels=max_pixels)
+    check = partial(header_entry, max_pixels=max_pixels)
     if not dataset.reads_files:  # another storage layout: its bytes, read one by one
         entries = [_entry_of(dataset, i, check) for i in range(n)]
     elif workers <= 1 or n < 4096:

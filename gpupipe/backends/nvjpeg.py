@@ -1,12 +1,16 @@
-"""torchvision's batched nvJPEG decode on CUDA, with the recipe's crop, flip and resize as tensor ops on the GPU.
+"""Batched nvJPEG decode on CUDA (torchcodec's ``decode_jpeg``, or torchvision's where torchcodec is missing), with
+the recipe's crop, resize and flip as a few batched ops on the GPU.
 
-No extra package: the GPU path for users who cannot install DALI. Workers read the bytes and the header (size,
-EXIF orientation, pixel limit); the main process decodes the whole batch on the GPU in one call. Files nvJPEG
-cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as fallbacks.
+The GPU path for users who cannot install DALI. Workers read the bytes and the header (size, EXIF orientation,
+pixel limit); the main process decodes the whole batch on the GPU in one call, on the loader's own stream, then
+crops and resizes every image in one ``roi_align`` (its adaptive sampling averages each output pixel's footprint:
+an antialiased resize) and flips them in one ``where``. Files nvJPEG cannot take (non-JPEG, CMYK) are decoded by
+Pillow in the worker and counted as fallbacks.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -14,6 +18,7 @@ import numpy as np
 import torch
 
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
+from ..data.upload import HostPack
 from ..errors import DecodeError
 from ..recipe import Box, Recipe
 from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
@@ -39,6 +44,7 @@ class _Item(NamedTuple):
     orientation: int  # the EXIF orientation the GPU path applies after decoding (1: upright)
     box: Box | None  # the recipe's crop, in upright pixels
     error: str | None = None  # why the file could not be read
+    stored: tuple[int, int] = (0, 0)  # (height, width) as stored, before the orientation: what nvJPEG will output
 
 
 class _BytesDataset(torch.utils.data.Dataset):
@@ -59,7 +65,11 @@ class _BytesDataset(torch.utils.data.Dataset):
             uh, uw = header.upright_size
             box = self.recipe.plan(self.train, self.seed, epoch, index)(uh, uw)
             if nvjpeg_can_decode(data, header):
-                return _Item(path, label, index, np.frombuffer(data, np.uint8), False, header.orientation, box)
+                w, h = header.image.size
+                stored = (h, w)
+                return _Item(
+                    path, label, index, np.frombuffer(data, np.uint8), False, header.orientation, box, None, stored
+                )
             img = self._fallback.decode_opened(header, path)  # RGB, upright
             return _Item(path, label, index, np.asarray(img), True, 1, box)
         except DecodeError as e:
@@ -84,22 +94,37 @@ def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
     return img.flip(-2) if flip else img
 
 
-def _decoder_on_own_stream(device: torch.device) -> Callable[[Any], Any]:
-    """torchvision's ``decode_jpeg`` to RGB on ``device``, for one tensor of bytes or a list of them.
+Decode = Callable[[Any], Any]
 
-    torchvision's CUDA decode allocates its outputs on the calling stream but writes them on a private one that does
-    not wait for it (pytorch/vision#9606): called on a stream of its own, it only ever reuses blocks it wrote itself;
-    the current stream then waits for it, and the outputs are recorded as used there.
+
+def _batched_jpeg_decode() -> Callable[..., Any]:
+    """``decode(data, device)``: torchcodec's ``decode_jpeg`` (>= 0.16: batched on CUDA), else torchvision's (deprecated
+    since torchvision 0.29, the fallback where torchcodec is missing or does not load against this torch)."""
+    try:
+        from torchcodec.decoders import decode_jpeg as codec_decode  # defer: loads torchcodec's C++ ops
+
+        return lambda data, device: codec_decode(data, mode="RGB", device=device)
+    except (ImportError, OSError, RuntimeError):
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as tv_decode
+
+        return lambda data, device: tv_decode(data, mode=ImageReadMode.RGB, device=device)
+
+
+def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode:
+    """The batched nvJPEG decode to RGB on ``device``, for one tensor of bytes or a list of them, run on ``stream``.
+
+    The CUDA decoders allocate their outputs on the calling stream but may write them on a private one that does not
+    wait for it (pytorch/vision#9606): called on a stream of their own, they only ever reuse blocks they wrote
+    themselves; the current stream then waits for it, and the outputs are recorded as used there.
     """
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    decode_stream = torch.cuda.Stream(device)
+    decode_jpeg = _batched_jpeg_decode()
 
     def decode(data):
-        with torch.cuda.stream(decode_stream):
-            out = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        with torch.cuda.stream(stream):
+            out = decode_jpeg(data, device)
         current = torch.cuda.current_stream(device)
-        current.wait_stream(decode_stream)
+        current.wait_stream(stream)
         for img in out if isinstance(out, list) else [out]:
             img.record_stream(current)
         return out
@@ -107,25 +132,84 @@ def _decoder_on_own_stream(device: torch.device) -> Callable[[Any], Any]:
     return decode
 
 
+# The padded float copy one roi_align call reads: at most this many elements (1 GiB), so 1-8 MP photos go in chunks.
+_PAD_ELEMENTS = 1 << 28
+
+
+def _padded(images: list[torch.Tensor]) -> torch.Tensor:
+    """(N,3,Hmax,Wmax) uint8, each image at the top left, from one nested-tensor copy (not a copy per image)."""
+    device = images[0].device
+    if device.type not in ("cpu", "cuda"):  # no nested tensors there (the meta device: the benchmark's stand-in)
+        return torch.zeros(len(images), 3, *(max(im.shape[d] for im in images) for d in (1, 2)), device=device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
+        return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
+
+
+def _chunks(images: list[torch.Tensor]) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` ranges whose padded batch stays under ``_PAD_ELEMENTS``."""
+    lo, hmax, wmax = 0, 0, 0
+    for k, im in enumerate(images):
+        h, w = max(hmax, im.shape[1]), max(wmax, im.shape[2])
+        if k > lo and (k + 1 - lo) * 3 * h * w > _PAD_ELEMENTS:
+            yield lo, k
+            lo, h, w = k, im.shape[1], im.shape[2]
+        hmax, wmax = h, w
+    yield lo, len(images)
+
+
+def crop_resize_flip(images: list[torch.Tensor], boxes: list[Box], size: int) -> torch.Tensor:
+    """Each (3,H,W) uint8 image's box resized to ``size`` and flipped where the box says, as (N,3,S,S) uint8: the
+    boxes go to the device in one pinned non-blocking copy, then a handful of ops per chunk, none per image."""
+    from torchvision.ops import roi_align  # defer: loads torchvision's C++ ops
+
+    device = images[0].device
+    pack, starts = HostPack(), list(_chunks(images))
+    rows = [
+        (k - lo, b.left, b.top, b.left + b.width, b.top + b.height, b.flip)
+        for lo, hi in starts
+        for k, b in zip(range(lo, hi), boxes[lo:hi], strict=True)
+    ]
+    slot = pack.add(rows, torch.float32)
+    pack.send(device)
+    rois = pack.get(slot)
+    out = torch.cat(
+        [
+            roi_align(_padded(images[lo:hi]).float(), rois[lo:hi, :5].contiguous(), (size, size), 1.0, -1, True)
+            for lo, hi in starts
+        ]
+    )
+    out = torch.where(rois[:, 5].view(-1, 1, 1, 1) > 0.5, out.flip(-1), out)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
 def _bytes(item: _Item) -> torch.Tensor:
     assert item.data is not None
-    return torch.from_numpy(item.data.copy())
+    data = item.data  # from a worker: unpickled, writable, used as it is; from this process: the file's own bytes
+    return torch.from_numpy(data if data.flags.writeable else data.copy())
 
 
 class NvjpegLoader(Loader):
     backend = "nvjpeg"
+    decode_devices: tuple[str, ...] = ("cuda",)  # the host-budget benchmark adds the meta device, with a stand-in
 
     def __init__(self, parts: LoaderParts):
-        if parts.stage.device.type != "cuda":
+        if parts.stage.device.type not in self.decode_devices:
             raise ValueError("backend 'nvjpeg' decodes on CUDA: pass device='cuda' (or use 'dali' or 'turbojpeg')")
         super().__init__(parts)
         max_pixels = parts.max_pixels or default_max_pixels()
         self._data = _BytesDataset(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
         self._kwargs = parts.dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
+        self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
+
+    def decoder(self) -> Decode:
+        return decoder_on_stream(self.stage.device, torch.cuda.Stream(self.stage.device))
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        decode = _decoder_on_own_stream(self.stage.device)
+        if self._decode is None:
+            self._decode = self.decoder()
+        decode = self._decode
         if self._dataloader is None:
             kwargs = {**self._kwargs, "pin_memory": False}
             self._dataloader = torch.utils.data.DataLoader(
@@ -135,25 +219,18 @@ class NvjpegLoader(Loader):
         for items in self._dataloader:
             yield self._batch(epoch, items, decode)
 
-    def _batch(self, epoch: int, items: list[_Item], decode: Callable[[Any], Any]) -> Batch:
+    def _batch(self, epoch: int, items: list[_Item], decode: Decode) -> Batch:
         """The workers' items as a batch: decoded, made upright, then cropped, flipped and resized on the GPU."""
-        from torchvision.transforms.v2 import functional as F
-
         device, size = self.stage.device, self.recipe.size
         errors = [(it.path, it.error) for it in items if it.error is not None]
         images = self._upright_images(items, decode, errors)
         if not images:
             return empty_batch(size, device, errors)
-        crops = []
-        for it, img, _ in images:
-            assert it.box is not None
-            box = it.box
-            out = F.resized_crop(
-                img, round(box.top), round(box.left), round(box.height), round(box.width), [size, size], antialias=True
-            )
-            crops.append(out.flip(-1) if box.flip else out)
+        boxes = [it.box for it, _, _ in images]
+        assert all(b is not None for b in boxes)
+        crops = crop_resize_flip([img for _, img, _ in images], boxes, size)  # type: ignore[arg-type]
         return Batch(
-            torch.stack(crops),
+            crops,
             torch.tensor([it.label for it, _, _ in images], dtype=torch.int64),
             "NCHW",
             errors,
@@ -162,7 +239,7 @@ class NvjpegLoader(Loader):
         )
 
     def _upright_images(
-        self, items: list[_Item], decode: Callable[[Any], Any], errors: list[tuple[str, str]]
+        self, items: list[_Item], decode: Decode, errors: list[tuple[str, str]]
     ) -> list[tuple[_Item, torch.Tensor, bool]]:
         """Each decodable item, in batch order, with its upright (3,H,W) uint8 image on the GPU and whether Pillow
         decoded it (a fallback). A file neither nvJPEG nor Pillow decodes is added to ``errors``."""
@@ -179,7 +256,7 @@ class NvjpegLoader(Loader):
         return images
 
     def _decode_jpegs(
-        self, jpegs: list[_Item], decode: Callable[[Any], Any], errors: list[tuple[str, str]]
+        self, jpegs: list[_Item], decode: Decode, errors: list[tuple[str, str]]
     ) -> dict[int, tuple[torch.Tensor, bool]]:
         """``id(item)`` -> (upright image, decoded by Pillow): the whole batch in one nvJPEG call; when that fails,
         one by one to find the culprits, which Pillow then tries."""
@@ -213,17 +290,22 @@ class NvjpegLoader(Loader):
         return chw_tensor(img).to(self.stage.device)
 
 
+_READ_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def read_nvjpeg(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
     """``read_image(backend="nvjpeg")``: decoded on CUDA (``device``, or the current CUDA device when ``device`` is
-    the CPU), returned on ``device``; what nvJPEG cannot take is decoded by Pillow."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
+    the CPU) on a stream of its own, returned on ``device``; what nvJPEG cannot take is decoded by Pillow."""
     header = probe(data, path, "nvjpeg", max_pixels or default_max_pixels())  # the pixel limit, before any decode
     gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    if gpu.index is None:
+        gpu = torch.device("cuda", torch.cuda.current_device())
     if not nvjpeg_can_decode(data, header):
         return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
+    if gpu not in _READ_STREAMS:
+        _READ_STREAMS[gpu] = torch.cuda.Stream(gpu)
     try:
-        img = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, device=gpu)
+        img = decoder_on_stream(gpu, _READ_STREAMS[gpu])(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     except RuntimeError as e:
         raise DecodeError(path, "nvjpeg", f"nvJPEG: {e}") from None
     return _upright_chw(img, header.orientation).contiguous().to(device)
@@ -235,7 +317,7 @@ def _unavailable() -> str | None:
 
 SPEC = BackendSpec(
     "nvjpeg",
-    "torchvision's batched nvJPEG decode on CUDA; crop, flip and resize as GPU tensor ops",
+    "batched nvJPEG decode on CUDA (torchcodec, or torchvision's); crop, resize and flip as batched GPU ops",
     ("cuda",),
     _unavailable,
     NvjpegLoader,

@@ -1,0 +1,179 @@
+"""DALI's feed, off the training thread, a whole batch at a time.
+
+DALI decodes what it is fed; before this module the training thread read every file, judged every header and drew
+every crop (11-18 ms of its CPU per 256-image batch). Now DataLoader workers do all of it per batch (:class:`Feed`):
+each returns one :class:`Work` holding the batch's encoded bytes as **one** uint8 tensor (shared memory, not
+pickled), their offsets, the crop rows as one (n, 5) int64 array and the samples Pillow had to take. The training
+thread only cuts the buffer into views and feeds them (``no_copy``: DALI reads them where they are).
+
+Nothing is read before training: each sample's size, EXIF orientation, pixel limit and format are judged from the
+bytes the worker just read (``header_entry``), or taken from the sizes a prepared data set recorded. Files that
+only Pillow decodes (formats DALI lacks, CMYK, 16-bit) are decoded by Pillow in the worker and counted as fallbacks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import DecodeError
+from ..recipe import Recipe
+from .image import header_entry, is_jpeg, pixel_limit_reason
+from .pillow import PillowDecoder
+
+_EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
+
+
+@dataclass
+class Work:
+    """One batch on its way through the pipeline: which samples DALI decodes, which Pillow decoded, which failed."""
+
+    epoch: int
+    indices: list[int]  # the sampler's batch, in order
+    dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
+    buffer: torch.Tensor | None = None  # uint8: the DALI samples' bytes, one after the other
+    offsets: np.ndarray | None = None  # int64 (len(dali) + 1,): sample k is buffer[offsets[k]:offsets[k + 1]]
+    rows: np.ndarray | None = None  # int64 (len(dali), 5 or 4): crop or eval-resize rows, one per DALI sample
+    cpu: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (3, S, S) decoded by Pillow
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    fallbacks: int = 0
+    scheduled: bool = False
+    stamps: list[tuple[int, int] | None] = field(default_factory=list)  # next-epoch work: its files' (mtime, size)
+    data: list[np.ndarray] = field(default_factory=list)  # views of ``buffer``, made by the training thread
+
+    def unpack(self) -> None:
+        """The per-sample views DALI is fed (the training thread's only per-sample work: no copy)."""
+        if self.buffer is None or self.offsets is None:
+            return
+        self.data = np.split(self.buffer.numpy(), self.offsets[1:-1])
+
+
+class Request(NamedTuple):
+    epoch: int
+    indices: list[int]
+    stamp: bool  # record the files' (mtime, size) before reading (a next-epoch batch, kept only if unchanged)
+
+
+def file_stamp(dataset, index: int) -> tuple[int, int] | None:
+    if not dataset.reads_files:  # shards are not rewritten under a running loader
+        return None
+    try:
+        st = os.stat(dataset.samples[index][0])
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+class Feed(torch.utils.data.Dataset):
+    """One :class:`Request` -> its :class:`Work`, in a DataLoader worker (or in the caller with no workers)."""
+
+    def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int):
+        self.dataset, self.recipe, self.train, self.seed, self.max_pixels = dataset, recipe, train, seed, max_pixels
+        self.check = PillowDecoder(max_pixels)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, request: Request) -> Work:
+        work = Work(request.epoch, request.indices)
+        if request.stamp:
+            work.stamps = [file_stamp(self.dataset, i) for i in request.indices]  # before the read
+        chunks: list[bytes] = []
+        rows: list[tuple[float, ...]] = []
+        for pos, i in enumerate(request.indices):
+            taken = self._sample(work, pos, i)
+            if taken is not None:
+                work.dali.append(pos)
+                chunks.append(taken[0])
+                rows.append(taken[1])
+        lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+        work.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        work.buffer = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if chunks else None
+        work.rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), 5 if self.train else 4)
+        return work
+
+    def _sample(self, work: Work, pos: int, i: int) -> tuple[bytes, tuple[float, ...]] | None:
+        """(bytes, row) for DALI, or None: the sample failed (in ``work.errors``) or Pillow decoded it."""
+        path = self.dataset.samples[i][0]
+        try:
+            data = self.dataset.read(i)
+        except OSError as e:
+            work.errors.append((path, f"cannot read the file ({e.strerror or e})"))
+            return None
+        entry = self._judge(i, data)
+        if isinstance(entry, str):
+            work.errors.append((path, entry))
+            return None
+        height, width, pillow_only = entry
+        if is_jpeg(data) and data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) < 0:
+            try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
+                self.check.decode(data, path)
+            except DecodeError as e:
+                work.errors.append((path, e.reason))
+                return None
+        plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
+        if pillow_only:
+            decode_on_cpu(self.check, self.recipe.size, work, pos, path, data, plan)
+            return None
+        if self.train:
+            box = plan(height, width)
+            return data, (box.top, box.left, box.height, box.width, int(box.flip))
+        return data, self.recipe.eval_offsets(height, width)
+
+    def _judge(self, i: int, data: bytes) -> tuple[int, int, bool] | str:
+        """Upright (height, width) and whether only Pillow decodes it, or why it cannot be decoded: from the bytes
+        just read, or from the sizes a prepared data set recorded (its files are JPEGs DALI takes)."""
+        if not data:
+            return "empty file"
+        if self.dataset.sizes is not None:
+            h, w = (int(v) for v in self.dataset.sizes[i])
+            reason = pixel_limit_reason(w, h, self.max_pixels)
+            return reason if reason is not None else (h, w, False)
+        entry = header_entry(data, self.max_pixels)
+        return entry if isinstance(entry, str) else (int(entry[0]), int(entry[1]), bool(entry[2]))
+
+
+def decode_on_cpu(check: PillowDecoder, size: int, work: Work, pos: int, path: str, data: bytes, plan) -> None:
+    try:
+        work.cpu[pos], _ = check.crop(data, path, plan, size)
+        work.fallbacks += 1
+    except DecodeError as e:
+        work.errors.append((path, e.reason))
+
+
+class _Requests:
+    """The DataLoader's sampler: the current pass's requests, set before each ``iter()`` of the loader."""
+
+    def __init__(self) -> None:
+        self.current: Iterable[Request] = ()
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.current)
+
+
+class FeedStream:
+    """:class:`Feed` in ``workers`` DataLoader processes (persistent), returning each request's work in order."""
+
+    def __init__(self, feed: Feed, workers: int):
+        self._requests = _Requests()
+        kwargs = {"num_workers": workers}
+        if workers > 0:
+            kwargs.update(persistent_workers=True, prefetch_factor=2)
+        self._loader = torch.utils.data.DataLoader(
+            feed, batch_size=None, sampler=self._requests, collate_fn=_as_is, **kwargs
+        )
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[Work]:
+        self._requests.current = requests
+        for work in self._loader:
+            work.unpack()
+            yield work
+
+
+def _as_is(work: Work) -> Work:
+    return work
