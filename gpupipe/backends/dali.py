@@ -186,7 +186,7 @@ class DaliLoader(Loader):
 
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
-        pipe.feed_input("enc", work.data)
+        pipe.feed_input("enc", work.batch())
         pipe.feed_input("meta", work.rows)  # one (n, 5) array: the whole batch at once
         pipe.schedule_run()
         self._scheduled += 1
@@ -243,7 +243,7 @@ class DaliLoader(Loader):
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
         decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
         keep = []
-        for pos, data in zip(work.dali, work.data, strict=True):
+        for pos, data in zip(work.dali, work.samples(), strict=True):
             path = self.dataset.samples[work.indices[pos]][0]
             try:
                 self._check.decode(data.tobytes(), path)
@@ -252,7 +252,8 @@ class DaliLoader(Loader):
                 work.errors.append((path, e.reason))
         if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
             chosen = [work.dali.index(pos) for pos in keep]
-            work.dali, work.data, work.rows = keep, [work.data[k] for k in chosen], work.rows[chosen]
+            views = work.samples()
+            work.dali, work.data, work.rows = keep, [views[k] for k in chosen], work.rows[chosen]
             if not work.dali:
                 return None
             try:
@@ -260,7 +261,7 @@ class DaliLoader(Loader):
                 return self._fetch()
             except RuntimeError:
                 self._discard_pipeline()
-        for pos, data in zip(work.dali, work.data, strict=True):  # only DALI refuses these: Pillow decodes them
+        for pos, data in zip(work.dali, work.samples(), strict=True):  # only DALI refuses these: Pillow decodes them
             path = self.dataset.samples[work.indices[pos]][0]
             plan = self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
             decode_on_cpu(self._check, self.recipe.size, work, pos, path, data.tobytes(), plan)

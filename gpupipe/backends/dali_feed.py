@@ -3,8 +3,8 @@
 DALI decodes what it is fed; before this module the training thread read every file, judged every header and drew
 every crop (11-18 ms of its CPU per 256-image batch). Now DataLoader workers do all of it per batch (:class:`Feed`):
 each returns one :class:`Work` holding the batch's encoded bytes as **one** uint8 tensor (shared memory, not
-pickled), their offsets, the crop rows as one (n, 5) int64 array and the samples Pillow had to take. The training
-thread only cuts the buffer into views and feeds them (``no_copy``: DALI reads them where they are).
+pickled; zero-padded rows when the batch is all JPEG), the crop rows as one (n, 5) int64 array and the samples
+Pillow had to take. The training thread feeds the two arrays as they are (``no_copy``: DALI reads them in place).
 
 Nothing is read before training: each sample's size, EXIF orientation, pixel limit and format are judged from the
 bytes the worker just read (``header_entry``), or taken from the sizes a prepared data set recorded. Files that
@@ -26,6 +26,7 @@ from ..recipe import Recipe
 from .image import header_entry, is_jpeg, pixel_limit_reason
 from .pillow import PillowDecoder
 
+_PAD_RATIO = 3.0  # padded rows cost at most this many times the bytes themselves
 _EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
 
 
@@ -36,21 +37,33 @@ class Work:
     epoch: int
     indices: list[int]  # the sampler's batch, in order
     dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
-    buffer: torch.Tensor | None = None  # uint8: the DALI samples' bytes, one after the other
-    offsets: np.ndarray | None = None  # int64 (len(dali) + 1,): sample k is buffer[offsets[k]:offsets[k + 1]]
+    encoded: torch.Tensor | None = None  # uint8: the DALI samples' bytes (see ``Feed._encoded``), shared memory
+    lengths: np.ndarray | None = None  # int64 (len(dali),): each sample's byte count
     rows: np.ndarray | None = None  # int64 (len(dali), 5 or 4): crop or eval-resize rows, one per DALI sample
     cpu: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (3, S, S) decoded by Pillow
     errors: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: int = 0
     scheduled: bool = False
     stamps: list[tuple[int, int] | None] = field(default_factory=list)  # next-epoch work: its files' (mtime, size)
-    data: list[np.ndarray] = field(default_factory=list)  # views of ``buffer``, made by the training thread
+    data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
 
-    def unpack(self) -> None:
-        """The per-sample views DALI is fed (the training thread's only per-sample work: no copy)."""
-        if self.buffer is None or self.offsets is None:
-            return
-        self.data = np.split(self.buffer.numpy(), self.offsets[1:-1])
+    def samples(self) -> list[np.ndarray]:
+        """Each DALI sample's bytes, as views (no copy)."""
+        if self.data is not None:
+            return self.data
+        if self.encoded is None or self.lengths is None:
+            return []
+        enc = self.encoded.numpy()
+        if enc.ndim == 2:
+            return [row[:n] for row, n in zip(enc, self.lengths.tolist(), strict=True)]
+        return np.split(enc, np.cumsum(self.lengths)[:-1])
+
+    def batch(self) -> np.ndarray | list[np.ndarray]:
+        """What DALI is fed: one (n, L) array when the feed padded the batch (no per-sample work on this thread),
+        else one view per sample."""
+        if self.data is None and self.encoded is not None and self.encoded.dim() == 2:
+            return self.encoded.numpy()
+        return self.samples()
 
 
 class Request(NamedTuple):
@@ -91,9 +104,8 @@ class Feed(torch.utils.data.Dataset):
                 work.dali.append(pos)
                 chunks.append(taken[0])
                 rows.append(taken[1])
-        lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
-        work.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        work.buffer = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if chunks else None
+        work.lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+        work.encoded = _encoded(chunks, work.lengths) if chunks else None
         work.rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), 5 if self.train else 4)
         return work
 
@@ -138,6 +150,20 @@ class Feed(torch.utils.data.Dataset):
         return entry if isinstance(entry, str) else (int(entry[0]), int(entry[1]), bool(entry[2]))
 
 
+def _encoded(chunks: list[bytes], lengths: np.ndarray) -> torch.Tensor:
+    """The batch's bytes as one tensor. All JPEGs, and padding costs under half the bytes: an (n, L) array, each row
+    a file followed by zeros (JPEG decoders stop at the end-of-image marker), which DALI takes as one dense batch
+    with no per-sample work on the training thread. Otherwise the files one after the other (1-D)."""
+    longest = int(lengths.max())
+    if all(is_jpeg(c) for c in chunks) and longest * len(chunks) <= _PAD_RATIO * lengths.sum():
+        out = torch.zeros(len(chunks), longest, dtype=torch.uint8)
+        rows = out.numpy()
+        for k, c in enumerate(chunks):
+            rows[k, : len(c)] = np.frombuffer(c, np.uint8)
+        return out
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
 def decode_on_cpu(check: PillowDecoder, size: int, work: Work, pos: int, path: str, data: bytes, plan) -> None:
     try:
         work.cpu[pos], _ = check.crop(data, path, plan, size)
@@ -170,9 +196,7 @@ class FeedStream:
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Work]:
         self._requests.current = requests
-        for work in self._loader:
-            work.unpack()
-            yield work
+        yield from self._loader
 
 
 def _as_is(work: Work) -> Work:
