@@ -1,7 +1,10 @@
 """The batched pixel kernels: each takes a (N,3,H,W) uint8 batch, one row of arguments per image (an (N, k) float64
-tensor) and the policy's :class:`KernelContext`, and returns the batch with each image changed by its own
-arguments. The maths are torchvision v2's tensor kernels (the blends take one factor per image); every kernel is
-elementwise or exact per image, so one image and a batch give the same pixels on any device."""
+tensor **on the batch's device**, from the batch's one host-to-device copy) and the policy's :class:`KernelContext`,
+and returns the batch with each image changed by its own arguments. The maths are torchvision v2's tensor kernels
+(the blends take one factor per image); every kernel is elementwise or exact per image, so one image and a batch give
+the same pixels on any device. No kernel reads a value back to the host or copies to the device (on CUDA either
+would make the host wait for the GPU): geometric matrices are computed on the device, constants are made once per
+device (:meth:`KernelContext.to_device`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torchvision.transforms.v2 import functional as F
 
-Matrices = Callable[[torch.Tensor, int, int], list[tuple[float, ...]]]
+Matrices = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 class KernelContext:
@@ -31,15 +34,31 @@ class KernelContext:
         self.mean255 = mean255
         self.std255 = std255
         self.erase_mode = erase_mode
-        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._constants: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+    def to_device(self, device: torch.device) -> None:
+        """Make the constants on ``device`` now (the device stage calls this at build), not in a batch."""
+        for name in ("fill", "erase_fill", "noise"):
+            self.constant(device, name)
+
+    def constant(self, device: torch.device, name: str) -> torch.Tensor:
+        """``fill`` (1,3,1,1) float32, ``erase_fill`` (1,3,1,1) uint8 (the mean), ``noise`` (3, 65536) uint8:
+        ``mean + std * z`` at 65,536 evenly spaced normal quantiles, per channel. Made on the CPU, copied once."""
+        key = (device, name)
+        if key not in self._constants:
+            if name == "fill":
+                value = torch.tensor(self.fill, dtype=torch.float32).view(1, 3, 1, 1)
+            elif name == "erase_fill":
+                value = torch.tensor([round(m) for m in self.mean255], dtype=torch.uint8).view(1, 3, 1, 1)
+            else:
+                z = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536)
+                mean, std = torch.tensor(self.mean255).view(3, 1), torch.tensor(self.std255).view(3, 1)
+                value = (mean + std * z).round().clamp(0, 255).to(torch.uint8)
+            self._constants[key] = value.to(device)
+        return self._constants[key]
 
     def noise_table(self, device: torch.device) -> torch.Tensor:
-        """(3, 65536) uint8: ``mean + std * z`` at 65,536 evenly spaced normal quantiles, per channel."""
-        if device not in self._tables:
-            z = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536)
-            mean, std = torch.tensor(self.mean255).view(3, 1), torch.tensor(self.std255).view(3, 1)
-            self._tables[device] = (mean + std * z).round().clamp(0, 255).to(torch.uint8).to(device)
-        return self._tables[device]
+        return self.constant(device, "noise")
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, KernelContext], torch.Tensor]
@@ -86,7 +105,14 @@ def _per_image_u8(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def autocontrast(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-    return F.autocontrast(x)
+    """v2 ``autocontrast`` with the same arithmetic, its two boolean-mask assignments (a host sync each on CUDA) as
+    ``where``."""
+    image = x.float()
+    minimum = image.amin(dim=(-2, -1), keepdim=True)
+    maximum = image.amax(dim=(-2, -1), keepdim=True)
+    flat = maximum == minimum
+    inv_scale = torch.where(flat, 1.0, (maximum - minimum).mul_(1.0 / 255))
+    return image.sub_(torch.where(flat, 0.0, minimum)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
 
 
 def equalize(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
@@ -131,44 +157,52 @@ def sharpness(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Ten
 
 
 def hue(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-    """timm's jitter never sets hue; the rare user who does pays a loop."""
-    return torch.stack([F.adjust_hue(img, float(v)) for img, v in zip(x, a[:, 0].tolist(), strict=True)])
+    """v2 ``adjust_hue`` with one factor per image (its own HSV round trip; a factor of 0 keeps the image)."""
+    from torchvision.transforms.v2.functional._color import _hsv_to_rgb, _rgb_to_hsv  # v2's own conversions
+
+    factor = a[:, :1].to(torch.float32).view(-1, 1, 1)
+    h, s, v = _rgb_to_hsv(F.to_dtype(x, torch.float32, scale=True)).unbind(dim=-3)
+    out = F.to_dtype(_hsv_to_rgb(torch.stack((h.add(factor).remainder_(1.0), s, v), dim=-3)), torch.uint8, scale=True)
+    return torch.where(factor.view(-1, 1, 1, 1) == 0, x, out)
 
 
 # ---- geometric ops: one affine matrix per image --------------------------------------------------------------------
-def rotate_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
+def _matrices(a: torch.Tensor, *entries: torch.Tensor | float) -> torch.Tensor:
+    """(N, 6) float64 on ``a``'s device from six per-image entries (tensors (N,) or constants)."""
+    n = a.shape[0]
+    return torch.stack([e if isinstance(e, torch.Tensor) else a.new_full((n,), float(e)) for e in entries], dim=1)
+
+
+def rotate_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """PIL ``Image.rotate`` about the centre: (a, b, c, d, e, f) maps output (x, y) to input (ax+by+c, dx+ey+f)."""
-    out: list[tuple[float, ...]] = []
-    for deg in a[:, 0].tolist():
-        r = -math.radians(deg)
-        cos, sin = math.cos(r), math.sin(r)
-        cx, cy = w / 2, h / 2
-        out.append((cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy))
-    return out
+    r = a[:, 0] * (-math.pi / 180)
+    cos, sin = torch.cos(r), torch.sin(r)
+    cx, cy = w / 2, h / 2
+    return _matrices(a, cos, sin, cx - cos * cx - sin * cy, -sin, cos, cy + sin * cx - cos * cy)
 
 
-def shear_x_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
-    return [(1, v, 0, 0, 1, 0) for v in a[:, 0].tolist()]
+def shear_x_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return _matrices(a, 1, a[:, 0], 0, 0, 1, 0)
 
 
-def shear_y_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
-    return [(1, 0, 0, v, 1, 0) for v in a[:, 0].tolist()]
+def shear_y_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return _matrices(a, 1, 0, 0, a[:, 0], 1, 0)
 
 
-def translate_x_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
-    return [(1, 0, v, 0, 1, 0) for v in a[:, 0].tolist()]
+def translate_x_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return _matrices(a, 1, 0, a[:, 0], 0, 1, 0)
 
 
-def translate_y_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
-    return [(1, 0, 0, 0, 1, v) for v in a[:, 0].tolist()]
+def translate_y_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return _matrices(a, 1, 0, 0, 0, 1, a[:, 0])
 
 
-def translate_x_rel_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
-    return [(1, 0, v * w, 0, 1, 0) for v in a[:, 0].tolist()]
+def translate_x_rel_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return _matrices(a, 1, 0, a[:, 0] * w, 0, 1, 0)
 
 
-def translate_y_rel_matrices(a: torch.Tensor, h: int, w: int) -> list[tuple[float, ...]]:
-    return [(1, 0, 0, 0, 1, v * h) for v in a[:, 0].tolist()]
+def translate_y_rel_matrices(a: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    return _matrices(a, 1, 0, 0, 0, 1, a[:, 0] * h)
 
 
 class Affine:
@@ -178,14 +212,16 @@ class Affine:
         self.matrices = matrices
 
     def __call__(self, x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-        return warp(x, self.matrices(a, x.shape[-2], x.shape[-1]), ctx.fill, ctx.interpolation)
+        mats = self.matrices(a, x.shape[-2], x.shape[-1])
+        return warp(x, mats, ctx.constant(x.device, "fill"), ctx.interpolation)
 
 
-def warp(x: torch.Tensor, mats: list[tuple[float, ...]], fill: tuple[float, ...], mode: str) -> torch.Tensor:
-    """One affine warp per image (PIL's inverse-map convention), ``grid_sample`` as v2's ``affine`` does, with the
-    grid built by elementwise ops (no matmul), so one image and a batch get the same coordinates."""
+def warp(x: torch.Tensor, mats: torch.Tensor, fill_t: torch.Tensor, mode: str) -> torch.Tensor:
+    """One affine warp per image (PIL's inverse-map convention; ``mats`` (N, 6) on the device), ``grid_sample`` as
+    v2's ``affine`` does, with the grid built by elementwise ops (no matmul), so one image and a batch get the same
+    coordinates."""
     n, _, h, w = x.shape
-    m = torch.tensor(mats, dtype=torch.float32, device=x.device).view(n, 6, 1, 1)
+    m = mats.to(torch.float32).view(n, 6, 1, 1)
     ys = (torch.arange(h, device=x.device, dtype=torch.float32) + 0.5).view(1, h, 1)
     xs = (torch.arange(w, device=x.device, dtype=torch.float32) + 0.5).view(1, 1, w)
     gx = (m[:, 0] * xs + m[:, 1] * ys + m[:, 2]) * (2.0 / w) - 1.0
@@ -193,7 +229,6 @@ def warp(x: torch.Tensor, mats: list[tuple[float, ...]], fill: tuple[float, ...]
     grid = torch.stack([gx, gy], dim=-1)
     # sampling (image - fill) with zero padding, then adding fill back, blends the fill in where the source runs out
     # (v2's extra mask channel, without the fourth channel)
-    fill_t = torch.tensor(fill, dtype=torch.float32, device=x.device).view(1, 3, 1, 1)
     out = torch.nn.functional.grid_sample(
         x.float() - fill_t, grid, mode=mode, padding_mode="zeros", align_corners=False
     )
@@ -202,26 +237,28 @@ def warp(x: torch.Tensor, mats: list[tuple[float, ...]], fill: tuple[float, ...]
 
 # ---- random erasing --------------------------------------------------------------------------------------------------
 def erase(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-    """Boxes (top, left, h, w, noise seed) filled per the context's mode. Only the rows and columns the group's boxes
-    span are computed: on CUDA for the whole group at once, on the CPU box by box (the values depend on absolute
-    positions only, so both agree)."""
-    if not x.is_cuda and len(x) > 1:
+    """Boxes (top, left, h, w, noise seed) filled per the context's mode. On the CPU box by box, computing only the
+    rows and columns each box spans; on a device the whole group at once over the whole image (the span would have to
+    be read back to the host). The values depend on absolute positions only, so both agree."""
+    if x.device.type == "cpu" and len(x) > 1:
         for i in range(len(x)):
             x[i : i + 1] = erase(x[i : i + 1], a[i : i + 1], ctx)
         return x
     dev = x.device
     top, left, h, w = (a[:, i].long() for i in range(4))
-    y0, y1 = int(top.min()), int((top + h).max())
-    x0, x1 = int(left.min()), int((left + w).max())
+    if dev.type == "cpu":  # one box: its span (host values, no sync on the CPU)
+        y0, y1, x0, x1 = int(top.min()), int((top + h).max()), int(left.min()), int((left + w).max())
+    else:
+        y0, y1, x0, x1 = 0, x.shape[-2], 0, x.shape[-1]
     rows = torch.arange(y0, y1, device=dev).view(1, 1, -1, 1)
     cols = torch.arange(x0, x1, device=dev).view(1, 1, 1, -1)
-    t, l_, b, r = ((v.to(dev).view(-1, 1, 1, 1)) for v in (top, left, top + h, left + w))
+    t, l_, b, r = (v.view(-1, 1, 1, 1) for v in (top, left, top + h, left + w))
     inside = (rows >= t) & (rows < b) & (cols >= l_) & (cols < r)
     chan = torch.arange(3, device=dev).view(1, 3, 1, 1)
     if ctx.erase_mode == "const":
-        fill = torch.tensor([round(m) for m in ctx.mean255], dtype=torch.uint8, device=dev).view(1, 3, 1, 1)
+        fill = ctx.constant(dev, "erase_fill")
     else:
-        seed = hash32(a[:, 4].long().to(dev)).view(-1, 1, 1, 1)
+        seed = hash32(a[:, 4].long()).view(-1, 1, 1, 1)
         pos = chan if ctx.erase_mode == "rand" else (chan * x.shape[-2] + rows) * x.shape[-1] + cols
         fill = ctx.noise_table(dev).view(-1)[chan * 65536 + (hash32(pos ^ seed) & 0xFFFF)]
     region = x[:, :, y0:y1, x0:x1]

@@ -9,8 +9,10 @@ import random
 from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
+from ..data.upload import HostPack, Slot
 from .kernels import KernelContext
 from .ops import LEVEL_DENOM, OPS, Op, Record, level_args
 from .parse import (
@@ -279,20 +281,44 @@ class Policy:
         return tuple(op for drawer in self.drawers for op in drawer.draw(rng))
 
     def apply(self, images: torch.Tensor, records: Sequence[Record]) -> torch.Tensor:
-        """(N,3,H,W) uint8 on any device, one record per image -> augmented uint8 (a new tensor). Images are
+        """(N,3,H,W) uint8 on any device, one record per image -> augmented uint8 (a new tensor)."""
+        pack = HostPack()
+        steps = self.prepare(records, pack)
+        pack.send(images.device)
+        return self.run(images, steps, pack)
+
+    def prepare(self, records: Sequence[Record], pack: HostPack) -> list[Step]:
+        """The batch's kernel calls, their arguments queued in ``pack`` (sent with the batch's one copy). Images are
         grouped by (position in their record, op): one kernel call per group, each image with its own arguments."""
-        images = images.clone()
+        steps = []
         for k in range(max((len(r) for r in records), default=0)):
             groups: dict[str, list[int]] = {}
             for i, r in enumerate(records):
                 if k < len(r):
                     groups.setdefault(r[k].name, []).append(i)
             for name, rows in groups.items():
-                args = torch.tensor([records[i][k].args for i in rows], dtype=torch.float64).reshape(len(rows), -1)
-                kernel = OPS[name].kernel
-                if len(rows) == len(images):
-                    images = kernel(images, args, self.context)
-                else:
-                    sel = torch.tensor(rows, device=images.device)
-                    images[sel] = kernel(images[sel], args, self.context)
+                width = len(records[rows[0]][k].args)
+                args = pack.add(np.asarray([records[i][k].args for i in rows], np.float64).reshape(len(rows), width))
+                whole = len(rows) == len(records)
+                steps.append(Step(name, args, None if whole else pack.add(rows, torch.int64)))
+        return steps
+
+    def run(self, images: torch.Tensor, steps: Sequence[Step], pack: HostPack) -> torch.Tensor:
+        """The steps of :meth:`prepare` on ``images``, once ``pack`` was sent to their device: no copy, no sync."""
+        images = images.clone()
+        for step in steps:
+            kernel, args = OPS[step.name].kernel, pack.get(step.args)
+            if step.rows is None:
+                images = kernel(images, args, self.context)
+            else:
+                sel = pack.get(step.rows)
+                images[sel] = kernel(images[sel], args, self.context)
         return images
+
+
+class Step(NamedTuple):
+    """One kernel call of a batch: the op, its (n, k) arguments and, when not every image takes it, which images."""
+
+    name: str
+    args: Slot
+    rows: Slot | None

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
-from .policies import Policy
+from ..data.upload import HostPack
+from .policies import Policy, Step
 
 TransformsMode = Literal["image", "batch"]
+
+
+class BatchJob(NamedTuple):
+    """What :meth:`SampleAugment.prepare` planned for a batch: its (epoch, index) pairs and the policy's steps."""
+
+    pairs: list[list[int]]
+    steps: list[Step] | None
 
 
 def as_transform(transforms) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -53,17 +61,42 @@ class SampleAugment:
         return image
 
     def batch(self, images: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
-        """A (N,3,H,W) uint8 device batch: with ``keys`` ((N,2) (epoch, index) pairs), the per-sample part, batched;
-        then the batch-wise transforms."""
-        if keys is not None and (self.policy is not None or self.per_image is not None):
-            pairs = keys.tolist()
-            if self.policy is not None:
-                images = self.policy.apply(images, [self.policy.draw(self.seed, e, i) for e, i in pairs])
+        """A (N,3,H,W) uint8 device batch: with ``keys`` ((N,2) (epoch, index) pairs on the CPU), the per-sample part,
+        batched; then the batch-wise transforms. (The device stage calls :meth:`prepare` and :meth:`run` instead, to
+        send the arguments with the labels in one copy.)"""
+        pack = HostPack()
+        job = self.prepare(keys, pack)
+        pack.send(images.device)
+        return self.run(images, job, pack)
+
+    def prepare(self, keys: torch.Tensor | None, pack: HostPack) -> BatchJob | None:
+        """Draw the records of the samples ``keys`` names and queue their arguments in ``pack``; None: nothing per
+        sample to do."""
+        if keys is None or (self.policy is None and self.per_image is None):
+            return None
+        pairs = keys.tolist()
+        steps = None
+        if self.policy is not None:
+            steps = self.policy.prepare([self.policy.draw(self.seed, e, i) for e, i in pairs], pack)
+        return BatchJob(pairs, steps)
+
+    def run(self, images: torch.Tensor, job: BatchJob | None, pack: HostPack | None) -> torch.Tensor:
+        """The per-sample part :meth:`prepare` planned (``pack`` sent to the images' device), then the batch-wise
+        transforms."""
+        if job is not None:
+            if job.steps is not None and self.policy is not None and pack is not None:
+                images = self.policy.run(images, job.steps, pack)
             if self.per_image is not None:
+                pairs = job.pairs
                 images = torch.stack([self._user(img, e, i) for img, (e, i) in zip(images, pairs, strict=True)])
         if self.batch_transforms is not None:
             images = self.batch_transforms(images)
         return images
+
+    def to_device(self, device: torch.device) -> None:
+        """The policy's constants on ``device``, made now rather than in the first batch."""
+        if self.policy is not None:
+            self.policy.context.to_device(device)
 
     def _user(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's

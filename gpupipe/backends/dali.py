@@ -253,6 +253,7 @@ class DaliLoader(Loader):
         if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
             chosen = [work.dali.index(pos) for pos in keep]
             views = work.samples()
+            assert work.rows is not None  # a work DALI failed on had rows
             work.dali, work.data, work.rows = keep, [views[k] for k in chosen], work.rows[chosen]
             if not work.dali:
                 return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -187,11 +187,14 @@ class FeedStream:
 
     def __init__(self, feed: Feed, workers: int):
         self._requests = _Requests()
-        kwargs = {"num_workers": workers}
-        if workers > 0:
-            kwargs.update(persistent_workers=True, prefetch_factor=2)
-        self._loader = torch.utils.data.DataLoader(
-            feed, batch_size=None, sampler=self._requests, collate_fn=_as_is, **kwargs
+        extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
+        self._loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
+            feed,
+            batch_size=None,
+            sampler=self._requests,  # requests, not indices: Feed takes them
+            collate_fn=_as_is,  # type: ignore[arg-type]  # no batching: one Work per request
+            num_workers=workers,
+            **extra,
         )
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Work]:

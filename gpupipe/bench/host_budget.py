@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,10 @@ from ..data.device import DeviceStage
 from ..recipe import Recipe
 
 META = torch.device("meta")
-POLICY = {"auto_augment": "rand-m9-mstd0.5-inc1", "re_prob": 0.25}  # timm's ImageNet recipe: RandAugment + erasing
+POLICY: dict[str, Any] = {
+    "auto_augment": "rand-m9-mstd0.5-inc1",
+    "re_prob": 0.25,
+}  # timm's ImageNet recipe: RandAugment + erasing
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 

@@ -4,14 +4,24 @@ normalisation on the device, where they cost microseconds instead of CPU millise
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..recipe import Recipe
+from .upload import HostPack
 
 if TYPE_CHECKING:
     from ..augment import SampleAugment
+
+
+class BatchLike(Protocol):
+    """What the stage reads of a :class:`gpupipe.data.loader.Batch` (named here, not imported: loader imports this)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    layout: str
+    keys: torch.Tensor | None
 
 
 def normalise(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
@@ -38,39 +48,58 @@ class DeviceStage:
         shape = (1, 3, 1, 1)
         self.mean = torch.tensor([m * 255 for m in recipe.mean], device=device).view(shape)
         self.inv_std = torch.tensor([1 / (s * 255) for s in recipe.std], device=device).view(shape)
+        self._stream: torch.cuda.Stream | None = None
+        if self.augment is not None:
+            self.augment.to_device(device)  # its constant tables, once, at build
 
-    def finish(self, images: torch.Tensor, layout: str, keys: torch.Tensor | None = None) -> torch.Tensor:
-        """``keys``: (epoch, index) of samples whose per-sample augmentation is still to do (``Batch.keys``)."""
+    def finish(self, images: torch.Tensor, layout: str, job=None, pack: HostPack | None = None) -> torch.Tensor:
+        """``job``: what :meth:`SampleAugment.prepare` planned for this batch, its arguments already in ``pack``."""
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
         if self.augment is not None:  # on uint8, before normalisation
-            images = self.augment.batch(images, keys)
+            images = self.augment.run(images, job, pack)
         images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
         if self.normalize and not images.is_floating_point():  # CPU workers may have normalised already
             images = normalise(images, self.mean, self.inv_std)
         return images
 
-    def iterate(self, batches: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def upload(self, b: BatchLike) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's images and labels on the device, finished: the images in one non-blocking copy (pinned by the
+        loader) unless they are there already, the labels and every per-batch argument of the augmentation in one
+        more (:class:`HostPack`), and nothing on this path waits for the GPU."""
+        images = b.images if b.images.device == self.device else b.images.to(self.device, non_blocking=True)
+        pack = HostPack()
+        label_slot = None if b.labels.device == self.device else pack.add(b.labels, torch.int64)
+        job = None
+        if self.augment is not None and b.keys is not None:
+            job = self.augment.prepare(b.keys, pack)
+        if label_slot is not None or job is not None:
+            pack.send(self.device)
+        labels = b.labels if label_slot is None else pack.get(label_slot)
+        return self.finish(images, b.layout, job, pack), labels
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:  # one for the stage's life: a new stream per pass strands the allocator's blocks
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def iterate(self, batches: Iterable[BatchLike]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield finished (images, labels); on CUDA the next batch is copied and normalised on a side stream
         while the caller computes on the current one (timm's PrefetchLoader pattern)."""
         if self.device.type != "cuda":
-            for b in batches:
-                yield self.finish(b.images.to(self.device), b.layout, b.keys), b.labels.to(self.device)
+            yield from map(self.upload, batches)
             return
-        stream = torch.cuda.Stream(self.device)
+        stream = self._side_stream()
         pending = None
         for b in batches:
             on_side = not b.images.is_cuda
             if on_side:
                 with torch.cuda.stream(stream):
-                    ready = (
-                        self.finish(b.images.to(self.device, non_blocking=True), b.layout, b.keys),
-                        b.labels.to(self.device, non_blocking=True),
-                    )
+                    ready = self.upload(b)
             else:
                 # Made on the GPU (nvjpeg, synthetic, DALI), in order with this stream: finished here, so it is never
                 # read on a side stream before it is written, nor freed while read.
-                ready = (self.finish(b.images.to(self.device), b.layout, b.keys), b.labels.to(self.device))
+                ready = self.upload(b)
             if pending is not None:
                 yield pending
             if on_side:  # after the caller queued its step on the previous batch, so the copy overlaps it
