@@ -78,8 +78,31 @@ class _BytesDataset(torch.utils.data.Dataset):
             return _Item(path, label, index, None, False, 1, None, f"cannot read the file ({e.strerror or e})")
 
 
-def _collate(items: list[_Item]) -> list[_Item]:
-    return items
+class _Collated(NamedTuple):
+    """A worker's batch: the items, the JPEGs' bytes moved into one tensor (one shared-memory transfer instead of a
+    pickled array per image), ``moved[k]``: item k's bytes are there, ``lengths`` in order."""
+
+    items: list[_Item]
+    encoded: torch.Tensor | None
+    moved: list[bool]
+    lengths: list[int]
+
+    def restore(self) -> list[_Item]:
+        """The items with their bytes back, as views of the one tensor (no copy)."""
+        if self.encoded is None:
+            return self.items
+        views = iter(np.split(self.encoded.numpy(), np.cumsum(self.lengths)[:-1]))
+        return [it._replace(data=next(views)) if m else it for it, m in zip(self.items, self.moved, strict=True)]
+
+
+def _collate(items: list[_Item]) -> _Collated:
+    moved = [it.data is not None and not it.decoded_on_cpu for it in items]
+    chunks = [it.data for it, m in zip(items, moved, strict=True) if m and it.data is not None]
+    if not chunks:
+        return _Collated(items, None, moved, [])
+    encoded = torch.from_numpy(np.concatenate(chunks))
+    kept = [it._replace(data=None) if m else it for it, m in zip(items, moved, strict=True)]
+    return _Collated(kept, encoded, moved, [len(c) for c in chunks])
 
 
 def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -216,8 +239,8 @@ class NvjpegLoader(Loader):
                 self._data, batch_sampler=self.sampler, collate_fn=_collate, **kwargs
             )
         self.sampler.set_epoch(epoch, start_batch)
-        for items in self._dataloader:
-            yield self._batch(epoch, items, decode)
+        for collated in self._dataloader:
+            yield self._batch(epoch, collated.restore(), decode)
 
     def _batch(self, epoch: int, items: list[_Item], decode: Decode) -> Batch:
         """The workers' items as a batch: decoded, made upright, then cropped, flipped and resized on the GPU."""
