@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from ._system import usable_cores
+from ._system import cores_per_rank, local_rank, usable_cores
 from .augment import Policy, SampleAugment
 from .backends import BackendName, check_name, require_backend
 from .backends.auto import choose_auto
@@ -22,13 +22,14 @@ __all__ = ["build_loader", "read_image", "usable_cores"]
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        # fixed now, once: under torchrun this rank's GPU (LOCAL_RANK), else the current one at build time
+        rank = local_rank()
+        index = rank if rank is not None and rank < torch.cuda.device_count() else torch.cuda.current_device()
+        device = torch.device("cuda", index)
     return device
 
 
@@ -76,7 +77,7 @@ def build_loader(
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).
         image_size: the output side ``S``; ``None``: ``recipe.size``, or 224 without a recipe.
         device: where batches are delivered; ``None`` picks CUDA when available.
-        num_workers: decode workers (or DALI threads); ``None`` uses every usable core.
+        num_workers: decode workers (or DALI threads); ``None``: the usable cores shared among the node's ranks.
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
         drop_last: ``None`` means True for train, False for eval.
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
@@ -125,7 +126,7 @@ def build_loader(
     policy = Policy(recipe) if train else None
     augment = SampleAugment(policy, seed, transforms, transforms_mode)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
-    workers = usable_cores() if num_workers is None else num_workers
+    workers = cores_per_rank() if num_workers is None else num_workers
     if workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {workers}")
     dl_kwargs = {"num_workers": workers, "pin_memory": dev.type == "cuda" if pin_memory is None else pin_memory}

@@ -11,7 +11,10 @@ the host is not counted). ``dali`` runs its CPU pipeline in its own threads and 
 ``pillow`` is the CPU path feeding the same device side: its training-thread cost is taking finished batches from
 the workers and the device stage. Thread time is barely affected by other load on the machine (unlike throughput).
 
-    python -m gpupipe.bench.host_budget DATA [DATA ...] --sizes 224 32 --batch 256
+    python -m gpupipe.bench.host_budget DATA [DATA ...] --sizes 224 32 --batch 256 [--device cuda]
+
+With ``--device cuda`` (a GPU machine) the real loaders run: their GPU work is asynchronous, so it stays outside the
+thread's CPU time unless something makes the host wait.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..api import build_loader
 from ..augment import Policy, SampleAugment
 from ..backends import available_backends, get
 from ..backends.nvjpeg import NvjpegLoader
 from ..data.device import DeviceStage
+from ..data.loader import Batch
+from ..data.upload import HostPack
 from ..recipe import Recipe
 
 META = torch.device("meta")
@@ -104,35 +110,85 @@ def thread_ms(loader, batches: int, warmup: int = 2) -> list[float]:
     return out
 
 
-def run(roots: list[str], sizes: list[int], batch: int, batches: int, workers: int, backends: list[str]) -> list[dict]:
+def make_loader(root: str, backend: str, recipe: Recipe, batch: int, workers: int, device: str):
+    """On ``meta``: :func:`meta_loader`; on ``cuda``: the real loader (its GPU work is asynchronous, so outside the
+    thread's CPU time unless something synchronises)."""
+    if device == "meta":
+        return meta_loader(root, backend, recipe, batch, workers)
+    return build_loader(root, backend, batch_size=batch, num_workers=workers, device=device, recipe=recipe)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched with a tensor on the meta device: the kernels the device stage would launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device == META for t in (out if isinstance(out, tuple) else (out,))):
+            self.ops += 1
+        return out
+
+
+def policy_ms(size: int, batch: int, batches: int) -> dict[str, float]:
+    """The device stage's host cost for :data:`POLICY` per batch: drawing each sample's record and packing the
+    arguments (host work on any device: measured), and the ops the stage then dispatches to the device (counted on
+    the meta device; each is a kernel launch on CUDA, a few microseconds of host time there: ``--device cuda`` on a
+    GPU machine measures them. The meta device itself is no stand-in for their time: several of its kernels are
+    Python decompositions, a millisecond each)."""
+    recipe = Recipe(size, **POLICY)
+    augment = SampleAugment(Policy(recipe), 0)
+    stage = DeviceStage(META, recipe, augment=augment)
+    images = torch.zeros(batch, 3, size, size, dtype=torch.uint8)
+    draw, ops = [], []
+    for e in range(batches + 1):
+        keys = torch.stack([torch.full((batch,), e), torch.arange(batch)], 1)
+        t0 = time.thread_time()
+        augment.prepare(keys, HostPack())
+        draw.append((time.thread_time() - t0) * 1e3)
+        with _OpCounter() as counter:
+            stage.upload(Batch(images, torch.arange(batch), "NCHW", keys=keys))
+        ops.append(counter.ops)
+    return {"draw_and_pack": statistics.median(draw[1:]), "device_ops": statistics.median(ops[1:])}
+
+
+def run(
+    roots: list[str], sizes: list[int], batch: int, batches: int, workers: int, backends: list[str], device: str
+) -> list[dict]:
     rows = []
     for root in roots:
         for size in sizes:
             for backend in backends:
-                for policy in (False, True):
-                    recipe = Recipe(size, **(POLICY if policy else {}))
-                    ms = thread_ms(meta_loader(root, backend, recipe, batch, workers), batches)
-                    med = statistics.median(ms)
-                    rows.append(
-                        {
-                            "data": root,
-                            "size": size,
-                            "backend": backend,
-                            "policy": "rand-m9-mstd0.5-inc1 + re_prob 0.25" if policy else "",
-                            "batch": batch,
-                            "ms_per_batch": round(med, 3),
-                            "ms_max": round(max(ms), 3),
-                            "one_core_img_s": round(batch / med * 1e3) if med > 0 else None,
-                        }
-                    )
-                    print(_line(rows[-1]), flush=True)
+                recipe = Recipe(size)
+                ms = thread_ms(make_loader(root, backend, recipe, batch, workers, device), batches)
+                rows.append(_row(root, device, size, backend, batch, statistics.median(ms), max(ms)))
+                print(_line(rows[-1]), flush=True)
+    for size in sizes:
+        cost = policy_ms(size, batch, batches)
+        rows.append(_row("-", "host", size, "policy: draw + pack", batch, cost["draw_and_pack"], cost["draw_and_pack"]))
+        rows[-1]["device_ops"] = cost["device_ops"]
+        print(_line(rows[-1]), f" + {cost['device_ops']:.0f} device ops (kernel launches on CUDA)", flush=True)
     return rows
 
 
+def _row(root: str, device: str, size: int, backend: str, batch: int, med: float, top: float) -> dict:
+    return {
+        "data": root,
+        "device": device,
+        "size": size,
+        "backend": backend,
+        "batch": batch,
+        "ms_per_batch": round(med, 3),
+        "ms_max": round(top, 3),
+        "one_core_img_s": round(batch / med * 1e3) if med > 0 else None,
+    }
+
+
 def _line(r: dict) -> str:
-    pol = " +policy" if r["policy"] else ""
     return (
-        f"{Path(r['data']).name:>14} {r['size']:>4}px {r['backend']:>8}{pol:<8} {r['ms_per_batch']:8.2f} ms/batch "
+        f"{Path(r['data']).name:>18} {r['size']:>4}px {r['backend']:>28} {r['ms_per_batch']:8.2f} ms/batch "
         f"(max {r['ms_max']:.2f})  one-core ceiling {r['one_core_img_s']} img/s"
     )
 
@@ -145,10 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=4, help="measured per row, after 2 untimed")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--backends", nargs="+", default=["pillow", "dali", "nvjpeg"])
+    p.add_argument("--device", choices=["meta", "cuda"], default="meta", help="meta: the GPU's work left out")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    backends = [b for b in args.backends if b == "nvjpeg" or b in available_backends()]
-    rows = run(args.data, args.sizes, args.batch, args.batches, args.workers, backends)
+    backends = [b for b in args.backends if (b == "nvjpeg" and args.device == "meta") or b in available_backends()]
+    rows = run(args.data, args.sizes, args.batch, args.batches, args.workers, backends, args.device)
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "method": __doc__}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
