@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# On a GPU machine, in parts that each fit a 10-minute call:
-#   bash bench/run_gpu.sh tests | decode | train | eval | e2e     one part
-#   bash bench/run_gpu.sh                                         every part, in that order
-# tests: the GPU tests; decode/train/eval: that pipeline at 224 for every available backend; e2e: the end-to-end
-# resnet50 mode. A failing part (the tests, say) does not stop the others; the exit status is then 1.
+# On a GPU machine (after the DALI bundle is installed: ../shared/device/README.md), everything in two 10-minute calls:
+#   bash bench/run_gpu.sh 1     the GPU tests (incl. tests/test_sync.py: ten batches of every GPU backend under
+#                               torch.cuda.set_sync_debug_mode("error")) and the host budget on CUDA
+#   bash bench/run_gpu.sh 2     dali and nvjpeg train/eval at 224, dali with RandAugment + erasing, resnet50 end to end
+# or one part by name: tests | host | decode | train | eval | augment | e2e (no argument: every part, in order).
+# A failing part (the tests, say) does not stop the others; the exit status is then 1. torchcodec need not be carried:
+# without it the nvjpeg backend decodes with torchvision's decoder.
 # Writes JSON (and the tests' log) to ${OUT:-bench/results}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,16 +20,24 @@ bench=(-m gpupipe bench --data "$DATA" --device cuda --workers 16 --batch-size 2
 part() {
   case "$1" in
     tests) $PYTHON -m pytest -m gpu -q tests 2>&1 | tee "$OUTDIR/gpu-tests-${stamp}.txt" ;;
+    host) $PYTHON -m gpupipe.bench.host_budget "$DATA" --device cuda --batch 256 --batches 8 --workers 16 \
+            --json "$OUTDIR/gpu-host-budget-${stamp}.json" ;;
     decode | train | eval)
       $PYTHON "${bench[@]}" --pipelines "$1" --json "$OUTDIR/gpu-$1-${stamp}.json" --plot "$OUTDIR/gpu-$1-${stamp}.png" ;;
+    quick) $PYTHON "${bench[@]}" --backends dali,nvjpeg --pipelines train,eval --seconds 4 --repeats 2 \
+             --json "$OUTDIR/gpu-train-eval-${stamp}.json" ;;
+    augment) $PYTHON "${bench[@]}" --backends dali --pipelines train --aa rand-m9-mstd0.5-inc1 --reprob 0.25 \
+               --seconds 4 --repeats 2 --json "$OUTDIR/gpu-augment-${stamp}.json" ;;
     e2e) $PYTHON "${bench[@]}" --pipelines train --model resnet50 --seconds 20 \
            --json "$OUTDIR/gpu-e2e-resnet50-${stamp}.json" ;;
-    *) echo "unknown part '$1': tests, decode, train, eval or e2e" >&2; return 2 ;;
+    *) echo "unknown part '$1': tests, host, decode, train, eval, quick, augment or e2e" >&2; return 2 ;;
   esac
 }
 
 parts=("$@")
-[ $# -gt 0 ] || parts=(tests decode train eval e2e)
+[ $# -gt 0 ] || parts=(tests host decode train eval augment e2e)
+[ "${1:-}" = 1 ] && parts=(tests host)
+[ "${1:-}" = 2 ] && parts=(quick augment e2e)
 status=0
 for p in "${parts[@]}"; do
   part "$p" || { echo "part $p failed" >&2; status=1; }
