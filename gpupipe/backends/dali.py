@@ -302,7 +302,11 @@ class DaliLoader(Loader):
             if not pending or pending[0].epoch != epoch:
                 break
             work = pending.popleft()
-            yield self._assemble(work, self._decoded(work, pending))
+            batch = self._assemble(work, self._decoded(work, pending))
+            if self._feed is not None:
+                self._feed.release(work)
+            del work
+            yield batch
         self._ahead = pending
 
     def _batches_of(self, epoch: int) -> Iterator[list[int]]:

@@ -14,6 +14,8 @@ only Pillow decodes (formats DALI lacks, CMYK, 16-bit) are decoded by Pillow in 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,7 +28,7 @@ from ..recipe import Recipe
 from .image import header_entry, is_jpeg, pixel_limit_reason
 from .pillow import PillowDecoder
 
-_PAD_RATIO = 3.0  # padded rows cost at most this many times the bytes themselves
+_PAD_RATIO = 4.0  # padded rows cost at most this many times the bytes themselves
 _EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
 
 
@@ -197,9 +199,24 @@ class FeedStream:
             **extra,
         )
 
+        self._spent: queue.SimpleQueue[Work | None] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+
+    def release(self, work: Work) -> None:
+        """Drop a fetched work on another thread: unmapping its shared-memory buffer costs 0.5-1.5 ms a batch."""
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=_reap, args=(self._spent,), daemon=True, name="gpupipe-dali-reaper")
+            self._reaper.start()
+        self._spent.put(work)
+
     def stream(self, requests: Iterable[Request]) -> Iterator[Work]:
         self._requests.current = requests
         yield from self._loader
+
+
+def _reap(spent: queue.SimpleQueue) -> None:
+    while spent.get() is not None:
+        pass  # the work is dropped here, with its buffer
 
 
 def _as_is(work: Work) -> Work:
