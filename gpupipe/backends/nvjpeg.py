@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
-from ..data.upload import HostPack
+from ..data.upload import HostPack, Reaper
 from ..errors import DecodeError
 from ..recipe import Box, Recipe
 from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
@@ -225,6 +225,7 @@ class NvjpegLoader(Loader):
         self._kwargs = parts.dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
+        self._reaper = Reaper()
 
     def decoder(self) -> Decode:
         return decoder_on_stream(self.stage.device, torch.cuda.Stream(self.stage.device))
@@ -240,7 +241,10 @@ class NvjpegLoader(Loader):
             )
         self.sampler.set_epoch(epoch, start_batch)
         for collated in self._dataloader:
-            yield self._batch(epoch, collated.restore(), decode)
+            batch = self._batch(epoch, collated.restore(), decode)
+            self._reaper.drop(collated)  # its shared-memory buffer, unmapped off this thread
+            del collated
+            yield batch
 
     def _batch(self, epoch: int, items: list[_Item], decode: Decode) -> Batch:
         """The workers' items as a batch: decoded, made upright, then cropped, flipped and resized on the GPU."""

@@ -9,7 +9,10 @@ hands back views of the device copy. float64 holds every int64 below 2**53 exact
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,3 +59,22 @@ class HostPack:
         n = int(np.prod(slot.shape, dtype=np.int64))
         view = self._device[slot.offset : slot.offset + n].view(slot.shape)
         return view if slot.dtype == torch.float64 else view.to(slot.dtype)
+
+
+class Reaper:
+    """Drops objects on a thread of its own: a batch's shared-memory buffer costs the thread that frees it 0.5-1.5 ms
+    (unmapping), time the training thread need not spend."""
+
+    def __init__(self) -> None:
+        self._spent: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def drop(self, obj: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="gpupipe-reaper")
+            self._thread.start()
+        self._spent.put(obj)
+
+    def _run(self) -> None:
+        while True:
+            self._spent.get()  # the object is dropped here
