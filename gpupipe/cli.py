@@ -60,7 +60,9 @@ def _cmd_bench(args) -> int:
 
     data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
     if args.host_budget:
-        return _host_budget(args, data)
+        from .bench import host_budget
+
+        return host_budget.from_cli(args, data)
     device = _resolve_device(args.device)
     backends = _bench_backends(args.backends, device)
     if backends is None:
@@ -88,21 +90,6 @@ def _cmd_bench(args) -> int:
     if not results:
         raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
     _bench_outputs(cfg, results, args.json, args.plot)
-    return 0
-
-
-def _host_budget(args, data: str) -> int:
-    """``gpupipe bench --host-budget``: the training thread's CPU time per batch of the GPU paths (see
-    :mod:`gpupipe.bench.host_budget`), at ``--image-size`` and 32 px; on a CPU-only machine their GPU side runs on
-    the meta device."""
-    from .bench import host_budget
-
-    argv = [data, "--sizes", str(args.image_size), "32", "--batch", str(args.batch_size)]
-    argv += ["--device", "cuda" if args.device == "cuda" else "meta"]
-    argv += ["--workers", str(args.workers)] if args.workers is not None else []
-    argv += ["--backends", *args.backends.split(",")] if args.backends else []
-    argv += ["--json", args.json] if args.json else []
-    host_budget.main(argv)
     return 0
 
 
@@ -352,12 +339,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aa", help="add an 'augment' pipeline: train with this policy (e.g. rand-m9-mstd0.5-inc1)")
     p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")
     p.add_argument("--reprob", type=float, default=0.0, help="augment pipeline: random erasing probability")
-    p.add_argument(
-        "--host-budget",
-        action="store_true",
-        help="instead: the training thread's CPU time per batch of pillow, dali and nvjpeg as they feed a GPU "
-        "(on a CPU-only machine the GPU side runs on the meta device), at --image-size and 32 px",
-    )
+    p.add_argument("--host-budget", action="store_true", help="instead: training-thread CPU per batch of GPU paths")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG bar chart")
     p.set_defaults(func=_cmd_bench)

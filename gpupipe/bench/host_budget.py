@@ -193,6 +193,18 @@ def _line(r: dict) -> str:
     )
 
 
+def from_cli(args, data: str) -> int:
+    """``gpupipe bench --host-budget``: at ``--image-size`` and 32 px, ``--batch-size``, on CUDA with ``--device cuda``,
+    else with the GPU side on the meta device."""
+    argv = [data, "--sizes", str(args.image_size), "32", "--batch", str(args.batch_size)]
+    argv += ["--device", "cuda" if args.device == "cuda" else "meta"]
+    argv += ["--workers", str(args.workers)] if args.workers is not None else []
+    argv += ["--backends", *args.backends.split(",")] if args.backends else []
+    argv += ["--json", args.json] if args.json else []
+    main(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("data", nargs="+", help="image folders (ImageNet-like photos, large photos)")
