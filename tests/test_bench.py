@@ -80,9 +80,26 @@ def test_run_gpu_script_runs_every_part_after_a_failing_one(tmp_path):
     )
     calls = log.read_text().splitlines()
     assert r.returncode == 1 and "part tests failed" in r.stderr
-    pipelines = [c.split("--pipelines ")[1].split()[0] for c in calls if "bench" in c]
-    assert pipelines == ["decode", "train", "eval", "train"]  # the last: end-to-end
-    assert "--model resnet50" in calls[-1]
+    pipelines = [c.split("--pipelines ")[1].split()[0] for c in calls if "--pipelines" in c]
+    assert pipelines == ["decode", "train", "eval", "train", "train"]  # augment, then end-to-end
+    assert "--aa rand-m9-mstd0.5-inc1" in calls[-2] and "--model resnet50" in calls[-1]
+    assert any("gpupipe.bench.host_budget" in c and "--device cuda" in c for c in calls)
+
+
+@pytest.mark.parametrize(
+    ("call", "parts"), [("1", ["pytest", "host_budget"]), ("2", ["train,eval", "--aa", "--model"])]
+)
+def test_run_gpu_script_in_two_calls(tmp_path, call, parts):
+    """bench/run_gpu.sh 1 and 2: every part in two calls, each part once."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+    r = subprocess.run(["bash", str(REPO_ROOT / "bench" / "run_gpu.sh"), call], env=env, timeout=60, check=False)
+    calls = log.read_text().splitlines()[1:]  # after sample-data
+    assert r.returncode == 0 and len(calls) == len(parts)
+    assert all(p in c for p, c in zip(parts, calls, strict=True))
 
 
 def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
