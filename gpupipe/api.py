@@ -65,7 +65,7 @@ def build_loader(
     allow_outside_root: bool = False,
     class_to_idx: dict[str, int] | None = None,
 ) -> Loader:
-    """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalised (uint8 with
+    """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalized (uint8 with
     ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
 
     Args:
@@ -86,7 +86,7 @@ def build_loader(
             ``recipe.size`` is an error), or its augmentation policies (``auto_augment``, ``color_jitter``,
             ``re_prob``; train loaders only).
         transforms: a callable, a list of them or a ``Compose`` (e.g. torchvision v2 transforms), given uint8
-            (3,S,S) images before normalisation, for every backend.
+            (3,S,S) images before normalization, for every backend.
         transforms_mode: ``"image"``: each image on its own (independent, per-sample reproducible draws; a Python
             call per image); ``"batch"``: once per (N,3,S,S) uint8 batch on the device (one draw for the batch).
         channels_last: deliver batches in ``torch.channels_last`` memory format.

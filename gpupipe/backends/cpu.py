@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._system import usable_cores
-from ..data.device import normalise
+from ..data.device import normalize
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
 from ..errors import DecodeError
@@ -61,7 +61,7 @@ class _SampleDataset(torch.utils.data.Dataset):
 
 
 class _Collate:
-    """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalise it here, in the
+    """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalize it here, in the
     worker, for batches that stay on a CPU whose cores the workers all take."""
 
     def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, keys: bool = False):
@@ -73,7 +73,7 @@ class _Collate:
         if good:
             np.stack([it.image for it in good if it.image is not None], out=images.numpy())  # one copy, into the batch
         if self.normalize is not None:
-            images = normalise(images, *self.normalize)
+            images = normalize(images, *self.normalize)
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
         errors = [(it.path, it.error or "") for it in items if it.image is None]
         keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2) if self.keys else None
@@ -104,7 +104,7 @@ class CpuLoader(Loader):
         return iter(self._dataloader)
 
     def _collate(self) -> _Collate:
-        """Batches for the CPU are normalised by the main process while it has a core to itself (it is otherwise
+        """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
         idle), and by the workers, in parallel, once they take every core."""
         workers = self.parts.workers
         augment = self.stage.augment

@@ -23,10 +23,19 @@ import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
 from .._system import usable_cores
-from ..data.device import normalise
+from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, header_scan, is_jpeg, probe
+from .image import (
+    PILLOW_ONLY_MODES,
+    PIPELINE_FORMATS,
+    HeaderScan,
+    chw_tensor,
+    default_max_pixels,
+    header_scan,
+    is_jpeg,
+    probe,
+)
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
@@ -75,7 +84,7 @@ def build_pipeline(
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
     train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
     ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop). Output (N, 3, S, S) uint8, or
-    float32 normalised with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
+    float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
     same pass, in DALI's threads, instead of a separate step after)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
 
@@ -177,7 +186,7 @@ class DaliLoader(Loader):
         self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
-        self._headers = None  # (upright sizes, {index: reason}, {indices for Pillow}): read once, up front
+        self._headers: HeaderScan | None = None  # read once, up front
         self._ahead: deque[_Work] = deque()  # the next epoch's first batches, scheduled before this epoch ended
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
@@ -256,7 +265,7 @@ class DaliLoader(Loader):
 
     # -- the samples ------------------------------------------------------------------------------------------------
 
-    def _scan_headers(self):
+    def _scan_headers(self) -> HeaderScan:
         """Every sample's upright size (the recipe needs it for the crop) and what DALI must not be given: unusable
         headers and images over the pixel limit (DALI has none of its own), and formats only Pillow decodes."""
         if self._headers is None:
@@ -354,8 +363,8 @@ class DaliLoader(Loader):
         return Batch(images, self._labels[index], "NCHW", work.errors, work.fallbacks, keys)
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
-        """An image Pillow decoded, in the dtype of the pipeline's output (normalised when DALI normalises)."""
-        return normalise(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
+        """An image Pillow decoded, in the dtype of the pipeline's output (normalized when DALI normalizes)."""
+        return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first

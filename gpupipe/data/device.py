@@ -1,10 +1,10 @@
 """The device side of every loader: copy uint8 batches on a side CUDA stream, then layout, dtype and
-normalisation on the device, where they cost microseconds instead of CPU milliseconds."""
+normalization on the device, where they cost microseconds instead of CPU milliseconds."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -14,13 +14,16 @@ if TYPE_CHECKING:
     from ..augment import SampleAugment
 
 
-def normalise(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
+Layout = Literal["NHWC", "NCHW"]  # a batch's uint8 images: (n,H,W,3) or (n,3,H,W)
+
+
+def normalize(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
     """uint8 -> float32 ``(x - mean) * inv_std``, the statistics given per channel on the 0-255 scale."""
     return images.float().sub_(mean).mul_(inv_std)
 
 
 class DeviceStage:
-    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalised (or uint8) on ``device`` out."""
+    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalized (or uint8) on ``device`` out."""
 
     def __init__(
         self,
@@ -39,19 +42,19 @@ class DeviceStage:
         self.mean = torch.tensor([m * 255 for m in recipe.mean], device=device).view(shape)
         self.inv_std = torch.tensor([1 / (s * 255) for s in recipe.std], device=device).view(shape)
 
-    def finish(self, images: torch.Tensor, layout: str, keys: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, images: torch.Tensor, layout: Layout, keys: torch.Tensor | None = None) -> torch.Tensor:
         """``keys``: (epoch, index) of samples whose per-sample augmentation is still to do (``Batch.keys``)."""
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
-        if self.augment is not None:  # on uint8, before normalisation
+        if self.augment is not None:  # on uint8, before normalization
             images = self.augment.batch(images, keys)
         images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
-        if self.normalize and not images.is_floating_point():  # CPU workers may have normalised already
-            images = normalise(images, self.mean, self.inv_std)
+        if self.normalize and not images.is_floating_point():  # CPU workers may have normalized already
+            images = normalize(images, self.mean, self.inv_std)
         return images
 
     def iterate(self, batches: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield finished (images, labels); on CUDA the next batch is copied and normalised on a side stream
+        """Yield finished (images, labels); on CUDA the next batch is copied and normalized on a side stream
         while the caller computes on the current one (timm's PrefetchLoader pattern)."""
         if self.device.type != "cuda":
             for b in batches:

@@ -11,11 +11,10 @@ import torch
 
 from ..errors import DecodeError, GpupipeError
 from ..recipe import Recipe
-from .device import DeviceStage
+from .device import DeviceStage, Layout
 from .sampler import ShardSampler
 from .scan import ImageList
 
-Layout = Literal["NHWC", "NCHW"]
 OnError = Literal["raise", "skip"]
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 
