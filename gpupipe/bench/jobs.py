@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends.dali import dali_device_id
+from ..backends.dali_graph import dali_device_id
 from ..backends.image import is_jpeg
 from ..data.scan import ImageList
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
