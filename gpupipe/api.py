@@ -95,7 +95,8 @@ def build_loader(
             workers (pillow, pillow-simd, turbojpeg; nvjpeg: the last two); ``None`` picks what suits the device.
             Set for a backend that does not use them (dali, synthetic), or without workers, they are refused.
         allow_outside_root: let a CSV list name files outside its folder.
-        class_to_idx: label with these classes (a training set's, for its held-out set); see :func:`scan`.
+        class_to_idx: label with these classes (a training set's, for its held-out set); see
+            :func:`gpupipe.data.sources.open_source`.
     """
     name = check_name(backend)
     _check(on_error, batch_size, num_workers, recipe, image_size)
