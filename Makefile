@@ -42,7 +42,7 @@ lint: setup
 	$(VENV)/bin/ruff check gpupipe tests bench
 	$(VENV)/bin/ruff format --check gpupipe tests bench
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_imports.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_imports.py tests/test_code_size.py
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 test: setup lint

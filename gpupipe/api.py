@@ -10,10 +10,10 @@ import torch
 
 from ._system import cores_per_rank, local_rank, usable_cores
 from .augment import Policy, SampleAugment
-from .backends import BackendName, check_name, require_backend
+from .backends import BackendName, BackendSpec, check_name, require_backend
 from .backends.auto import choose_auto
 from .data.device import DeviceStage
-from .data.loader import Loader, LoaderParts
+from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler
 from .data.sources import open_source
 from .recipe import Recipe
@@ -54,7 +54,7 @@ def build_loader(
     normalize: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
-    on_error: Literal["raise", "skip"] = "raise",
+    on_error: OnError = "raise",
     recipe: Recipe | None = None,
     transforms: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable] | None = None,
     transforms_mode: Literal["image", "batch"] = "image",
@@ -66,7 +66,7 @@ def build_loader(
     allow_outside_root: bool = False,
     class_to_idx: dict[str, int] | None = None,
 ) -> Loader:
-    """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalised (uint8 with
+    """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalized (uint8 with
     ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
 
     Args:
@@ -87,20 +87,20 @@ def build_loader(
             ``recipe.size`` is an error), or its augmentation policies (``auto_augment``, ``color_jitter``,
             ``re_prob``; train loaders only).
         transforms: a callable, a list of them or a ``Compose`` (e.g. torchvision v2 transforms), given uint8
-            (3,S,S) images before normalisation, for every backend.
+            (3,S,S) images before normalization, for every backend.
         transforms_mode: ``"image"``: each image on its own (independent, per-sample reproducible draws; a Python
             call per image); ``"batch"``: once per (N,3,S,S) uint8 batch on the device (one draw for the batch).
         channels_last: deliver batches in ``torch.channels_last`` memory format.
         max_pixels: refuse images with more pixels (checked from the header); default PIL's limit.
-        pin_memory, prefetch_factor, persistent_workers: DataLoader settings; ``None`` picks what suits the device.
+        pin_memory, prefetch_factor, persistent_workers: DataLoader settings of the backends that decode in DataLoader
+            workers (pillow, pillow-simd, turbojpeg; nvjpeg: the last two); ``None`` picks what suits the device.
+            Set for a backend that does not use them (dali, synthetic), or without workers, they are refused.
         allow_outside_root: let a CSV list name files outside its folder.
-        class_to_idx: label with these classes (a training set's, for its held-out set); see :func:`scan`.
+        class_to_idx: label with these classes (a training set's, for its held-out set); see
+            :func:`gpupipe.data.sources.open_source`.
     """
     name = check_name(backend)
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    _check(on_error, batch_size, num_workers, recipe, image_size)
     dev = _resolve_device(device)
     dataset = open_source(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
     if name == "auto":
@@ -108,8 +108,8 @@ def build_loader(
     spec = require_backend(name)
     if dev.type not in spec.devices:
         raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
-    if recipe is not None and image_size is not None and image_size != recipe.size:
-        raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+    workers = cores_per_rank() if num_workers is None else num_workers
+    dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
     recipe = recipe or Recipe(image_size or 224)
     rank, world_size = _resolve_rank(rank, world_size)
     # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
@@ -123,18 +123,49 @@ def build_loader(
         drop_last=train if drop_last is None else drop_last,
         equal_steps=train,
     )
-    policy = Policy(recipe) if train else None
-    augment = SampleAugment(policy, seed, transforms, transforms_mode)
+    augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
-    workers = cores_per_rank() if num_workers is None else num_workers
-    if workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {workers}")
-    dl_kwargs = {"num_workers": workers, "pin_memory": dev.type == "cuda" if pin_memory is None else pin_memory}
-    if workers > 0:
-        dl_kwargs["persistent_workers"] = True if persistent_workers is None else persistent_workers
-        dl_kwargs["prefetch_factor"] = prefetch_factor or 4
-    parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dl_kwargs)
+    parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dataloader)
     return spec.make_loader(parts)
+
+
+def _check(
+    on_error: str, batch_size: int, num_workers: int | None, recipe: Recipe | None, image_size: int | None
+) -> None:
+    """The arguments that are wrong whatever the data and the backend."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers is not None and num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if recipe is not None and image_size is not None and image_size != recipe.size:
+        raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+
+
+def _dataloader_settings(
+    spec: BackendSpec,
+    device: torch.device,
+    workers: int,
+    pin_memory: bool | None,
+    prefetch_factor: int | None,
+    persistent_workers: bool | None,
+) -> DataLoaderSettings:
+    """The DataLoader settings for ``spec``: ``None`` picks what suits the device; a setting the backend does not
+    use, or that means nothing without workers, is refused when it was set."""
+    asked = {"pin_memory": pin_memory, "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers}
+    unused = [k for k, v in asked.items() if v is not None and k not in spec.dataloader_settings]
+    if unused:
+        uses = spec.dataloader_settings
+        why = f"of the DataLoader settings it uses only {', '.join(uses)}" if uses else "it runs no DataLoader"
+        raise ValueError(f"backend {spec.name!r} does not use {', '.join(unused)} ({why}); leave it unset")
+    if workers == 0 and (prefetch_factor is not None or persistent_workers):
+        raise ValueError("prefetch_factor and persistent_workers=True need worker processes: num_workers > 0")
+    return DataLoaderSettings(
+        pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
+        prefetch_factor=4 if prefetch_factor is None else prefetch_factor,
+        persistent_workers=True if persistent_workers is None else persistent_workers,
+    )
 
 
 def read_image(

@@ -34,7 +34,7 @@ class Mix:
         seed: seeds this object's own stream (numpy ``RandomState``, drawn in timm's order); ``None`` seeds from
             the OS. ``set_key(...)`` restarts it at any key.
 
-    Images are float (normalised) batches on any device; they are not modified in place. The batch size must be
+    Images are float (normalized) batches on any device; they are not modified in place. The batch size must be
     even, as timm requires.
     """
 

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .augment.parse import check_erasing, parse_auto_augment, parse_color_jitter
+from .augment.parse import EraseMode, check_erasing, parse_auto_augment, parse_color_jitter
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -51,7 +51,7 @@ class Recipe:
     auto_augment: str | None = None
     color_jitter: float | tuple[float, ...] | None = None
     re_prob: float = 0.0
-    re_mode: str = "pixel"  # "const", "rand" or "pixel"
+    re_mode: EraseMode = "pixel"
     re_count: int = 1
 
     def __post_init__(self):

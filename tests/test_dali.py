@@ -94,7 +94,7 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     shutdown waited for threads that only exist in the parent: the worker hung before its first batch."""
     import gc
 
-    from gpupipe.backends.dali import build_pipeline
+    from gpupipe.backends.dali_graph import build_pipeline
     from gpupipe.recipe import Recipe
 
     files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:2]

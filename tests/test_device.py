@@ -5,7 +5,7 @@ import torch
 
 import gpupipe
 from gpupipe.augment import Policy, SampleAugment
-from gpupipe.data.device import DeviceStage, normalise
+from gpupipe.data.device import DeviceStage, normalize
 from gpupipe.data.loader import Batch
 from gpupipe.recipe import Recipe
 
@@ -25,9 +25,9 @@ def test_keys_select_the_per_sample_augmentation(device):
     ((done, _),) = list(stage.iterate([Batch(x, torch.arange(6), "NCHW", keys=keys)]))
     policy = Policy(recipe)
     expected = policy.apply(x, [policy.draw(7, 1, i) for i in range(6)]).to(device)
-    assert torch.allclose(done, normalise(expected, stage.mean, stage.inv_std), atol=1e-5 if device == "cpu" else 0.1)
+    assert torch.allclose(done, normalize(expected, stage.mean, stage.inv_std), atol=1e-5 if device == "cpu" else 0.1)
     ((plain, _),) = list(stage.iterate([Batch(x, torch.arange(6), "NCHW")]))  # no keys: already augmented
-    assert torch.allclose(plain, normalise(x.to(device), stage.mean, stage.inv_std))
+    assert torch.allclose(plain, normalize(x.to(device), stage.mean, stage.inv_std))
 
 
 @pytest.mark.gpu
@@ -44,7 +44,7 @@ def test_batches_made_on_the_gpu_are_read_after_they_are_written():
             yield Batch(images, torch.arange(8, device="cuda"), "NCHW")
 
     for (x, _), e in zip(stage.iterate(batches()), expected, strict=True):
-        torch.testing.assert_close(x, normalise(e, stage.mean, stage.inv_std))
+        torch.testing.assert_close(x, normalize(e, stage.mean, stage.inv_std))
 
 
 @pytest.mark.gpu

@@ -1,5 +1,7 @@
 """One backend registry: every name comes from it, and a backend added there works everywhere."""
 
+import re
+
 import pytest
 import torch
 
@@ -74,3 +76,50 @@ def test_a_backend_refuses_a_device_it_cannot_deliver_to(folder):
     if "nvjpeg" in gpupipe.available_backends():
         with pytest.raises(ValueError, match="delivers batches on cuda"):
             gpupipe.build_loader(folder, "nvjpeg", device="cpu")
+
+
+def test_a_name_is_registered_once_unless_overridden(toy):
+    first = backends.get(toy)
+    again = cpu_decoder_spec(toy, "another toy", _ToyDecoder, lambda: None)
+    with pytest.raises(ValueError, match="backend 'toy' is already registered; pass override=True"):
+        backends.register(again)
+    assert backends.get(toy) is first
+    backends.register(again, override=True)
+    assert backends.get(toy) is again and backends.names().count(toy) == 1
+
+
+def test_backend_name_literal_lists_the_registry():
+    import typing
+
+    from gpupipe.backends import BackendName
+
+    assert typing.get_args(BackendName) == ("auto", *backends.names())
+
+
+@pytest.mark.parametrize(
+    "backend, kwargs, message",
+    [
+        ("synthetic", dict(pin_memory=True), "backend 'synthetic' does not use pin_memory (it runs no DataLoader)"),
+        ("synthetic", dict(prefetch_factor=2, persistent_workers=False), "does not use prefetch_factor, persistent_"),
+        ("pillow", dict(num_workers=0, prefetch_factor=2), "need worker processes: num_workers > 0"),
+        ("pillow", dict(num_workers=0, persistent_workers=True), "need worker processes: num_workers > 0"),
+    ],
+)
+def test_settings_a_backend_ignores_are_refused(folder, backend, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gpupipe.build_loader(folder, backend, device="cpu", **{"num_workers": 1, **kwargs})
+
+
+def test_nvjpeg_refuses_pin_memory_and_dali_every_dataloader_setting():
+    from gpupipe.api import _dataloader_settings
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"'nvjpeg' does not use pin_memory .*uses only prefetch_factor, persistent"):
+        _dataloader_settings(backends.get("nvjpeg"), cuda, 2, True, None, None)
+    assert _dataloader_settings(backends.get("nvjpeg"), cuda, 2, None, 3, False).prefetch_factor == 3
+    with pytest.raises(ValueError, match="'dali' does not use persistent_workers"):
+        _dataloader_settings(backends.get("dali"), cuda, 2, None, None, True)
+    # defaults: pinned for CUDA, 4 batches per worker, persistent workers
+    settings = _dataloader_settings(backends.get("pillow"), cuda, 2, None, None, None)
+    assert settings.kwargs(2) == dict(num_workers=2, pin_memory=True, prefetch_factor=4, persistent_workers=True)
+    assert settings.kwargs(0) == dict(num_workers=0, pin_memory=True)

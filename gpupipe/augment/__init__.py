@@ -25,8 +25,8 @@ saturation). The pixel maths are torchvision v2's tensor kernels (``autocontrast
 called as they are; the blends take one factor per image), not PIL's: geometric ops sample bilinearly (timm picks
 bilinear or bicubic at random), contrast blends with the mean of the uint8 grayscale.
 
-Random erasing runs here, on uint8 before normalisation (timm erases normalised floats): ``const`` fills with the
-recipe mean (0 after normalisation, as timm), ``rand``/``pixel`` with normal noise of the normalised space, i.e.
+Random erasing runs here, on uint8 before normalization (timm erases normalized floats): ``const`` fills with the
+recipe mean (0 after normalization, as timm), ``rand``/``pixel`` with normal noise of the normalized space, i.e.
 ``mean + std * N(0, 1)`` per channel on the 0-255 scale, clamped to [0, 255] and rounded. The noise is a hash of
 (sample, channel, row, column) looked up in a normal quantile table, so it is the same on any device and batch.
 """

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 from torchvision.transforms.v2 import functional as F
 
+from .parse import EraseMode
+
 Matrices = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
@@ -27,7 +29,7 @@ class KernelContext:
         interpolation: str,
         mean255: tuple[float, ...],
         std255: tuple[float, ...],
-        erase_mode: str,  # checked by parse.check_erasing: 'const', 'rand' or 'pixel'
+        erase_mode: EraseMode,
     ):
         self.fill = fill
         self.interpolation = interpolation

@@ -101,11 +101,13 @@ def parse_color_jitter(cj: float | tuple[float, ...] | None) -> tuple[float, flo
     return b, c, s, h[0] if h else 0.0
 
 
-def check_erasing(prob: float, mode: str, count: int) -> None:
-    """Random erasing's settings (timm's ``re_prob``, ``re_mode``, ``re_count``)."""
+def check_erasing(prob: float, mode: str, count: int) -> EraseMode:
+    """Random erasing's settings (timm's ``re_prob``, ``re_mode``, ``re_count``) checked; the mode, as an
+    :data:`EraseMode`."""
     if not 0 <= prob <= 1:
         raise ValueError(f"re_prob must be in [0, 1], got {prob}")
     if mode not in ERASE_MODES:
         raise ValueError(f"re_mode must be 'const', 'rand' or 'pixel', got {mode!r}")
     if count < 1:
         raise ValueError(f"re_count must be >= 1, got {count}")
+    return mode

@@ -256,7 +256,7 @@ class Policy:
         self.size: int = recipe.size
         setting = parse_auto_augment(recipe.auto_augment)
         jitter = parse_color_jitter(recipe.color_jitter)
-        check_erasing(recipe.re_prob, recipe.re_mode, recipe.re_count)
+        erase_mode = check_erasing(recipe.re_prob, recipe.re_mode, recipe.re_count)
         self.auto_augment = _auto_augment(setting, recipe.size)
         self.jitter = ColorJitter(jitter) if jitter is not None else None
         self.erasing = RandomErasing(recipe.re_prob, recipe.re_count, recipe.size) if recipe.re_prob > 0 else None
@@ -269,7 +269,7 @@ class Policy:
             interpolation = "nearest"
         else:  # timm's img_mean; timm picks bilinear or bicubic at random, grid_sample has both
             fill, interpolation = tuple(float(min(255, round(m))) for m in mean255), "bilinear"
-        self.context = KernelContext(fill, interpolation, mean255, tuple(s * 255 for s in recipe.std), recipe.re_mode)
+        self.context = KernelContext(fill, interpolation, mean255, tuple(s * 255 for s in recipe.std), erase_mode)
 
     @property
     def active(self) -> bool:

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from .._system import usable_cores
-from ..data.device import normalise
-from ..data.loader import Batch, Loader, LoaderParts
+from ..data.device import normalize
+from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
 from ..errors import DecodeError
 from ..recipe import Recipe
@@ -61,7 +61,7 @@ class _SampleDataset(torch.utils.data.Dataset):
 
 
 class _Collate:
-    """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalise it here, in the
+    """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalize it here, in the
     worker, for batches that stay on a CPU whose cores the workers all take."""
 
     def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, keys: bool = False):
@@ -73,7 +73,7 @@ class _Collate:
         if good:
             np.stack([it.image for it in good if it.image is not None], out=images.numpy())  # one copy, into the batch
         if self.normalize is not None:
-            images = normalise(images, *self.normalize)
+            images = normalize(images, *self.normalize)
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
         errors = [(it.path, it.error or "") for it in items if it.image is None]
         keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2) if self.keys else None
@@ -90,21 +90,23 @@ class CpuLoader(Loader):
         # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU
         in_worker = parts.stage.augment if parts.stage.device.type == "cpu" else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
-        self._kwargs = parts.dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         if self._dataloader is None:  # made once: persistent workers outlive epochs
             self._dataloader = torch.utils.data.DataLoader(
-                self._data, batch_sampler=self.sampler, collate_fn=self._collate(), **self._kwargs
+                self._data,
+                batch_sampler=self.sampler,
+                collate_fn=self._collate(),
+                **self.parts.dataloader.kwargs(self.parts.workers),
             )
         self.sampler.set_epoch(epoch, start_batch)
         return iter(self._dataloader)
 
     def _collate(self) -> _Collate:
-        """Batches for the CPU are normalised by the main process while it has a core to itself (it is otherwise
+        """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
         idle), and by the workers, in parallel, once they take every core."""
-        workers = self._kwargs.get("num_workers", 0)
+        workers = self.parts.workers
         augment = self.stage.augment
         in_workers = (
             self.stage.device.type == "cpu"
@@ -132,4 +134,6 @@ def cpu_decoder_spec(
 
         return chw_tensor(make_decoder(max_pixels, True).decode(data, path)).to(device)
 
-    return BackendSpec(name, summary, ("cpu", "cuda"), unavailable, make_loader, read, make_decoder)
+    return BackendSpec(
+        name, summary, ("cpu", "cuda"), unavailable, make_loader, read, make_decoder, DATALOADER_SETTINGS
+    )

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
-from ..data.device import normalise
+from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from .dali_feed import Feed, FeedStream, Request, Work, decode_on_cpu, file_stamp
+from .dali_graph import build_pipeline, dali_device_id, to_torch
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
@@ -53,95 +54,6 @@ def dali_info() -> dict:
 
 def _unavailable() -> str | None:
     return None if has_module("nvidia.dali") else f"DALI is not installed; {INSTALL_HINTS['dali']}"
-
-
-def dali_device_id(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
-def build_pipeline(
-    recipe,
-    *,
-    train: bool,
-    batch_size: int,
-    device: torch.device,
-    num_threads: int,
-    hw_decoder_load: float = 0.65,
-    normalize: bool = False,
-):
-    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
-    train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
-    ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop). Output (N, 3, S, S) uint8, or
-    float32 normalised with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
-    same pass, in DALI's threads, instead of a separate step after)."""
-    from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
-
-    gpu = device.type == "cuda"
-    decode_kw = {"device": "mixed", "hw_decoder_load": hw_decoder_load} if gpu else {"device": "cpu"}
-    S = recipe.size
-
-    @pipeline_def(
-        batch_size=batch_size,
-        num_threads=num_threads,
-        device_id=dali_device_id(device),
-        prefetch_queue_depth=1,
-        exec_dynamic=True,
-    )
-    def pipe():
-        # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
-        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
-        if train:
-            images = fn.decoders.image_slice(
-                enc,
-                meta[0:2],
-                meta[2:4],
-                output_type=types.RGB,
-                axis_names="HW",
-                normalized_anchor=False,
-                normalized_shape=False,
-                **decode_kw,
-            )
-            images = fn.resize(images, resize_x=S, resize_y=S, antialias=True, interp_type=types.INTERP_LINEAR)
-            mirror = fn.cast(meta[4], dtype=types.INT32)
-        else:
-            images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
-            images = fn.resize(
-                images,
-                resize_x=fn.cast(meta[1], dtype=types.FLOAT),
-                resize_y=fn.cast(meta[0], dtype=types.FLOAT),
-                antialias=True,
-                interp_type=types.INTERP_LINEAR,
-            )
-            images = fn.slice(images, meta[2:4], types.Constant([S, S], dtype=types.INT64), axis_names="HW")
-            mirror = 0
-        if normalize:
-            return fn.crop_mirror_normalize(
-                images,
-                dtype=types.FLOAT,
-                output_layout="CHW",
-                mirror=mirror,
-                mean=[m * 255 for m in recipe.mean],
-                std=[s * 255 for s in recipe.std],
-            )
-        return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
-
-    p = pipe()
-    p.build()
-    return p
-
-
-def _to_torch(out, device: torch.device) -> torch.Tensor:
-    """A DALI batch of equal-shaped images as a torch tensor, through DLPack: no copy and no host wait. The dynamic
-    executor counts references to its buffers, so the tensor keeps DALI's output alive after ``release_outputs``;
-    torch asks DALI, through the protocol's stream argument, to order the hand-over on the consumer's stream."""
-    tensor = out.as_tensor()
-    if device.type != "cuda":
-        return torch.from_dlpack(tensor)
-    with torch.cuda.device(device):
-        return torch.from_dlpack(tensor)
 
 
 class DaliLoader(Loader):
@@ -198,7 +110,7 @@ class DaliLoader(Loader):
         self._scheduled -= 1
         (out,) = self._pipe.share_outputs()
         try:
-            return _to_torch(out, self.stage.device)
+            return to_torch(out, self.stage.device)
         finally:
             self._pipe.release_outputs()
 
@@ -287,8 +199,8 @@ class DaliLoader(Loader):
         return Batch(images, self._labels[index], "NCHW", work.errors, work.fallbacks, keys)
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
-        """An image Pillow decoded, in the dtype of the pipeline's output (normalised when DALI normalises)."""
-        return normalise(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
+        """An image Pillow decoded, in the dtype of the pipeline's output (normalized when DALI normalizes)."""
+        return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first

@@ -24,7 +24,7 @@ import torch
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
-from .image import header_entry, is_jpeg, pixel_limit_reason
+from .image import HeaderCheck, header_entry, is_jpeg, pixel_limit_reason
 from .pillow import PillowDecoder
 
 _PAD_RATIO = 4.0  # padded rows cost at most this many times the bytes themselves
@@ -119,10 +119,10 @@ class Feed(torch.utils.data.Dataset):
             work.errors.append((path, f"cannot read the file ({e.strerror or e})"))
             return None
         entry = self._judge(i, data)
-        if isinstance(entry, str):
-            work.errors.append((path, entry))
+        if entry.problem is not None:
+            work.errors.append((path, entry.problem))
             return None
-        height, width, pillow_only = entry
+        height, width, pillow_only = entry.height, entry.width, entry.pillow_only
         if is_jpeg(data) and data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) < 0:
             try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
                 self.check.decode(data, path)
@@ -138,17 +138,16 @@ class Feed(torch.utils.data.Dataset):
             return data, (box.top, box.left, box.height, box.width, int(box.flip))
         return data, self.recipe.eval_offsets(height, width)
 
-    def _judge(self, i: int, data: bytes) -> tuple[int, int, bool] | str:
+    def _judge(self, i: int, data: bytes) -> HeaderCheck:
         """Upright (height, width) and whether only Pillow decodes it, or why it cannot be decoded: from the bytes
         just read, or from the sizes a prepared data set recorded (its files are JPEGs DALI takes)."""
         if not data:
-            return "empty file"
+            return HeaderCheck(problem="empty file")
         if self.dataset.sizes is not None:
             h, w = (int(v) for v in self.dataset.sizes[i])
             reason = pixel_limit_reason(w, h, self.max_pixels)
-            return reason if reason is not None else (h, w, False)
-        entry = header_entry(data, self.max_pixels)
-        return entry if isinstance(entry, str) else (int(entry[0]), int(entry[1]), bool(entry[2]))
+            return HeaderCheck(problem=reason) if reason is not None else HeaderCheck(h, w, False)
+        return header_entry(data, self.max_pixels)
 
 
 def _encoded(chunks: list[bytes], lengths: np.ndarray) -> torch.Tensor:

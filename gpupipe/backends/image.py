@@ -129,67 +129,43 @@ PIPELINE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "TIFF", "WEBP", "PPM"
 PILLOW_ONLY_MODES = frozenset({"F", "I"})  # 32-bit pixels: one rule on every backend, Pillow's
 
 
-def header_entry(src: str | bytes, max_pixels: int) -> tuple[int, int, bool] | str:
+class HeaderCheck(NamedTuple):
+    """One file judged from its header alone: its upright size and whether only Pillow should decode it, or why it
+    cannot be decoded (``problem``; then the size is 0 x 0)."""
+
+    height: int = 0
+    width: int = 0
+    pillow_only: bool = False
+    problem: str | None = None
+
+
+def header_entry(src: str | bytes, max_pixels: int) -> HeaderCheck:
     """One file judged from its header alone (PIL reads only the first bytes): its upright (height, width) and
     whether only Pillow should decode it, or why it cannot be decoded (empty, not an image, over the pixel limit)."""
     if isinstance(src, bytes) and not src:
-        return "empty file"
+        return HeaderCheck(problem="empty file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(src if isinstance(src, str) else io.BytesIO(src)) as img:
                 width, height = img.size
                 if (reason := float_image_reason(img.mode)) is not None:
-                    return reason
+                    return HeaderCheck(problem=reason)
                 orientation = _orientation(img.getexif)
                 pillow_only = img.format not in PIPELINE_FORMATS or img.mode in PILLOW_ONLY_MODES
     except Image.DecompressionBombError:
-        return "more pixels than PIL allows (decompression bomb)"
+        return HeaderCheck(problem="more pixels than PIL allows (decompression bomb)")
     except OSError as e:
         if isinstance(src, str) and os.path.exists(src) and os.path.getsize(src) == 0:
-            return "empty file"
+            return HeaderCheck(problem="empty file")
         if isinstance(src, str) and not os.path.exists(src):
-            return "cannot read the file (no such file)"
-        return _unreadable(e)
+            return HeaderCheck(problem="cannot read the file (no such file)")
+        return HeaderCheck(problem=_unreadable(e))
     except Exception as e:  # PIL raises SyntaxError, ValueError... on broken headers
-        return _unreadable(e)
+        return HeaderCheck(problem=_unreadable(e))
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
-        return reason
-    return (*upright_hw(height, width, orientation), pillow_only)
-
-
-def header_scan(dataset, max_pixels: int, workers: int = 1):
-    """What a pipeline that decodes inside its own graph (DALI) needs before any decode: every sample's upright
-    (height, width) for the recipe's crop, ``{index: reason}`` for unusable headers and images over ``max_pixels``
-    (DALI has no limit of its own), and the indices only Pillow should decode. Sizes a prepared data set recorded
-    are used as they are; files are scanned in parallel on large sets."""
-    n = len(dataset)
-    if dataset.sizes is not None:
-        hw = np.asarray(dataset.sizes, dtype=np.int64).reshape(-1, 2)
-        over = np.flatnonzero(hw[:, 0] * hw[:, 1] > max_pixels)  # vectorised: prepared sets hold millions
-        problems = {int(i): pixel_limit_reason(int(hw[i, 1]), int(hw[i, 0]), max_pixels) for i in over}
-        return hw, problems, set()
-    check = partial(header_entry, max_pixels=max_pixels)
-    if not dataset.reads_files:  # another storage layout: its bytes, read one by one
-        entries = [_entry_of(dataset, i, check) for i in range(n)]
-    elif workers <= 1 or n < 4096:
-        entries = [check(path) for path, _ in dataset.samples]
-    else:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(workers) as pool:
-            entries = list(pool.map(check, [p for p, _ in dataset.samples], chunksize=512))
-    sizes = [(0, 0) if isinstance(e, str) else e[:2] for e in entries]
-    problems = {i: e for i, e in enumerate(entries) if isinstance(e, str)}
-    pillow_only = {i for i, e in enumerate(entries) if not isinstance(e, str) and e[2]}
-    return sizes, problems, pillow_only
-
-
-def _entry_of(dataset, index: int, check) -> tuple[int, int, bool] | str:
-    try:
-        return check(dataset.read(index))
-    except OSError as e:
-        return f"cannot read the file ({e.strerror or e})"
+        return HeaderCheck(problem=reason)
+    return HeaderCheck(*upright_hw(height, width, orientation), pillow_only)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -222,7 +222,6 @@ class NvjpegLoader(Loader):
         super().__init__(parts)
         max_pixels = parts.max_pixels or default_max_pixels()
         self._data = _BytesDataset(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
-        self._kwargs = parts.dataloader_kwargs
         self._dataloader: torch.utils.data.DataLoader | None = None
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
         self._reaper = Reaper()
@@ -235,7 +234,7 @@ class NvjpegLoader(Loader):
             self._decode = self.decoder()
         decode = self._decode
         if self._dataloader is None:
-            kwargs = {**self._kwargs, "pin_memory": False}
+            kwargs = {**self.parts.dataloader.kwargs(self.parts.workers), "pin_memory": False}  # bytes: no pinning
             self._dataloader = torch.utils.data.DataLoader(
                 self._data, batch_sampler=self.sampler, collate_fn=_collate, **kwargs
             )
@@ -349,4 +348,5 @@ SPEC = BackendSpec(
     _unavailable,
     NvjpegLoader,
     read=read_nvjpeg,
+    dataloader_settings=("prefetch_factor", "persistent_workers"),  # its workers read bytes: nothing to pin
 )

@@ -55,6 +55,8 @@ class BackendSpec:
         read: ``(data, name, max_pixels, device) -> (3, H, W) uint8`` for ``read_image``; ``None``: not a decoder.
         decoder: ``(max_pixels, reduced_decode) -> decoder`` for backends that decode one image at a time on the
             CPU (``decode``/``decode_for_crop``/``crop``); the bench's ``floor`` pipeline uses it.
+        dataloader_settings: the ``build_loader`` DataLoader settings it honours (of ``pin_memory``,
+            ``prefetch_factor``, ``persistent_workers``); the others, set explicitly, are refused.
     """
 
     name: str
@@ -64,15 +66,19 @@ class BackendSpec:
     make_loader: Callable[[LoaderParts], Loader]
     read: Callable[[bytes, str, int | None, torch.device], torch.Tensor] | None = None
     decoder: Callable[[int | None, bool], Decoder] | None = None
+    dataloader_settings: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
 
 
-def register(spec: BackendSpec) -> BackendSpec:
-    """Add (or replace) a backend; its name becomes valid everywhere a backend is named."""
+def register(spec: BackendSpec, override: bool = False) -> BackendSpec:
+    """Add a backend; its name becomes valid everywhere a backend is named. A name already registered is refused
+    unless ``override`` (then the new spec replaces the old one, in its place in the order)."""
     if spec.name != spec.name.lower() or spec.name == "auto":
         raise ValueError(f"a backend name is lower case and not 'auto', got {spec.name!r}")
+    if spec.name in _REGISTRY and not override:
+        raise ValueError(f"backend {spec.name!r} is already registered; pass override=True to replace it")
     _REGISTRY[spec.name] = spec
     return spec
 

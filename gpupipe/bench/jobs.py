@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends.dali import dali_device_id
+from ..backends.dali_graph import dali_device_id
 from ..backends.image import is_jpeg
 from ..backends.nvjpeg import decoder_on_stream
 from ..data.scan import ImageList
@@ -58,7 +58,7 @@ def dali_decode_counts(dataset, cfg) -> Iterator[int]:
 
 def dali_reference_counts(dataset, cfg, train: bool) -> Iterator[int]:
     """DALI's own pipeline, as its documentation writes it (``readers.file`` -> ``decoders.image_random_crop`` ->
-    ``resize`` -> ``crop_mirror_normalize``; eval: ``decoders.image`` -> ``resize`` -> centre crop), normalised
+    ``resize`` -> ``crop_mirror_normalize``; eval: ``decoders.image`` -> ``resize`` -> centre crop), normalized
     float32 CHW batches on ``cfg.device``, as the dali backend delivers them: what it is measured against, side by
     side. Its crops are DALI's own, not the recipe's."""
     from nvidia.dali import fn, pipeline_def, types

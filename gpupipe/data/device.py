@@ -1,10 +1,10 @@
 """The device side of every loader: copy uint8 batches on a side CUDA stream, then layout, dtype and
-normalisation on the device, where they cost microseconds instead of CPU milliseconds."""
+normalization on the device, where they cost microseconds instead of CPU milliseconds."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -15,22 +15,25 @@ if TYPE_CHECKING:
     from ..augment import SampleAugment
 
 
+Layout = Literal["NHWC", "NCHW"]  # a batch's uint8 images: (n,H,W,3) or (n,3,H,W)
+
+
 class BatchLike(Protocol):
     """What the stage reads of a :class:`gpupipe.data.loader.Batch` (named here, not imported: loader imports this)."""
 
     images: torch.Tensor
     labels: torch.Tensor
-    layout: str
+    layout: Layout
     keys: torch.Tensor | None
 
 
-def normalise(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
+def normalize(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
     """uint8 -> float32 ``(x - mean) * inv_std``, the statistics given per channel on the 0-255 scale."""
     return images.float().sub_(mean).mul_(inv_std)
 
 
 class DeviceStage:
-    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalised (or uint8) on ``device`` out."""
+    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalized (or uint8) on ``device`` out."""
 
     def __init__(
         self,
@@ -52,15 +55,15 @@ class DeviceStage:
         if self.augment is not None:
             self.augment.to_device(device)  # its constant tables, once, at build
 
-    def finish(self, images: torch.Tensor, layout: str, job=None, pack: HostPack | None = None) -> torch.Tensor:
+    def finish(self, images: torch.Tensor, layout: Layout, job=None, pack: HostPack | None = None) -> torch.Tensor:
         """``job``: what :meth:`SampleAugment.prepare` planned for this batch, its arguments already in ``pack``."""
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
-        if self.augment is not None:  # on uint8, before normalisation
+        if self.augment is not None:  # on uint8, before normalization
             images = self.augment.run(images, job, pack)
         images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
-        if self.normalize and not images.is_floating_point():  # CPU workers may have normalised already
-            images = normalise(images, self.mean, self.inv_std)
+        if self.normalize and not images.is_floating_point():  # CPU workers may have normalized already
+            images = normalize(images, self.mean, self.inv_std)
         return images
 
     def upload(self, b: BatchLike) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +87,7 @@ class DeviceStage:
         return self._stream
 
     def iterate(self, batches: Iterable[BatchLike]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield finished (images, labels); on CUDA the next batch is copied and normalised on a side stream
+        """Yield finished (images, labels); on CUDA the next batch is copied and normalized on a side stream
         while the caller computes on the current one (timm's PrefetchLoader pattern)."""
         if self.device.type != "cuda":
             yield from map(self.upload, batches)

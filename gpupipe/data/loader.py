@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 from ..errors import DecodeError, GpupipeError
 from ..recipe import Recipe
-from .device import DeviceStage
+from .device import DeviceStage, Layout
 from .sampler import ShardSampler
 from .scan import ImageList
+
+OnError = Literal["raise", "skip"]
+DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 
 
 @dataclass
@@ -21,7 +25,7 @@ class Batch:
 
     images: torch.Tensor  # uint8, (n,H,W,3) "NHWC" or (n,3,H,W) "NCHW"
     labels: torch.Tensor  # int64 (n,)
-    layout: str = "NHWC"
+    layout: Layout = "NHWC"
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     fallbacks: int = 0  # samples a slower decoder had to take
     # int64 (n, 2) on the CPU: each sample's (epoch, index), when its per-sample augmentation (the recipe's policy,
@@ -34,6 +38,27 @@ class Batch:
 
 
 @dataclass(frozen=True)
+class DataLoaderSettings:
+    """The ``torch.utils.data.DataLoader`` settings of a backend that decodes in DataLoader workers (the CPU decoders,
+    nvjpeg's reads); ``build_loader`` refuses them, set explicitly, for a backend that does not use them."""
+
+    pin_memory: bool = False
+    prefetch_factor: int = 4  # batches per worker in flight (DataLoader's own default is 2)
+    persistent_workers: bool = True  # workers outlive epochs
+
+    def kwargs(self, num_workers: int) -> dict[str, Any]:
+        """The DataLoader's keyword arguments for ``num_workers`` (0: the main process, which takes no prefetch)."""
+        if num_workers == 0:
+            return {"num_workers": 0, "pin_memory": self.pin_memory}
+        return {
+            "num_workers": num_workers,
+            "pin_memory": self.pin_memory,
+            "prefetch_factor": self.prefetch_factor,
+            "persistent_workers": self.persistent_workers,
+        }
+
+
+@dataclass(frozen=True)
 class LoaderParts:
     """What ``build_loader`` prepares for every backend: the data, the order, the device stage, the recipe and the
     policies. A backend's ``make_loader`` takes this one record."""
@@ -42,11 +67,11 @@ class LoaderParts:
     sampler: ShardSampler
     stage: DeviceStage
     recipe: Recipe
-    on_error: str
+    on_error: OnError
     seed: int
     workers: int  # decode workers (DataLoader processes or DALI threads); 0 decodes in the main process
     max_pixels: int | None
-    dataloader_kwargs: dict = field(default_factory=dict)
+    dataloader: DataLoaderSettings = field(default_factory=DataLoaderSettings)
 
 
 def empty_batch(size: int, device: torch.device | str = "cpu", errors: list[tuple[str, str]] | None = None) -> Batch:

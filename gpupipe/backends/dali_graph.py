@@ -1,0 +1,108 @@
+"""DALI's graphs: the one pipeline a dali loader runs (:func:`build_pipeline`), the device id DALI takes, and the
+copy of a DALI batch into torch. Kept apart from :mod:`.dali` (the loader: feeding, failures, epochs) so that each
+reads on its own."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dali_device_id(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def build_pipeline(
+    recipe,
+    *,
+    train: bool,
+    batch_size: int,
+    device: torch.device,
+    num_threads: int,
+    hw_decoder_load: float = 0.65,
+    normalize: bool = False,
+):
+    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
+    train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
+    ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop). Output (N, 3, S, S) uint8, or
+    float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
+    same pass, in DALI's threads, instead of a separate step after)."""
+    from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
+
+    gpu = device.type == "cuda"
+    decode_kw = {"device": "mixed", "hw_decoder_load": hw_decoder_load} if gpu else {"device": "cpu"}
+
+    @pipeline_def(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=dali_device_id(device),
+        prefetch_queue_depth=1,
+        exec_dynamic=True,
+    )
+    def pipe():
+        # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
+        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
+        if train:
+            images, mirror = _train_crop(enc, meta, recipe.size, decode_kw)
+        else:
+            images, mirror = _eval_crop(enc, meta, recipe.size, decode_kw), 0
+        if normalize:
+            return fn.crop_mirror_normalize(
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                mirror=mirror,
+                mean=[m * 255 for m in recipe.mean],
+                std=[s * 255 for s in recipe.std],
+            )
+        return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
+
+    p = pipe()
+    p.build()
+    return p
+
+
+def _train_crop(enc, meta, size: int, decode_kw: dict):
+    """The train crop: ``meta`` = ``[top, left, height, width, flip]``; the window decoded alone, resized to S x S."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image_slice(
+        enc,
+        meta[0:2],
+        meta[2:4],
+        output_type=types.RGB,
+        axis_names="HW",
+        normalized_anchor=False,
+        normalized_shape=False,
+        **decode_kw,
+    )
+    images = fn.resize(images, resize_x=size, resize_y=size, antialias=True, interp_type=types.INTERP_LINEAR)
+    return images, fn.cast(meta[4], dtype=types.INT32)
+
+
+def _eval_crop(enc, meta, size: int, decode_kw: dict):
+    """The eval crop: ``meta`` = ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop)."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
+    images = fn.resize(
+        images,
+        resize_x=fn.cast(meta[1], dtype=types.FLOAT),
+        resize_y=fn.cast(meta[0], dtype=types.FLOAT),
+        antialias=True,
+        interp_type=types.INTERP_LINEAR,
+    )
+    return fn.slice(images, meta[2:4], types.Constant([size, size], dtype=types.INT64), axis_names="HW")
+
+
+def to_torch(out, device: torch.device) -> torch.Tensor:
+    """A DALI batch of equal-shaped images as a torch tensor, through DLPack: no copy and no host wait. The dynamic
+    executor counts references to its buffers, so the tensor keeps DALI's output alive after ``release_outputs``;
+    torch asks DALI, through the protocol's stream argument, to order the hand-over on the consumer's stream."""
+    tensor = out.as_tensor()
+    if device.type != "cuda":
+        return torch.from_dlpack(tensor)
+    with torch.cuda.device(device):
+        return torch.from_dlpack(tensor)
