@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import gpupipe
+from gpupipe import Remote, StorageError
 from gpupipe.data import remote
-from gpupipe.data.remote import Remote, StorageError, expand_braces
+from gpupipe.data.remote import expand_braces
 from gpupipe.data.scan import scan
 from gpupipe.errors import GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
@@ -147,7 +148,7 @@ def _loader_on_a_server_that_stops(prepared, backend):
     return server, gpupipe.build_loader(source, backend, train=False, **dict(KW, num_workers=1, batch_size=2))
 
 
-@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("on_error", ["raise", pytest.param("skip", marks=pytest.mark.slow)])
 def test_a_server_gone_mid_epoch_is_retried_then_named(s3, prepared, on_error):
     server, loader = _loader_on_a_server_that_stops(prepared, "pillow")
     loader.on_error = on_error

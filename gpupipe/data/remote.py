@@ -35,17 +35,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .._deps import require
-from ..errors import GpupipeError
+from ..errors import GpupipeError, StorageError
 from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, index_tar
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _INDEX_VERSION = 1
 _T = TypeVar("_T")
-
-
-class StorageError(GpupipeError):
-    """Object storage could not give the bytes: the message names the URL and the cause. Not a bad sample: a
-    loader never skips it."""
 
 
 def is_url(root) -> bool:
