@@ -176,6 +176,23 @@ class Store:
         self.call(url, lambda: self.fs.get_file(self.path(url), str(tmp)))
         os.replace(tmp, target)
 
+    def put(self, local: Path, url: str) -> None:
+        """One upload: an object appears whole or not at all (S3 PUTs are atomic)."""
+        self.call(url, lambda: self.fs.put_file(str(local), self.path(url)))
+
+    def sizes(self, url: str) -> dict[str, int]:
+        """The byte size of each object directly under the folder ``url``, by name; empty when there is none."""
+        try:
+            found = self.call(url, lambda: self.fs.ls(self.path(url), detail=True, refresh=True))
+        except StorageError as e:
+            if "no such object" in str(e):
+                return {}
+            raise
+        return {os.path.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in found if f["type"] == "file"}
+
+    def rm(self, url: str) -> None:
+        self.call(url, lambda: self.fs.rm_file(self.path(url)))
+
     def glob(self, pattern: str) -> list[str]:
         return sorted(self.fs.unstrip_protocol(p) for p in self.call(pattern, lambda: self.fs.glob(self.path(pattern))))
 
