@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from gpupipe.data.scan import scan
+from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, parse_size, prepare
 
 from .common_utils import S3Server, gpupipe_cli

@@ -14,7 +14,7 @@ import gpupipe
 from gpupipe import Remote, StorageError
 from gpupipe.data import remote
 from gpupipe.data.remote import expand_braces
-from gpupipe.data.scan import scan
+from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._deps import require
 from ..errors import GpupipeError, StorageError
-from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, index_tar
+from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, combine_indexes, index_tar
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _INDEX_VERSION = 1
@@ -324,7 +324,7 @@ def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteS
     and the index cached on this machine."""
     with ThreadPoolExecutor(min(threads, len(urls))) as pool:
         parts = list(pool.map(lambda u: remote_shard_index(store, u), urls))
-    labels, classes, shard = _combine(parts, urls)
+    labels, classes, shard = combine_indexes(parts, urls)
     return RemoteShardImageList(
         store,
         os.path.dirname(urls[0]),
@@ -336,26 +336,6 @@ def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteS
         classes,
         members=np.concatenate([p["member"] for p in parts]),
     )
-
-
-def _combine(parts: list[dict[str, np.ndarray]], urls: list[str]) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Labels, classes and each sample's shard number, as :func:`.shards.load_tars` makes them."""
-    numeric = [p["label"].dtype.kind in "iu" for p in parts]
-    if any(numeric) and not all(numeric):
-        raise GpupipeError(
-            f"{urls[numeric.index(True)]} has numeric labels but {urls[numeric.index(False)]} has "
-            "class names: one data set needs one kind"
-        )
-    labels = np.concatenate([p["label"] for p in parts])
-    if all(numeric):
-        if labels.size and labels.min() < 0:
-            raise GpupipeError(f"{urls[0]}...: labels must be >= 0, found {labels.min()}")
-        classes = [str(i) for i in range(int(labels.max()) + 1)]
-    else:
-        names, labels = np.unique(labels, return_inverse=True)
-        classes = names.tolist()
-    shard = np.concatenate([np.full(len(p["label"]), i, np.uint32) for i, p in enumerate(parts)])
-    return labels.astype(np.int64), classes, shard
 
 
 def remote_shard_index(store: Store, url: str) -> dict[str, np.ndarray]:
