@@ -19,24 +19,22 @@ class PathList(Sequence):
     """``(path, label)`` per sample, made on access; equal to the list of tuples it stands for."""
 
     def __init__(self, paths: Sequence[str], labels: Iterable[int]):
-        data = _SEP.join(paths).encode("utf-8", "surrogateescape")
+        data = "".join(p + _SEP for p in paths).encode("utf-8", "surrogateescape")
         self._buf = np.frombuffer(data, np.uint8)
-        ends = np.flatnonzero(self._buf == 0)
-        self._starts = np.concatenate([[0], ends + 1]).astype(np.int64) if paths else np.zeros(0, np.int64)
-        self._ends = np.concatenate([ends, [len(data)]]).astype(np.int64) if paths else np.zeros(0, np.int64)
+        self._starts = np.concatenate([[0], np.flatnonzero(self._buf == 0) + 1]).astype(np.int64)  # n + 1 of them
         self.labels = np.fromiter(labels, np.int64, count=len(paths))
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def path(self, i: int) -> str:
-        return self._buf[self._starts[i] : self._ends[i]].tobytes().decode("utf-8", "surrogateescape")
+        return self._buf[self._starts[i] : self._starts[i + 1] - 1].tobytes().decode("utf-8", "surrogateescape")
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         label = int(self.labels[i])  # IndexError past the end, as a list
-        return self.path(int(i)), label
+        return self.path(int(i) % len(self)), label
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
         return (self[i] for i in range(len(self)))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -136,32 +136,59 @@ class Store:
         for attempt in range(self.remote.retries):
             try:
                 return what()
-            except FileNotFoundError:
-                raise StorageError(f"{url}: no such object") from None
-            except PermissionError as e:
-                raise StorageError(f"{url}: access denied ({_cause(e)}); check the credentials") from None
             except Exception as e:
-                if not _transient(e):
-                    raise StorageError(f"{url}: {_cause(e)}") from None
+                permanent = _permanent(url, e)
+                if permanent is not None:
+                    raise permanent from None
                 last = e
-            if attempt + 1 < self.remote.retries:
-                delay = min(30.0, self.remote.backoff * 2**attempt)
-                time.sleep(delay * random.uniform(0.5, 1.0))
-        raise StorageError(
+            self._wait(attempt)
+        raise self._gave_up(url, started, last)
+
+    def _wait(self, attempt: int) -> None:
+        if attempt + 1 < self.remote.retries:
+            delay = min(30.0, self.remote.backoff * 2**attempt)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+
+    def _gave_up(self, url: str, started: float, last: Exception) -> StorageError:
+        return StorageError(
             f"{url}: unreachable after {self.remote.retries} attempts over {time.monotonic() - started:.1f} s "
             f"({_cause(last)})"
         )
 
+    def read_many(self, urls: list[str], starts: list[int], sizes: list[int]) -> list[bytes | Exception]:
+        """Several range reads at once (a batch: concurrent requests, one round trip's latency for all), each its
+        bytes or its :class:`StorageError`; the ones that fail transiently are retried together."""
+        out: list[bytes | Exception | None] = [None] * len(urls)
+        pending, started = list(range(len(urls))), time.monotonic()
+        for attempt in range(self.remote.retries):
+            got = self.fs.cat_ranges(
+                [self.path(urls[k]) for k in pending],
+                [starts[k] for k in pending],
+                [starts[k] + sizes[k] for k in pending],
+                on_error="return",
+            )
+            retry = []
+            for k, r in zip(pending, got, strict=True):
+                if isinstance(r, Exception):
+                    out[k] = _permanent(urls[k], r)
+                    if out[k] is None:
+                        retry.append(k)
+                        last = r
+                else:
+                    out[k] = r if len(r) == sizes[k] else _truncated(urls[k], starts[k], sizes[k])
+            pending = retry
+            if not pending:
+                break
+            self._wait(attempt)
+        for k in pending:
+            out[k] = self._gave_up(urls[k], started, last)
+        return cast(list[bytes | Exception], out)
+
     def read(self, url: str, start: int, size: int) -> bytes:
         """``size`` bytes at ``start``: a range read; a short answer means the object is shorter than its index."""
-        try:
-            data = self.call(url, lambda: self.fs.cat_file(self.path(url), start=start, end=start + size))
-        except StorageError as e:
-            if "range is not satisfiable" not in str(e):
-                raise
-            data = b""
+        data = self.call(url, lambda: self.fs.cat_file(self.path(url), start=start, end=start + size))
         if len(data) != size:
-            raise StorageError(f"{url} ends before its member at byte {start} of {size} bytes: truncated?")
+            raise _truncated(url, start, size)
         return data
 
     def cat(self, url: str) -> bytes:
@@ -207,6 +234,21 @@ def _options(url: str, given: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _permanent(url: str, e: Exception) -> StorageError | None:
+    """The error to raise at once for ``e``; None when ``e`` is worth another try."""
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"{url}: no such object")
+    if isinstance(e, PermissionError):
+        return StorageError(f"{url}: access denied ({_cause(e)}); check the credentials")
+    if "range is not satisfiable" in str(e):  # a range past the end: the object is shorter than its index says
+        return StorageError(f"{url} ends before its member: truncated? ({_cause(e)})")
+    return None if _transient(e) else StorageError(f"{url}: {_cause(e)}")
+
+
+def _truncated(url: str, start: int, size: int) -> StorageError:
+    return StorageError(f"{url} ends before its member at byte {start} of {size} bytes: truncated?")
+
+
 def _transient(e: Exception) -> bool:
     """Connection lost or refused, timeouts, 5xx, throttling: worth another try. Anything else is permanent."""
     if isinstance(e, (ConnectionError, TimeoutError)):
@@ -230,6 +272,17 @@ class RemoteShardImageList(ShardImageList):
     def __init__(self, store: Store, root: str, urls: list[str], *args, **kwargs):
         super().__init__(root, urls, *args, **kwargs)
         self.store = store
+
+    def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
+        """A batch's bytes by concurrent range reads (from the cache folder when there is one)."""
+        if self.store.remote.cache_dir is not None:
+            return super().read_many(indices)
+        shards = self._shard[indices]
+        return self.store.read_many(
+            [self.shard_paths[int(s)] for s in shards],
+            self._offset[indices].tolist(),
+            self._size[indices].tolist(),
+        )
 
     def read(self, index: int) -> bytes:
         s = int(self._shard[index])

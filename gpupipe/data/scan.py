@@ -39,6 +39,17 @@ class ImageList:
         with open(self.samples[index][0], "rb") as f:
             return f.read()
 
+    def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
+        """The bytes of several samples (a batch), each or the exception that stopped it; a layout that can fetch
+        them concurrently (object storage) overrides this."""
+        out: list[bytes | Exception] = []
+        for i in indices:
+            try:
+                out.append(self.read(i))
+            except Exception as e:  # the caller reports it with the sample's name
+                out.append(e)
+        return out
+
     @property
     def targets(self) -> list[int]:
         if isinstance(self.samples, PathList):
