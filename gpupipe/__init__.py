@@ -3,7 +3,7 @@
 from ._version import __version__
 from .api import build_loader, read_image
 from .backends import available_backends
-from .data.remote import Remote
+from .data.objstore import Remote
 from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError
 from .mix import Mix
 from .recipe import Recipe

@@ -350,7 +350,7 @@ def _plan(source: ImageList, src, options: PrepareOptions) -> dict:
     return {
         "format": FORMAT,
         "version": VERSION,
-        "source": src,
+        "source": getattr(src, "url", src),  # a Remote is recorded by its URL (never its storage options)
         "options": asdict(options),
         "fingerprint": _fingerprint(source),
     }

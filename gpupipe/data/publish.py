@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StorageError
-from .remote import Remote, Store
+from .objstore import Remote, Store
 from .shards import INDEX, META
 
 PLAN = ".prepare-plan.json"  # as in gpupipe.prepare

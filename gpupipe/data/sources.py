@@ -9,7 +9,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .remote import Remote, is_url, scan_remote
+from .objstore import Remote
+from .remote import is_url, scan_remote
 from .scan import ImageList, scan_csv, scan_folder
 from .shards import is_shard_source, scan_shards
 
