@@ -226,9 +226,4 @@ def _index_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpupipe" / "shard-index" / "remote"
 
 
-def read_bytes(url: str) -> bytes:
-    """One whole object (``gpupipe check`` on a URL, ``read_image``)."""
-    return Store(Remote(url), url).cat(url)
-
-
-__all__ = ["Remote", "RemoteShardImageList", "StorageError", "expand_braces", "is_url", "read_bytes", "scan_remote"]
+__all__ = ["Remote", "RemoteShardImageList", "StorageError", "expand_braces", "is_url", "scan_remote"]
