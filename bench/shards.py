@@ -2,6 +2,7 @@
 against set size, and ``gpupipe prepare`` throughput. Each part writes JSON with the machine, versions and date.
 
     python bench/shards.py read DATA [--backends pillow,turbojpeg,dali] [--workers 1] [--seconds 10] [--max-side 512]
+                                     [--s3]
     python bench/shards.py startup [--sizes 1000,10000,100000] [--repeats 3]
     python bench/shards.py prepare DATA [--workers 1,2] [--max-side 512]
 
@@ -10,6 +11,9 @@ then times train loaders (uint8 batches, one decode worker by default) on the fo
 interleaved windows after a warm-up, with gpupipe.bench's window method: median, min-max, shards / folder. With
 ``--max-side`` the shards hold smaller re-encoded images, so the ratio then says what the preparation gains, not
 what the storage layout costs.
+With ``--s3`` the same shards are also uploaded to a local S3-compatible server (moto's ``moto_server``, a process
+of its own on 127.0.0.1) and read from there by range (``s3_vs_shards``: what object storage costs over the disk,
+the HTTP round trips and the client; a real store adds its network's latency).
 ``startup`` times ``build_loader`` on fake prepared sets (one tiny shard, an index of N rows) in fresh processes.
 """
 
@@ -73,7 +77,11 @@ def cmd_read(args) -> None:
     )
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    jobs = [(b, src, root) for b in backends for src, root in (("folder", args.data), ("shards", str(shards)))]
+    sources = [("folder", args.data), ("shards", str(shards))]
+    server = _local_s3(shards) if args.s3 else None
+    if server is not None:
+        sources.append(("s3", server[1]))
+    jobs = [(b, src, root) for b in backends for src, root in sources]
     streams = []
     for backend, src, root in jobs:
         loader = gpupipe.build_loader(
@@ -97,6 +105,8 @@ def cmd_read(args) -> None:
             rates[i].append(_window(streams[i], args.seconds / args.repeats, drain, sync))
     for s in streams:
         s.close()
+    if server is not None:
+        server[0].kill()
     med = {(b, src): statistics.median(r) for (b, src, _), r in zip(jobs, rates, strict=True)}
     results = [
         {
@@ -106,10 +116,46 @@ def cmd_read(args) -> None:
             "min": min(r),
             "max": max(r),
             "shards_vs_folder": med[b, "shards"] / med[b, "folder"],
+            **({"s3_vs_shards": med[b, "s3"] / med[b, "shards"]} if server is not None else {}),
         }
         for (b, src, _), r in zip(jobs, rates, strict=True)
     ]
     _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results, args.json)
+
+
+def _local_s3(shards: Path) -> tuple[subprocess.Popen, str]:
+    """A ``moto_server`` process on a free port, the AWS_* variables pointing at it, and ``shards`` uploaded."""
+    import os
+    import socket
+
+    import s3fs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    for _ in range(600):  # up to a minute for the server to answer
+        try:
+            fs.mkdir("bench")
+            break
+        except OSError:
+            time.sleep(0.1)
+    for f in sorted(shards.iterdir()):
+        fs.put_file(str(f), f"bench/shards/{f.name}")
+    print(f"uploaded {shards} to s3://bench/shards at {endpoint}", file=sys.stderr)
+    return proc, "s3://bench/shards"
 
 
 def fake_prepared(out: Path, n: int) -> Path:
@@ -208,6 +254,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-side", type=int)
     p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--s3", action="store_true", help="also read the shards from a local S3 server (moto_server)")
     p.set_defaults(func=cmd_read)
     p = sub.add_parser("startup", help="build_loader start-up against set size")
     p.add_argument("--sizes", default="1000,10000,100000")

@@ -3,7 +3,8 @@
 from ._version import __version__
 from .api import build_loader, read_image
 from .backends import available_backends
-from .errors import BackendUnavailableError, DecodeError, GpupipeError
+from .data.objstore import Remote
+from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError
 from .mix import Mix
 from .recipe import Recipe
 
@@ -13,6 +14,8 @@ __all__ = [
     "GpupipeError",
     "Mix",
     "Recipe",
+    "Remote",
+    "StorageError",
     "__version__",
     "available_backends",
     "build_loader",

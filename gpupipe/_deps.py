@@ -15,6 +15,8 @@ INSTALL_HINTS = {
         "(needs libjpeg-dev zlib1g-dev; see bench/pillow_simd.sh)"
     ),
     "train": 'pip install timm tensorboard omegaconf  (or pip install ".[train]" in the gpupipe source tree)',
+    "s3": 'pip install s3fs  (or pip install ".[s3]" in the gpupipe source tree)',
+    "gs": "pip install gcsfs",
     "bench": 'pip install matplotlib nvidia-ml-py  (or pip install ".[bench]" in the gpupipe source tree)',
 }
 

@@ -15,7 +15,7 @@ from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler
-from .data.sources import open_source
+from .data.sources import Source, open_source
 from .recipe import Recipe
 
 __all__ = ["build_loader", "read_image", "usable_cores"]
@@ -41,7 +41,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def build_loader(
-    root: str | os.PathLike | Sequence[str | os.PathLike],
+    root: Source,
     backend: BackendName | str = "pillow",  # or a name registered with gpupipe.backends.register
     *,
     batch_size: int = 256,
@@ -71,7 +71,9 @@ def build_loader(
 
     Args:
         root: an ImageFolder directory, or a CSV file list (``path,label``, paths relative to the file), or tar
-            shards: a folder written by ``gpupipe prepare``, or WebDataset ``.tar`` shards (a path, glob or list).
+            shards: a folder written by ``gpupipe prepare``, or WebDataset ``.tar`` shards (a path, glob or list);
+            shards may be at a URL (``s3://bucket/train``, ``gs://...``), or a :class:`gpupipe.Remote` for its
+            storage options, cache folder and retries.
         backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``
             (the fastest in the latest ``gpupipe bench`` result for this machine and data, else a stated rule).
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).

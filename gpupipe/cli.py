@@ -170,14 +170,14 @@ def _cmd_check(args) -> int:
     from rich.progress import Progress
 
     from ._system import usable_cores
-    from .check import check
+    from .check import check_source
     from .data.sources import open_source
 
-    paths = [p for p, _ in open_source(args.dir).samples]
+    source = open_source(args.dir)
     workers = usable_cores() if args.workers is None else args.workers
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("checking", total=len(paths))
-        results = check(paths, workers, on_result=lambda r: progress.advance(task))
+        task = progress.add_task("checking", total=len(source))
+        results = check_source(source, workers, on_result=lambda r: progress.advance(task))
     bad = [r for r in results if not r["ok"]]
     unusual = [r for r in results if r["ok"] and r["notes"]]
     if args.json:
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=run_train)
 
     p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
-    p.add_argument("dir", help="an ImageFolder directory or a CSV list (path,label)")
+    p.add_argument("dir", help="anything build_loader reads: a folder, a CSV list (path,label), shards, a URL")
     p.add_argument("--workers", type=_non_negative_int, help="checking processes (default: every usable core)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
@@ -311,7 +311,10 @@ def _add_sample_data_parser(sub) -> None:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", help="ImageFolder directory or CSV list (default: the sample data, made on first use)")
+    p.add_argument(
+        "--data",
+        help="anything build_loader reads: a folder, a CSV list, shards, an s3:// URL (default: the sample data)",
+    )
     p.add_argument("--backends", help="comma-separated (default: every available backend)")
     p.add_argument(
         "--pipelines",

@@ -28,3 +28,8 @@ class DecodeError(GpupipeError):
 
 class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
     """A known backend cannot be built on this machine; the message says how to fix it."""
+
+
+class StorageError(GpupipeError):
+    """Object storage could not give the bytes (after retries, for transient causes): the message names the URL and
+    the cause. Not a bad sample: a loader raises it whatever ``on_error`` says."""

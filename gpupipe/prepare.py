@@ -40,6 +40,7 @@ from PIL import Image, JpegImagePlugin
 
 from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
+from .data.remote import is_url
 from .data.scan import ImageList
 from .data.shards import FORMAT, INDEX, META, VERSION
 from .data.sources import open_source
@@ -86,7 +87,7 @@ class Converted(NamedTuple):
 
 @dataclass
 class Summary:
-    out: Path
+    out: Path | str  # a folder, or the URL prepared into
     samples: int
     shards: int
     copied: int
@@ -316,30 +317,28 @@ def prepare(
     workers: int = 1,
     on_progress: Callable[[int, int], None] | None = None,
     allow_outside_root: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Summary:
     """Write ``src`` (anything ``build_loader`` reads) to ``out`` as tar shards, index and metadata.
 
     Args:
         src: an ImageFolder, a CSV list, or shards.
         out: an empty folder (made if missing), or one this function was interrupted in, with the same source and
-            options: it then resumes.
+            options: it then resumes. Or a URL (``s3://bucket/prefix``): see :mod:`gpupipe.data.publish`.
         workers: processes that read, check and re-encode; the shards are written in dataset order by this one.
         on_progress: called with (source samples done, total) as the work advances.
+        storage_options: for a URL ``out``, passed to its fsspec file system (credentials, endpoint).
     """
     options = options or PrepareOptions()
-    src = _absolute(src)  # the same sample names (and so the same fingerprint) from any working directory
+    src = src if is_url(src) else _absolute(src)  # the same sample names (so fingerprint) from any working directory
     source = open_source(src, allow_outside_root=allow_outside_root)
+    if is_url(out):
+        return _prepare_to_url(source, src, str(out), options, workers, on_progress, storage_options)
     out = Path(out)
     if isinstance(src, str) and os.path.isdir(src) and Path(src).resolve() in (out.resolve(), *out.resolve().parents):
         raise ValueError(f"{out}: inside the source folder {src}; write the shards elsewhere (a rescan would see them)")
     out.mkdir(parents=True, exist_ok=True)
-    plan = {
-        "format": FORMAT,
-        "version": VERSION,
-        "source": src,
-        "options": asdict(options),
-        "fingerprint": _fingerprint(source),
-    }
+    plan = _plan(source, src, options)
     if (out / META).exists():
         return _up_to_date(out, plan)
     _start_or_resume(out, plan)
@@ -349,9 +348,45 @@ def prepare(
     return _finish(out, source, plan, manifests, pending, start)
 
 
-def _up_to_date(out: Path, plan: dict) -> Summary:
+def _plan(source: ImageList, src, options: PrepareOptions) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": getattr(src, "url", src),  # a Remote is recorded by its URL (never its storage options)
+        "options": asdict(options),
+        "fingerprint": _fingerprint(source),
+    }
+
+
+def _prepare_to_url(
+    source: ImageList,
+    src,
+    url: str,
+    options: PrepareOptions,
+    workers: int,
+    on_progress: Callable[[int, int], None] | None,
+    storage_options: dict[str, Any] | None,
+) -> Summary:
+    """:func:`prepare` into object storage, through a local staging folder that holds one shard at a time."""
+    from .data.publish import Upload  # defer: fsspec and its store are needed only here
+
+    upload, plan = Upload(url, storage_options), _plan(source, src, options)
+    meta = upload.json(META)
+    if meta is not None:
+        return _up_to_date(url, plan, meta)
+    upload.start_or_resume(plan)
+    manifests = upload.complete_shards()
+    start = manifests[-1]["source_end"] if manifests else 0
+    pending = _write_shards(upload.staging, source, options, manifests, start, workers, on_progress, upload.shard_done)
+    summary = _finish(upload.staging, source, plan, manifests, pending, start)
+    upload.finish()
+    summary.out = url
+    return summary
+
+
+def _up_to_date(out: Path | str, plan: dict, meta: dict | None = None) -> Summary:
     """The summary of the set ``out`` already holds, when it was prepared with this plan."""
-    meta = json.loads((out / META).read_text())
+    meta = meta or json.loads((Path(out) / META).read_text())
     if {k: meta.get(k) for k in plan} != plan:
         raise FileExistsError(
             f"{out}: holds a data set prepared from another source or with other options; "
@@ -384,9 +419,11 @@ def _write_shards(
     start: int,
     workers: int,
     on_progress: Callable[[int, int], None] | None,
+    on_shard: Callable[[dict], None] = lambda manifest: None,
 ) -> list[dict]:
     """Convert the samples from ``start`` on and write them in order into shards of at most ``options.shard_size``,
-    appending each closed shard's manifest to ``manifests``. Returns the files left out after the last shard."""
+    appending each closed shard's manifest to ``manifests`` (and handing it to ``on_shard``). Returns the files left
+    out after the last shard."""
     total = len(source)
     if on_progress:
         on_progress(start, total)
@@ -401,6 +438,7 @@ def _write_shards(
             assert sample.data is not None  # left out when there is no data, stored otherwise
             if writer is not None and not writer.fits(len(sample.data), options.shard_size):
                 manifests.append(writer.close(source_end=index))
+                on_shard(manifests[-1])
                 first += len(writer)
                 writer = None
             if writer is None:
@@ -410,6 +448,7 @@ def _write_shards(
             on_progress(index + 1, total)
     if writer is not None:
         manifests.append(writer.close(source_end=total))
+        on_shard(manifests[-1])
     return pending
 
 

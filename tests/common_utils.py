@@ -205,3 +205,80 @@ def train_config(data, out, **overrides):
 
     base = {**QUICK_TRAIN, "batch_size": 8, "warmup_epochs": 0.5, "log_every": 1}
     return TrainConfig(**{**base, "data": str(data), "out": str(out), **overrides})
+
+
+class S3Server:
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1, and an s3fs client to fill it: a thread of
+    this process (``ThreadedMotoServer``), or with ``process=True`` a ``moto_server`` process of its own, whose
+    :meth:`stop` kills it and every connection to it, as a server that goes down does."""
+
+    BUCKET = "gpupipe-test"
+
+    def __init__(self, process: bool = False):
+        import logging
+        import socket
+
+        self.process: subprocess.Popen | None = None
+        if process:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            self.endpoint = f"http://127.0.0.1:{port}"
+            self._wait_until_up()
+            self.client().mkdir(self.BUCKET)
+            return
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+
+    def _wait_until_up(self, timeout: float = 60) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def client(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=self.endpoint)
+
+    def upload(self, local: Path, prefix: str) -> str:
+        """Every file under ``local`` (or the file itself) to ``s3://BUCKET/prefix/...``; returns that URL."""
+        fs = self.client()
+        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+        for p in files:
+            rel = p.name if local.is_file() else p.relative_to(local).as_posix()
+            fs.put_file(str(p), f"{self.BUCKET}/{prefix}/{rel}")
+        return f"s3://{self.BUCKET}/{prefix}"
+
+    def set_auth(self, enforced: bool) -> None:
+        """With ``enforced``, moto checks credentials against its IAM (empty): every request is refused (403)."""
+        import urllib.request
+
+        body = b"0" if enforced else b"inf"
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", body, {"Content-Type": "text/plain"})
+        urllib.request.urlopen(request)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        else:
+            self.server.stop()

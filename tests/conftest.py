@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from .common_utils import INVALID, VALID, make_folder, photo
+from .common_utils import INVALID, VALID, S3Server, make_folder, photo
 
 
 def pytest_collection_modifyitems(config, items):
@@ -58,3 +58,26 @@ def dirty_folder(tmp_path, base):
     for i, (kind, make) in enumerate(sorted(VALID.items())):  # every valid oddity, beside the broken files
         (root / f"c0{i % 2}" / f"zz_valid_{kind}.jpg").write_bytes(make(base))
     return root
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A local S3-compatible server for the session (moto's server mode, a real HTTP server on 127.0.0.1, not a
+    mock of the client), found by gpupipe the standard way: ``AWS_ENDPOINT_URL`` and the ``AWS_*`` keys."""
+    pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
+    server = S3Server()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {
+            "AWS_ENDPOINT_URL": server.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": str(tmp_path_factory.mktemp("aws") / "config"),  # none of this machine's own
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path_factory.mktemp("aws") / "credentials"),
+            "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg-cache")),  # foreign shards' index cache
+        }.items():
+            mp.setenv(key, value)
+        server.client().mkdir(S3Server.BUCKET)
+        yield server
+    server.stop()

@@ -7,6 +7,7 @@ final parameters (``OUT/probe-rank{R}.pt``).
     torchrun --nproc_per_node 2 tests/probe.py tiny64 OUT INIT.pt DATA BATCH ACCUM
     python tests/probe.py kill-in-save N -- <gpupipe train arguments>   # SIGKILL inside the Nth checkpoint write
     python tests/probe.py rank-exits RANK K -- <gpupipe train arguments>  # that rank exits after K train batches
+    torchrun ... tests/probe.py all-exit K -- <gpupipe train arguments>  # every rank exits after K train batches
 """
 
 from __future__ import annotations
@@ -90,8 +91,29 @@ def _rank_exits(rank: int, after: int) -> None:
     ShardSampler.__iter__ = iter_then_exit
 
 
+def _all_exit(after: int) -> None:
+    """Every rank exits (status 3, no clean-up) when its train sampler is asked for batch ``after + 1`` of the run:
+    the same point on all ranks, as a job that a scheduler stops."""
+    fetched = [0]
+
+    def iter_then_exit(self):
+        for keys in _recording_iter(self):
+            if self.shuffle:
+                if fetched[0] == after:
+                    os._exit(3)
+                fetched[0] += 1
+            yield keys
+
+    ShardSampler.__iter__ = iter_then_exit
+
+
 def main() -> None:
     mode = sys.argv[1]
+    if mode == "all-exit":
+        _all_exit(int(sys.argv[2]))
+        from gpupipe.cli import main as cli_main
+
+        sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
     if mode in ("kill-in-save", "rank-exits"):
         if mode == "kill-in-save":
             _kill_in_save(int(sys.argv[2]))

@@ -181,3 +181,20 @@ def test_windows_wait_for_the_other_jobs_prefetch_to_stop(monkeypatch):
     monkeypatch.setattr(suite, "_cpu_busy", lambda: None)  # no /proc/stat: no wait
     suite._wait_quiet(limit=60.0)
     assert polls == []
+
+
+def test_bench_data_takes_shards_and_urls(tmp_path, folder, s3, monkeypatch, capsys):
+    """``--data`` accepts what build_loader accepts: a prepared folder on a disk and on a local S3 server, with the
+    torchvision baseline run over the same bytes."""
+    from gpupipe.prepare import prepare
+
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
+    local = tmp_path / "prepared"
+    prepare(folder, local)
+    url = s3.upload(local, "bench")
+    for data in (local, url):
+        args = ["--device", "cpu", "--workers", "0", "--backends", "pillow", "--pipelines", "eval"]
+        args += ["--seconds", "0.2", "--repeats", "1", "--batch-size", "4", "--image-size", "32"]
+        assert main(["bench", "--data", str(data), *args, "--json", str(tmp_path / "r.json")]) == 0
+        rows = json.loads((tmp_path / "r.json").read_text())["results"]
+        assert {r["backend"] for r in rows} == {"baseline", "pillow"} and all(r["images_per_s"] > 0 for r in rows)

@@ -43,10 +43,20 @@ class _SampleDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]) -> Sample:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Sample]:
+        """A batch (the DataLoader's fetcher calls this): its bytes read together, concurrently where the storage
+        can (object storage: one round trip's latency for the batch), then each sample made."""
+        data = self.dataset.read_many([index for _, index in keys])
+        return [self._sample(key, d) for key, d in zip(keys, data, strict=True)]
+
+    def _sample(self, key: tuple[int, int], data: bytes | Exception) -> Sample:
         epoch, index = key
         path, label = self.dataset.samples[index]
         try:
-            data = self.dataset.read(index)
+            if isinstance(data, Exception):
+                raise data
             plan = self.recipe.plan(self.train, self.seed, epoch, index)
             image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)
             if self.augment is not None:

@@ -6,6 +6,7 @@ also given as a ratio to the baseline measured in the same run, so they hold on 
 
 from __future__ import annotations
 
+import io
 import os
 import statistics
 import threading
@@ -14,13 +15,15 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from PIL import Image
 
 from .._system import usable_cores
 from ..api import build_loader
 from ..backends import get
-from ..data.sources import open_source
+from ..data.shards import is_shard_source
+from ..data.sources import Source, open_source
 from ..recipe import Recipe
 from .jobs import DECODE_JOBS, dali_reference_counts
 from .records import Config, Result
@@ -150,7 +153,11 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
         if train
         else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm])
     )
-    ds = datasets.ImageFolder(cfg.data, tf)
+    ds = (
+        datasets.ImageFolder(cfg.data, tf)
+        if isinstance(cfg.data, str) and os.path.isdir(cfg.data) and not is_shard_source(cfg.data)
+        else _PillowSamples(open_source(cfg.data), tf)  # a CSV list, shards, a URL: the same code over their bytes
+    )
     cuda = cfg.device.type == "cuda"
     dl = torch.utils.data.DataLoader(
         ds,
@@ -163,6 +170,20 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
     for x, y in _forever(lambda: dl):
         x.to(cfg.device, non_blocking=cuda)
         yield len(y)
+
+
+class _PillowSamples(torch.utils.data.Dataset):
+    """The baseline's ``ImageFolder`` loader (PIL open, RGB, the transforms) over any source's bytes."""
+
+    def __init__(self, dataset, transform):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        with Image.open(io.BytesIO(self.dataset.read(i))) as im:
+            return self.transform(im.convert("RGB")), self.dataset.samples[i][1]
 
 
 def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
@@ -210,14 +231,16 @@ class _DecodeOnly(torch.utils.data.Dataset):
         return 0
 
 
-def mean_megapixels(data: str) -> float:
+def mean_megapixels(data: Source) -> float:
     from PIL import Image
 
-    samples = open_source(data).samples
-    step = max(1, len(samples) // 200)
+    dataset = open_source(data)
+    step = max(1, len(dataset) // 200)
+    if dataset.sizes is not None:  # a prepared set records them
+        return float(np.mean([h * w for h, w in dataset.sizes[::step]])) / 1e6
     sizes = []
-    for path, _ in samples[::step]:
-        with Image.open(path) as im:
+    for i in range(0, len(dataset), step):
+        with Image.open(io.BytesIO(dataset.read(i))) as im:
             sizes.append(im.size[0] * im.size[1])
     return sum(sizes) / len(sizes) / 1e6
 

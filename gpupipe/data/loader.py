@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import DecodeError, GpupipeError
+from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from .device import DeviceStage, Layout
 from .sampler import ShardSampler
@@ -169,11 +169,21 @@ class Loader:
         for b in source:
             self.fallbacks += b.fallbacks
             if b.errors:
+                _raise_storage_errors(b.errors)  # the store failing is no bad sample: never skipped
                 if self.on_error == "raise":
                     path, reason = b.errors[0]
                     raise DecodeError(path, self.backend, reason)
                 self.skipped.extend(b.errors)
             yield b
+
+
+def _raise_storage_errors(errors: list[tuple[str, str]]) -> None:
+    """A worker reports a :class:`StorageError` as ``"StorageError: <message>"`` (see ``_SampleDataset``): raise
+    it here, in the main process, whatever ``on_error`` says."""
+    prefix = f"{StorageError.__name__}: "
+    for _, reason in errors:
+        if reason.startswith(prefix):
+            raise StorageError(reason[len(prefix) :])
 
 
 def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[Batch]:

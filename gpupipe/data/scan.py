@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
+
+from .compact import PathList, walk_folder
 
 
 @dataclass
@@ -37,8 +39,21 @@ class ImageList:
         with open(self.samples[index][0], "rb") as f:
             return f.read()
 
+    def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
+        """The bytes of several samples (a batch), each or the exception that stopped it; a layout that can fetch
+        them concurrently (object storage) overrides this."""
+        out: list[bytes | Exception] = []
+        for i in indices:
+            try:
+                out.append(self.read(i))
+            except Exception as e:  # the caller reports it with the sample's name
+                out.append(e)
+        return out
+
     @property
     def targets(self) -> list[int]:
+        if isinstance(self.samples, PathList):
+            return self.samples.labels.tolist()
         return [label for _, label in self.samples]
 
 
@@ -50,7 +65,7 @@ def scan_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> Image
     if class_to_idx is not None:
         found = _known_classes(path, classes, class_to_idx)
         classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
-    samples = make_dataset(str(path), found, extensions=IMG_EXTENSIONS)
+    samples = walk_folder(str(path), found)  # make_dataset's order, without a tuple per sample
     return ImageList(str(path), samples, classes, class_to_idx or found)
 
 
@@ -106,9 +121,10 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
     else:
         classes = sorted({row.label for row in rows})
     class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
-    samples = [
-        (_resolve(path, base, row.path, allow_outside_root), _label(row.label, numeric, class_to_idx)) for row in rows
-    ]
+    samples = PathList(
+        [_resolve(path, base, row.path, allow_outside_root) for row in rows],
+        [_label(row.label, numeric, class_to_idx) for row in rows],
+    )  # one buffer and an array: no tuple per row for forked workers to copy
     return ImageList(str(base), samples, classes, class_to_idx)
 
 

@@ -1,7 +1,7 @@
 """The one place a source is opened: whatever ``root`` names (an ImageFolder directory, a CSV file list, tar shards:
-a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them), :func:`open_source` returns the
-:class:`~gpupipe.data.scan.ImageList` every backend reads. A new kind of source is one more branch here and a
-module that builds its ``ImageList`` (a subclass when its bytes are not plain files)."""
+a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them, on a disk or at a URL),
+:func:`open_source` returns the :class:`~gpupipe.data.scan.ImageList` every backend reads. A new kind of source is
+one more branch here and a module that builds its ``ImageList`` (a subclass when its bytes are not plain files)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from .objstore import Remote
+from .remote import is_url, scan_remote
 from .scan import ImageList, scan_csv, scan_folder
 from .shards import is_shard_source, scan_shards
 
-Source = str | os.PathLike | Sequence[str | os.PathLike]
+Source = str | os.PathLike | Sequence[str | os.PathLike] | Remote
 
 
 def open_source(
@@ -23,14 +25,14 @@ def open_source(
 ) -> ImageList:
     """The samples of ``root``: an ImageFolder directory (``root/<class>/**/<image>``, exactly as torchvision's
     ``ImageFolder``), a CSV file list (``path,label``), or tar shards (a folder written by ``gpupipe prepare``, a
-    ``.tar``, a glob or a list of them).
+    ``.tar``, a glob or a list of them), on a disk or at a URL (``s3://``, ``gs://``..., or a :class:`Remote`).
 
     CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
     ``class_to_idx`` (a training set's) labels a held-out set the same way: a class it lacks is an error, a class
     missing here a warning.
     """
-    if is_shard_source(root):
-        shards = scan_shards(root)
+    if is_url(root) or is_shard_source(root):
+        shards = scan_remote(root) if is_url(root) else scan_shards(root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
             raise ValueError(
                 f"{root}: the shards' classes differ from the training set's; prepare both from "

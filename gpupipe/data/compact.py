@@ -1,0 +1,75 @@
+"""Sample lists without a Python object per sample: every path in one UTF-8 buffer with an offsets array, labels in
+an int64 array. A list of ``(path, label)`` tuples costs ~170 bytes a sample in objects whose reference counts
+every forked DataLoader worker writes as it reads them, copying the pages they sit on: at ImageNet's 1.28M files
+that grows each worker's private memory by hundreds of MB (bench/results/imagenet_size_memory.json). Arrays are
+read, never written, so the workers keep sharing them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+_SEP = "\0"  # no path holds a NUL
+
+
+class PathList(Sequence):
+    """``(path, label)`` per sample, made on access; equal to the list of tuples it stands for."""
+
+    def __init__(self, paths: Sequence[str], labels: Iterable[int]):
+        data = "".join(p + _SEP for p in paths).encode("utf-8", "surrogateescape")
+        self._buf = np.frombuffer(data, np.uint8)
+        self._starts = np.concatenate([[0], np.flatnonzero(self._buf == 0) + 1]).astype(np.int64)  # n + 1 of them
+        self.labels = np.fromiter(labels, np.int64, count=len(paths))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def path(self, i: int) -> str:
+        return self._buf[self._starts[i] : self._starts[i + 1] - 1].tobytes().decode("utf-8", "surrogateescape")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        label = int(self.labels[i])  # IndexError past the end, as a list
+        return self.path(int(i) % len(self)), label
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, Sequence)
+            and len(other) == len(self)
+            and all(tuple(b) == a for a, b in zip(self, other, strict=True))
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as the list it stands for
+
+
+def walk_folder(root: str, class_to_idx: dict[str, int]) -> PathList:
+    """torchvision's ``make_dataset(root, class_to_idx, IMG_EXTENSIONS)``, in the same order, with the same error for
+    a class without images, into a :class:`PathList`: the per-file work is a string test and a join."""
+    paths: list[str] = []
+    labels: list[int] = []
+    empty = []
+    for name in sorted(class_to_idx):
+        target = os.path.join(root, name)
+        if not os.path.isdir(target):
+            continue
+        before = len(paths)
+        for folder, _, files in sorted(os.walk(target, followlinks=True)):
+            prefix = folder + os.sep
+            found = [prefix + f for f in sorted(files) if f.lower().endswith(IMG_EXTENSIONS)]
+            paths += found
+        labels += [class_to_idx[name]] * (len(paths) - before)
+        if len(paths) == before:
+            empty.append(name)
+    if empty:
+        raise FileNotFoundError(
+            f"Found no valid file for the classes {', '.join(sorted(empty))}. "
+            f"Supported extensions are: {', '.join(IMG_EXTENSIONS)}"
+        )
+    return PathList(paths, labels)

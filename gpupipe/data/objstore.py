@@ -1,0 +1,222 @@
+"""Object storage through fsspec: a :class:`Remote` (a URL and how to reach it) and the :class:`Store` that reads
+it with retries.
+
+The client is fsspec (s3fs for ``s3://``, gcsfs for ``gs://``, adlfs, HTTP...), chosen over obstore and boto3:
+one interface for every store the users name (boto3 speaks S3 only; obstore covers S3, GCS, Azure and HTTP but no
+other fsspec URL, and the local paths and ``memory://`` stores tests and users also pass through the same code);
+range reads (``cat_file(start, end)``), glob and listing; credentials and the endpoint from the standard places
+(s3fs goes through botocore's chain: the ``AWS_*`` variables incl. ``AWS_ENDPOINT_URL``, ``~/.aws/config`` and
+``credentials``, instance roles) or ``storage_options``; and it is fork-aware (a forked DataLoader worker gets a
+fresh event loop and instance cache) and picklable for spawned ones. Its per-request overhead (an asyncio hop) is
+small beside a JPEG decode. Retries are ours, one layer with exponential backoff and jitter (botocore's own are
+turned off unless ``storage_options`` set them), so the time to give up is known and the error names the URL.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from .._deps import require
+from ..errors import StorageError
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Shards at a URL, with how to reach them. A plain URL string stands for ``Remote(url)``.
+
+    Args:
+        url: a prepared folder (``s3://bucket/imagenet/train``), a shard, a glob or brace pattern, or a list of them.
+        storage_options: passed to the fsspec file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
+            ``client_kwargs``...); by default credentials and endpoint come from the environment and config files.
+        cache_dir: a local folder that keeps every shard once read (whole, on first use): later epochs read the disk.
+        retries: attempts per read on transient errors (connection lost, 5xx, throttling) before a StorageError.
+        backoff: the first wait in seconds; it doubles per attempt (with jitter), capped at 30 s.
+    """
+
+    url: str | Sequence[str]
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | None = None
+    retries: int = 6
+    backoff: float = 0.5
+
+    def __post_init__(self):
+        if self.retries < 1:
+            raise ValueError(f"retries must be >= 1, got {self.retries}")
+        if self.backoff < 0:
+            raise ValueError(f"backoff must be >= 0, got {self.backoff}")
+
+    def __repr__(self) -> str:  # storage_options may hold secrets: never shown
+        return f"Remote({self.url!r}, cache_dir={self.cache_dir!r})"
+
+
+class Store:
+    """Reads from one object store with retries; opens its file system lazily, once per process (a forked worker
+    does not share its parent's connections)."""
+
+    def __init__(self, remote: Remote, protocol_url: str):
+        self.remote = remote
+        self._url = protocol_url
+        self._fs: Any = None
+        self._pid = -1
+
+    @property
+    def fs(self):
+        if self._fs is None or self._pid != os.getpid():
+            for scheme, module in (("s3", "s3fs"), ("gs", "gcsfs")):
+                if self._url.startswith(f"{scheme}://"):
+                    require(module, scheme)
+            import fsspec  # defer: only remote sources need it
+
+            self._fs = fsspec.url_to_fs(self._url, **_options(self._url, self.remote.storage_options))[0]
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self):  # a spawned worker opens its own
+        return {**self.__dict__, "_fs": None, "_pid": -1}
+
+    def path(self, url: str) -> str:
+        return self.fs._strip_protocol(url)
+
+    def call(self, url: str, what: Callable[[], _T]) -> _T:
+        """``what()`` with retries on transient errors; permanent ones (no such object, access denied) at once."""
+        started = time.monotonic()
+        for attempt in range(self.remote.retries):
+            try:
+                return what()
+            except Exception as e:
+                permanent = _permanent(url, e)
+                if permanent is not None:
+                    raise permanent from None
+                last = e
+            self._wait(attempt)
+        raise self._gave_up(url, started, last)
+
+    def _wait(self, attempt: int) -> None:
+        if attempt + 1 < self.remote.retries:
+            delay = min(30.0, self.remote.backoff * 2**attempt)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+
+    def _gave_up(self, url: str, started: float, last: Exception) -> StorageError:
+        return StorageError(
+            f"{url}: unreachable after {self.remote.retries} attempts over {time.monotonic() - started:.1f} s "
+            f"({_cause(last)})"
+        )
+
+    def read_many(self, urls: list[str], starts: list[int], sizes: list[int]) -> list[bytes | Exception]:
+        """Several range reads at once (a batch: concurrent requests, one round trip's latency for all), each its
+        bytes or its :class:`StorageError`; the ones that fail transiently are retried together."""
+        out: list[bytes | Exception | None] = [None] * len(urls)
+        pending, started = list(range(len(urls))), time.monotonic()
+        for attempt in range(self.remote.retries):
+            got = self.fs.cat_ranges(
+                [self.path(urls[k]) for k in pending],
+                [starts[k] for k in pending],
+                [starts[k] + sizes[k] for k in pending],
+                on_error="return",
+            )
+            retry = []
+            for k, r in zip(pending, got, strict=True):
+                if isinstance(r, Exception):
+                    out[k] = _permanent(urls[k], r)
+                    if out[k] is None:
+                        retry.append(k)
+                        last = r
+                else:
+                    out[k] = r if len(r) == sizes[k] else _truncated(urls[k], starts[k], sizes[k])
+            pending = retry
+            if not pending:
+                break
+            self._wait(attempt)
+        for k in pending:
+            out[k] = self._gave_up(urls[k], started, last)
+        return cast(list[bytes | Exception], out)
+
+    def read(self, url: str, start: int, size: int) -> bytes:
+        """``size`` bytes at ``start``: a range read; a short answer means the object is shorter than its index."""
+        data = self.call(url, lambda: self.fs.cat_file(self.path(url), start=start, end=start + size))
+        if len(data) != size:
+            raise _truncated(url, start, size)
+        return data
+
+    def cat(self, url: str) -> bytes:
+        return self.call(url, lambda: self.fs.cat_file(self.path(url)))
+
+    def info(self, url: str) -> dict:
+        return self.call(url, lambda: self.fs.info(self.path(url)))
+
+    def get(self, url: str, target: Path) -> None:
+        """The whole object into ``target``, atomically."""
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        self.call(url, lambda: self.fs.get_file(self.path(url), str(tmp)))
+        os.replace(tmp, target)
+
+    def put(self, local: Path, url: str) -> None:
+        """One upload: an object appears whole or not at all (S3 PUTs are atomic)."""
+        self.call(url, lambda: self.fs.put_file(str(local), self.path(url)))
+
+    def sizes(self, url: str) -> dict[str, int]:
+        """The byte size of each object directly under the folder ``url``, by name; empty when there is none."""
+        try:
+            found = self.call(url, lambda: self.fs.ls(self.path(url), detail=True, refresh=True))
+        except StorageError as e:
+            if "no such object" in str(e):
+                return {}
+            raise
+        return {os.path.basename(f["name"].rstrip("/")): int(f.get("size") or 0) for f in found if f["type"] == "file"}
+
+    def rm(self, url: str) -> None:
+        self.call(url, lambda: self.fs.rm_file(self.path(url)))
+
+    def glob(self, pattern: str) -> list[str]:
+        return sorted(self.fs.unstrip_protocol(p) for p in self.call(pattern, lambda: self.fs.glob(self.path(pattern))))
+
+
+def _options(url: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The user's options; for S3, botocore's own retries off (ours are the one layer) unless they were set."""
+    options = dict(given)
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        options["config_kwargs"] = config
+    return options
+
+
+def _permanent(url: str, e: Exception) -> StorageError | None:
+    """The error to raise at once for ``e``; None when ``e`` is worth another try."""
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"{url}: no such object")
+    if isinstance(e, PermissionError):
+        return StorageError(f"{url}: access denied ({_cause(e)}); check the credentials")
+    if "range is not satisfiable" in str(e):  # a range past the end: the object is shorter than its index says
+        return StorageError(f"{url} ends before its member: truncated? ({_cause(e)})")
+    return None if _transient(e) else StorageError(f"{url}: {_cause(e)}")
+
+
+def _truncated(url: str, start: int, size: int) -> StorageError:
+    return StorageError(f"{url} ends before its member at byte {start} of {size} bytes: truncated?")
+
+
+def _transient(e: Exception) -> bool:
+    """Connection lost or refused, timeouts, 5xx, throttling: worth another try. Anything else is permanent."""
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    name = type(e).__name__
+    if any(k in name for k in ("Connection", "Timeout", "Throttl", "IncompleteRead", "ClientPayload")):
+        return True
+    text = str(e)
+    return isinstance(e, OSError) and bool(
+        re.search(r"\b5\d\d\b|SlowDown|Throttl|InternalError|ServiceUnavailable|Reset|temporar", text, re.I)
+    )
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -1,0 +1,229 @@
+"""Shards on object storage: ``s3://``, ``gs://`` or any fsspec URL, for a folder written by ``gpupipe prepare`` or
+for foreign WebDataset ``.tar`` shards (a list, a glob, or WebDataset's brace notation ``shard-{000..099}.tar``).
+
+Nothing is downloaded before training but the small files: a prepared set's metadata and the index columns it
+needs (read out of ``index.npz`` by range, never its per-sample ``source`` column), or a foreign shard's header
+index (built once, by streaming the shard, several shards in parallel, then cached on the local disk). Each sample is
+then one range read of ``size`` bytes at ``offset`` of its shard, the same bytes a local shard's mmap gives, so
+every backend reads the same samples, labels and order from a URL as from a disk.
+
+The client (fsspec) and its retries: :mod:`.objstore`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GpupipeError, StorageError
+from .objstore import Remote, Store
+from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, combine_indexes, index_tar
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_INDEX_VERSION = 1
+
+
+def is_url(root) -> bool:
+    """A URL (``scheme://...``), a :class:`Remote`, or a list of URLs."""
+    if isinstance(root, Remote):
+        return True
+    if isinstance(root, (list, tuple)):
+        return bool(root) and all(isinstance(p, str) and _URL.match(p) for p in root)
+    return isinstance(root, str) and bool(_URL.match(root))
+
+
+def as_remote(root) -> Remote:
+    return root if isinstance(root, Remote) else Remote(list(root) if isinstance(root, (list, tuple)) else root)
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """WebDataset's brace notation: ``a-{000..012}.tar`` (zero-padded as written) and ``{train,val}``, nested."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[: m.start()], m[1], pattern[m.end() :]
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi, width = int(rng[1]), int(rng[2]), len(rng[1])
+        if hi < lo:
+            raise ValueError(f"{pattern}: range {{{body}}} runs backwards")
+        choices = [f"{i:0{width}d}" for i in range(lo, hi + 1)]
+    else:
+        choices = body.split(",")
+    return [p for c in choices for p in expand_braces(head + c + tail)]
+
+
+class RemoteShardImageList(ShardImageList):
+    """Shards at URLs: :meth:`read` is one range read (or a local read from the cache folder)."""
+
+    def __init__(self, store: Store, root: str, urls: list[str], *args, **kwargs):
+        super().__init__(root, urls, *args, **kwargs)
+        self.store = store
+
+    def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
+        """A batch's bytes by concurrent range reads (from the cache folder when there is one)."""
+        if self.store.remote.cache_dir is not None:
+            return super().read_many(indices)
+        shards = self._shard[indices]
+        return self.store.read_many(
+            [self.shard_paths[int(s)] for s in shards],
+            self._offset[indices].tolist(),
+            self._size[indices].tolist(),
+        )
+
+    def read(self, index: int) -> bytes:
+        s = int(self._shard[index])
+        url, start, size = self.shard_paths[s], int(self._offset[index]), int(self._size[index])
+        cache = self.store.remote.cache_dir
+        if cache is None:
+            return self.store.read(url, start, size)
+        local = _cached_shard(self.store, url, Path(cache))
+        with open(local, "rb") as f:
+            data = os.pread(f.fileno(), size, start)
+        if len(data) != size:
+            raise StorageError(f"{url} (cached as {local}) ends before its member at byte {start}: truncated?")
+        return data
+
+
+def _cached_shard(store: Store, url: str, cache: Path) -> Path:
+    local = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{os.path.basename(url)}"
+    if not local.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        store.get(url, local)
+    return local
+
+
+def scan_remote(root) -> RemoteShardImageList:
+    """The data set at ``root`` (a URL, a list of them, or a :class:`Remote`)."""
+    remote = as_remote(root)
+    urls = [remote.url] if isinstance(remote.url, str) else list(remote.url)
+    if not urls:
+        raise ValueError("the list of shards is empty")
+    store = Store(remote, urls[0])
+    if len(urls) == 1 and not urls[0].endswith(".tar") and not _has_pattern(urls[0]):
+        return load_prepared_remote(store, urls[0].rstrip("/"))
+    return load_tars_remote(store, _expand(store, urls))
+
+
+def _has_pattern(url: str) -> bool:
+    return bool(re.search(r"[*?\[]|\{[^{}]*\}", url))
+
+
+def _expand(store: Store, urls: list[str]) -> list[str]:
+    out = []
+    for u in urls:
+        for p in expand_braces(u):
+            if re.search(r"[*?\[]", p):
+                found = store.glob(p)
+                if not found:
+                    raise StorageError(f"{p}: no object matches this pattern")
+                out.extend(found)
+            else:
+                out.append(p)
+    return out
+
+
+def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
+    """A prepared folder at ``url``: its metadata, and the index columns start-up needs, read by range."""
+    try:
+        meta = json.loads(store.cat(f"{url}/{META}"))
+    except StorageError as e:
+        if "no such object" in str(e):
+            raise StorageError(
+                f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards"
+            ) from None
+        raise
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise GpupipeError(
+            f"{url}/{META}: format {meta.get('format')!r} version {meta.get('version')!r}; this gpupipe reads "
+            f"{FORMAT!r} version {VERSION}: prepare the data again"
+        )
+    index_url = f"{url}/{INDEX}"
+
+    def columns() -> dict[str, np.ndarray]:
+        with store.fs.open(store.path(index_url), "rb", block_size=1 << 20) as f, np.load(f) as z:
+            return {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
+
+    cols = store.call(index_url, columns)
+    return RemoteShardImageList(
+        store,
+        url,
+        [f"{url}/{n}" for n in meta["shards"]],
+        cols["shard"],
+        cols["offset"],
+        cols["size"],
+        cols["label"],
+        meta["classes"],
+        heights=cols["height"],
+        widths=cols["width"],
+    )
+
+
+def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteShardImageList:
+    """Foreign shards at ``urls``, in that order, each indexed from its tar headers on first use (several at once)
+    and the index cached on this machine."""
+    with ThreadPoolExecutor(min(threads, len(urls))) as pool:
+        parts = list(pool.map(lambda u: remote_shard_index(store, u), urls))
+    labels, classes, shard = combine_indexes(parts, urls)
+    return RemoteShardImageList(
+        store,
+        os.path.dirname(urls[0]),
+        urls,
+        shard,
+        np.concatenate([p["offset"] for p in parts]),
+        np.concatenate([p["size"] for p in parts]),
+        labels,
+        classes,
+        members=np.concatenate([p["member"] for p in parts]),
+    )
+
+
+def remote_shard_index(store: Store, url: str) -> dict[str, np.ndarray]:
+    """The header index of a foreign shard at ``url``, cached under ``$XDG_CACHE_HOME/gpupipe/shard-index`` and
+    rebuilt when the object's size or ETag changes. Building it streams the shard once (into the cache folder when
+    there is one: the reads that follow then stay local)."""
+    info = store.info(url)
+    tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
+    digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
+    stamp = np.array([_INDEX_VERSION, int(info.get("size") or 0), digest], np.int64)
+    cached = _index_cache() / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{os.path.basename(url)}.npz"
+    try:
+        with np.load(cached) as z:
+            if np.array_equal(z["stamp"], stamp):
+                return {k: z[k] for k in ("member", "offset", "size", "label")}
+    except (OSError, KeyError, ValueError):
+        pass  # absent, unreadable or stale: build it
+    if store.remote.cache_dir is not None:
+        index = _index_local(_cached_shard(store, url, Path(store.remote.cache_dir)), url)
+    else:
+        tmp = _index_cache() / f".{os.getpid()}-{os.path.basename(url)}.download"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            store.get(url, tmp)
+            index = _index_local(tmp, url)
+        finally:
+            tmp.unlink(missing_ok=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    _save_npz(cached, stamp=stamp, **index)
+    return index
+
+
+def _index_local(path: Path, url: str) -> dict[str, np.ndarray]:
+    try:
+        return index_tar(str(path))
+    except GpupipeError as e:  # name the URL, not the downloaded copy
+        raise GpupipeError(str(e).replace(str(path), url)) from None
+
+
+def _index_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpupipe" / "shard-index" / "remote"
+
+
+__all__ = ["Remote", "RemoteShardImageList", "StorageError", "expand_braces", "is_url", "scan_remote"]
