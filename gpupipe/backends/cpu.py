@@ -15,7 +15,8 @@ from ..data.device import normalize
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
 from ..errors import DecodeError
-from ..recipe import Recipe
+from ..recipe import Box, Recipe
+from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder
 
@@ -33,7 +34,12 @@ class Sample(NamedTuple):
 
 class _SampleDataset(torch.utils.data.Dataset):
     """One sample per ``(epoch, index)`` key: read, decode, crop, resize. Errors come back as data, so the main
-    process raises them (with the file named) instead of a worker's traceback."""
+    process raises them (with the file named) instead of a worker's traceback.
+
+    The DataLoader's fetcher hands a whole batch of keys to :meth:`__getitems__`, which builds the batch in one
+    call: each image resized straight into its slot of one (n, S, S, 3) buffer, allocated in shared memory in a
+    worker (what the hand-over to the main process would otherwise copy it into), no per-sample tensor or collate
+    copy. ``__getitem__`` (one sample) remains for callers that want one."""
 
     def __init__(self, dataset: ImageList, decoder: Decoder, recipe: Recipe, train: bool, seed: int, augment=None):
         self.dataset, self.decoder, self.recipe, self.train, self.seed = dataset, decoder, recipe, train, seed
@@ -43,51 +49,106 @@ class _SampleDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]) -> Sample:
-        return self.__getitems__([key])[0]
+        path, label = self.dataset.samples[key[1]]
+        image = np.empty((self.recipe.size, self.recipe.size, 3), dtype=np.uint8)
+        error, fell_back = self._into(key, self.dataset.read_many([key[1]])[0], image)
+        if error is not None:
+            return Sample(path, label, None, error, key=key)
+        return Sample(path, label, image.transpose(2, 0, 1), fell_back=fell_back, key=key)
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Sample]:
+    def __getitems__(self, keys: list[tuple[int, int]]) -> Batch:
         """A batch (the DataLoader's fetcher calls this): its bytes read together, concurrently where the storage
-        can (object storage: one round trip's latency for the batch), then each sample made."""
+        can (object storage: one round trip's latency for the batch), then each image made into its slot."""
         data = self.dataset.read_many([index for _, index in keys])
-        return [self._sample(key, d) for key, d in zip(keys, data, strict=True)]
+        size = self.recipe.size
+        images = _batch_buffer(len(keys), size)
+        labels: list[int] = []
+        good: list[tuple[int, int]] = []
+        errors: list[tuple[str, str]] = []
+        fallbacks = 0
+        for key, d in zip(keys, data, strict=True):
+            path, label = self.dataset.samples[key[1]]
+            error, fell_back = self._into(key, d, images[len(good)])
+            if error is not None:
+                errors.append((path, error))
+                continue
+            labels.append(label)
+            good.append(key)
+            fallbacks += fell_back
+        keys_t = torch.tensor(good, dtype=torch.int64).view(-1, 2)
+        labels_t = torch.tensor(labels, dtype=torch.int64)
+        return WireBatch(images[: len(good)], labels_t, "NHWC", errors, fallbacks, keys_t)
 
-    def _sample(self, key: tuple[int, int], data: bytes | Exception) -> Sample:
+    def _into(
+        self, key: tuple[int, int], data: bytes | Exception, out: np.ndarray | torch.Tensor
+    ) -> tuple[str | None, bool]:
+        """Decode sample ``key`` (its bytes, or why they could not be read) into ``out`` ((S, S, 3) uint8): (why it
+        failed or None, whether it fell back)."""
         epoch, index = key
-        path, label = self.dataset.samples[index]
+        path = self.dataset.samples[index][0]
         try:
             if isinstance(data, Exception):
                 raise data
             plan = self.recipe.plan(self.train, self.seed, epoch, index)
-            image, fell_back = self.decoder.crop(data, path, plan, self.recipe.size)
+            fell_back = _crop_into(self.decoder, data, path, plan, out)
             if self.augment is not None:
-                image = self.augment.one(torch.from_numpy(image), epoch, index).numpy()
-            return Sample(path, label, image, fell_back=fell_back, key=key)
+                chw = torch.as_tensor(out).permute(2, 0, 1)
+                chw.copy_(self.augment.one(chw.clone(), epoch, index))
+            return None, fell_back
         except DecodeError as e:
-            return Sample(path, label, None, e.reason, key=key)
+            return e.reason, False
         except OSError as e:
-            return Sample(path, label, None, f"cannot read the file ({e.strerror or e})", key=key)
+            return f"cannot read the file ({e.strerror or e})", False
         except Exception as e:  # anything else a decoder raises still names the file in the main process
-            return Sample(path, label, None, f"{type(e).__name__}: {e}", key=key)
+            return f"{type(e).__name__}: {e}", False
+
+
+def _crop_into(
+    decoder: Decoder, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray | torch.Tensor
+) -> bool:
+    """The decoder's ``crop_into`` when it has one (the built-in decoders), else its ``crop`` and one copy."""
+    crop_into = getattr(decoder, "crop_into", None)
+    if crop_into is not None:
+        return crop_into(data, path, plan, out)
+    image, fell_back = decoder.crop(data, path, plan, out.shape[0])
+    torch.as_tensor(out).copy_(torch.as_tensor(np.asarray(image)).permute(1, 2, 0))
+    return fell_back
+
+
+def _batch_buffer(n: int, size: int) -> torch.Tensor:
+    """An uninitialised (n, S, S, 3) uint8 batch (see :func:`handover.buffer`)."""
+    return buffer((n, size, size, 3), torch.uint8)
 
 
 class _Collate:
-    """Stack the good samples into one uint8 batch; with ``normalize`` (mean, 1/std), also normalize it here, in the
-    worker, for batches that stay on a CPU whose cores the workers all take."""
+    """A batch as :meth:`_SampleDataset.__getitems__` built it (or stacked from single samples), without the keys
+    when nothing is left to augment; with ``normalize`` (mean, 1/std), also normalised here, in the worker, for
+    batches that stay on a CPU whose cores the workers all take."""
 
     def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, keys: bool = False):
         self.size, self.normalize, self.keys = size, normalize, keys
 
-    def __call__(self, items: list[Sample]) -> Batch:
+    def __call__(self, items: Batch | list[Sample]) -> Batch:
+        batch = items if isinstance(items, Batch) else self._stack(items)
+        if not self.keys:
+            batch.keys = None
+        if self.normalize is not None:  # NCHW float32, converted from NHWC uint8 in the same pass
+            nchw = batch.images.permute(0, 3, 1, 2) if batch.layout == "NHWC" else batch.images
+            out = buffer(tuple(nchw.shape), torch.float32)
+            images, batch.layout = batch.images, "NCHW"
+            batch.images = normalize(out.copy_(nchw), *self.normalize)
+            release(images)
+        return batch
+
+    def _stack(self, items: list[Sample]) -> Batch:
         good = [it for it in items if it.image is not None]
-        images = torch.empty((len(good), 3, self.size, self.size), dtype=torch.uint8)
-        if good:
-            np.stack([it.image for it in good if it.image is not None], out=images.numpy())  # one copy, into the batch
-        if self.normalize is not None:
-            images = normalize(images, *self.normalize)
+        images = _batch_buffer(len(good), self.size)
+        for slot, it in zip(images, good, strict=True):
+            torch.as_tensor(slot).copy_(torch.from_numpy(np.asarray(it.image)).permute(1, 2, 0))
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
         errors = [(it.path, it.error or "") for it in items if it.image is None]
-        keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2) if self.keys else None
-        return Batch(images, labels, "NCHW", errors, sum(it.fell_back for it in items), keys)
+        keys = torch.tensor([it.key for it in good], dtype=torch.int64).view(-1, 2)
+        return WireBatch(images, labels, "NHWC", errors, sum(it.fell_back for it in items), keys)
 
 
 class CpuLoader(Loader):

@@ -194,12 +194,20 @@ def resize_box(img: Image.Image, box: Box, upright_hw: tuple[int, int], size: in
     """Pillow's resampler: crop ``box`` (given in full-resolution upright pixels) out of ``img`` (possibly
     DCT-reduced) and resize it to ``size`` x ``size`` in one antialiased bilinear pass, mirrored when the box says
     so. pillow-simd uses this (its SIMD resampler is the reason to install it); the others use :func:`crop_resize`."""
+    out = np.empty((size, size, 3), dtype=np.uint8)
+    resize_box_into(img, box, upright_hw, out)
+    return out.transpose(2, 0, 1)
+
+
+def resize_box_into(img: Image.Image, box: Box, upright_hw: tuple[int, int], out: np.ndarray) -> None:
+    """:func:`resize_box` written into ``out``, an (S, S, 3) uint8 slot of a batch."""
+    size = out.shape[0]
     sy, sx = img.height / upright_hw[0], img.width / upright_hw[1]
     b = box.scaled(sy, sx)
-    out = img.resize((size, size), Image.Resampling.BILINEAR, box=(b.left, b.top, b.left + b.width, b.top + b.height))
+    res = img.resize((size, size), Image.Resampling.BILINEAR, box=(b.left, b.top, b.left + b.width, b.top + b.height))
     if box.flip:
-        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return np.asarray(out).transpose(2, 0, 1)
+        res = res.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    out[...] = np.asarray(res)
 
 
 # EXIF orientation -> (transpose, mirror left-right, mirror top-bottom), applied in that order: the same result as
@@ -227,11 +235,9 @@ def upright_array(arr: np.ndarray, orientation: int) -> np.ndarray:
     return arr[::-1] if flip else arr
 
 
-def _resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
-    """Antialiased bilinear resize of an (H, W, 3) uint8 array, as torchvision's ``Resize`` on a uint8 tensor.
-
-    Copying the region into a contiguous channels-last tensor first puts torch on its AVX2 uint8 kernel, which is
-    several times faster than Pillow's resampler (and than the same call on a strided view)."""
+def _as_tensor(region: np.ndarray) -> torch.Tensor:
+    """An (H, W, 3) uint8 array as a contiguous channels-last (1, 3, H, W) tensor: torch's AVX2 uint8 resampler takes
+    that layout, several times faster than Pillow's resampler (and than the same call on a strided view)."""
     region = np.ascontiguousarray(region)
     if region.flags.writeable:
         x = torch.from_numpy(region)
@@ -239,42 +245,64 @@ def _resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             x = torch.from_numpy(region)
-    x = x.permute(2, 0, 1).unsqueeze(0)  # (1, 3, H, W), channels-last
+    return x.permute(2, 0, 1).unsqueeze(0)
+
+
+def _resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
+    """Antialiased bilinear resize of an (H, W, 3) uint8 array, as torchvision's ``Resize`` on a uint8 tensor."""
+    x = _as_tensor(region)
     if tuple(x.shape[2:]) == hw:
         return x
     return F.interpolate(x, size=hw, mode="bilinear", antialias=True, align_corners=False)
 
 
+def _resize_into(region: np.ndarray, out: torch.Tensor) -> None:
+    """:func:`_resize` to ``out``'s size, written by the resampler straight into ``out`` ((S, S, 3) uint8)."""
+    x, slot = _as_tensor(region), out.permute(2, 0, 1).unsqueeze(0)  # both channels-last (1, 3, H, W)
+    if x.shape == slot.shape:
+        slot.copy_(x)
+    else:  # what F.interpolate(antialias=True) calls, with out=: no intermediate image
+        torch.ops.aten._upsample_bilinear2d_aa.out(x, list(slot.shape[2:]), False, None, None, out=slot)
+
+
 def crop_resize(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, int], size: int) -> np.ndarray:
     """The recipe's crop + resize on a decoded, upright image (an (H, W, 3) uint8 array or an RGB PIL image,
-    possibly DCT-reduced): a (3, size, size) array (torch's resampler writes planar output), mirrored when the box
-    says so.
+    possibly DCT-reduced): a (3, size, size) array, mirrored when the box says so (see :func:`crop_resize_into`)."""
+    out = torch.empty((size, size, 3), dtype=torch.uint8)
+    crop_resize_into(img, box, upright_hw, out)
+    return out.permute(2, 0, 1).numpy()
+
+
+def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, int], out: torch.Tensor) -> None:
+    """:func:`crop_resize` written into ``out``, an (S, S, 3) uint8 slot of a batch: the resampler's output is the
+    slot itself, and the mirror is taken on the region before the resize (bilinear weights are symmetric, so the
+    result is the same bytes; tests/test_cpu_batch.py checks it).
 
     A box in whole source pixels (the train recipe's) is cut out, then resized: torchvision's ``resized_crop``.
     After a DCT reduction it is rounded to the reduced image's pixel grid (at most half a pixel of a picture at
     least ``size`` wide). A fractional box (the eval recipe's centre crop, in source pixels) means "resize the whole
     image by the box's scale, then cut": exactly torchvision's ``Resize`` + ``CenterCrop``.
     """
+    size = out.shape[0]
     h, w = (img.height, img.width) if isinstance(img, Image.Image) else img.shape[:2]
     sy, sx = h / upright_hw[0], w / upright_hw[1]
-    whole = all(float(v).is_integer() for v in (box.top, box.left, box.height, box.width))
-    if whole:
+    if all(float(v).is_integer() for v in (box.top, box.left, box.height, box.width)):
         bh, bw = min(h, max(1, round(box.height * sy))), min(w, max(1, round(box.width * sx)))
         top, left = min(h - bh, round(box.top * sy)), min(w - bw, round(box.left * sx))
-        # a PIL image is cut before it becomes an array, so only the crop's pixels are copied out of Pillow
+        # a PIL image is cut (and mirrored) before it becomes an array: only the crop's pixels leave Pillow
         if isinstance(img, Image.Image):
-            region = np.asarray(img.crop((left, top, left + bw, top + bh)))
+            cut = img.crop((left, top, left + bw, top + bh))
+            region = np.asarray(cut.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if box.flip else cut)
         else:
             region = img[top : top + bh, left : left + bw]
-        out = _resize(region, (size, size))[0]
-    else:
-        fy, fx = size / (box.height * sy), size / (box.width * sx)
-        rh, rw = round(h * fy), round(w * fx)
-        top, left = min(rh - size, round(box.top * sy * fy)), min(rw - size, round(box.left * sx * fx))
-        out = _resize(np.asarray(img), (rh, rw))[0, :, top : top + size, left : left + size]
-    if box.flip:
-        out = out.flip(-1)
-    return out.numpy()
+            region = region[:, ::-1] if box.flip else region
+        _resize_into(region, out)
+        return
+    fy, fx = size / (box.height * sy), size / (box.width * sx)
+    rh, rw = round(h * fy), round(w * fx)
+    top, left = min(rh - size, round(box.top * sy * fy)), min(rw - size, round(box.left * sx * fx))
+    window = _resize(np.asarray(img), (rh, rw))[0, :, top : top + size, left : left + size]
+    out.copy_((window.flip(-1) if box.flip else window).permute(1, 2, 0))
 
 
 def is_jpeg(data: bytes) -> bool:

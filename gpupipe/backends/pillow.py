@@ -6,12 +6,22 @@ from collections.abc import Callable
 
 import numpy as np
 import PIL
+import torch
 from PIL import Image
 
 from ..errors import DecodeError
 from ..recipe import Box, dct_scale
 from .cpu import cpu_decoder_spec
-from .image import ForCrop, Header, crop_resize, default_max_pixels, probe, resize_box, to_rgb, upright
+from .image import (
+    ForCrop,
+    Header,
+    crop_resize_into,
+    default_max_pixels,
+    probe,
+    resize_box_into,
+    to_rgb,
+    upright,
+)
 
 
 def pil_is_simd() -> bool:
@@ -52,10 +62,19 @@ class PillowDecoder:
 
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
         """``plan(height, width)`` picks the crop from the upright size; returns ((3, size, size) uint8, fell_back)."""
-        img, box, upright_hw, fell_back = self.decode_for_crop(data, path, plan, size)
+        out = np.empty((size, size, 3), dtype=np.uint8)
+        fell_back = self.crop_into(data, path, plan, out)
+        return out.transpose(2, 0, 1), fell_back
+
+    def crop_into(self, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray) -> bool:
+        """:meth:`crop` written into ``out``, an (S, S, 3) uint8 slot of a batch (an array or a tensor); returns
+        whether a slower decoder had to take the file."""
+        img, box, upright_hw, fell_back = self.decode_for_crop(data, path, plan, out.shape[0])
         if self.pil_resize and isinstance(img, Image.Image):  # Pillow's decode_for_crop gives a PIL image
-            return resize_box(img, box, upright_hw, size), fell_back
-        return crop_resize(img, box, upright_hw, size), fell_back
+            resize_box_into(img, box, upright_hw, np.asarray(out))
+        else:
+            crop_resize_into(img, box, upright_hw, torch.as_tensor(out))
+        return fell_back
 
     def _load(self, img: Image.Image, path: str) -> Image.Image:
         try:

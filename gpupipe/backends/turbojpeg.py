@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from PIL import Image
 
 from .._deps import require
@@ -19,7 +20,7 @@ from ..recipe import Box, dct_scale
 from .cpu import cpu_decoder_spec
 from .image import (
     ForCrop,
-    crop_resize,
+    crop_resize_into,
     default_max_pixels,
     is_jpeg,
     jpeg_exif_orientation,
@@ -112,8 +113,15 @@ class TurboJpegDecoder:
         return ForCrop(upright_array(self._decode_array(data, path, denom), orientation), box, size_hw, False)
 
     def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
-        img, box, size_hw, fell_back = self.decode_for_crop(data, path, plan, size)
-        return crop_resize(img, box, size_hw, size), fell_back
+        out = np.empty((size, size, 3), dtype=np.uint8)
+        fell_back = self.crop_into(data, path, plan, out)
+        return out.transpose(2, 0, 1), fell_back
+
+    def crop_into(self, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray) -> bool:
+        """As :meth:`PillowDecoder.crop_into`: the crop resized straight into ``out``, an (S, S, 3) uint8 slot."""
+        img, box, size_hw, fell_back = self.decode_for_crop(data, path, plan, out.shape[0])
+        crop_resize_into(img, box, size_hw, torch.as_tensor(out))
+        return fell_back
 
 
 def _unavailable() -> str | None:
