@@ -256,13 +256,29 @@ def _resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
     return F.interpolate(x, size=hw, mode="bilinear", antialias=True, align_corners=False)
 
 
-def _resize_into(region: np.ndarray, out: torch.Tensor) -> None:
-    """:func:`_resize` to ``out``'s size, written by the resampler straight into ``out`` ((S, S, 3) uint8)."""
-    x, slot = _as_tensor(region), out.permute(2, 0, 1).unsqueeze(0)  # both channels-last (1, 3, H, W)
+def _resize_into(region: np.ndarray, out: torch.Tensor, flip: bool = False) -> None:
+    """:func:`_resize` to ``out``'s size, written by the resampler straight into ``out`` ((S, S, 3) uint8); with
+    ``flip``, resized into a scratch image and mirrored into ``out`` (one pass each, no allocation)."""
+    x = _as_tensor(region)
+    dest = _scratch(out) if flip else out
+    slot = dest.permute(2, 0, 1).unsqueeze(0)  # channels-last (1, 3, S, S), as x
     if x.shape == slot.shape:
         slot.copy_(x)
     else:  # what F.interpolate(antialias=True) calls, with out=: no intermediate image
         torch.ops.aten._upsample_bilinear2d_aa.out(x, list(slot.shape[2:]), False, None, None, out=slot)
+    if flip:
+        torch.ops.aten.flip.out(dest, [1], out=out)
+
+
+_SCRATCH: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    """A reusable image of ``like``'s shape (one per shape and process: decoders run one image at a time)."""
+    key = tuple(like.shape)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty(key, dtype=torch.uint8)
+    return _SCRATCH[key]
 
 
 def crop_resize(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, int], size: int) -> np.ndarray:
@@ -274,9 +290,8 @@ def crop_resize(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, 
 
 
 def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, int], out: torch.Tensor) -> None:
-    """:func:`crop_resize` written into ``out``, an (S, S, 3) uint8 slot of a batch: the resampler's output is the
-    slot itself, and the mirror is taken on the region before the resize (bilinear weights are symmetric, so the
-    result is the same bytes; tests/test_cpu_batch.py checks it).
+    """:func:`crop_resize` written into ``out``, an (S, S, 3) uint8 slot of a batch: the resampler writes into the
+    slot itself (into a reused scratch image when the box mirrors it, then mirrored into the slot).
 
     A box in whole source pixels (the train recipe's) is cut out, then resized: torchvision's ``resized_crop``.
     After a DCT reduction it is rounded to the reduced image's pixel grid (at most half a pixel of a picture at
@@ -289,14 +304,12 @@ def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[
     if all(float(v).is_integer() for v in (box.top, box.left, box.height, box.width)):
         bh, bw = min(h, max(1, round(box.height * sy))), min(w, max(1, round(box.width * sx)))
         top, left = min(h - bh, round(box.top * sy)), min(w - bw, round(box.left * sx))
-        # a PIL image is cut (and mirrored) before it becomes an array: only the crop's pixels leave Pillow
+        # a PIL image is cut before it becomes an array, so only the crop's pixels are copied out of Pillow
         if isinstance(img, Image.Image):
-            cut = img.crop((left, top, left + bw, top + bh))
-            region = np.asarray(cut.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if box.flip else cut)
+            region = np.asarray(img.crop((left, top, left + bw, top + bh)))
         else:
             region = img[top : top + bh, left : left + bw]
-            region = region[:, ::-1] if box.flip else region
-        _resize_into(region, out)
+        _resize_into(region, out, box.flip)
         return
     fy, fx = size / (box.height * sy), size / (box.width * sx)
     rh, rw = round(h * fy), round(w * fx)

@@ -1,0 +1,94 @@
+"""Issue 24: the CPU decode worker builds whole batches (``__getitems__``), resizing each image straight into its
+slot of a shared buffer it reuses. The same bytes as the per-sample path, whatever the worker count and policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import gpupipe
+from gpupipe.backends import get
+from gpupipe.backends.cpu import _Collate, _SampleDataset
+from gpupipe.backends.image import crop_resize, crop_resize_into
+from gpupipe.data.sources import open_source
+from gpupipe.recipe import Box, Recipe
+
+from .common_utils import make_folder
+
+
+def _reference(img: np.ndarray, box: Box, size: int) -> np.ndarray:
+    """torchvision's resized_crop on a uint8 tensor (antialiased bilinear), then the mirror: the old path's bytes."""
+    region = torch.from_numpy(
+        np.ascontiguousarray(img[int(box.top) :, int(box.left) :][: int(box.height), : int(box.width)])
+    )
+    out = F.interpolate(region.permute(2, 0, 1)[None], size=(size, size), mode="bilinear", antialias=True)[0]
+    return (out.flip(-1) if box.flip else out).numpy()
+
+
+@pytest.mark.parametrize("pil", [False, True])
+def test_crop_resize_into_is_resize_then_mirror(pil):
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        h, w = (int(v) for v in rng.integers(20, 300, 2))
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+        box = Box(int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1)), bh, bw, bool(rng.random() < 0.5))
+        size = int(rng.choice([7, 32, 64]))
+        src = Image.fromarray(img) if pil else img
+        out = torch.full((size, size, 3), 7, dtype=torch.uint8)
+        crop_resize_into(src, box, (h, w), out)
+        want = _reference(img, box, size)
+        assert np.array_equal(out.permute(2, 0, 1).numpy(), want)
+        assert np.array_equal(crop_resize(src, box, (h, w), size), want)
+
+
+def test_eval_box_into_a_slot_matches_crop_resize():
+    img = np.random.default_rng(0).integers(0, 256, (150, 230, 3), dtype=np.uint8)
+    recipe = Recipe(64)
+    box = recipe.eval_box(150, 230)
+    out = torch.empty((64, 64, 3), dtype=torch.uint8)
+    crop_resize_into(img, box, (150, 230), out)
+    assert np.array_equal(out.permute(2, 0, 1).numpy(), crop_resize(img, box, (150, 230), 64))
+
+
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg"])
+def test_whole_batch_equals_per_sample_with_a_bad_file_mid_batch(tmp_path, backend):
+    root = make_folder(tmp_path, 2, 4)
+    (root / "c00" / "001.jpg").write_bytes(b"not a jpeg")
+    data = open_source(root)
+    ds = _SampleDataset(data, get(backend).decoder(None, True), Recipe(48), True, 5)
+    keys = [(2, i) for i in range(len(data))]
+    batch = _Collate(48, keys=True)(ds.__getitems__(keys))
+    samples = [ds[k] for k in keys]
+    good = [s for s in samples if s.image is not None]
+    assert batch.layout == "NHWC" and len(good) == len(data) - 1
+    assert torch.equal(batch.images.permute(0, 3, 1, 2), torch.from_numpy(np.stack([s.image for s in good])))
+    assert batch.labels.tolist() == [s.label for s in good]
+    assert batch.keys is not None and batch.keys.tolist() == [list(s.key) for s in good]
+    assert [p for p, _ in batch.errors] == [s.path for s in samples if s.image is None]
+    assert _Collate(48)(samples).images.tolist() == batch.images.tolist()  # single samples still stack the same
+
+
+def _epochs(root, workers: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader = gpupipe.build_loader(
+        root, "turbojpeg", batch_size=4, image_size=32, num_workers=workers, device="cpu", seed=3, **kw
+    )
+    out = []
+    for epoch in range(3):  # more batches than a worker's buffers: each buffer is reused, the data never mixed up
+        loader.set_epoch(epoch)
+        out += [(x.clone(), y.clone()) for x, y in loader]
+    return out
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_reused_worker_buffers_give_the_same_batches_as_the_main_process(tmp_path, normalize):
+    root = make_folder(tmp_path, 3, 8)
+    want = _epochs(root, 0, normalize=normalize)
+    got = _epochs(root, 2, normalize=normalize)  # 2 workers: normalised in them when they take every core
+    assert len(got) == len(want) == 18
+    for (x, y), (wx, wy) in zip(got, want, strict=True):
+        assert x.is_contiguous() and x.shape == (4, 3, 32, 32)
+        assert torch.equal(y, wy) and torch.equal(x, wx)
