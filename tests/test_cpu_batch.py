@@ -12,7 +12,7 @@ from PIL import Image
 import gpupipe
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
-from gpupipe.backends.image import crop_resize, crop_resize_into
+from gpupipe.backends.image import crop_resize, crop_resize_into, resize_box, resize_box_into
 from gpupipe.data.sources import open_source
 from gpupipe.recipe import Box, Recipe
 
@@ -92,3 +92,31 @@ def test_reused_worker_buffers_give_the_same_batches_as_the_main_process(tmp_pat
     for (x, y), (wx, wy) in zip(got, want, strict=True):
         assert x.is_contiguous() and x.shape == (4, 3, 32, 32)
         assert torch.equal(y, wy) and torch.equal(x, wx)
+
+
+def test_pillow_simd_resampler_into_a_slot_is_pils_resize_then_mirror():
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (90, 140, 3), dtype=np.uint8))
+    for box in (Box(3, 5, 60, 80, False), Box(0, 10, 90, 100, True)):
+        out = np.zeros((32, 32, 3), dtype=np.uint8)
+        resize_box_into(img, box, (90, 140), out)
+        want = img.resize(
+            (32, 32), Image.Resampling.BILINEAR, box=(box.left, box.top, box.left + box.width, box.top + box.height)
+        )
+        want = want.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if box.flip else want
+        assert np.array_equal(out, np.asarray(want))
+        assert np.array_equal(resize_box(img, box, (90, 140), 32), np.asarray(want).transpose(2, 0, 1))
+
+
+def test_two_workers_skip_and_raise_a_bad_file_mid_batch_as_the_main_process(tmp_path):
+    root = make_folder(tmp_path, 2, 6)
+    (root / "c01" / "002.jpg").write_bytes(b"\xff\xd8\xff broken")
+    kw = dict(batch_size=4, image_size=32, device="cpu", train=False, normalize=False)
+    runs = []
+    for workers in (0, 2):
+        loader = gpupipe.build_loader(root, "turbojpeg", num_workers=workers, on_error="skip", **kw)
+        batches = [(x.clone(), y.tolist()) for x, y in loader]
+        runs.append(([y for _, y in batches], [x for x, _ in batches], loader.skipped))
+    assert runs[0][0] == runs[1][0] and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+    assert [p for p, _ in runs[1][2]] == [str(root / "c01" / "002.jpg")]
+    with pytest.raises(gpupipe.DecodeError, match=r"002\.jpg"):
+        list(gpupipe.build_loader(root, "turbojpeg", num_workers=2, on_error="raise", **kw))
