@@ -16,6 +16,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from ..data.device import Layout
 from ..data.loader import Batch
 
 _HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below
@@ -62,7 +63,7 @@ class WireBatch(Batch):
         return arrive, (self.images, self.labels.numpy(), self.layout, self.errors, self.fallbacks, keys)
 
 
-def arrive(images: torch.Tensor, labels: np.ndarray, layout: str, errors, fallbacks: int, keys) -> Batch:
+def arrive(images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys) -> Batch:
     """The batch in the main process: its images copied out of the worker's buffer, which is then marked free."""
     flat = _header(images)
     if flat is not None:
