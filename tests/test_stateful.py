@@ -70,7 +70,8 @@ def test_the_same_loop_resumes_gpupipe_to_the_straight_runs_batches(unique_folde
     make = _gpupipe(unique_folder, backend)
     straight, _ = train(make, epochs=3)
     first, checkpoint = train(make, epochs=3, stop_after=stop_after)
-    assert checkpoint is not None and checkpoint["loader"] == {"epoch": (stop_after - 1) // 5, "batch": stop_after % 5 or 5}
+    assert checkpoint is not None  # taken after the last batch of a pass, before it ended: that epoch's end
+    assert checkpoint["loader"] == {"epoch": (stop_after - 1) // 5, "batch": stop_after % 5 or 5}
     rest, _ = train(make, epochs=3, resume=checkpoint)
     assert_same(first + rest, straight)  # the rest of the epoch, then the next epochs, in their own orders
 
