@@ -39,8 +39,8 @@ demo: setup $(DATA)/.complete
 
 # The checks .pre-commit-config.yaml also runs: lint (with complexity, C90), formatting, types, the Dockerfile.
 lint: setup
-	$(VENV)/bin/ruff check gpupipe tests bench
-	$(VENV)/bin/ruff format --check gpupipe tests bench
+	$(VENV)/bin/ruff check gpupipe tests bench examples
+	$(VENV)/bin/ruff format --check gpupipe tests bench examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_imports.py tests/test_code_size.py
 	$(VENV)/bin/hadolint docker/Dockerfile

@@ -171,7 +171,8 @@ class CpuLoader(Loader):
                 collate_fn=self._collate(),
                 **self.parts.dataloader.kwargs(self.parts.workers),
             )
-        self.sampler.set_epoch(epoch, start_batch)
+        # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
+        assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
         return iter(self._dataloader)
 
     def _collate(self) -> _Collate:

@@ -238,7 +238,8 @@ class NvjpegLoader(Loader):
             self._dataloader = torch.utils.data.DataLoader(
                 self._data, batch_sampler=self.sampler, collate_fn=_collate, **kwargs
             )
-        self.sampler.set_epoch(epoch, start_batch)
+        # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
+        assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
         for collated in self._dataloader:
             batch = self._batch(epoch, collated.restore(), decode)
             self._reaper.drop(collated)  # its shared-memory buffer, unmapped off this thread

@@ -12,6 +12,7 @@ import torch
 from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from .device import DeviceStage, Layout
+from .position import Pass
 from .sampler import ShardSampler
 from .scan import ImageList
 
@@ -86,25 +87,27 @@ def empty_batch(size: int, device: torch.device | str = "cpu", errors: list[tupl
 
 
 class Loader:
-    """Iterable of ``(images, labels)``; ``len()``, ``set_epoch()``, ``skipped``, ``state_dict()``.
+    """Iterable of ``(images, labels)``; ``len()``, ``set_epoch()``, ``state_dict()``/``load_state_dict()``,
+    ``skipped``.
 
-    Subclasses provide ``_source(epoch, start_batch)``: an iterator of :class:`Batch` following
-    ``self.sampler.batches(epoch, start_batch)``.
+    Where it stands is ``self.position`` (:class:`~gpupipe.data.position.Position`, shared with ``self.sampler``),
+    moved only by the :class:`~gpupipe.data.position.Pass` that ``iter()`` returns. Subclasses provide
+    ``_source(epoch, start_batch)``: an iterator of :class:`Batch` following ``self.sampler.batches(epoch,
+    start_batch)``.
     """
 
     backend: str = ""
+    # A DataLoader's attribute, read by Lightning next to ``sampler``: batches are made from ``sampler`` alone.
+    batch_sampler = None
 
     def __init__(self, parts: LoaderParts):
         self.parts = parts
         self.dataset, self.sampler, self.stage, self.recipe = parts.dataset, parts.sampler, parts.stage, parts.recipe
+        self.position = parts.sampler.position
         self.on_error, self.seed = parts.on_error, parts.seed
         self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
-        self._position = 0
-        self._pass = 0  # counts passes: an iterator whose pass is no longer the latest stops (see __iter__)
-        self._resume_at: tuple[int, int] | None = None  # a loaded (epoch, batch) that set_epoch(epoch) keeps
-        self._unfinished = False  # a pass was started and not run to its end
 
     @property
     def batch_size(self) -> int:
@@ -118,42 +121,27 @@ class Loader:
         return len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's shuffle. Iteration moves on by itself (after a full pass, or when a pass was left
-        unfinished); ``set_epoch(e)`` for the epoch just loaded by ``load_state_dict`` keeps the loaded position."""
-        keep = self._resume_at[1] if self._resume_at and self._resume_at[0] == epoch else 0
-        self.sampler.set_epoch(epoch, keep)
-        self._position, self._unfinished = keep, False
+        """Select the epoch's shuffle (the same as ``loader.sampler.set_epoch``). Iteration moves on by itself (after
+        a full pass, or when a pass was left unfinished); the epoch the loader is already in, as just loaded by
+        ``load_state_dict``, keeps its position."""
+        self.position.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        """Where the loader is: resume with ``load_state_dict`` to continue mid-epoch with the same order. After a
-        full pass it points at the start of the next epoch."""
-        return {"epoch": self.sampler.epoch, "batch": self._position}
+        """``{"epoch", "batch"}``: the position after the batches delivered so far (never those prefetched); after a
+        full pass, the start of the next epoch. ``load_state_dict`` on a loader built alike resumes there."""
+        return self.position.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.set_epoch(int(state["epoch"]), int(state["batch"]))
-        self._position = int(state["batch"])
-        self._resume_at, self._unfinished = (int(state["epoch"]), int(state["batch"])), False
+        self.position.load_state_dict(state)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._unfinished:  # the last pass was cut short (a step cap, a break): do not replay its first batches
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-        epoch, start = self.sampler.epoch, self.sampler.start_batch
-        self.skipped, self.fallbacks, self._position = [], 0, start
-        self._resume_at, self._unfinished = None, True
+    def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
+        return Pass(self.position, self._pass)
+
+    def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""
+        self.skipped, self.fallbacks = [], 0
         sizes = [len(b) for b in self.sampler.batches(epoch, start)]
-        self._pass += 1
-        this_pass = self._pass
-        batches = self._with_policy(self._source(epoch, start), sizes)
-        for images, labels in self.stage.iterate(batches):
-            self._position += 1
-            yield images, labels
-            if self._pass != this_pass:  # a newer pass took over the workers or the pipeline: stop, never mix
-                raise GpupipeError(
-                    "this loader was iterated again while this iterator was unfinished; only the "
-                    "newest iterator of a loader delivers batches"
-                )
-        self.sampler.set_epoch(epoch + 1)  # a full pass: the next one reshuffles unless told otherwise
-        self._position, self._unfinished = 0, False
+        return self.stage.iterate(self._with_policy(self._source(epoch, start), sizes))
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         raise NotImplementedError

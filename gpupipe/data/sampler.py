@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
+
+from .position import Position
+
+Keys = list[tuple[int, int]]  # one batch as (epoch, index) keys
 
 
 class ShardSampler:
     """Seeded, epoch-dependent shuffling with DDP sharding and equal step counts on every rank.
+
+    The order is a function of ``(seed, epoch, rank, world_size)`` alone (:meth:`batches`); the sampler remembers no
+    epoch of its own. ``position`` is the loader's :class:`~gpupipe.data.position.Position` (the loader takes it):
+    ``set_epoch`` (as Lightning calls it on ``loader.sampler``) and iterating the sampler on its own, as a torch batch
+    sampler, read and move that one position.
 
     Like ``DistributedSampler``: with ``drop_last`` the tail that does not divide evenly is dropped, otherwise
     the order wraps around to pad it, so every rank takes exactly ``len(self)`` batches (an unequal count
@@ -50,17 +60,25 @@ class ShardSampler:
                 f"{num_samples} samples over {world_size} rank(s) make no full batch of {batch_size} with "
                 "drop_last=True: use a smaller batch_size or drop_last=False"
             )
-        self.epoch = 0
-        self.start_batch = 0
+        self.position = Position(self.num_batches)
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Select the epoch's order; ``start_batch`` skips batches already consumed (mid-epoch resume)."""
+    @property
+    def epoch(self) -> int:
+        """The epoch the position is in (the loader's, while it delivers one)."""
+        return self.position.epoch
+
+    def set_epoch(self, epoch: int, start_batch: int | None = None) -> None:
+        """``DistributedSampler.set_epoch``: the loader's ``set_epoch``, on the position both share. ``start_batch``
+        places the position there (skipping batches already consumed), as ``load_state_dict`` does."""
+        if start_batch is None:
+            self.position.set_epoch(epoch)
+            return
         if not 0 <= start_batch <= self.num_batches:
             raise ValueError(f"start_batch must be in [0, {self.num_batches}], got {start_batch}")
-        self.epoch, self.start_batch = epoch, start_batch
+        self.position.load_state_dict({"epoch": epoch, "batch": start_batch})
 
     def rank_indices(self, epoch: int) -> list[int]:
         """This rank's sample indices for ``epoch``, padded or cut to a whole number of equal shares."""
@@ -80,10 +98,16 @@ class ShardSampler:
         return mine
 
     def batches(self, epoch: int, start_batch: int = 0) -> list[list[int]]:
+        """This rank's batches of sample indices for ``epoch``, from batch ``start_batch`` on."""
         idx = self.rank_indices(epoch)
         b = self.batch_size
         return [idx[i : i + b] for i in range(start_batch * b, len(idx), b)]
 
-    def __iter__(self):
-        for batch in self.batches(self.epoch, self.start_batch):
-            yield [(self.epoch, i) for i in batch]
+    def keys(self, epoch: int, start_batch: int = 0) -> list[Keys]:
+        """:meth:`batches` as ``(epoch, index)`` keys: what persistent workers are handed, so they see the epoch."""
+        return [[(epoch, i) for i in batch] for batch in self.batches(epoch, start_batch)]
+
+    def __iter__(self) -> Iterator[Keys]:
+        """The keys from the position on, as a torch batch sampler: the DataLoader of a worker backend iterates this
+        when a pass starts, so it reads the pass's ``(epoch, start_batch)``. It only reads the position."""
+        return iter(self.keys(self.position.epoch, self.position.batch))

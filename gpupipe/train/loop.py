@@ -143,7 +143,7 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
             run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
         if need_update and cfg.save_every and state.step % cfg.save_every == 0 and batch_idx + 1 < n_batches:
             meter.sync()
-            save_checkpoint(state, {"epoch": epoch, "batch": batch_idx + 1}, meter, cfg, run.dist)
+            save_checkpoint(state, run.train_loader.state_dict(), meter, cfg, run.dist)  # delivered: batch_idx + 1
 
 
 def forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, all_reduce: bool) -> torch.Tensor:
@@ -178,7 +178,8 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     metrics["fallbacks"] = run.train_loader.fallbacks
     skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
-    save_checkpoint(run.state, {"epoch": epoch + 1, "batch": 0}, meter, run.cfg, run.dist)
+    run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
+    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
     return metrics
 
 

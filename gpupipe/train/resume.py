@@ -80,7 +80,7 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
 
 
 def save_checkpoint(state: TrainState, position: dict, meter: Meter, cfg: TrainConfig, dist: Distributed) -> None:
-    """``checkpoints/last.pt`` with the loader's ``position`` (``{"epoch", "batch"}``) to resume from. Every rank
+    """``checkpoints/last.pt`` with the loader's ``position`` (its ``state_dict()``) to resume from. Every rank
     holds the same weights: rank 0 writes, the others wait for it."""
     if dist.is_main:
         config = asdict(cfg)
