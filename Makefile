@@ -3,6 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DATA   ?= data/sample
+VAL    ?= $(DATA)-val
 EXTRAS ?= all,dev
 
 .PHONY: setup system-deps demo test lint bench-cpu clean
@@ -32,8 +33,13 @@ $(DATA)/.complete: | $(STAMP)
 	$(VENV)/bin/gpupipe sample-data $(DATA)
 	touch $@
 
+# The held-out split the README's train command validates on.
+$(VAL)/.complete: | $(STAMP)
+	$(VENV)/bin/gpupipe sample-data $(VAL) --split val
+	touch $@
+
 # The main job: the benchmark table over every available backend, on the embedded sample data.
-demo: setup $(DATA)/.complete
+demo: setup $(DATA)/.complete $(VAL)/.complete
 	$(VENV)/bin/gpupipe info
 	$(VENV)/bin/gpupipe bench --data $(DATA) --seconds 3 --json runs/demo/bench.json --plot runs/demo/bench.png
 

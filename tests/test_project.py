@@ -1,0 +1,45 @@
+"""The project's own files as a new user meets them: ``pip install .`` (pyproject.toml), ``make demo``, the test
+output."""
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_setuptools_reads_pyproject_without_warnings():
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert [str(w.message).splitlines()[0] for w in caught] == []  # was: `project.license` as a TOML table, 3 times
+    assert dist.metadata.license_expression == "Apache-2.0"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_demo_writes_the_held_out_split_the_readme_trains_with(tmp_path):
+    plan = subprocess.run(
+        ["make", "-n", "demo", f"DATA={tmp_path}/sample"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert f"gpupipe sample-data {tmp_path}/sample\n" in plan
+    assert f"gpupipe sample-data {tmp_path}/sample-val --split val\n" in plan  # the README's --val data/sample-val
+
+
+def test_nvjpeg_tests_print_no_deprecation_warning():
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_nvjpeg.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": ""},
+    )
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "DeprecationWarning" not in out.stdout  # torchvision 0.29's notice about its image codecs
