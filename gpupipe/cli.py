@@ -10,6 +10,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 
 from .train.cli import add_train_args, run_train
 
@@ -149,21 +150,24 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
 
 @contextlib.contextmanager
 def _bench_progress():
-    """``progress(text, fraction)`` for ``suite.run``: a status line on a terminal, else one line per window, with
-    the share done and an estimate of the time left."""
+    """``progress(text, fraction, left)`` for ``suite.run``: a status line on a terminal, else one line per window,
+    with the share done and the time left (``left``, the suite's estimate, else extrapolated from ``fraction``)."""
     start = time.monotonic()
 
-    def line(text: str, fraction: float | None = None) -> str:
-        if not fraction:
+    def line(text: str, fraction: float | None = None, left: float | None = None) -> str:
+        if left is None and fraction:
+            left = (time.monotonic() - start) * (1 - fraction) / fraction
+        if left is None:
             return f"bench: {text}"
-        left = (time.monotonic() - start) * (1 - fraction) / fraction
-        return f"bench {fraction:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
+        return f"bench {fraction or 0:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
 
     if console.is_terminal:
         with console.status("benchmarking") as status:
-            yield lambda text, fraction=None: status.update(line(text, fraction))
+            yield lambda text, fraction=None, left=None: status.update(escape(line(text, fraction, left)))
     else:
-        yield lambda text, fraction=None: console.print(line(text, fraction), highlight=False)
+        yield lambda text, fraction=None, left=None: console.print(
+            line(text, fraction, left), highlight=False, markup=False
+        )
 
 
 def _cmd_check(args) -> int:

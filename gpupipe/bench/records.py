@@ -28,6 +28,7 @@ class Config:
     model: str | None = None
     dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
     recipe: Recipe | None = None  # the augment pipeline's policies
+    skipped: set[str] = field(default_factory=set)  # filled by the run: unreadable files the loaders left out
 
 
 @dataclass

@@ -7,6 +7,7 @@ also given as a ratio to the baseline measured in the same run, so they hold on 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import statistics
 import threading
@@ -15,16 +16,17 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from PIL import Image
 
 from .._system import usable_cores
 from ..api import build_loader
 from ..backends import get
-from ..data.shards import is_shard_source
+from ..data.scan import ImageList
 from ..data.sources import Source, open_source
+from ..errors import DecodeError
 from ..recipe import Recipe
+from .eta import Eta
 from .jobs import DECODE_JOBS, dali_reference_counts
 from .records import Config, Result
 
@@ -127,6 +129,8 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 
 
 def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None = None) -> Iterator[int]:
+    """A loader's batch sizes, forever. Unreadable files are skipped (a bench measures speed) and named in
+    ``cfg.skipped``."""
     loader = build_loader(
         cfg.data,
         backend,
@@ -137,13 +141,45 @@ def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None
         num_workers=cfg.workers,
         drop_last=False,
         recipe=recipe,
+        on_error="skip",
     )
-    return (len(y) for _, y in _forever(lambda: loader))
+    for _, y in _forever(lambda: loader):
+        cfg.skipped.update(path for path, _ in loader.skipped)
+        yield len(y)
+
+
+def _open_or_none(dataset: ImageList, i: int) -> Image.Image | None:
+    """torchvision's ``pil_loader`` (RGB), for a file or a shard member; None for a file Pillow cannot read."""
+    try:
+        source = dataset.samples[i][0] if dataset.reads_files else io.BytesIO(dataset.read(i))
+        with Image.open(source) as img:
+            return img.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return None
+
+
+class _BaselineSet(torch.utils.data.Dataset):
+    """``torchvision.datasets.ImageFolder`` (the same samples, its Pillow loader), for any source gpupipe reads (a
+    folder, a CSV list, shards); an unreadable file is left out of its batch instead of failing the run."""
+
+    def __init__(self, dataset: ImageList, transform: Callable):
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        img = _open_or_none(self.dataset, i)
+        return None if img is None else (self.transform(img), self.dataset.samples[i][1])
+
+
+def _collate_readable(items: list):
+    readable = [it for it in items if it is not None]
+    return torch.utils.data.default_collate(readable) if readable else None
 
 
 def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
     """What most users run today: ImageFolder + Pillow + torchvision transforms, float maths on the CPU."""
-    from torchvision import datasets
     from torchvision import transforms as T
 
     norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -153,11 +189,7 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
         if train
         else T.Compose([T.Resize(round(s / 0.875)), T.CenterCrop(s), T.ToTensor(), norm])
     )
-    ds = (
-        datasets.ImageFolder(cfg.data, tf)
-        if isinstance(cfg.data, str) and os.path.isdir(cfg.data) and not is_shard_source(cfg.data)
-        else _PillowSamples(open_source(cfg.data), tf)  # a CSV list, shards, a URL: the same code over their bytes
-    )
+    ds = _BaselineSet(open_source(cfg.data), tf)
     cuda = cfg.device.type == "cuda"
     dl = torch.utils.data.DataLoader(
         ds,
@@ -166,24 +198,12 @@ def _baseline_counts(cfg: Config, train: bool) -> Iterator[int]:
         num_workers=cfg.workers,
         pin_memory=cuda,
         persistent_workers=cfg.workers > 0,
+        collate_fn=_collate_readable,
     )
-    for x, y in _forever(lambda: dl):
-        x.to(cfg.device, non_blocking=cuda)
-        yield len(y)
-
-
-class _PillowSamples(torch.utils.data.Dataset):
-    """The baseline's ``ImageFolder`` loader (PIL open, RGB, the transforms) over any source's bytes."""
-
-    def __init__(self, dataset, transform):
-        self.dataset, self.transform = dataset, transform
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int):
-        with Image.open(io.BytesIO(self.dataset.read(i))) as im:
-            return self.transform(im.convert("RGB")), self.dataset.samples[i][1]
+    for batch in _forever(lambda: dl):
+        if batch is not None:  # None: no file of the batch was readable
+            batch[0].to(cfg.device, non_blocking=cuda)
+            yield len(batch[1])
 
 
 def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
@@ -200,7 +220,7 @@ def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[i
         batch_size=cfg.batch_size,
         num_workers=cfg.workers,
         shuffle=floor,
-        collate_fn=len,
+        collate_fn=sum,
         persistent_workers=cfg.workers > 0,
     )
     return _forever(lambda: dl)
@@ -220,29 +240,39 @@ class _DecodeOnly(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.dataset)
 
-    def __getitem__(self, i):
-        data, path = self.dataset.read(i), self.dataset.samples[i][0]
-        if self.recipe is None:
+    def __getitem__(self, i) -> int:
+        """1 for a decoded image, 0 for an unreadable one (a bench measures speed: it goes on)."""
+        path = self.dataset.samples[i][0]
+        try:
+            data = self.dataset.read(i)
+            if self.recipe is not None:
+                self.decoder.decode_for_crop(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.size)
+                return 1
             img = self.decoder.decode(data, path)
-            if isinstance(img, Image.Image):
-                img.getpixel((0, 0))  # decoded, and nothing more (an array is decoded already)
+        except (DecodeError, OSError):
             return 0
-        self.decoder.decode_for_crop(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.size)
-        return 0
+        if isinstance(img, Image.Image):
+            img.getpixel((0, 0))  # decoded, and nothing more (an array is decoded already)
+        return 1
 
 
 def mean_megapixels(data: Source) -> float:
-    from PIL import Image
-
+    """The mean size of up to 200 samples spread over the data set: from the index of a prepared set, else from the
+    image headers (an unreadable file is left out)."""
     dataset = open_source(data)
-    step = max(1, len(dataset) // 200)
-    if dataset.sizes is not None:  # a prepared set records them
-        return float(np.mean([h * w for h, w in dataset.sizes[::step]])) / 1e6
-    sizes = []
-    for i in range(0, len(dataset), step):
-        with Image.open(io.BytesIO(dataset.read(i))) as im:
-            sizes.append(im.size[0] * im.size[1])
-    return sum(sizes) / len(sizes) / 1e6
+    picks = range(0, len(dataset), max(1, len(dataset) // 200))
+    if dataset.sizes is not None:
+        sizes = [dataset.sizes[i][0] * dataset.sizes[i][1] for i in picks]
+    else:
+        sizes = []
+        for i in picks:
+            try:
+                source = dataset.samples[i][0] if dataset.reads_files else io.BytesIO(dataset.read(i))
+                with Image.open(source) as im:
+                    sizes.append(im.size[0] * im.size[1])
+            except (OSError, ValueError, Image.DecompressionBombError):
+                continue
+    return sum(sizes) / len(sizes) / 1e6 if sizes else 0.0
 
 
 def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None: None) -> list[Result]:
@@ -251,6 +281,12 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
     mp = mean_megapixels(cfg.data)
     jobs = _plan(cfg)
     results = _time_interleaved(cfg, jobs, mp, progress)
+    if cfg.skipped:
+        first = sorted(cfg.skipped)[0]
+        logging.getLogger("gpupipe").warning(
+            f"{cfg.data}: {len(cfg.skipped)} unreadable file(s) left out of the measurements, e.g. {first}; "
+            f"`gpupipe check {cfg.data}` lists them all"
+        )
     results.sort(key=lambda r: cfg.pipelines.index(r.pipeline))  # stable: backends keep their order
     _add_ratios(results)
     if cfg.model:
@@ -270,6 +306,7 @@ def _plan(cfg: Config) -> list[_Job]:
     """The jobs in the config's order: per pipeline, the baseline (train, eval), then each backend that has that
     pipeline, with DALI's own reference pipeline beside the dali backend."""
     jobs = []
+    reference = cfg.dali_reference and open_source(cfg.data).reads_files  # DALI's file reader: no tar members
     for pipeline in cfg.pipelines:
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
@@ -280,7 +317,7 @@ def _plan(cfg: Config) -> list[_Job]:
             if make is None:
                 continue
             jobs.append(_Job(b, pipeline, make))
-            if b == "dali" and pipeline in ("train", "eval") and cfg.dali_reference:
+            if b == "dali" and pipeline in ("train", "eval") and reference:
                 jobs.append(_Job("dali-reference", pipeline, partial(_reference_counts, cfg, pipeline == "train")))
     return jobs
 
@@ -312,25 +349,32 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
     warm = max(1.0, cfg.seconds / 4)
-    planned, done = max(len(jobs), 1) * (warm + cfg.seconds), 0.0  # seconds: the time-left estimate
+    eta = Eta(len(jobs), warm, window, cfg.repeats)
+    report = lambda text: progress(text, eta.fraction(), left=eta.left())
+    report(
+        f"{len(jobs)} measurements (backend x pipeline), each: start-up, {warm:g} s warm-up, {cfg.repeats} timed "
+        f"window(s) of {window:.2g} s"
+    )
     drain = 4 * max(cfg.workers, 1) + 2  # DataLoaders keep prefetch_factor batches per worker (2, ours 4)
     for rounds in dict.fromkeys(map(timed_with, cfg.pipelines)):
         group = [job for job in jobs if timed_with(job.pipeline) == rounds]
         streams = []
         for job in group:
-            progress(f"{job.pipeline}: starting {job.backend}", done / planned)
+            report(f"{job.pipeline}: starting {job.backend}")
+            t0 = time.monotonic()
             streams.append(job.make())
             _warm(streams[-1], warm)
-            done += warm
+            eta.started(time.monotonic() - t0)
         rates: list[list[float]] = [[] for _ in group]
         gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
             for i, job in enumerate(group):
-                progress(f"{job.pipeline}: {job.backend}, window {r + 1}/{cfg.repeats}", done / planned)
+                report(f"{job.pipeline}: {job.backend}, window {r + 1}/{cfg.repeats}")
+                t0 = time.monotonic()
                 _wait_quiet(limit=min(10.0, 2 * window))
                 with gpu_samplers[i]:
                     rates[i].append(_window(streams[i], window, drain, sync))
-                done += window
+                eta.timed(time.monotonic() - t0)
         for job, rs, gpu in zip(group, rates, gpu_samplers, strict=True):
             results.append(_result(cfg, job, rs, mp, gpu.mean))
         for stream in streams:
