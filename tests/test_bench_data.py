@@ -2,8 +2,6 @@
 and how long ``--seconds`` makes a run, against the time left it announces."""
 
 import json
-import re
-import time
 
 import pytest
 
@@ -57,3 +55,26 @@ def test_bench_on_a_folder_with_an_unreadable_file_measures_and_names_it(tmp_pat
     assert "Traceback" not in r.stderr
     assert "1 unreadable file(s) left out of the measurements" in r.stderr and "000.jpg" in r.stderr
     assert "gpupipe check" in r.stderr
+    plan = next(line for line in r.stderr.splitlines() if "left:" in line)  # what a measurement costs, first
+    assert "3 measurements (backend x pipeline), each: start-up, 1 s warm-up, 1 timed window(s) of 0.2 s" in plan
+
+
+def test_time_left_is_costed_from_the_start_ups_and_windows_measured(monkeypatch):
+    """4 jobs of 2 windows of 0.5 s: the plan's guess first, then what the run measured (start-up 5 s, each window
+    2 s with its drain and quiet wait, stopping 1 s per job), not the 0.5 s per window ``--seconds`` times."""
+    from gpupipe.bench import eta as eta_module
+
+    clock = [100.0]
+    monkeypatch.setattr(eta_module.time, "monotonic", lambda: clock[0])
+    eta = eta_module.Eta(jobs=4, warm=1.0, window=0.5, repeats=2)
+    guess = 4 * (1.0 + eta_module.GUESS_START_S) + 8 * (0.5 * 3 + eta_module.GUESS_DRAIN_S) + 4 * eta_module.GUESS_END_S
+    assert eta.left() == pytest.approx(guess)
+    eta.round_of(2)
+    for _ in range(2):
+        eta.started(5.0)
+    for _ in range(4):
+        eta.timed(2.0)
+    eta.ended(2.0, 2)
+    clock[0] += 20.0
+    assert eta.left() == pytest.approx(2 * 5.0 + 4 * 2.0 + 2 * 1.0)
+    assert eta.fraction() == pytest.approx(20 / (20 + 20))

@@ -366,6 +366,7 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
             _warm(streams[-1], warm)
             eta.started(time.monotonic() - t0)
         rates: list[list[float]] = [[] for _ in group]
+        eta.round_of(len(group))
         gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
             for i, job in enumerate(group):
@@ -377,9 +378,11 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
                 eta.timed(time.monotonic() - t0)
         for job, rs, gpu in zip(group, rates, gpu_samplers, strict=True):
             results.append(_result(cfg, job, rs, mp, gpu.mean))
+        t0 = time.monotonic()
         for stream in streams:
             if isinstance(stream, Generator):  # every job's stream is one; a plain iterator has nothing to end
                 stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
+        eta.ended(time.monotonic() - t0, len(group))
     return results
 
 
