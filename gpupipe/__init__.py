@@ -4,7 +4,7 @@ from ._version import __version__
 from .api import build_loader, read_image
 from .backends import available_backends
 from .data.objstore import Remote
-from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError
+from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError, TransformError
 from .mix import Mix
 from .recipe import Recipe
 
@@ -16,6 +16,7 @@ __all__ = [
     "Recipe",
     "Remote",
     "StorageError",
+    "TransformError",
     "__version__",
     "available_backends",
     "build_loader",

@@ -112,7 +112,7 @@ def build_loader(
         raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
     workers = cores_per_rank() if num_workers is None else num_workers
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
-    recipe = recipe or Recipe(image_size or 224)
+    recipe = recipe or Recipe(224 if image_size is None else image_size)  # 0 or less: Recipe's one-line error
     rank, world_size = _resolve_rank(rank, world_size)
     # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
     sampler = ShardSampler(

@@ -26,6 +26,28 @@ class DecodeError(GpupipeError):
         return (type(self), (self.path, self.backend, self.reason))
 
 
+class TransformError(GpupipeError):
+    """The user's ``transforms=`` raised on a sample: a bug in the transform, not in the file, so it is raised
+    whatever ``on_error`` says (never skipped as bad data).
+
+    Attributes:
+        where: the file, or the sample's ``(epoch, index)`` when the device stage ran the transform.
+        transform: the transform that raised (the member of a ``Compose`` when it can be told).
+        cause: the exception, in words.
+    """
+
+    def __init__(self, where: str, transform: str, cause: str):
+        self.where, self.transform, self.cause = str(where), transform, cause
+        super().__init__(
+            f"{self.where}: your transforms= failed in {transform}: {cause} (gpupipe hands transforms uint8 "
+            "(3, S, S) tensors, after the crop and before normalisation; PIL-only transforms such as ToTensor cannot "
+            "take them)"
+        )
+
+    def __reduce__(self):  # picklable across DataLoader workers
+        return (type(self), (self.where, self.transform, self.cause))
+
+
 class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
     """A known backend cannot be built on this machine; the message says how to fix it."""
 

@@ -10,6 +10,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ..data.upload import HostPack
+from ..errors import TransformError
 from .policies import Policy, Step
 
 TransformsMode = Literal["image", "batch"]
@@ -90,7 +91,10 @@ class SampleAugment:
                 pairs = job.pairs
                 images = torch.stack([self._user(img, e, i) for img, (e, i) in zip(images, pairs, strict=True)])
         if self.batch_transforms is not None:
-            images = self.batch_transforms(images)
+            try:
+                images = self.batch_transforms(images)
+            except Exception as e:
+                raise _transform_error("a batch", self.batch_transforms, e) from e
         return images
 
     def to_device(self, device: torch.device) -> None:
@@ -102,7 +106,25 @@ class SampleAugment:
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's
             torch.default_generator.manual_seed(_hash_key(self.seed, epoch, index))
             assert self.per_image is not None  # called only when there are per-image transforms
-            return self.per_image(image)
+            try:
+                return self.per_image(image)
+            except Exception as e:
+                raise _transform_error(f"sample {index} (epoch {epoch})", self.per_image, e) from e
+
+
+def _transform_error(where: str, transform: Callable, e: Exception) -> TransformError:
+    """``e`` from the user's ``transform`` as a :class:`TransformError` naming the member of a ``Compose`` that
+    raised (found in the traceback), else the transform."""
+    members = [t for t in getattr(transform, "transforms", []) if t is not None]
+    culprit: object = transform
+    tb = e.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if any(owner is m for m in members):
+            culprit = owner
+        tb = tb.tb_next
+    name = repr(culprit)
+    return TransformError(where, name if len(name) <= 80 else type(culprit).__name__, f"{type(e).__name__}: {e}")
 
 
 def _hash_key(seed: int, epoch: int, index: int) -> int:

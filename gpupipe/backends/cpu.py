@@ -14,7 +14,7 @@ from .._system import usable_cores
 from ..data.device import normalize
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
-from ..errors import DecodeError
+from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
@@ -68,7 +68,10 @@ class _SampleDataset(torch.utils.data.Dataset):
         fallbacks = 0
         for key, d in zip(keys, data, strict=True):
             path, label = self.dataset.samples[key[1]]
-            error, fell_back = self._into(key, d, images[len(good)])
+            try:
+                error, fell_back = self._into(key, d, images[len(good)])
+            except TransformError as e:  # carried to the main process as the batch's failure
+                return WireBatch(images[:0], torch.empty(0, dtype=torch.int64), "NHWC", [], 0, None, e)
             if error is not None:
                 errors.append((path, error))
                 continue
@@ -97,6 +100,8 @@ class _SampleDataset(torch.utils.data.Dataset):
             return None, fell_back
         except DecodeError as e:
             return e.reason, False
+        except TransformError as e:  # a bug in the transform, not the file: raised in the main process, never skipped
+            raise TransformError(path, e.transform, e.cause) from None
         except OSError as e:
             return f"cannot read the file ({e.strerror or e})", False
         except Exception as e:  # anything else a decoder raises still names the file in the main process

@@ -60,10 +60,12 @@ class WireBatch(Batch):
 
     def __reduce__(self):
         keys = None if self.keys is None else self.keys.numpy()
-        return arrive, (self.images, self.labels.numpy(), self.layout, self.errors, self.fallbacks, keys)
+        return arrive, (self.images, self.labels.numpy(), self.layout, self.errors, self.fallbacks, keys, self.failure)
 
 
-def arrive(images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys) -> Batch:
+def arrive(
+    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None
+) -> Batch:
     """The batch in the main process: its images copied out of the worker's buffer, which is then marked free."""
     flat = _header(images)
     if flat is not None:
@@ -71,7 +73,7 @@ def arrive(images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fal
         flat.numpy()[0] = 1  # after the copy: the worker may write the buffer again
         _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
-    return Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t)
+    return Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure)
 
 
 def release(images: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ class Batch:
     # int64 (n, 2) on the CPU: each sample's (epoch, index), when its per-sample augmentation (the recipe's policy,
     # per-image transforms) is still to do; the device stage does it from these keys. None: done (or none to do).
     keys: torch.Tensor | None = None
+    failure: GpupipeError | None = None  # raised in the main process whatever on_error says (a transform's bug)
 
     def pin_memory(self) -> Batch:  # DataLoader's pin thread calls this
         self.images, self.labels = self.images.pin_memory(), self.labels.pin_memory()
@@ -156,6 +157,8 @@ class Loader:
     def _checked(self, source: Iterator[Batch]) -> Iterator[Batch]:
         for b in source:
             self.fallbacks += b.fallbacks
+            if b.failure is not None:
+                raise b.failure
             if b.errors:
                 _raise_storage_errors(b.errors)  # the store failing is no bad sample: never skipped
                 if self.on_error == "raise":
