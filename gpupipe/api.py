@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -15,10 +16,24 @@ from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler
+from .data.scan import ImageList
 from .data.sources import Source, open_source
 from .recipe import Recipe
 
 __all__ = ["build_loader", "read_image", "usable_cores"]
+
+
+def _check_missing(dataset: ImageList, on_error: str) -> None:
+    """A file list's rows that name no file: an error up front (``on_error="raise"``), else a warning (the loader
+    skips them, listed in ``loader.skipped``)."""
+    if not dataset.missing:
+        return
+    rows = "; ".join(dataset.missing[:3]) + (
+        f" and {len(dataset.missing) - 3} more" if len(dataset.missing) > 3 else ""
+    )
+    if on_error == "raise":
+        raise FileNotFoundError(f"{len(dataset.missing)} file(s) in the list do not exist: {rows}")
+    warnings.warn(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}", stacklevel=3)
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -105,6 +120,7 @@ def build_loader(
     _check(on_error, batch_size, num_workers, recipe, image_size)
     dev = _resolve_device(device)
     dataset = open_source(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
+    _check_missing(dataset, on_error)
     if name == "auto":
         name = choose_auto(dataset.root, dev, train)
     spec = require_backend(name)

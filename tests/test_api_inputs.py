@@ -1,6 +1,7 @@
 """``build_loader`` given what a new user gives it: a transform with a bug, a CSV list with absolute paths, an
 image size of 0."""
 
+import os
 
 import pytest
 import torch
@@ -55,3 +56,34 @@ def test_a_transform_that_works_is_unchanged(folder):
 def test_image_size_zero_is_an_error_not_224(folder, size):
     with pytest.raises(ValueError, match=f"image_size must be >= 1, got {size}"):
         gpupipe.build_loader(folder, "pillow", image_size=size, device="cpu", num_workers=0)
+
+
+def test_a_csv_list_with_absolute_paths_loads(tmp_path, folder):
+    files = sorted(folder.rglob("*.jpg"))[:4]
+    lst = tmp_path / "lists" / "train.csv"  # in another folder than the images
+    lst.parent.mkdir()
+    lst.write_text("path,label\n" + "".join(f"{f.resolve()},{i % 2}\n" for i, f in enumerate(files)))
+    loader = gpupipe.build_loader(lst, "pillow", batch_size=2, train=False, image_size=32, device="cpu", num_workers=0)
+    assert [p for p, _ in loader.dataset.samples] == [str(f.resolve()) for f in files]
+    assert sum(len(y) for _, y in loader) == 4
+
+
+def test_a_csv_row_leaving_its_folder_says_how_to_allow_it(tmp_path, folder):
+    lst = tmp_path / "lists" / "train.csv"
+    lst.parent.mkdir()
+    lst.write_text(f"../{folder.name}/c00/000.jpg,0\n")
+    with pytest.raises(ValueError, match=r"relative paths are read from the list's folder.*allow_outside_root=True"):
+        gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)
+
+
+def test_a_missing_file_in_a_csv_is_named_before_iteration(tmp_path, folder):
+    (tmp_path / "a.jpg").write_bytes((folder / "c00" / "000.jpg").read_bytes())
+    lst = tmp_path / "list.csv"
+    lst.write_text("a.jpg,0\nb.jpg,1\na.jpg,1\n")
+    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) in the list do not exist: .*list.csv:2: b.jpg"):
+        gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)  # at build time, not mid-epoch
+    with pytest.warns(UserWarning, match=r"list.csv:2: b.jpg"):
+        loader = gpupipe.build_loader(
+            lst, "pillow", batch_size=3, train=False, image_size=32, device="cpu", num_workers=0, on_error="skip"
+        )
+    assert sum(len(y) for _, y in loader) == 2 and [os.path.basename(p) for p, _ in loader.skipped] == ["b.jpg"]

@@ -4,6 +4,7 @@ and of a CSV file list. :func:`gpupipe.data.sources.open_source` picks the scan 
 from __future__ import annotations
 
 import csv
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class ImageList:
     classes: list[str]
     class_to_idx: dict[str, int] = field(default_factory=dict)
     sizes: Sequence[tuple[int, int]] | None = None
+    missing: list[str] = field(default_factory=list)  # a file list's rows that name no file, as "list.csv:LINE: path"
     reads_files: ClassVar[bool] = True  # samples[i][0] is a file read whole by read(); False for other layouts
 
     def __len__(self) -> int:
@@ -121,11 +123,14 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
     else:
         classes = sorted({row.label for row in rows})
     class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
+    paths = [_resolve(path, base, row.path, allow_outside_root) for row in rows]
+    missing = [
+        f"{path}:{row.lineno}: {row.path}" for row, full in zip(rows, paths, strict=True) if not os.path.isfile(full)
+    ]
     samples = PathList(
-        [_resolve(path, base, row.path, allow_outside_root) for row in rows],
-        [_label(row.label, numeric, class_to_idx) for row in rows],
+        paths, [_label(row.label, numeric, class_to_idx) for row in rows]
     )  # one buffer and an array: no tuple per row for forked workers to copy
-    return ImageList(str(base), samples, classes, class_to_idx)
+    return ImageList(str(base), samples, classes, class_to_idx, missing=missing)
 
 
 def _csv_rows(path: Path) -> list[_Row]:
@@ -179,10 +184,13 @@ def _check_indices(path: Path, labels: set[str], num_classes: int) -> None:
 
 
 def _resolve(path: Path, base: Path, rel: str, allow_outside_root: bool) -> str:
+    """A row's path: absolute as written, relative to the list's folder, which ``..`` may not leave unless
+    ``allow_outside_root``."""
     full = (base / rel).resolve()
-    if not allow_outside_root and not full.is_relative_to(base):
+    if not allow_outside_root and not Path(rel).is_absolute() and not full.is_relative_to(base):
         raise ValueError(
-            f"{path}: {rel!r} points outside {base}; pass allow_outside_root=True to build_loader if you trust it"
+            f"{path}: {rel!r} points outside {base} (relative paths are read from the list's folder); write it as "
+            "an absolute path, or pass allow_outside_root=True to build_loader (--allow-outside-root) if you trust it"
         )
     return str(full)
 
