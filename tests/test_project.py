@@ -43,3 +43,12 @@ def test_nvjpeg_tests_print_no_deprecation_warning():
     )
     assert out.returncode == 0, out.stdout[-2000:]
     assert "DeprecationWarning" not in out.stdout  # torchvision 0.29's notice about its image codecs
+
+
+def test_readme_api_section_names_every_public_name():
+    import gpupipe
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The `backend=` switch") : text.index("## Augmentation")]
+    assert "gpupipe.read_image(" in section  # was missing from the API section
+    assert [n for n in gpupipe.__all__ if f"gpupipe.{n}" not in section] == []
