@@ -17,6 +17,11 @@ from .train.cli import add_train_args, run_train
 console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())  # whole lines in a log file or pipe
 
 
+def _stdout() -> Console:
+    """The report on stdout: whole lines, never wrapped, in a file or pipe (a terminal wraps at its width)."""
+    return Console(soft_wrap=not sys.stdout.isatty())
+
+
 def _cmd_info(args) -> int:
     from .info import backend_status, machine_info
 
@@ -26,14 +31,16 @@ def _cmd_info(args) -> int:
         return 0
     from .info import describe
 
-    out = Console(soft_wrap=not sys.stdout.isatty())
+    out = _stdout()
     for k, v in info["machine"].items():
         out.print(f"[bold]{k:17}[/] {describe(k, v)}", highlight=False)
     if info["machine"]["gpupipe"]["problem"]:
-        console.print(f"[red]warning:[/] {info['machine']['gpupipe']['problem']}")
+        console.print(f"[red]warning:[/] {escape(info['machine']['gpupipe']['problem'])}")
     out.print("[bold]backends[/]")
     for name, reason in backend_status().items():
-        out.print(f"  {name:12} " + ("[green]available[/]" if reason is None else f"[red]unavailable[/]: {reason}"))
+        out.print(
+            f"  {name:12} " + ("[green]available[/]" if reason is None else f"[red]unavailable[/]: {escape(reason)}")
+        )
     return 0
 
 
@@ -48,7 +55,9 @@ def _cmd_sample_data(args) -> int:
         root = make_sample_data(
             args.dir, args.classes, per_class, args.seed, args.split, on_image=lambda: progress.advance(task)
         )
-    console.print(f"sample data ({args.split} split) in {root}: {args.classes} classes x {per_class} JPEGs")
+    console.print(
+        f"sample data ({args.split} split) in {root}: {args.classes} classes x {per_class} JPEGs", markup=False
+    )
     return 0
 
 
@@ -115,7 +124,7 @@ def _bench_backends(asked: str | None, device) -> list[str] | None:
         if b in avail and device.type not in get(b).devices
     }
     for b, why in unusable.items():
-        console.print(f"[red]{b}[/]: {why}")
+        console.print(f"[red]{b}[/]: {escape(why)}")
     return None if unusable else backends
 
 
@@ -187,11 +196,11 @@ def _cmd_check(args) -> int:
     if args.json:
         print(json.dumps({"files": len(results), "unreadable": bad, "unusual": unusual}, indent=1))
     else:
-        out = Console()
-        for r in bad:
-            out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
+        out = _stdout()
+        for r in bad:  # file names are text, not markup: "holiday [copy].jpg" keeps its brackets
+            out.print(f"[red]unreadable[/] {escape(r['path'])}: {escape(r['reason'])}", highlight=False)
         for r in unusual:
-            out.print(f"[yellow]unusual[/]    {r['path']}: {'; '.join(r['notes'])}")
+            out.print(f"[yellow]unusual[/]    {escape(r['path'])}: {escape('; '.join(r['notes']))}", highlight=False)
         out.print(f"{len(results)} files: {len(bad)} unreadable, {len(unusual)} unusual but usable")
     return 1 if bad else 0
 
@@ -227,9 +236,9 @@ def _cmd_prepare(args) -> int:
                 progress.update(task, completed=done)
 
         summary = prepare(args.src, args.out, options, workers=workers, on_progress=advance)
-    out = Console()
+    out = _stdout()
     for r in summary.left_out:
-        out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
+        out.print(f"[red]unreadable[/] {escape(r['path'])}: {escape(r['reason'])}", highlight=False)
     causes = ", ".join(f"{v} {k}" for k, v in summary.reencoded.items())
     state = (
         "already prepared"
@@ -239,7 +248,9 @@ def _cmd_prepare(args) -> int:
     out.print(
         f"{summary.out}: {state}: {summary.samples} samples in {summary.shards} shards ({summary.copied} "
         f"copied, {summary.samples - summary.copied} re-encoded{': ' + causes if causes else ''}); "
-        f"{len(summary.left_out)} left out"
+        f"{len(summary.left_out)} left out",
+        markup=False,
+        highlight=False,
     )
     return 0
 
@@ -396,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (GpupipeError, ValueError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         return 2
 
 
