@@ -1,12 +1,31 @@
-"""gpupipe: one loader API over Pillow, pillow-simd, TurboJPEG, DALI and nvJPEG, for GPU-starved training."""
+"""gpupipe: one loader API over Pillow, pillow-simd, TurboJPEG, DALI and nvJPEG, for GPU-starved training.
+
+The names below torch is needed for are imported on first use (PEP 562), so ``gpupipe --version`` and
+``import gpupipe.errors`` do not pay for importing torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .api import build_loader, read_image
-from .backends import available_backends
-from .data.objstore import Remote
 from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError, TransformError
-from .mix import Mix
-from .recipe import Recipe
+
+if TYPE_CHECKING:
+    from .api import build_loader, read_image
+    from .backends import available_backends
+    from .data.objstore import Remote
+    from .mix import Mix
+    from .recipe import Recipe
+
+_LAZY = {
+    "build_loader": ".api",
+    "read_image": ".api",
+    "available_backends": ".backends",
+    "Remote": ".data.objstore",
+    "Mix": ".mix",
+    "Recipe": ".recipe",
+}
 
 __all__ = [
     "BackendUnavailableError",
@@ -22,3 +41,15 @@ __all__ = [
     "build_loader",
     "read_image",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gpupipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -124,7 +124,7 @@ def _bench_backends(asked: str | None, device) -> list[str] | None:
         if b in avail and device.type not in get(b).devices
     }
     for b, why in unusable.items():
-        console.print(f"[red]{b}[/]: {escape(why)}")
+        console.print(f"[red]{b}[/]: {escape(why or '')}")
     return None if unusable else backends
 
 
@@ -400,6 +400,11 @@ def _show_logs() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # before the parser: its choices import torch
+        from ._version import __version__
+
+        print(f"gpupipe {__version__}")
+        return 0
     args = build_parser().parse_args(argv)
     _show_logs()
     from .errors import GpupipeError

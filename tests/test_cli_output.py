@@ -3,6 +3,8 @@ written (brackets too)."""
 
 import shutil
 
+import gpupipe
+
 from .common_utils import gpupipe_cli, make_folder
 
 
@@ -41,3 +43,19 @@ def test_prepare_to_a_pipe_prints_whole_lines_and_names_as_written(tmp_path):
 def test_an_error_keeps_its_brackets(tmp_path):
     r = gpupipe_cli("check", tmp_path / "no [such] folder")
     assert r.returncode == 2 and r.stderr.startswith(f"error: {tmp_path}/no [such] folder: ")
+
+
+def test_version_is_quick_and_does_not_import_torch():
+    import subprocess
+    import sys
+
+    from .common_utils import REPO_ROOT
+
+    code = "import sys; from gpupipe.cli import main; main(['--version']); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    assert r.stdout.splitlines() == [f"gpupipe {gpupipe.__version__}", "False"]  # was 3.7 s: torch imported
+
+
+def test_import_gpupipe_gives_the_public_api():
+    assert set(dir(gpupipe)) >= set(gpupipe.__all__)
+    assert gpupipe.build_loader is gpupipe.api.build_loader and callable(gpupipe.read_image)
