@@ -30,7 +30,12 @@ def opt(default: Any, help: str, *, resume: ResumeRule | None = None) -> Any:
 class TrainConfig:
     data: str = opt("data/sample", "training data: an ImageFolder directory or a CSV list (path,label)", resume="fixed")
     val: str | None = opt(None, "held-out data, labelled with --data's classes (default None: no validation)")
-    model: str = opt("resnet18", "a timm model name, randomly initialised", resume="fixed")
+    model: str = opt("resnet18", "a timm model name, randomly initialised unless --pretrained", resume="fixed")
+    pretrained: str | None = opt(
+        None,
+        "start --model from this local weights file (.pth, .bin, .safetensors), loaded by timm; nothing is "
+        "downloaded; a classifier for other classes is made anew (default None: random init)",
+    )
     backend: str = opt(  # the registry's names, or auto
         "pillow",
         "decode/augment backend; auto: the fastest in this machine's latest `gpupipe bench` of --data",
@@ -96,6 +101,7 @@ class TrainConfig:
     )
     allow_config_change: bool = opt(False, "resume although these changed: {changeable} (never: {fixed})")
     save_every: int = opt(0, "optimizer steps between mid-epoch checkpoints (0: at epoch ends only)")
+    allow_outside_root: bool = opt(False, "let a CSV list's relative paths leave the list's folder (absolute are fine)")
     on_error: OnError = opt(
         "raise", "an undecodable file: raise an error naming it, or skip it (listed in the log and skipped.txt)"
     )

@@ -29,6 +29,7 @@ from .checkpoint import TrainState
 from .config import TrainConfig, to_yaml
 from .distributed import Distributed
 from .logging import Meter, RunLogger
+from .nonfinite import LossWatch
 from .precision import Precision
 from .resume import checkpoint_path, resume_state, resuming, save_checkpoint
 
@@ -93,6 +94,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch)
         if dist.is_main:
             write_config(Path(cfg.out), cfg, resume, changed, state.step, logger)
+        logger.note(startup_line(run))  # before the first progress line, which comes log_every batches later
         if start["epoch"] >= cfg.epochs:
             logger.note(
                 f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
@@ -115,6 +117,20 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         return metrics
 
 
+def startup_line(run: Run) -> str:
+    """What the run is about to do, in one line: the first thing a log shows."""
+    cfg, data = run.cfg, run.train_loader.dataset
+    val = f" ({len(run.val_loader.dataset)} held out)" if run.val_loader is not None else ""
+    ranks = f" x {run.dist.world_size} ranks" if run.dist.world_size > 1 else ""
+    init = f"weights from {cfg.pretrained}" if cfg.pretrained else "random init"
+    return (
+        f"training {cfg.model} ({init}) on {len(data)} samples{val}, {len(data.classes)} classes: backend "
+        f"{run.train_loader.backend}, device {run.dist.device} ({torch.get_num_threads()} torch threads), "
+        f"{run.steps_per_epoch} steps per epoch x {cfg.epochs} epochs, batch {cfg.batch_size}{ranks} x accum "
+        f"{cfg.accum}"
+    )
+
+
 def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     """The epoch's micro-batches from ``first`` on: forward and backward on each, an optimizer step on every
     ``cfg.accum``-th (``need_update``), progress every ``cfg.log_every``, a checkpoint every ``cfg.save_every`` steps.
@@ -123,6 +139,7 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     run.run_model.train()
     run.logger.start_epoch(epoch, first)
     batches = iter(run.train_loader)
+    watch = LossWatch()  # a NaN/inf loss stops the run before anything after it is saved
     meter.start()
     for batch_idx in range(first, n_batches):
         t_wait = time.perf_counter()
@@ -138,11 +155,14 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
             optimizer_step(state)
 
         meter.update(loss, len(labels), wait)
+        watch.add(batch_idx, state.step + (not need_update), loss)  # the optimizer step this micro-batch makes
         if (batch_idx + 1) % cfg.log_every == 0 or batch_idx + 1 == n_batches:
             meter.sync()  # one host sync every log_every micro-batches, not every one
+            watch.check(epoch, checkpoint_path(cfg))
             run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
         if need_update and cfg.save_every and state.step % cfg.save_every == 0 and batch_idx + 1 < n_batches:
             meter.sync()
+            watch.check(epoch, checkpoint_path(cfg))
             save_checkpoint(state, run.train_loader.state_dict(), meter, cfg, run.dist)  # delivered: batch_idx + 1
 
 
@@ -235,6 +255,7 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         channels_last=cfg.channels_last,
         on_error=cfg.on_error,
         recipe=recipe,
+        allow_outside_root=cfg.allow_outside_root,
     )
     train_loader = loader(cfg.data, train=True)
     if not cfg.val:
@@ -243,9 +264,22 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
+    """The timm model: randomly initialised, or from the ``--pretrained`` file (never a download); timm leaves out a
+    classifier made for another number of classes."""
     import timm  # defer: only training needs it
 
-    return timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)  # random init: no downloads
+    if cfg.pretrained is None:
+        return timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)
+    if not Path(cfg.pretrained).is_file():
+        raise FileNotFoundError(
+            f"--pretrained {cfg.pretrained}: no such file (a local weights file; nothing downloads)"
+        )
+    overlay = {"file": str(cfg.pretrained), "hf_hub_id": None, "url": None}  # the file, and only the file
+    try:
+        return timm.create_model(cfg.model, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes)
+    except (RuntimeError, KeyError, ValueError) as e:
+        cause = str(e).splitlines()[0]
+        raise ValueError(f"--pretrained {cfg.pretrained}: not weights of --model {cfg.model} ({cause})") from None
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:

@@ -48,22 +48,25 @@ def resume_state(cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: L
     return Meter(**saved["running"]), changed
 
 
-def _same(key: str, a, b) -> bool:
-    if key == "data" and isinstance(a, str) and isinstance(b, str):
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a == b
+def _paths_resolved(saved: dict, cfg: TrainConfig) -> tuple[dict, dict]:
+    """The saved and the current settings with ``data`` as a resolved path: a run started with ``--data
+    data/sample`` resumes with ``--data /abs/path/data/sample`` from any folder (requeued jobs start elsewhere). The
+    path was resolved when the checkpoint was saved (``data_resolved``); an older checkpoint's is resolved now."""
+    now = asdict(cfg)
+    if isinstance(now.get("data"), str):
+        now["data"] = os.path.realpath(now["data"])
+    if isinstance(saved.get("data"), str):
+        saved = {**saved, "data": saved.get("data_resolved") or os.path.realpath(saved["data"])}
+    return saved, now
 
 
 def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
     """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
-    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new``."""
+    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new`` (paths resolved)."""
+    saved, now = _paths_resolved(saved, cfg)
 
     def diff(keys):
-        return [
-            f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}"
-            for k in keys
-            if k in saved and not _same(k, saved[k], getattr(cfg, k))
-        ]
+        return [f"{k} {saved[k]!r} -> {now[k]!r}" for k in keys if k in saved and saved[k] != now[k]]
 
     fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
     if fixed:
@@ -83,7 +86,7 @@ def save_checkpoint(state: TrainState, position: dict, meter: Meter, cfg: TrainC
     """``checkpoints/last.pt`` with the loader's ``position`` (its ``state_dict()``) to resume from. Every rank
     holds the same weights: rank 0 writes, the others wait for it."""
     if dist.is_main:
-        config = asdict(cfg)
+        config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
         checkpoint.save(checkpoint_path(cfg), state, loader=position, running=meter.state_dict(), config=config)
     dist.barrier()
 

@@ -1,0 +1,100 @@
+"""``gpupipe train`` as a new user meets it: the start-up line, a loss that becomes NaN, weights from a local file,
+a resume from another folder, a CSV list outside its folder, and the same result from the same command."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from gpupipe.train import checkpoint
+
+from .common_utils import REPO_ROOT, make_folder, train_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("guards"), 4, 8)
+
+
+def _run(*args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([*args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(data, tmp_path):
+    out = tmp_path / "run"
+    r = _run(*train_cli(data, out, epochs=2, lr=1e9, warmup_epochs=0, save_every=1, log_every=1))
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("training test_resnet") and "Traceback" not in r.stderr
+    err = lines[-1]  # the start-up line, progress, then one error line
+    assert r.returncode == 2 and err.startswith("error: the loss is not finite (NaN or inf) at optimizer step "), err
+    step = int(err.split("optimizer step ")[1].split()[0])
+    assert f"the last good checkpoint is {out}/checkpoints/last.pt" in err
+    saved = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert saved["step"] < step  # nothing was saved from the step whose loss was not finite, or after it
+    assert not (out / "metrics.jsonl").exists() or "NaN" not in (out / "metrics.jsonl").read_text()
+
+
+def test_start_up_line_then_pretrained_weights_from_a_local_file(data, tmp_path):
+    import timm
+
+    weights = tmp_path / "weights.pth"
+    source = timm.create_model("test_resnet", num_classes=1000)  # another head: made anew for the 4 classes
+    torch.save(source.state_dict(), weights)
+    out = tmp_path / "run"
+    r = _run(*train_cli(data, out, epochs=1, lr=0.0, pretrained=weights))
+    assert r.returncode == 0, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith(f"training test_resnet (weights from {weights}) on 32 samples, 4 classes: backend pillow")
+    assert "device cpu (" in first and "torch threads), 8 steps per epoch x 1 epochs, batch 4 x accum 1" in first
+    trained = checkpoint.load(out / "checkpoints" / "last.pt")["model"]
+    body = [
+        k for k, v in source.state_dict().items() if v.is_floating_point() and "fc." not in k and "running" not in k
+    ]
+    assert body and all(torch.equal(trained[k], source.state_dict()[k]) for k in body)  # lr 0: the file's weights
+    err = _one_error_line(_run(*train_cli(data, tmp_path / "r2", pretrained=tmp_path / "nope.pth")).stderr)
+    assert "--pretrained" in err and "nope.pth: no such file" in err
+
+
+def test_resume_from_another_folder_with_the_data_as_an_absolute_path(data, tmp_path):
+    start, requeued = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir(), requeued.mkdir()
+    os.symlink(data, start / "data")
+    assert _run(*train_cli("data", "run", epochs=1), cwd=start).returncode == 0
+    r = _run(
+        *train_cli(os.path.realpath(data), start / "run", epochs=2, resume=True, allow_config_change=True), cwd=requeued
+    )
+    assert r.returncode == 0, r.stderr  # was: cannot resume with data 'data' -> '/abs/.../data'
+    assert "resumed from epoch 1, batch 0" in r.stderr
+    other = make_folder(tmp_path / "other", 4, 8)
+    err = _one_error_line(_run(*train_cli(other, start / "run", epochs=2, resume=True), cwd=requeued).stderr)
+    assert f"data '{os.path.realpath(data)}' -> '{os.path.realpath(other)}'" in err  # what differs, resolved
+
+
+def test_a_csv_list_leaving_its_folder_trains_with_allow_outside_root(data, tmp_path):
+    lst = tmp_path / "lists" / "train.csv"
+    lst.parent.mkdir()
+    lst.write_text("".join(f"{os.path.relpath(p, lst.parent)},{p.parent.name}\n" for p in sorted(data.rglob("*.jpg"))))
+    err = _one_error_line(_run(*train_cli(lst, tmp_path / "a", epochs=1)).stderr)
+    assert "allow_outside_root=True" in err and "--allow-outside-root" in err
+    r = _run(*train_cli(lst, tmp_path / "b", epochs=1, allow_outside_root=True))
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_same_command_gives_the_same_weights_whatever_the_worker_count(data, tmp_path):
+    """Deterministic on the CPU at a given torch thread count: data order, crops, init and maths are seeded."""
+    for out, workers in (("a", 0), ("b", 2)):
+        assert _run(*train_cli(data, tmp_path / out, epochs=1, workers=workers)).returncode == 0
+    a, b = (checkpoint.load(tmp_path / out / "checkpoints" / "last.pt")["model"] for out in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    metrics = [(tmp_path / out / "metrics.jsonl").read_text().split('"images_per_s"')[0] for out in "ab"]
+    assert metrics[0] == metrics[1]  # the same train_loss
