@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .train.cli import add_train_args, run_train
+from .train.evaluate import add_eval_args, run_eval
 
 console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())  # whole lines in a log file or pipe
 
@@ -295,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a timm model fed by any backend (AMP, accumulation, DDP, resume)")
     add_train_args(p)
     p.set_defaults(func=run_train)
+
+    p = sub.add_parser("eval", help="a train checkpoint's accuracy on held-out data, without training")
+    add_eval_args(p)
+    p.set_defaults(func=run_eval)
 
     p = sub.add_parser("check", help="find unreadable and unusual files in a data set")
     p.add_argument("dir", help="anything build_loader reads: a folder, a CSV list (path,label), shards, a URL")

@@ -98,3 +98,23 @@ def test_the_same_command_gives_the_same_weights_whatever_the_worker_count(data,
     assert all(torch.equal(a[k], b[k]) for k in a)
     metrics = [(tmp_path / out / "metrics.jsonl").read_text().split('"images_per_s"')[0] for out in "ab"]
     assert metrics[0] == metrics[1]  # the same train_loss
+
+
+def test_eval_gives_the_accuracy_training_reported(data, tmp_path):
+    import json
+    import sys
+
+    val = make_folder(tmp_path / "val", 3, 3, seed=4)  # held out, one training class missing: labelled as trained
+    out = tmp_path / "run"
+    assert _run(*train_cli(data, out, epochs=1, val=val)).returncode == 0
+    reported = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    ckpt = out / "checkpoints" / "last.pt"
+    r = _run(sys.executable, "-m", "gpupipe", "eval", "--checkpoint", ckpt, "--data", val, "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["images"] == 9 and got["val_acc"] == reported["val_acc"]
+    assert abs(got["val_loss"] - reported["val_loss"]) < 1e-4
+    r = _run(sys.executable, "-m", "gpupipe", "eval", "--checkpoint", ckpt, "--data", val, "--device", "cpu")
+    assert r.stdout.startswith(f"{val}: val_acc {reported['val_acc']:.4f}")
+    err = _one_error_line(_run(sys.executable, "-m", "gpupipe", "eval", "--checkpoint", val, "--data", val).stderr)
+    assert str(val) in err

@@ -27,6 +27,7 @@ class TrainState:
     precision: Precision
     ema: Any = None  # timm's ModelEmaV3 (its ``module`` is saved), or None
     step: int = 0  # optimizer steps taken
+    classes: list[str] | None = None  # the training set's class names, by label: what `gpupipe eval` labels with
 
 
 def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, config: dict) -> None:
@@ -44,6 +45,7 @@ def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, co
             "rng": rng_state(),
             "running": running,
             "config": config,
+            **({"classes": state.classes} if state.classes is not None else {}),
             **({"model_ema": state.ema.module.state_dict()} if state.ema is not None else {}),
         },
         path,

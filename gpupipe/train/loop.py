@@ -79,6 +79,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         # Model, optimizer, schedule, precision, loss.
         model = model if model is not None else build_model(cfg, num_classes)
         state = build_state(cfg, model, dist.device, steps_per_epoch)
+        state.classes = list(train_loader.dataset.classes)  # saved: `gpupipe eval` labels held-out data with them
         criterion, mix = build_criterion(cfg, num_classes)
 
         # Resume: everything that decides the rest of the run, the loader's position included.

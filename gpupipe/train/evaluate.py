@@ -1,0 +1,70 @@
+"""``gpupipe eval``: a checkpoint's loss and accuracy on held-out data, without training.
+
+The model, its image size and its classes come from the checkpoint (the classes as the training set labelled them,
+so a held-out folder with fewer classes is labelled right); the data is read by any backend, as in training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="a `gpupipe train` checkpoint (OUT/checkpoints/last.pt)")
+    p.add_argument("--data", required=True, help="held-out data: an ImageFolder directory, a CSV list, shards")
+    p.add_argument("--backend", default="pillow", help="decode backend (default pillow)")
+    p.add_argument("--batch-size", type=int, default=64, help="(default 64)")
+    p.add_argument("--workers", type=int, help="decode workers (default: every usable core)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--ema", action="store_true", help="evaluate the EMA weights (a run with --model-ema)")
+    p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="an undecodable file (default raise)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+
+
+def run_eval(args) -> int:
+    import timm  # defer: only training and evaluation need it
+
+    from ..api import build_loader
+    from ..data.sources import open_source
+    from . import checkpoint
+    from .distributed import Distributed
+    from .loop import evaluate
+    from .precision import Precision
+
+    saved = checkpoint.load_for_resume(args.checkpoint)  # a broken or foreign file: one line naming it
+    config = saved.get("config", {})
+    classes = saved.get("classes") or open_source(config.get("data_resolved") or config["data"]).classes
+    weights = saved["model_ema"] if args.ema else saved["model"]
+    if args.ema and "model_ema" not in saved:
+        raise ValueError(f"{args.checkpoint}: --ema, but the run kept no EMA weights (it ran without --model-ema)")
+    model = timm.create_model(config["model"], pretrained=False, num_classes=len(classes))
+    model.load_state_dict(weights)
+    loader = build_loader(
+        args.data,
+        args.backend,
+        batch_size=args.batch_size,
+        train=False,
+        image_size=config["image_size"],
+        device=args.device,
+        num_workers=args.workers,
+        on_error=args.on_error,
+        class_to_idx={c: i for i, c in enumerate(classes)},
+    )
+    model.to(loader.device)
+    dist = Distributed(str(loader.device))
+    try:
+        metrics = evaluate(model, loader, Precision(config.get("precision", "fp32"), loader.device), dist)
+    finally:
+        dist.close()
+    metrics = {"checkpoint": str(Path(args.checkpoint)), "data": args.data, "images": len(loader.dataset), **metrics}
+    if args.json:
+        print(json.dumps(metrics))
+    else:
+        print(
+            f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
+            f"({metrics['images']} images, {config['model']} at {config['image_size']} px, epoch {saved['epoch']} of "
+            f"{args.checkpoint})"
+        )
+    return 0
