@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import sys
-import time
 
 from rich.console import Console
 from rich.markup import escape
@@ -65,6 +63,7 @@ def _cmd_sample_data(args) -> int:
 def _cmd_bench(args) -> int:
     from .api import _resolve_device
     from .bench import suite
+    from .bench.eta import shown_progress
     from .bench.records import Config
     from .recipe import Recipe
     from .sample_data import DEFAULT_DIR, make_sample_data
@@ -96,7 +95,7 @@ def _cmd_bench(args) -> int:
     )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
-    with _bench_progress() as progress:
+    with shown_progress(console) as progress:
         results = suite.run(cfg, progress=progress)
     if not results:
         raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
@@ -156,28 +155,6 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
     if plot_path:
         report.plot(rep, plot_path)
         console.print(f"chart: {plot_path}")
-
-
-@contextlib.contextmanager
-def _bench_progress():
-    """``progress(text, fraction, left)`` for ``suite.run``: a status line on a terminal, else one line per window,
-    with the share done and the time left (``left``, the suite's estimate, else extrapolated from ``fraction``)."""
-    start = time.monotonic()
-
-    def line(text: str, fraction: float | None = None, left: float | None = None) -> str:
-        if left is None and fraction:
-            left = (time.monotonic() - start) * (1 - fraction) / fraction
-        if left is None:
-            return f"bench: {text}"
-        return f"bench {fraction or 0:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
-
-    if console.is_terminal:
-        with console.status("benchmarking") as status:
-            yield lambda text, fraction=None, left=None: status.update(escape(line(text, fraction, left)))
-    else:
-        yield lambda text, fraction=None, left=None: console.print(
-            line(text, fraction, left), highlight=False, markup=False
-        )
 
 
 def _cmd_check(args) -> int:

@@ -8,8 +8,13 @@ the estimate starts from a guess and then uses the averages seen in this run.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+from rich.markup import escape
 
 GUESS_START_S = 3.0  # a loader's start-up before the first measurement shows the real one (2-core machine: 1-5 s)
 GUESS_END_S = 0.5  # stopping a job: its workers and pipeline
@@ -62,3 +67,26 @@ class Eta:
         """The share of the run done, in time: elapsed / (elapsed + left)."""
         elapsed = time.monotonic() - self.began
         return elapsed / max(elapsed + self.left(), 1e-9)
+
+
+@contextlib.contextmanager
+def shown_progress(console: Console) -> Iterator[Callable[..., None]]:
+    """``progress(text, fraction, left)`` for ``suite.run``, shown on ``console``: a status line on a terminal,
+    else one line per window, with the share done and the time left (``left``, the suite's estimate, else
+    extrapolated from ``fraction``)."""
+    start = time.monotonic()
+
+    def line(text: str, fraction: float | None = None, left: float | None = None) -> str:
+        if left is None and fraction:
+            left = (time.monotonic() - start) * (1 - fraction) / fraction
+        if left is None:
+            return f"bench: {text}"
+        return f"bench {fraction or 0:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
+
+    if console.is_terminal:
+        with console.status("benchmarking") as status:
+            yield lambda text, fraction=None, left=None: status.update(escape(line(text, fraction, left)))
+    else:
+        yield lambda text, fraction=None, left=None: console.print(
+            line(text, fraction, left), highlight=False, markup=False
+        )
