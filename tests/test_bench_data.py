@@ -50,13 +50,15 @@ def test_bench_measures_a_prepared_folder_on_every_backend(tmp_path):
 def test_bench_on_a_folder_with_an_unreadable_file_measures_and_names_it(tmp_path):
     root = make_folder(tmp_path / "data", 2, 3)
     (root / "c00" / "000.jpg").write_bytes(b"not an image")  # the first file: also in the size estimate
-    r = _bench(root, tmp_path, "--backends", "pillow", "--pipelines", "decode,eval", "--seconds", 0.2)
+    backends = ",".join(b for b in ("pillow", "dali") if b in CPU_BACKENDS)  # dali: its decode job and reference too
+    r = _bench(root, tmp_path, "--backends", backends, "--pipelines", "decode,eval", "--seconds", 0.2)
     assert r.returncode == 0, r.stderr  # was: a PIL.UnidentifiedImageError traceback
     assert "Traceback" not in r.stderr
     assert "1 unreadable file(s) left out of the measurements" in r.stderr and "000.jpg" in r.stderr
     assert "gpupipe check" in r.stderr
     plan = next(line for line in r.stderr.splitlines() if "left:" in line)  # what a measurement costs, first
-    assert "3 measurements (backend x pipeline), each: start-up, 1 s warm-up, 1 timed window(s) of 0.2 s" in plan
+    jobs = 3 if backends == "pillow" else 6  # decode and eval per backend, the baseline, dali's reference
+    assert f"{jobs} measurements (backend x pipeline), each: start-up, 1 s warm-up, 1 timed window(s) of 0.2 s" in plan
 
 
 def test_time_left_is_costed_from_the_start_ups_and_windows_measured(monkeypatch):

@@ -6,11 +6,13 @@ need none: the suite runs their ``decoder`` in DataLoader workers), and DALI's o
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ..backends.dali_graph import dali_device_id
 from ..backends.image import is_jpeg
@@ -21,13 +23,23 @@ from ..recipe import IMAGENET_MEAN, IMAGENET_STD
 _DALI_PREFETCH = 2  # batches in flight in DALI's decode job
 
 
+def _opens(source: bytes | str) -> bool:
+    """Whether Pillow reads an image header from these bytes or this file: DALI's jobs leave out what it cannot (one
+    unreadable file would stop DALI's pipeline; the loaders skip such files and name them)."""
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source):
+            return True
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return False
+
+
 def dali_decode_counts(dataset, cfg) -> Iterator[int]:
     """``gpupipe bench``'s decode pipeline for DALI: bytes in, RGB at full size out, nothing else; yields batch
     sizes."""
     from nvidia.dali import fn, pipeline_def, types
 
     gpu = cfg.device.type == "cuda"
-    data = [np.frombuffer(dataset.read(i), dtype=np.uint8) for i in range(len(dataset))]
+    data = [np.frombuffer(b, dtype=np.uint8) for b in map(dataset.read, range(len(dataset))) if _opens(b)]
 
     @pipeline_def(
         batch_size=cfg.batch_size,
@@ -72,8 +84,9 @@ def dali_reference_counts(dataset, cfg, train: bool) -> Iterator[int]:
         batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=dali_device_id(cfg.device), seed=0
     )
     def pipe():
+        readable = [(p, label) for p, label in dataset.samples if _opens(p)]  # DALI's reader stops at a bad file
         jpegs, labels = fn.readers.file(
-            files=[p for p, _ in dataset.samples], labels=dataset.targets, random_shuffle=train, name="Reader"
+            files=[p for p, _ in readable], labels=[label for _, label in readable], random_shuffle=train, name="Reader"
         )
         if train:
             images = fn.decoders.image_random_crop(
