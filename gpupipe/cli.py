@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
+from ._version import __version__
 from .train.cli import add_train_args, run_train
 from .train.evaluate import add_eval_args, run_eval
 
@@ -255,8 +256,6 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core."
     )
@@ -383,8 +382,6 @@ def _show_logs() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # before the parser: its choices import torch
-        from ._version import __version__
-
         print(f"gpupipe {__version__}")
         return 0
     args = build_parser().parse_args(argv)
