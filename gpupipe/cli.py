@@ -10,7 +10,10 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape as markup_escape
 
+from ._names import escape as escape_name  # file names on one line, whatever their bytes
+from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
 
 console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())  # whole lines in a log file or pipe
@@ -185,9 +188,9 @@ def _cmd_check(args) -> int:
     else:
         out = Console()
         for r in bad:
-            out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
+            out.print(f"[red]unreadable[/] {markup_escape(escape_name(r['path']))}: {r['reason']}")
         for r in unusual:
-            out.print(f"[yellow]unusual[/]    {r['path']}: {'; '.join(r['notes'])}")
+            out.print(f"[yellow]unusual[/]    {markup_escape(escape_name(r['path']))}: {'; '.join(r['notes'])}")
         out.print(f"{len(results)} files: {len(bad)} unreadable, {len(unusual)} unusual but usable")
     return 1 if bad else 0
 
@@ -225,7 +228,7 @@ def _cmd_prepare(args) -> int:
         summary = prepare(args.src, args.out, options, workers=workers, on_progress=advance)
     out = Console()
     for r in summary.left_out:
-        out.print(f"[red]unreadable[/] {r['path']}: {r['reason']}")
+        out.print(f"[red]unreadable[/] {markup_escape(escape_name(r['path']))}: {r['reason']}")
     causes = ", ".join(f"{v} {k}" for k, v in summary.reencoded.items())
     state = (
         "already prepared"
@@ -387,12 +390,12 @@ def _show_logs() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _show_logs()
-    from .errors import GpupipeError
-
     try:
         return args.func(args)
-    except (GpupipeError, ValueError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as e:
-        console.print(f"[red]error:[/] {e}")
+    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:
+        if show_traceback():
+            raise
+        console.print(f"[red]error:[/] {markup_escape(error_line(e))}", highlight=False)
         return 2
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,6 +31,7 @@ from .distributed import Distributed
 from .logging import Meter, RunLogger
 from .precision import Precision
 from .resume import checkpoint_path, resume_state, resuming, save_checkpoint
+from .stop import LoaderStalled, StopSignals, WorkerLost, guard_run, next_batch, resume_command, stop_requested, stopped
 
 DATA_WAIT_WARN = 0.20
 
@@ -49,6 +50,7 @@ class Run:
     mix: Mix | None
     logger: RunLogger
     steps_per_epoch: int  # optimizer steps
+    stop: StopSignals  # a SIGINT or SIGTERM asked the run to save and stop
 
     @property
     def micro_batches(self) -> int:
@@ -61,9 +63,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     replaces the timm model named in ``cfg``."""
     with contextlib.ExitStack() as teardown:  # the one place the logger and the process group are closed
         dist = Distributed(cfg.device, cfg.dist_timeout_s)
-        teardown.callback(dist.close)
+        stop = guard_run(cfg.out, dist, teardown)  # the process group closed, --out locked, signals: stop requests
         ckpt_path = checkpoint_path(cfg)
-        resume = resuming(cfg, Path(cfg.out), ckpt_path)  # refuses to overwrite a run, or to resume none, first
+        resume = resuming(cfg, Path(cfg.out), ckpt_path)  # the checkpoint to resume; refuses to overwrite a run first
         if model is None:
             check_model_name(cfg.model)
         torch.manual_seed(cfg.seed)
@@ -81,7 +83,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         criterion, mix = build_criterion(cfg, num_classes)
 
         # Resume: everything that decides the rest of the run, the loader's position included.
-        meter, changed = resume_state(cfg, ckpt_path, state, train_loader) if resume else (Meter(), [])
+        meter, changed = resume_state(cfg, resume, state, train_loader) if resume else (Meter(), [])
         start = train_loader.state_dict()  # epoch 0, batch 0 on a new run
 
         # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.
@@ -90,9 +92,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         total = steps_per_epoch * cfg.accum
         logger = RunLogger(Path(cfg.out), enabled=dist.is_main, total=total, world_size=dist.world_size)
         teardown.callback(logger.close)
-        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch)
+        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch, stop)
         if dist.is_main:
-            write_config(Path(cfg.out), cfg, resume, changed, state.step, logger)
+            write_config(Path(cfg.out), cfg, resume is not None, changed, state.step, logger)
         if start["epoch"] >= cfg.epochs:
             logger.note(
                 f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
@@ -101,7 +103,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             return {}
         if resume:
             where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
-            logger.note(f"resumed from {where} of {ckpt_path}")
+            logger.note(f"resumed from {where} of {resume}")
 
         metrics: dict = {}
         for epoch in range(start["epoch"], cfg.epochs):
@@ -124,9 +126,10 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     run.logger.start_epoch(epoch, first)
     batches = iter(run.train_loader)
     meter.start()
+    boundary = first  # where the last optimizer step left the epoch: what a save on a loader failure resumes from
     for batch_idx in range(first, n_batches):
         t_wait = time.perf_counter()
-        images, labels = next(batches)
+        images, labels = next_or_save(run, batches, epoch, boundary, meter)
         wait = time.perf_counter() - t_wait
         targets = labels
         if run.mix is not None:  # its stream keyed by (seed, epoch, batch, rank): a resumed run mixes alike
@@ -136,14 +139,40 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         loss = forward_backward(run, images, targets, all_reduce=need_update)
         if need_update:
             optimizer_step(state)
+            boundary = batch_idx + 1
 
         meter.update(loss, len(labels), wait)
         if (batch_idx + 1) % cfg.log_every == 0 or batch_idx + 1 == n_batches:
             meter.sync()  # one host sync every log_every micro-batches, not every one
             run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
-        if need_update and cfg.save_every and state.step % cfg.save_every == 0 and batch_idx + 1 < n_batches:
-            meter.sync()
-            save_checkpoint(state, run.train_loader.state_dict(), meter, cfg, run.dist)  # delivered: batch_idx + 1
+        if need_update and batch_idx + 1 < n_batches:  # the epoch's last step saves (and stops) in end_epoch
+            if stop_requested(run.stop, run.dist):
+                raise stopped(run.stop, save_at(run, epoch, batch_idx + 1, meter), cfg.out)
+            if cfg.save_every and state.step % cfg.save_every == 0:
+                save_at(run, epoch, batch_idx + 1, meter)
+
+
+def next_or_save(run: Run, batches: Iterator, epoch: int, boundary: int, meter: Meter):
+    """The next batch. A loader that stalls past ``--loader-timeout-s`` or loses a worker ends the run in one line,
+    after a checkpoint at the last optimizer-step boundary (``boundary``) of a one-process run. (Under DDP the other
+    ranks wait in a collective, so there is no save: they stop after ``--dist-timeout-s``.)"""
+    try:
+        return next_batch(batches, run.cfg.loader_timeout_s)
+    except (LoaderStalled, WorkerLost) as e:
+        if run.dist.enabled:
+            raise
+        where = save_at(run, epoch, boundary, meter)
+        if run.stop.requested:  # a SIGTERM to the whole process group ends the workers too: a stop, not a failure
+            raise stopped(run.stop, where, run.cfg.out) from None
+        raise type(e)(f"{e}; checkpoint saved at {where}; resume with: {resume_command(run.cfg.out)}") from None
+
+
+def save_at(run: Run, epoch: int, batch: int, meter: Meter) -> str:
+    """A checkpoint that resumes at ``batch`` of ``epoch``; where, in words."""
+    meter.sync()
+    position = {**run.train_loader.state_dict(), "epoch": epoch, "batch": batch}  # the loader's, at that batch
+    save_checkpoint(run.state, position, meter, run.cfg, run.dist)
+    return f"epoch {epoch}, batch {batch} (optimizer step {run.state.step})"
 
 
 def forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, all_reduce: bool) -> torch.Tensor:
@@ -180,6 +209,8 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
     run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
     save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
+    if stop_requested(run.stop, run.dist):  # asked during the epoch's last step or its validation: saved just now
+        raise stopped(run.stop, f"epoch {epoch + 1}, batch 0 (optimizer step {run.state.step})", run.cfg.out)
     return metrics
 
 
