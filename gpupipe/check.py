@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
 
+from ._files import read_regular
+from ._pool import ordered_map
 from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
 from .data.scan import ImageList
@@ -16,15 +18,14 @@ ELONGATED = 4.0  # aspect ratio above this: valid, but RandomResizedCrop falls b
 def inspect(path: str, max_pixels: int | None = None) -> dict:
     """One file: ``{"path", "ok", "reason"?, "notes": [...]}``; ``notes`` lists what is unusual but valid."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path)  # a fifo or a device is reported, never read
     except OSError as e:
         return {"path": path, "ok": False, "reason": f"cannot read the file ({e.strerror or e})", "notes": []}
     return inspect_bytes(data, path, max_pixels)
 
 
 def inspect_bytes(data: bytes, path: str, max_pixels: int | None = None) -> dict:
-    """:func:`inspect` of a sample's bytes (a shard member, an object), named ``path``."""
+    """:func:`inspect` of a sample's bytes (a file's, or a shard member's), named ``path``."""
     limit = max_pixels or default_max_pixels()
     try:
         header = probe(data, path, "check", limit)
@@ -35,6 +36,8 @@ def inspect_bytes(data: bytes, path: str, max_pixels: int | None = None) -> dict
         return {"path": path, "ok": True, "notes": notes, "size": [w, h]}
     except DecodeError as e:
         return {"path": path, "ok": False, "reason": e.reason, "notes": []}
+    except OSError as e:
+        return {"path": path, "ok": False, "reason": f"cannot read the file ({e.strerror or e})", "notes": []}
 
 
 def _format_notes(path: str, data: bytes, header: Header) -> list[str]:
@@ -69,20 +72,6 @@ def _shape_notes(header: Header) -> list[str]:
     return notes
 
 
-def check(paths: list[str], workers: int, on_result=lambda r: None) -> list[dict]:
-    results = []
-    if workers <= 1:
-        for p in paths:
-            results.append(inspect(p))
-            on_result(results[-1])
-        return results
-    with ProcessPoolExecutor(workers) as pool:
-        for r in pool.map(inspect, paths, chunksize=16):
-            results.append(r)
-            on_result(r)
-    return results
-
-
 _source: ImageList | None = None  # a pool worker's data set
 
 
@@ -92,30 +81,46 @@ def _init_worker(source: ImageList) -> None:
 
 
 def _inspect_sample(index: int) -> dict:
-    """One sample of a data set whose samples are not files (shards, a URL): read by the data set itself. A store
-    that fails (``StorageError``) is raised, not reported as a bad sample."""
+    """Sample ``index`` of the worker's data set, read as every loader reads it (a file, or a shard's member)."""
     assert _source is not None  # set by _init_worker
-    path = _source.samples[index][0]
-    try:
-        data = _source.read(index)
-    except OSError as e:
-        return {"path": path, "ok": False, "reason": f"cannot read the sample ({e.strerror or e})", "notes": []}
-    return inspect_bytes(data, path)
+    name = _source.samples[index][0]
+    if not _source.reads_files:
+        try:
+            return inspect_bytes(_source.read(index), name)
+        except OSError as e:
+            return {"path": name, "ok": False, "reason": f"cannot read the sample ({e.strerror or e})", "notes": []}
+    return inspect(name)
+
+
+def check(source: ImageList | list[str], workers: int, on_result=lambda r: None) -> list[dict]:
+    """:func:`inspect` each sample of ``source`` (a scanned data set: a folder, a CSV list, shards; or file paths)
+    with ``workers`` processes (a worker that dies is replaced: ``_pool.ordered_map``), after what the scan left out
+    (``source.problems``, each unreadable)."""
+    if not isinstance(source, ImageList):
+        source = ImageList("", [(p, 0) for p in source], [])
+    results = []
+    for path, reason in source.problems:  # what the scan left out: unreadable folders, fifos, devices, links
+        results.append({"path": path, "ok": False, "reason": reason, "notes": []})
+        on_result(results[-1])
+    if workers <= 1:
+        _init_worker(source)
+        found: Iterator[dict] = map(_inspect_sample, range(len(source)))
+    else:
+        found = ordered_map(
+            _inspect_sample,
+            range(len(source)),
+            workers,
+            initializer=_init_worker,
+            initargs=(source,),
+            name=lambda i: source.samples[i][0],
+            what=f"{source.root}: a check worker",
+        )
+    for r in found:
+        results.append(r)
+        on_result(r)
+    return results
 
 
 def check_source(source: ImageList, workers: int, on_result=lambda r: None) -> list[dict]:
     """:func:`check` of every sample of any source ``open_source`` opens."""
-    if source.reads_files:
-        return check([p for p, _ in source.samples], workers, on_result)
-    results = []
-    if workers <= 1:
-        _init_worker(source)
-        for i in range(len(source)):
-            results.append(_inspect_sample(i))
-            on_result(results[-1])
-        return results
-    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(source,)) as pool:
-        for r in pool.map(_inspect_sample, range(len(source)), chunksize=16):
-            results.append(r)
-            on_result(r)
-    return results
+    return check(source, workers, on_result)

@@ -10,7 +10,9 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
+from ._names import escape as escape_name  # file names on one line, whatever their bytes
 from ._version import __version__
+from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
 from .train.evaluate import add_eval_args, run_eval
 
@@ -177,9 +179,10 @@ def _cmd_check(args) -> int:
     else:
         out = _stdout()
         for r in bad:  # file names are text, not markup: "holiday [copy].jpg" keeps its brackets
-            out.print(f"[red]unreadable[/] {escape(r['path'])}: {escape(r['reason'])}", highlight=False)
+            out.print(f"[red]unreadable[/] {escape(escape_name(r['path']))}: {escape(r['reason'])}", highlight=False)
         for r in unusual:
-            out.print(f"[yellow]unusual[/]    {escape(r['path'])}: {escape('; '.join(r['notes']))}", highlight=False)
+            notes = escape("; ".join(r["notes"]))
+            out.print(f"[yellow]unusual[/]    {escape(escape_name(r['path']))}: {notes}", highlight=False)
         out.print(f"{len(results)} files: {len(bad)} unreadable, {len(unusual)} unusual but usable")
     return 1 if bad else 0
 
@@ -217,7 +220,7 @@ def _cmd_prepare(args) -> int:
         summary = prepare(args.src, args.out, options, workers=workers, on_progress=advance)
     out = _stdout()
     for r in summary.left_out:
-        out.print(f"[red]unreadable[/] {escape(r['path'])}: {escape(r['reason'])}", highlight=False)
+        out.print(f"[red]unreadable[/] {escape(escape_name(r['path']))}: {escape(r['reason'])}", highlight=False)
     causes = ", ".join(f"{v} {k}" for k, v in summary.reencoded.items())
     state = (
         "already prepared"
@@ -234,25 +237,19 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(low: float, kind: type = int, strict: bool = False):
+    """An argparse type: ``kind(text)``, refused below ``low`` (or at it, ``strict``) with one line."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < low or (strict and not value > low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+_positive_int, _non_negative_int, _positive_float = _at_least(1), _at_least(0), _at_least(0, float, strict=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,12 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     _show_logs()
-    from .errors import GpupipeError
-
     try:
         return args.func(args)
-    except (GpupipeError, ValueError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as e:
-        console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:
+        if show_traceback():
+            raise
+        console.print(f"[red]error:[/] {escape(error_line(e))}", highlight=False)
         return 2
 
 

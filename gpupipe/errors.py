@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class GpupipeError(Exception):
     """Base class of gpupipe's errors."""
@@ -55,3 +57,23 @@ class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
 class StorageError(GpupipeError):
     """Object storage could not give the bytes (after retries, for transient causes): the message names the URL and
     the cause. Not a bad sample: a loader raises it whatever ``on_error`` says."""
+
+
+TRACEBACK_ENV = "GPUPIPE_TRACEBACK"  # set (to anything but 0) for full tracebacks instead of one-line errors
+
+
+def show_traceback() -> bool:
+    """Whether the command line shows the full traceback (for a bug report) instead of the one-line error."""
+    return os.environ.get(TRACEBACK_ENV, "0") not in ("", "0")
+
+
+def error_line(e: BaseException) -> str:
+    """One line naming the file and the cause: ``path: No space left on device`` for a system error, the message
+    (on one line) for the others."""
+    from ._names import one_line
+
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:
+        text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        text = str(e) or type(e).__name__
+    return one_line(text)

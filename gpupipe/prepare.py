@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import multiprocessing
 import os
 import re
 import tarfile
@@ -38,6 +37,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from PIL import Image, JpegImagePlugin
 
+from ._files import create_exclusive, naming, read_regular, write_atomic
+from ._pool import ordered_map
 from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
 from .data.remote import is_url
@@ -172,7 +173,7 @@ def _convert_sample(index: int) -> Converted:
     source, options = _job
     path = source.samples[index][0]
     try:
-        data = source.read(index)
+        data = read_regular(path) if source.reads_files else source.read(index)  # never a fifo or a device
     except OSError as e:
         return Converted(None, 0, 0, (), f"cannot read the file ({e.strerror or e})")
     return convert(data, path, options)
@@ -185,8 +186,15 @@ def _results(source: ImageList, options: PrepareOptions, start: int, workers: in
         _init_worker(source, options)
         yield from map(_convert_sample, indices)
         return
-    with multiprocessing.Pool(workers, _init_worker, (source, options)) as pool:
-        yield from pool.imap(_convert_sample, indices, chunksize=4)
+    yield from ordered_map(  # a worker that dies is replaced and its samples done again
+        _convert_sample,
+        indices,
+        workers,
+        initializer=_init_worker,
+        initargs=(source, options),
+        name=lambda i: source.samples[i][0],
+        what=f"{source.root}: a prepare worker",
+    )
 
 
 def _member(name: str, data: bytes) -> bytes:
@@ -197,12 +205,7 @@ def _member(name: str, data: bytes) -> bytes:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data)  # an exclusive temp file: no link planted at a predictable name is followed
 
 
 class _ShardWriter:
@@ -211,7 +214,8 @@ class _ShardWriter:
     def __init__(self, out: Path, number: int, source_start: int, first: int, left_out: list[dict]):
         self.out, self.name = out, _SHARD.format(number)
         self.tmp = out / f".{self.name}.tar.tmp"
-        self.file = open(self.tmp, "wb")  # closed in close(), once the shard is complete
+        self.tmp.unlink(missing_ok=True)  # an earlier run's, or a link someone put there
+        self.file = create_exclusive(self.tmp)  # closed in close(), once the shard is complete
         self.sha, self.bytes = hashlib.sha256(), 0
         self.source_start, self.first, self.left_out = source_start, first, left_out
         self.rows: dict[str, list] = {k: [] for k in ("offset", "size", "label", "height", "width", "source")}
@@ -236,15 +240,17 @@ class _ShardWriter:
         self._write(_member(f"{key}.jpg", sample.data) + _member(f"{key}.cls", str(label).encode()))
 
     def _write(self, data: bytes) -> None:
-        self.file.write(data)
+        with naming(self.tmp):
+            self.file.write(data)
         self.sha.update(data)
         self.bytes += len(data)
 
     def close(self, source_end: int) -> dict:
         self._write(_END)
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with naming(self.tmp):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
         os.replace(self.tmp, self.out / f"{self.name}.tar")
         manifest = {
             "shard": f"{self.name}.tar",
@@ -299,7 +305,7 @@ def _fingerprint(source: ImageList) -> str:
     """Which samples, labels and classes the source holds: a resumed run must read the same data set."""
     h = hashlib.sha256(json.dumps(source.classes).encode())
     for name, label in source.samples:
-        h.update(f"{name}\t{label}\n".encode())
+        h.update(os.fsencode(name) + f"\t{label}\n".encode())  # a name's own bytes: it need not be UTF-8
     return h.hexdigest()
 
 
@@ -341,11 +347,19 @@ def prepare(
     plan = _plan(source, src, options)
     if (out / META).exists():
         return _up_to_date(out, plan)
-    _start_or_resume(out, plan)
-    manifests = _complete_shards(out)
-    start = manifests[-1]["source_end"] if manifests else 0
-    pending = _write_shards(out, source, options, manifests, start, workers, on_progress)
-    return _finish(out, source, plan, manifests, pending, start)
+    try:
+        _start_or_resume(out, plan)
+        manifests = _complete_shards(out)
+        start = manifests[-1]["source_end"] if manifests else 0
+        pending = _write_shards(out, source, options, manifests, start, workers, on_progress)
+        return _finish(out, source, plan, manifests, pending, start)
+    except OSError as e:  # a full disk, a quota: one line, and the complete shards stay for the resume
+        if e.errno is None:  # one of this module's own refusals (FileExistsError with a message)
+            raise
+        raise GpupipeError(
+            f"{e.filename or out}: cannot write it ({e.strerror or e}); the complete shards are kept: run the same "
+            "command again to resume"
+        ) from None
 
 
 def _plan(source: ImageList, src, options: PrepareOptions) -> dict:
@@ -456,7 +470,8 @@ def _finish(
     out: Path, source: ImageList, plan: dict, manifests: list[dict], trailing: list[dict], resumed_at: int
 ) -> Summary:
     """Write the index and then the metadata (whose presence marks the set complete) from the shards' manifests."""
-    left_out = [r for m in manifests for r in m["left_out"]] + trailing
+    scan_problems = [{"path": path, "reason": reason} for path, reason in source.problems]  # fifos, links...
+    left_out = scan_problems + [r for m in manifests for r in m["left_out"]] + trailing
     if not manifests:
         first = f", e.g. {left_out[0]['path']}: {left_out[0]['reason']}" if left_out else ""
         raise GpupipeError(f"{plan['source']}: no file could be read as an image ({len(left_out)} left out){first}")

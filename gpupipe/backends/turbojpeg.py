@@ -78,7 +78,8 @@ class TurboJpegDecoder:
 
     def _header(self, data: bytes, path: str) -> tuple[int, int, int] | None:
         """(height, width, orientation) from libjpeg-turbo's header reader (C, no Python marker parsing), or None
-        when TurboJPEG cannot take the file (not a JPEG, CMYK/YCCK, or a header it rejects: Pillow then decides)."""
+        when TurboJPEG cannot take the file (not a JPEG, CMYK/YCCK, no frame header, or a header it rejects: Pillow
+        then decides)."""
         if not is_jpeg(data):
             return None
         try:
@@ -87,7 +88,7 @@ class TurboJpegDecoder:
                 width, height, _, colorspace = self._handle().decode_header(data)
         except (OSError, Warning):
             return None
-        if colorspace in self._no_rgb:
+        if colorspace in self._no_rgb or not width or not height:  # 0 x 0: a JPEG cut before its frame header
             return None
         if (reason := pixel_limit_reason(width, height, self.max_pixels)) is not None:
             raise DecodeError(path, self.name, reason)

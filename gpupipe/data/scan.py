@@ -4,6 +4,7 @@ and of a CSV file list. :func:`gpupipe.data.sources.open_source` picks the scan 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -11,9 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .compact import PathList, walk_folder
+from .._files import read_regular
+from .._names import escape
+from .compact import PathList
+from .walk import walk_folder
+
+MAX_CLASSES = 1_000_000  # numeric labels are class indices: a label beyond this is a typo, not a class list
 
 
 @dataclass
@@ -31,15 +37,16 @@ class ImageList:
     class_to_idx: dict[str, int] = field(default_factory=dict)
     sizes: Sequence[tuple[int, int]] | None = None
     missing: list[str] = field(default_factory=list)  # a file list's rows that name no file, as "list.csv:LINE: path"
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (path, why) the scan left out (data/walk.py)
     reads_files: ClassVar[bool] = True  # samples[i][0] is a file read whole by read(); False for other layouts
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def read(self, index: int) -> bytes:
-        """The encoded bytes of sample ``index``; ``OSError`` when they cannot be read."""
-        with open(self.samples[index][0], "rb") as f:
-            return f.read()
+        """The encoded bytes of sample ``index``; ``OSError`` when they cannot be read, or when the name is no longer
+        a regular file (a fifo would block for ever, ``/dev/zero`` never end)."""
+        return read_regular(self.samples[index][0])
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
         """The bytes of several samples (a batch), each or the exception that stopped it; a layout that can fetch
@@ -59,16 +66,22 @@ class ImageList:
         return [label for _, label in self.samples]
 
 
-def scan_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> ImageList:
-    """An ImageFolder directory (``root/<class>/**/<image>``), with torchvision's own ``find_classes`` and
-    ``make_dataset``, so ``classes``, ``class_to_idx`` and the ``samples`` order equal
-    ``torchvision.datasets.ImageFolder(root)`` exactly."""
-    classes, found = find_classes(str(path))
-    if class_to_idx is not None:
-        found = _known_classes(path, classes, class_to_idx)
-        classes = sorted(class_to_idx, key=class_to_idx.__getitem__)
-    samples = walk_folder(str(path), found)  # make_dataset's order, without a tuple per sample
-    return ImageList(str(path), samples, classes, class_to_idx or found)
+def scan_folder(path: Path, class_to_idx: dict[str, int] | None = None, allow_outside_root: bool = False) -> ImageList:
+    """An ImageFolder directory (``root/<class>/**/<image>``): ``classes``, ``class_to_idx`` and the ``samples``
+    order equal ``torchvision.datasets.ImageFolder(root)``'s on a tree without links to folders; links, unreadable
+    folders and special files as :mod:`.walk` says (what it leaves out is in ``problems``, and logged)."""
+    known = None if class_to_idx is None else (lambda names: _known_classes(path, names, class_to_idx))
+    walked = walk_folder(str(path), allow_outside_root=allow_outside_root, label_classes=known)
+    classes = walked.classes if class_to_idx is None else sorted(class_to_idx, key=class_to_idx.__getitem__)
+    if walked.problems:
+        first, why = walked.problems[0]
+        more = f" and {len(walked.problems) - 1} more" if len(walked.problems) > 1 else ""
+        logging.getLogger("gpupipe").warning(
+            f"{path}: left out {escape(first)} ({why}){more}; `gpupipe check {path}` lists them"
+        )
+    samples = PathList([p for p, _ in walked.samples], [label for _, label in walked.samples])  # no tuple per sample
+    found = class_to_idx or walked.class_to_idx
+    return ImageList(str(path), samples, classes, found, problems=walked.problems)
 
 
 def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[str, int]:
@@ -172,6 +185,11 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
             )
         if numeric and int(label) < 0:
             raise ValueError(f"{path}:{lineno}: label {label} must be >= 0")
+        if numeric and int(label) >= MAX_CLASSES:
+            raise ValueError(
+                f"{path}:{lineno}: label {label} would make {int(label) + 1} classes (labels are class indices "
+                f"0..n-1; at most {MAX_CLASSES:,} classes)"
+            )
     return numeric
 
 

@@ -21,9 +21,10 @@ from typing import BinaryIO, NamedTuple, cast
 
 import numpy as np
 
+from .._files import is_regular_file, write_atomic
 from .._system import usable_cores
 from ..errors import GpupipeError
-from .scan import ImageList
+from .scan import MAX_CLASSES, ImageList
 
 META = "gpupipe.json"  # a prepared folder's metadata: its presence marks a complete prepared set
 INDEX = "index.npz"  # per-sample columns of a prepared folder
@@ -171,10 +172,10 @@ def is_shard_source(root) -> bool:
     return path.endswith(".tar") or os.path.isfile(os.path.join(path, META))
 
 
-def scan_shards(root) -> ShardImageList:
+def scan_shards(root, allow_outside_root: bool = False) -> ShardImageList:
     """The :class:`ShardImageList` for ``root`` (see :func:`is_shard_source`)."""
     if not isinstance(root, (list, tuple)) and os.path.isdir(root):
-        return load_prepared(root)
+        return load_prepared(root, allow_outside_root)
     if isinstance(root, (list, tuple)):
         paths = [os.fspath(p) for p in root]
         if not paths:
@@ -191,8 +192,9 @@ def scan_shards(root) -> ShardImageList:
     return load_tars(paths)
 
 
-def load_prepared(folder: str | os.PathLike) -> ShardImageList:
-    """A folder written by ``gpupipe prepare``: reads its metadata and index only (no shard is opened)."""
+def load_prepared(folder: str | os.PathLike, allow_outside_root: bool = False) -> ShardImageList:
+    """A folder written by ``gpupipe prepare``: reads its metadata and index only (no shard is opened). Its shards
+    must lie inside it (links resolved) unless ``allow_outside_root``."""
     folder = Path(folder)
     meta = json.loads((folder / META).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
@@ -200,6 +202,8 @@ def load_prepared(folder: str | os.PathLike) -> ShardImageList:
             f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
             f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again"
         )
+    if not allow_outside_root:
+        _shards_inside(folder, meta.get("shards", []))
     with np.load(folder / INDEX) as z:  # ``source`` (one path per sample) is left unread: start-up needs none
         cols = {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
     return ShardImageList(
@@ -213,6 +217,19 @@ def load_prepared(folder: str | os.PathLike) -> ShardImageList:
         heights=cols["height"],
         widths=cols["width"],
     )
+
+
+def _shards_inside(folder: Path, names: list) -> None:
+    """A prepared folder names only shards inside itself: a ``gpupipe.json`` that names any other file (an absolute
+    path, ``../``) is refused, as a CSV list naming files outside its folder is. A link placed in the folder is its
+    owner's doing (shards kept on another disk) and is followed."""
+    root = Path(os.path.abspath(folder))
+    for name in names:
+        if not isinstance(name, str) or not Path(os.path.normpath(root / name)).is_relative_to(root):
+            raise GpupipeError(
+                f"{folder / META}: shard {name!r} lies outside {root}; pass allow_outside_root=True to build_loader "
+                "if you trust it"
+            )
 
 
 def load_tars(paths: list[str]) -> ShardImageList:
@@ -261,6 +278,13 @@ def combine_indexes(parts: list[dict[str, np.ndarray]], paths: list[str]) -> tup
     if all(numeric):
         if labels.size and labels.min() < 0:
             raise GpupipeError(f"{paths[0]}...: labels must be >= 0, found {labels.min()}")
+        if labels.size and labels.max() >= MAX_CLASSES:
+            ends = np.cumsum([len(p["label"]) for p in parts])
+            where = paths[int(np.searchsorted(ends, int(np.argmax(labels)), side="right"))]
+            raise GpupipeError(
+                f"{where}: label {labels.max()} would make {int(labels.max()) + 1} classes (labels are class "
+                f"indices 0..n-1; at most {MAX_CLASSES:,} classes)"
+            )
         classes = [str(i) for i in range(int(labels.max()) + 1)]
     else:
         names, labels = np.unique(labels, return_inverse=True)
@@ -297,6 +321,8 @@ def _cached_index(path: str) -> dict[str, np.ndarray] | None:
     """The cached header index of ``path`` when it is there and matches the shard's size and modification time."""
     stamp = _stamp(path)
     for cached in _index_locations(path):
+        if not is_regular_file(cached):
+            continue  # absent, or a link someone put there: not ours to read
         try:
             with np.load(cached) as z:
                 if np.array_equal(z["stamp"], stamp):
@@ -316,10 +342,9 @@ def _index_locations(path: str) -> list[Path]:
 
 
 def _save_npz(target: Path, **arrays) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, target)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    write_atomic(target, buf.getvalue(), durable=False)  # a temp file no one can predict or plant a link at
 
 
 class _TarMembers(NamedTuple):

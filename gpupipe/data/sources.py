@@ -32,7 +32,7 @@ def open_source(
     missing here a warning.
     """
     if is_url(root) or is_shard_source(root):
-        shards = scan_remote(root) if is_url(root) else scan_shards(root)
+        shards = scan_remote(root) if is_url(root) else scan_shards(root, allow_outside_root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
             raise ValueError(
                 f"{root}: the shards' classes differ from the training set's; prepare both from "
@@ -43,7 +43,7 @@ def open_source(
         raise ValueError(f"{root}: a list of sources must name tar shards")
     path = Path(root)
     if path.is_dir():
-        return scan_folder(path, class_to_idx)
+        return scan_folder(path, class_to_idx, allow_outside_root)
     if path.is_file() and path.suffix.lower() in (".csv", ".txt"):
         return scan_csv(path, allow_outside_root, class_to_idx)
     if not path.exists():

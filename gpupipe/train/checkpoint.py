@@ -1,4 +1,5 @@
-"""Checkpoints that lose nothing: written atomically (temp file, fsync, rename), loaded with ``weights_only``.
+"""Checkpoints that lose nothing: written atomically (temp file, fsync, rename) with a sha256 digest, the last few
+kept, verified and loaded with ``weights_only``.
 
 ``save`` and ``restore`` say what a training checkpoint holds: a :class:`TrainState`, the loader's position, the
 epoch's running sums, the run's config and the RNG states.
@@ -6,14 +7,18 @@ epoch's running sums, the run's config and the RNG states.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from ..errors import GpupipeError
 from .precision import Precision
 
 
@@ -30,9 +35,9 @@ class TrainState:
     classes: list[str] | None = None  # the training set's class names, by label: what `gpupipe eval` labels with
 
 
-def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, config: dict) -> None:
+def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, config: dict, keep: int = 2) -> None:
     """Write a training checkpoint: ``state``, where the ``loader`` is (``{"epoch", "batch"}``), the epoch's
-    ``running`` sums, the run's ``config`` and the RNG states."""
+    ``running`` sums, the run's ``config`` and the RNG states; the newest ``keep`` are kept (:func:`save_atomic`)."""
     save_atomic(
         {
             "model": state.model.state_dict(),
@@ -49,6 +54,7 @@ def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, co
             **({"model_ema": state.ema.module.state_dict()} if state.ema is not None else {}),
         },
         path,
+        keep,
     )
 
 
@@ -65,30 +71,104 @@ def restore(saved: dict, state: TrainState) -> None:
         state.ema.module.load_state_dict(saved["model_ema"])
 
 
-def save_atomic(state: dict, path: str | Path) -> None:
-    """A crash at any moment leaves either the previous file or the new one, never a torn one."""
+class CheckpointError(GpupipeError, ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file, the cause and what to do."""
+
+
+# A checkpoint file is torch.save's zip followed by this trailer: the sha256 of every byte before it. torch.load
+# reads the zip from its end-of-archive record and ignores the trailer; ``verify`` reads it back.
+_MAGIC = b"\ngpupipe-checkpoint-sha256 "
+_TRAILER_SIZE = len(_MAGIC) + 64 + 1
+KEEP = 2  # checkpoints kept by default: the newest (last.pt) and the one before it
+
+
+class _Hashing:
+    """A file wrapper that hashes what is written through it (torch.save writes its zip sequentially)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+        self.error: OSError | None = None  # torch reports a failed write as "unexpected pos": keep the real cause
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_atomic(state: dict, path: str | Path, keep: int = KEEP) -> None:
+    """Write ``state`` to ``path`` with its digest. A crash at any moment leaves either the previous file or the new
+    one, never a torn one; the newest ``keep`` checkpoints stay beside it as ``step-<step>.pt`` (hard links: no
+    extra space for the newest), so a damaged ``path`` leaves an earlier good one to resume from."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # one of this pid's, left by a killed process before it: stale (or a planted link)
+    hashing = None
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            hashing = _Hashing(f)
+            torch.save(state, hashing)  # type: ignore[arg-type]  # torch only calls write() and flush()
+            f.write(_MAGIC + hashing.sha.hexdigest().encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
+        if keep > 1 and "step" in state:
+            _keep_copy(tmp, path.with_name(f"step-{int(state['step']):08d}.pt"))
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk, a quota, a read-only folder; torch wraps some as RuntimeError
+        cause = _cause(hashing.error if hashing is not None and hashing.error is not None else e)
+        raise CheckpointError(
+            f"{path}: cannot write the checkpoint ({cause}); the previous checkpoint, if any, is intact"
+        ) from e
     finally:
         tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)  # make the rename itself durable
+    _remove_torn(path)
+    _prune(path.parent, keep)
+
+
+def _keep_copy(tmp: Path, kept: Path) -> None:
+    """``kept`` holding ``tmp``'s bytes: a hard link, or a copy where the file system has none."""
+    partial = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
+    partial.unlink(missing_ok=True)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        os.link(tmp, partial)
+    except OSError:
+        shutil.copyfile(tmp, partial)
+    os.replace(partial, kept)
+
+
+def _fsync_dir(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    _remove_torn(path)
+
+
+def kept(folder: str | Path) -> list[Path]:
+    """The kept ``step-*.pt`` checkpoints in ``folder``, newest first (by modification time, then name)."""
+    files = []
+    for p in Path(folder).glob("step-*.pt"):
+        with contextlib.suppress(FileNotFoundError):
+            files.append((p.stat().st_mtime_ns, p.name, p))
+    return [p for *_, p in sorted(files, reverse=True)]
+
+
+def _prune(folder: Path, keep: int) -> None:
+    for old in kept(folder)[max(keep, 1) :]:
+        old.unlink(missing_ok=True)
 
 
 def _remove_torn(path: Path) -> None:
     """Delete temp files that a killed writer left beside ``path`` (their process is gone; the file is useless)."""
-    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+    for tmp in path.parent.glob(".*.pt.tmp-*"):
         try:
             pid = int(tmp.name.rsplit("-", 1)[1])
             os.kill(pid, 0)  # raises when no such process: the writer is dead
@@ -105,24 +185,67 @@ def load(path: str | Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def verify(path: str | Path) -> str | None:
+    """Why ``path`` is damaged (its digest does not match, or it has none), or None when it is whole."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _TRAILER_SIZE:
+            return "empty" if size == 0 else f"not a gpupipe train checkpoint: {size} bytes, no digest"
+        f.seek(size - _TRAILER_SIZE)
+        trailer = f.read(_TRAILER_SIZE)
+        if not trailer.startswith(_MAGIC) or not trailer.endswith(b"\n"):
+            return "no gpupipe digest at its end: truncated, damaged, or not written by gpupipe train"
+        f.seek(0)
+        sha, left = hashlib.sha256(), size - _TRAILER_SIZE
+        while left:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                return "shorter than when it was read"
+            sha.update(chunk)
+            left -= len(chunk)
+    if sha.hexdigest().encode() != trailer[len(_MAGIC) : -1]:
+        return "damaged: its contents do not match their sha256 digest"
+    return None
+
+
 def load_for_resume(path: str | Path) -> dict:
-    """A checkpoint to resume from; an empty, truncated or foreign file is a one-line ``ValueError`` naming it."""
+    """A checkpoint to resume from, its digest checked; an empty, truncated, damaged or foreign file is a one-line
+    :class:`CheckpointError` naming it and the newest earlier good checkpoint kept beside it, if any."""
+    state = None
     try:
-        state = load(path)
-    except Exception as e:  # EOFError, RuntimeError (a torn zip), UnpicklingError, ...
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if cause.startswith("Weights only load failed"):
-            cause = "not a checkpoint of tensors and plain values"
-        raise ValueError(
-            f"{path}: cannot resume from it ({cause}); restore a good copy, or delete it to start the run again"
-        ) from None
+        problem = verify(path)
+        state = load(path) if problem is None else None
+    except Exception as e:  # OSError, EOFError, RuntimeError (a torn zip), UnpicklingError, ...
+        problem = _cause(e)
+        if problem.startswith("Weights only load failed"):
+            problem = "not a checkpoint of tensors and plain values"
     missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise ValueError(
-            f"{path}: cannot resume from it (not a gpupipe train checkpoint: no {', '.join(missing)}); "
-            "restore a good copy, or delete it to start the run again"
-        )
-    return state
+    if problem is None and missing:
+        problem = f"not a gpupipe train checkpoint: no {', '.join(missing)}"
+    if problem is not None:
+        raise CheckpointError(f"{path}: cannot resume from it ({problem}); {_offer(Path(path))}") from None
+    return cast(dict, state)
+
+
+def _offer(path: Path) -> str:
+    """What to do about a bad ``path``: resume from the newest good checkpoint kept beside it, else start again."""
+    for other in kept(path.parent):
+        if other.exists() and path.exists() and os.path.samefile(other, path):
+            continue  # the same file under its kept name
+        with contextlib.suppress(Exception):
+            if verify(other) is None:
+                saved = load(other)
+                where = f"epoch {saved['loader']['epoch']}, batch {saved['loader']['batch']}, step {saved['step']}"
+                return f"the previous good checkpoint is {other} ({where}): resume from it with --resume-from {other}"
+    return "no earlier good checkpoint is kept: restore a good copy, or delete it to start the run again"
+
+
+def _cause(e: BaseException) -> str:
+    """An exception's first line: its message, or its type's name when it has none."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def rng_state() -> dict:

@@ -4,6 +4,7 @@ field, so that a new setting is one field in train/config.py and nothing here.""
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 import typing
 from dataclasses import fields
@@ -52,6 +53,14 @@ def run_train(args) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from .loop import train
+    from .stop import Stopped
 
-    train(cfg)
+    try:
+        train(cfg)
+    except Stopped as e:  # a signal: the checkpoint is saved; the line says how to resume
+        print(e, file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C
+        print("interrupted: stopped at once (the last checkpoint saved before it is kept)", file=sys.stderr)
+        return 130
     return 0

@@ -102,6 +102,19 @@ class TrainConfig:
     allow_config_change: bool = opt(False, "resume although these changed: {changeable} (never: {fixed})")
     save_every: int = opt(0, "optimizer steps between mid-epoch checkpoints (0: at epoch ends only)")
     allow_outside_root: bool = opt(False, "let a CSV list's relative paths leave the list's folder (absolute are fine)")
+    keep_checkpoints: int = opt(
+        2,
+        "checkpoints kept in checkpoints/: last.pt's and the ones before it (step-*.pt), so that a damaged last.pt "
+        "leaves an earlier one to resume from",
+    )
+    resume_from: str | None = opt(
+        None,
+        "resume from this checkpoint file (an earlier checkpoints/step-*.pt that a refused --resume named) instead "
+        "of checkpoints/last.pt (default None)",
+    )
+    loader_timeout_s: float = opt(
+        600.0, "seconds to wait for a batch before the run stops, naming the stalled loader worker (0: for ever)"
+    )
     on_error: OnError = opt(
         "raise", "an undecodable file: raise an error naming it, or skip it (listed in the log and skipped.txt)"
     )
@@ -112,11 +125,13 @@ class TrainConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(choice_error(name, getattr(self, name)))
-        for name in ("epochs", "batch_size", "accum", "image_size"):
+        for name in ("epochs", "batch_size", "accum", "image_size", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"clip must be > 0, got {self.clip}")
+        if self.loader_timeout_s < 0:
+            raise ValueError(f"loader_timeout_s must be >= 0 (0: no timeout), got {self.loader_timeout_s}")
 
 
 def _resume_keys(rule: ResumeRule) -> tuple[str, ...]:
@@ -142,6 +157,7 @@ def choice_error(name: str, value: Any) -> str:
 def load_config(config_file: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults <- YAML file <- explicit overrides (``None`` values in ``overrides`` mean "not given"). A broken
     file, an unknown key or a wrong value is a one-line ``ValueError`` naming the file, the line and the key."""
+    import yaml  # OmegaConf's own YAML library
     from omegaconf import OmegaConf  # defer: only training needs it
     from omegaconf.errors import OmegaConfBaseException
 
@@ -154,6 +170,10 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
             key = str(getattr(e, "full_key", "") or "")
             said = choice_error(key, getattr(e, "value", "?")) if key in CHOICES else f"{key}: {str(e).splitlines()[0]}"
             raise ValueError(f"{config_file}:{lines.get(key, '?')}: {said}") from None
+        except yaml.YAMLError as e:  # a tag such as !!python/object/apply: never constructed, refused in one line
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise ValueError(f"{config_file}{where}: {getattr(e, 'problem', None) or e} (plain values only)") from None
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if given:
         merged = OmegaConf.merge(merged, given)

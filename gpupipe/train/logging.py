@@ -17,6 +17,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .._names import escape
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
@@ -146,13 +148,15 @@ class RunLogger:
             self._tb.flush()
 
     def _list_skipped(self, epoch: int, skipped: Sequence[tuple[str, str]]) -> None:
-        """All of them in skipped.txt (epoch, path, reason), the first 20 on the console."""
+        """All of them in skipped.txt (epoch, path, reason; names escaped: one record per line, see ``_names``), the
+        first 20 on the console."""
         self.console.print(
             f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch (listed in {self.out / 'skipped.txt'}):[/]"
         )
-        with open(self.out / "skipped.txt", "a") as f:
-            f.writelines(f"{epoch}\t{path}\t{reason}\n" for path, reason in skipped)
-        for path, reason in skipped[:20]:
+        lines = [(escape(path), escape(reason)) for path, reason in skipped]
+        with open(self.out / "skipped.txt", "a", encoding="utf-8") as f:
+            f.writelines(f"{epoch}\t{path}\t{reason}\n" for path, reason in lines)
+        for path, reason in lines[:20]:
             self.console.print(f"  skipped {path}: {reason}", highlight=False, markup=False)
         if len(skipped) > 20:
             self.console.print(f"  ... and {len(skipped) - 20} more")

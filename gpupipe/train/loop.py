@@ -2,29 +2,27 @@
 
 ``train()`` sets the run up into a ``Run`` (what every epoch reads) and loops over epochs; ``train_one_epoch()`` runs
 its micro-steps, ``end_epoch()`` evaluates, logs and saves. The helpers below them follow in the order ``train()``
-calls them. Precision (autocast, fp16's scaler, clipping, the optimizer step) is ``precision.Precision``; what a
-checkpoint holds is ``checkpoint.TrainState``. Teardown (the logger, the process group) is in one place: the
+calls them; what it builds (loaders, model, optimizer, schedule, EMA, loss) is in ``build``. Precision (autocast,
+fp16's scaler, clipping, the optimizer step) is ``precision.Precision``; what a checkpoint holds is
+``checkpoint.TrainState``. Teardown (the logger, the process group) is in one place: the
 ``ExitStack`` of ``train()``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import cast
 
 import torch
 from torch import nn
 
-from ..api import build_loader
 from ..data.loader import Loader
 from ..mix import Mix
-from ..recipe import Recipe
+from .build import build_criterion, build_loaders, build_model, build_state, check_model_name
 from .checkpoint import TrainState
 from .config import TrainConfig, to_yaml
 from .distributed import Distributed
@@ -32,6 +30,7 @@ from .logging import Meter, RunLogger
 from .nonfinite import LossWatch
 from .precision import Precision
 from .resume import checkpoint_path, resume_state, resuming, save_checkpoint
+from .stop import LoaderStalled, StopSignals, WorkerLost, guard_run, next_batch, resume_command, stop_requested, stopped
 
 DATA_WAIT_WARN = 0.20
 
@@ -50,6 +49,7 @@ class Run:
     mix: Mix | None
     logger: RunLogger
     steps_per_epoch: int  # optimizer steps
+    stop: StopSignals  # a SIGINT or SIGTERM asked the run to save and stop
 
     @property
     def micro_batches(self) -> int:
@@ -62,9 +62,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
     replaces the timm model named in ``cfg``."""
     with contextlib.ExitStack() as teardown:  # the one place the logger and the process group are closed
         dist = Distributed(cfg.device, cfg.dist_timeout_s)
-        teardown.callback(dist.close)
+        stop = guard_run(cfg.out, dist, teardown)  # the process group closed, --out locked, signals: stop requests
         ckpt_path = checkpoint_path(cfg)
-        resume = resuming(cfg, Path(cfg.out), ckpt_path)  # refuses to overwrite a run, or to resume none, first
+        resume = resuming(cfg, Path(cfg.out), ckpt_path)  # the checkpoint to resume; refuses to overwrite a run first
         if model is None:
             check_model_name(cfg.model)
         torch.manual_seed(cfg.seed)
@@ -83,7 +83,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         criterion, mix = build_criterion(cfg, num_classes)
 
         # Resume: everything that decides the rest of the run, the loader's position included.
-        meter, changed = resume_state(cfg, ckpt_path, state, train_loader) if resume else (Meter(), [])
+        meter, changed = resume_state(cfg, resume, state, train_loader) if resume else (Meter(), [])
         start = train_loader.state_dict()  # epoch 0, batch 0 on a new run
 
         # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.
@@ -92,9 +92,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         total = steps_per_epoch * cfg.accum
         logger = RunLogger(Path(cfg.out), enabled=dist.is_main, total=total, world_size=dist.world_size)
         teardown.callback(logger.close)
-        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch)
+        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch, stop)
         if dist.is_main:
-            write_config(Path(cfg.out), cfg, resume, changed, state.step, logger)
+            write_config(Path(cfg.out), cfg, resume is not None, changed, state.step, logger)
         logger.note(startup_line(run))  # before the first progress line, which comes log_every batches later
         if start["epoch"] >= cfg.epochs:
             logger.note(
@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             return {}
         if resume:
             where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
-            logger.note(f"resumed from {where} of {ckpt_path}")
+            logger.note(f"resumed from {where} of {resume}")
 
         metrics: dict = {}
         for epoch in range(start["epoch"], cfg.epochs):
@@ -142,9 +142,10 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     batches = iter(run.train_loader)
     watch = LossWatch()  # a NaN/inf loss stops the run before anything after it is saved
     meter.start()
+    boundary = first  # where the last optimizer step left the epoch: what a save on a loader failure resumes from
     for batch_idx in range(first, n_batches):
         t_wait = time.perf_counter()
-        images, labels = next(batches)
+        images, labels = next_or_save(run, batches, epoch, boundary, meter)
         wait = time.perf_counter() - t_wait
         targets = labels
         if run.mix is not None:  # its stream keyed by (seed, epoch, batch, rank): a resumed run mixes alike
@@ -154,6 +155,7 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         loss = forward_backward(run, images, targets, all_reduce=need_update)
         if need_update:
             optimizer_step(state)
+            boundary = batch_idx + 1
 
         meter.update(loss, len(labels), wait)
         watch.add(batch_idx, state.step + (not need_update), loss)  # the optimizer step this micro-batch makes
@@ -161,10 +163,45 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
             meter.sync()  # one host sync every log_every micro-batches, not every one
             watch.check(epoch, checkpoint_path(cfg))
             run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
-        if need_update and cfg.save_every and state.step % cfg.save_every == 0 and batch_idx + 1 < n_batches:
-            meter.sync()
-            watch.check(epoch, checkpoint_path(cfg))
-            save_checkpoint(state, run.train_loader.state_dict(), meter, cfg, run.dist)  # delivered: batch_idx + 1
+        if need_update and batch_idx + 1 < n_batches:  # the epoch's last step saves (and stops) in end_epoch
+            step_boundary(run, watch, epoch, batch_idx + 1, meter)
+
+
+def step_boundary(run: Run, watch: LossWatch, epoch: int, batch: int, meter: Meter) -> None:
+    """After an optimizer step inside the epoch: a stop request (SIGINT/SIGTERM) saves and ends the run; every
+    ``--save-every`` steps a checkpoint. Neither saves weights made from a NaN/inf loss (``watch``)."""
+    stopping = stop_requested(run.stop, run.dist)
+    saving = bool(run.cfg.save_every) and run.state.step % run.cfg.save_every == 0
+    if stopping or saving:
+        meter.sync()
+        watch.check(epoch, checkpoint_path(run.cfg))
+    if stopping:
+        raise stopped(run.stop, save_at(run, epoch, batch, meter), run.cfg.out)
+    if saving:
+        save_at(run, epoch, batch, meter)
+
+
+def next_or_save(run: Run, batches: Iterator, epoch: int, boundary: int, meter: Meter):
+    """The next batch. A loader that stalls past ``--loader-timeout-s`` or loses a worker ends the run in one line,
+    after a checkpoint at the last optimizer-step boundary (``boundary``) of a one-process run. (Under DDP the other
+    ranks wait in a collective, so there is no save: they stop after ``--dist-timeout-s``.)"""
+    try:
+        return next_batch(batches, run.cfg.loader_timeout_s)
+    except (LoaderStalled, WorkerLost) as e:
+        if run.dist.enabled:
+            raise
+        where = save_at(run, epoch, boundary, meter)
+        if run.stop.requested:  # a SIGTERM to the whole process group ends the workers too: a stop, not a failure
+            raise stopped(run.stop, where, run.cfg.out) from None
+        raise type(e)(f"{e}; checkpoint saved at {where}; resume with: {resume_command(run.cfg.out)}") from None
+
+
+def save_at(run: Run, epoch: int, batch: int, meter: Meter) -> str:
+    """A checkpoint that resumes at ``batch`` of ``epoch``; where, in words."""
+    meter.sync()
+    position = {**run.train_loader.state_dict(), "epoch": epoch, "batch": batch}  # the loader's, at that batch
+    save_checkpoint(run.state, position, meter, run.cfg, run.dist)
+    return f"epoch {epoch}, batch {batch} (optimizer step {run.state.step})"
 
 
 def forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, all_reduce: bool) -> torch.Tensor:
@@ -201,6 +238,8 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
     run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
     save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
+    if stop_requested(run.stop, run.dist):  # asked during the epoch's last step or its validation: saved just now
+        raise stopped(run.stop, f"epoch {epoch + 1}, batch 0 (optimizer step {run.state.step})", run.cfg.out)
     return metrics
 
 
@@ -209,125 +248,6 @@ def optimizer_steps(batches: int, accum: int) -> int:
     if batches // accum == 0:
         raise ValueError(f"{batches} batches per epoch make no optimizer step with --accum {accum}")
     return batches // accum
-
-
-def build_state(cfg: TrainConfig, model: nn.Module, device: torch.device, steps_per_epoch: int) -> TrainState:
-    """``model`` on ``device``, its optimizer, warm-up + cosine schedule, ``Precision`` and EMA."""
-    memory_format = torch.channels_last if cfg.channels_last else torch.preserve_format
-    model.to(device, memory_format=memory_format)  # type: ignore[call-overload]  # torch's stubs lack this overload
-    optimizer = build_optimizer(cfg, model)
-    warmup_steps = round(cfg.warmup_epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps_per_epoch * cfg.epochs, warmup_steps))
-    precision = Precision(cfg.precision, device, clip=cfg.clip)
-    return TrainState(model, optimizer, scheduler, precision, ema=build_ema(cfg, model))
-
-
-def check_model_name(name: str) -> None:
-    """An unknown timm model is a one-line error with the closest names, before any data is read."""
-    import difflib
-
-    import timm
-
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
-        hint = f"closest: {', '.join(close)}" if close else "see timm.list_models()"
-        raise ValueError(f"unknown --model {name!r}; {hint}")
-
-
-def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loader | None]:
-    """The train loader, with the recipe's per-image policies, and the validation loader (None without --val),
-    labelled with the training classes whatever its folder holds."""
-    recipe = Recipe(
-        cfg.image_size,
-        auto_augment=cfg.aa,
-        color_jitter=cfg.color_jitter,
-        re_prob=cfg.reprob,
-        re_mode=cfg.remode,
-        re_count=cfg.recount,
-    )  # the policies apply to the train loader only
-    loader = partial(
-        build_loader,
-        backend=cfg.backend,
-        batch_size=cfg.batch_size,
-        image_size=cfg.image_size,
-        device=device,
-        num_workers=cfg.workers,
-        seed=cfg.seed,
-        channels_last=cfg.channels_last,
-        on_error=cfg.on_error,
-        recipe=recipe,
-        allow_outside_root=cfg.allow_outside_root,
-    )
-    train_loader = loader(cfg.data, train=True)
-    if not cfg.val:
-        return train_loader, None
-    return train_loader, loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
-
-
-def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
-    """The timm model: randomly initialised, or from the ``--pretrained`` file (never a download); timm leaves out a
-    classifier made for another number of classes."""
-    import timm  # defer: only training needs it
-
-    if cfg.pretrained is None:
-        return timm.create_model(cfg.model, pretrained=False, num_classes=num_classes)
-    if not Path(cfg.pretrained).is_file():
-        raise FileNotFoundError(
-            f"--pretrained {cfg.pretrained}: no such file (a local weights file; nothing downloads)"
-        )
-    overlay = {"file": str(cfg.pretrained), "hf_hub_id": None, "url": None}  # the file, and only the file
-    try:
-        return timm.create_model(cfg.model, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes)
-    except (RuntimeError, KeyError, ValueError) as e:
-        cause = str(e).splitlines()[0]
-        raise ValueError(f"--pretrained {cfg.pretrained}: not weights of --model {cfg.model} ({cause})") from None
-
-
-def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    # no weight decay on norms and biases, as timm and most recipes do
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-
-
-def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
-    """The LR factor at each optimizer step: linear warm-up, then cosine decay to 0 at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def build_ema(cfg: TrainConfig, model: nn.Module):
-    """timm's ModelEmaV3 of ``model`` with --model-ema, else None."""
-    if not cfg.model_ema:
-        return None
-    from timm.utils import ModelEmaV3  # defer: only training needs timm
-
-    return ModelEmaV3(model, decay=cfg.model_ema_decay)
-
-
-def build_criterion(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, Mix | None]:
-    """Cross-entropy, and MixUp/CutMix when asked for. Mixing makes soft targets with the smoothing already in
-    them, so the criterion then takes probabilities and smooths nothing itself."""
-    if cfg.mixup <= 0 and cfg.cutmix <= 0:
-        return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing), None
-    mix = Mix(
-        cfg.mixup,
-        cfg.cutmix,
-        cfg.mixup_prob,
-        cfg.mixup_switch_prob,
-        label_smoothing=cfg.label_smoothing,
-        num_classes=num_classes,
-    )
-    return nn.CrossEntropyLoss(), mix
 
 
 def write_config(out: Path, cfg: TrainConfig, resume: bool, changed: list[str], step: int, logger: RunLogger) -> None:

@@ -18,9 +18,14 @@ from .distributed import Distributed
 from .logging import Meter
 
 
-def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> bool:
-    """Whether this run resumes the one in ``out``. Refuses, before any data is read, to overwrite a run, to resume
-    one that saved no checkpoint, or to overwrite another run's config."""
+def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> Path | None:
+    """The checkpoint this run resumes from (``--resume-from``'s, or ``out``'s last), or None for a new run. Refuses,
+    before any data is read, to overwrite a run, to resume one that saved no checkpoint, or to overwrite another
+    run's config."""
+    if cfg.resume_from is not None:
+        if not Path(cfg.resume_from).is_file():
+            raise FileNotFoundError(f"--resume-from {cfg.resume_from}: no such checkpoint file")
+        return Path(cfg.resume_from)
     resume = ckpt_path.exists() and (cfg.resume or cfg.resume_or_start)
     if ckpt_path.exists() and not resume:
         raise FileExistsError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out")
@@ -35,7 +40,7 @@ def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> bool:
             f"{config_file} holds another run's config (it saved no checkpoint): choose another "
             "--out, or delete that folder"
         )
-    return resume
+    return ckpt_path if resume else None
 
 
 def resume_state(cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: Loader) -> tuple[Meter, list[str]]:
@@ -87,7 +92,10 @@ def save_checkpoint(state: TrainState, position: dict, meter: Meter, cfg: TrainC
     holds the same weights: rank 0 writes, the others wait for it."""
     if dist.is_main:
         config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
-        checkpoint.save(checkpoint_path(cfg), state, loader=position, running=meter.state_dict(), config=config)
+        running = meter.state_dict()
+        checkpoint.save(
+            checkpoint_path(cfg), state, loader=position, running=running, config=config, keep=cfg.keep_checkpoints
+        )
     dist.barrier()
 
 

@@ -1,0 +1,221 @@
+"""How a run stops without losing work: Ctrl-C and SIGTERM, a stalled or lost data loader worker.
+
+- The first SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill, and on preemption) asks the loop to stop
+  at the next optimizer-step boundary: it saves a checkpoint there, prints the resume command and exits non-zero
+  (:class:`Stopped`). A second Ctrl-C stops at once (``KeyboardInterrupt``), saving nothing more.
+- DataLoader workers (forked) inherit the handlers and ignore Ctrl-C, which a terminal sends to every process of the
+  group. (torch ends a worker on a SIGTERM from anyone but its parent; the loop then saves as for a lost worker.)
+- torch's SIGCHLD handler, which raises a dead worker's error at any point of the main thread, is off for the run:
+  the loader's own check reports it in ``next()`` instead (:func:`worker_errors_in_next`).
+- :func:`next_batch` waits for a batch at most ``timeout_s``: a stalled worker (``SIGSTOP``, a hung read on a network
+  file system) becomes :class:`LoaderStalled` naming it; a worker that died (SIGKILL, out of memory) becomes
+  :class:`WorkerLost`. The loop saves at the last step boundary and re-raises either as one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType, TracebackType
+from typing import Any
+
+from .._runlock import RunLock
+from ..errors import GpupipeError
+from .distributed import Distributed
+
+_NAMES: dict[int, str] = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+class Stopped(GpupipeError):
+    """The run stopped on a signal after saving; ``exit_code`` is the shell's (128 + the signal's number)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class LoaderStalled(GpupipeError):
+    """No batch came from the data loader within the timeout; the message names the workers."""
+
+
+class WorkerLost(GpupipeError):
+    """A data loader worker died (killed, out of memory); the message names it."""
+
+
+class StopSignals:
+    """``with StopSignals() as stop:`` SIGINT and SIGTERM set ``stop.signum`` instead of ending the process (in the
+    main thread of the process that entered it; elsewhere, and in forked workers, they are ignored or left alone)."""
+
+    def __init__(self, announce=lambda text: print(text, file=sys.stderr, flush=True)):
+        self.signum: int | None = None
+        self.announce = announce
+        self._pid = os.getpid()
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _NAMES:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: the main process decides
+            return
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: at once
+            return  # a repeated SIGTERM: the save is on its way
+        self.signum = signum
+        self.announce(
+            f"{_NAMES[signum]}: stopping after this step to save a checkpoint"
+            + (" (Ctrl-C again to stop at once, saving nothing)" if signum == signal.SIGINT else "")
+        )
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+def resume_command(out: str) -> str:
+    """The command line that resumes this run: the one given, ``--resume`` added once."""
+    args = [a for a in sys.argv[1:] if a not in ("--resume", "--resume-or-start")]
+    return shlex.join(["gpupipe", *args, "--resume"]) if args else f"gpupipe train --out {shlex.quote(out)} --resume"
+
+
+def stopped(stop: StopSignals, where: str, out: str) -> Stopped:
+    """The exception that ends a run stopped by a signal, after the checkpoint at ``where`` was saved."""
+    assert stop.signum is not None
+    return Stopped(
+        f"stopped by {_NAMES[stop.signum]}; checkpoint saved at {where}; resume with: {resume_command(out)}",
+        128 + stop.signum,
+    )
+
+
+class _Alarm(BaseException):  # not an Exception: no loader's error handling may take it for a data error
+    pass
+
+
+def next_batch(batches: Iterator, timeout_s: float) -> Any:
+    """``next(batches)``, waiting at most ``timeout_s`` seconds (0: for ever) in the main thread; a stalled loader is
+    :class:`LoaderStalled` naming its workers, a dead worker :class:`WorkerLost`."""
+    timed = timeout_s > 0 and threading.current_thread() is threading.main_thread()
+    if timed:
+        old = signal.signal(signal.SIGALRM, _raise_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return next(batches)
+    except _Alarm:
+        raise LoaderStalled(
+            f"no batch from the data loader for {timeout_s:g} s (--loader-timeout-s): {_workers_state()}"
+        ) from None
+    except RuntimeError as e:
+        if "DataLoader worker" not in str(e):
+            raise
+        raise WorkerLost(f"{str(e).splitlines()[0].rstrip('. ')} (killed, or out of memory?)") from None
+    except (ConnectionError, EOFError):  # a worker died in the middle of sending a batch: its pipe broke
+        dead = ", ".join(str(pid) for pid, state in _child_states().items() if state == "Z") or "?"
+        raise WorkerLost(f"DataLoader worker (pid(s) {dead}) exited unexpectedly (killed, or out of memory?)") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+def _raise_alarm(signum: int, frame: FrameType | None) -> None:
+    raise _Alarm
+
+
+def _workers_state() -> str:
+    """What this process's children (the loader's workers) are doing, from ``/proc``: stopped ones named first."""
+    states = _child_states()
+    halted = [pid for pid, s in states.items() if s in ("T", "t")]
+    for pid in halted:  # a stopped worker never ends on the loader's SIGTERM: the process could not exit
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if halted:
+        return (
+            f"worker pid {', '.join(map(str, halted))} is stopped (SIGSTOP, or a debugger), and was ended so that "
+            "the run can exit; raise --loader-timeout-s if the data is slow to read"
+        )
+    if states:
+        return (
+            f"workers pid {', '.join(map(str, states))} are alive but deliver nothing: a hung read (a network file "
+            "system?); raise --loader-timeout-s if the data is slow to read"
+        )
+    return "the loader delivers nothing: a hung read (a network file system?)"
+
+
+def _child_states() -> dict[int, str]:
+    """This process's children (the loader's workers) and their state letters from ``/proc`` (T: stopped, Z: dead)."""
+    states = {}
+    for pid in _children(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                states[pid] = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+    return states
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from ``/proc/*/stat``."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                kids.append(int(entry))
+    return sorted(kids)
+
+
+def guard_run(out: str, dist: Distributed, teardown: contextlib.ExitStack) -> StopSignals:
+    """What a run holds until it ends, however it ends: the process group (closed at the end), the lock on ``out``
+    (one run per folder; rank 0 holds it), and SIGINT/SIGTERM turned into stop requests."""
+    teardown.callback(dist.close)
+    if dist.is_main:
+        teardown.enter_context(RunLock(out))
+    teardown.enter_context(worker_errors_in_next())
+    return teardown.enter_context(StopSignals())
+
+
+@contextlib.contextmanager
+def worker_errors_in_next() -> Iterator[None]:
+    """torch's SIGCHLD handler raises a dead worker's error wherever the main thread is, in the middle of an optimizer
+    step too; without it the loader notices in ``next()`` (its own liveness check, every 5 s), where the run can
+    save first. torch has no switch for it: its private flag says the handler is set, and SIGCHLD is left default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from torch.utils.data._utils import signal_handling
+
+    was_set, old = signal_handling._SIGCHLD_handler_set, signal.getsignal(signal.SIGCHLD)
+    signal_handling._SIGCHLD_handler_set = True
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+        signal_handling._SIGCHLD_handler_set = was_set
+
+
+def stop_requested(stop: StopSignals, dist: Distributed) -> bool:
+    """Whether a SIGINT or SIGTERM asked the run to stop, on any rank (so that all stop at the same step)."""
+    if not dist.enabled:
+        return stop.requested
+    return dist.all_reduce_sum([float(stop.requested)])[0] > 0

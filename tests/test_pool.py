@@ -1,0 +1,97 @@
+"""Worker processes that die: ``prepare --workers 2`` and ``check`` survive a SIGKILLed worker (real processes,
+real signals); a worker that dies on every try is one line naming the samples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpupipe._pool import ordered_map
+from gpupipe.errors import GpupipeError
+
+from .common_utils import REPO_ROOT, make_folder
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc: no psutil needed)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def _kill_a_worker_of(proc: subprocess.Popen) -> int:
+    """SIGKILL the first worker ``proc`` starts, while ``proc`` runs; its pid."""
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        kids = _children(proc.pid)
+        if kids:
+            os.kill(kids[0], signal.SIGKILL)
+            return kids[0]
+        time.sleep(0.005)
+    raise AssertionError("the command ended before it started a worker")
+
+
+def _gpupipe(*args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "gpupipe", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("workers"), 3, 12)
+
+
+@pytest.mark.slow
+def test_prepare_survives_a_killed_worker_with_the_same_shards(src, tmp_path):
+    proc = _gpupipe("prepare", src, tmp_path / "killed", "--workers", "2", "--max-side", "48")
+    _kill_a_worker_of(proc)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "36 samples" in out
+    straight = _gpupipe("prepare", src, tmp_path / "straight", "--workers", "1", "--max-side", "48")
+    assert straight.wait(timeout=300) == 0
+    for name in ("shard-000000.tar", "index.npz"):
+        assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "straight" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_check_survives_a_killed_worker(src):
+    proc = _gpupipe("check", src, "--workers", "2", "--json")
+    _kill_a_worker_of(proc)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and '"files": 36' in out, err
+
+
+def _die_on_5(i: int) -> int:
+    if i == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i * i
+
+
+def _no_setup() -> None:
+    pass
+
+
+def test_a_worker_that_always_dies_is_one_line_naming_the_samples():
+    with pytest.raises(GpupipeError) as e:
+        list(ordered_map(_die_on_5, range(12), 2, initializer=_no_setup, name=lambda i: f"img{i}.jpg", what="x: w"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("x: w died (killed, or out of memory) on samples 4..7 (img4.jpg ...)")
+
+
+def test_results_come_in_order_across_chunks():
+    assert list(ordered_map(abs, range(-9, 30), 2, initializer=_no_setup)) == [abs(i) for i in range(-9, 30)]

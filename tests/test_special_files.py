@@ -1,0 +1,83 @@
+"""Files that are not files: a fifo named ``p.jpg`` and a link ``z.jpg -> /dev/zero`` are reported by ``check`` and
+left out by ``prepare``, at once (no hang, no read until memory runs out); ``check`` reads prepared folders and tars
+as the loaders do."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import gpupipe
+from gpupipe.check import check
+from gpupipe.data.sources import open_source as scan
+from gpupipe.prepare import PrepareOptions, prepare
+
+from .common_utils import make_folder
+
+
+@pytest.fixture()
+def no_hang():
+    """A hang is a failure, not a stuck test run."""
+
+    def stop(signum, frame):
+        raise TimeoutError("still running after 60 s: something blocked")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture()
+def special(tmp_path):
+    root = make_folder(tmp_path / "data", 2, 3)
+    os.mkfifo(root / "c00" / "p.jpg")
+    (root / "c01" / "z.jpg").symlink_to("/dev/zero")
+    return root
+
+
+def test_check_reports_fifos_and_devices_without_reading_them(special, no_hang):
+    results = {os.path.relpath(r["path"], special): r for r in check(scan(special), workers=1)}
+    assert len(results) == 8
+    assert results["c00/p.jpg"] == {
+        "path": str(special / "c00" / "p.jpg"),
+        "ok": False,
+        "reason": "not a regular file: a fifo",
+        "notes": [],
+    }
+    assert (
+        results["c01/z.jpg"]["reason"]
+        == f"a link out of {special} (to /dev/zero): not followed (allow_outside_root=True follows it)"
+    )
+    assert sum(r["ok"] for r in results.values()) == 6
+
+
+def test_prepare_leaves_them_out_and_names_them(special, tmp_path, no_hang):
+    summary = prepare(special, tmp_path / "prep", PrepareOptions(), workers=1)
+    assert summary.samples == 6
+    reasons = {os.path.basename(r["path"]): r["reason"] for r in summary.left_out}
+    assert reasons["p.jpg"] == "not a regular file: a fifo" and reasons["z.jpg"].startswith("a link out of")
+
+
+def test_a_fifo_that_appears_after_the_scan_is_an_error_naming_it_not_a_hang(tmp_path, no_hang):
+    """Between the scan and the read, a file became a fifo, another a link to /dev/zero."""
+    root = make_folder(tmp_path / "data", 2, 3)
+    data = scan(root)
+    loader = gpupipe.build_loader(
+        root, "pillow", batch_size=3, train=False, image_size=16, device="cpu", on_error="skip"
+    )
+    (root / "c00" / "000.jpg").unlink()
+    os.mkfifo(root / "c00" / "000.jpg")
+    (root / "c00" / "001.jpg").unlink()
+    (root / "c00" / "001.jpg").symlink_to("/dev/zero")
+    for i, kind in ((0, "a fifo"), (1, "a character device")):
+        with pytest.raises(OSError, match=f"not a regular file: {kind}"):
+            data.read(i)
+    assert sum(len(y) for _, y in loader) == 4
+    assert sorted(reason for _, reason in loader.skipped) == [
+        "cannot read the file (not a regular file: a character device)",
+        "cannot read the file (not a regular file: a fifo)",
+    ]

@@ -1,0 +1,181 @@
+"""``gpupipe train`` stopped as schedulers, users and failures stop it, with real signals to real processes: SIGTERM
+and Ctrl-C save at the step boundary and print the resume command; a second Ctrl-C stops at once; a SIGKILLed or
+SIGSTOPped loader worker is one line and a checkpoint; a second run on the same --out is refused naming the first;
+a damaged checkpoint is refused naming the previous good one, which --resume-from resumes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpupipe.train import checkpoint
+
+from .common_utils import REPO_ROOT, make_folder
+from .test_pool import _children
+
+pytestmark = pytest.mark.slow  # each test runs gpupipe train in processes: seconds each
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("stop"), 4, 8)  # 32 images: 8 steps of 4 per epoch
+
+
+def _cmd(data, out, *extra) -> list[str]:
+    args = ["--data", data, "--out", out, "--model", "test_resnet", "--batch-size", "4", "--image-size", "32"]
+    args += ["--device", "cpu", "--lr", "0.05", "--log-every", "1", "--workers", "0", *extra]
+    return [sys.executable, "-m", "gpupipe", "train", *map(str, args)]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _start(cmd) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _wait_for(proc: subprocess.Popen, prefix: str) -> list[str]:
+    """stderr lines up to the first that starts with ``prefix`` (the run got that far)."""
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith(prefix):
+            return seen
+    raise AssertionError(f"the run ended before {prefix!r}: {''.join(seen)}")
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, list[str]]:
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, [line for line in err.splitlines() if line.strip()]
+
+
+def _run(cmd) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+
+
+def _weights(out) -> dict:
+    return checkpoint.load(f"{out}/checkpoints/last.pt")["model"]
+
+
+def test_sigterm_saves_at_the_step_boundary_and_the_resumed_run_ends_as_a_straight_one(data, tmp_path):
+    assert _run(_cmd(data, tmp_path / "straight", "--epochs", "2")).returncode == 0
+    out = tmp_path / "stopped"
+    proc = _start(_cmd(data, out, "--epochs", "2"))
+    _wait_for(proc, "epoch 0  2/8")
+    proc.send_signal(signal.SIGTERM)
+    code, lines = _finish(proc)
+    assert code == 128 + signal.SIGTERM, lines
+    assert "SIGTERM: stopping after this step to save a checkpoint" in lines
+    last = lines[-1]
+    assert last.startswith("stopped by SIGTERM; checkpoint saved at epoch 0, batch ")
+    assert last.endswith(f"resume with: gpupipe train {' '.join(_cmd(data, out, '--epochs', '2')[4:])} --resume")
+    saved = checkpoint.load(out / "checkpoints" / "last.pt")["loader"]
+    assert saved["epoch"] == 0 and 2 <= saved["batch"] < 8
+    r = _run(_cmd(data, out, "--epochs", "2", "--resume"))
+    assert r.returncode == 0, r.stderr
+    a, b = _weights(tmp_path / "straight"), _weights(out)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_ctrl_c_saves_and_a_second_one_stops_at_once(data, tmp_path):
+    """The first SIGINT asks for a save at the next optimizer step; with --accum 16 that is up to 15 micro-batches
+    away, and the second SIGINT comes before it: the run stops at once, saving nothing more."""
+    proc = _start(_cmd(data, tmp_path / "once", "--epochs", "3"))
+    _wait_for(proc, "epoch 0  2/8")
+    proc.send_signal(signal.SIGINT)
+    code, lines = _finish(proc)
+    assert code == 130 and lines[-1].startswith("stopped by SIGINT (Ctrl-C); checkpoint saved at epoch 0"), lines
+    assert not any("Traceback" in line for line in lines)
+
+    out = tmp_path / "twice"
+    proc = _start(_cmd(data, out, "--epochs", "3", "--accum", "16", "--batch-size", "2"))
+    _wait_for(proc, "epoch 0  1/")
+    proc.send_signal(signal.SIGINT)
+    _wait_for(proc, "SIGINT (Ctrl-C): stopping after this step")
+    proc.send_signal(signal.SIGINT)
+    code, lines = _finish(proc)
+    assert code == 130 and lines[-1].startswith("interrupted: stopped at once"), lines
+    assert not (out / "checkpoints" / "last.pt").exists()
+
+
+def test_a_killed_loader_worker_saves_and_is_one_line(data, tmp_path):
+    out = tmp_path / "run"
+    cmd = _cmd(data, out, "--epochs", "3", "--workers", "1")
+    proc = _start(cmd)
+    _wait_for(proc, "epoch 0  2/8")
+    (worker,) = _children(proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    code, lines = _finish(proc)
+    assert code == 2 and len(lines[-1:]) == 1, lines
+    assert lines[-1].startswith(f"error: DataLoader worker (pid(s) {worker}) exited unexpectedly"), lines
+    assert "; checkpoint saved at epoch " in lines[-1] and lines[-1].endswith("--resume")
+    assert not any("Traceback" in line for line in lines)
+    assert checkpoint.load(out / "checkpoints" / "last.pt")["loader"]["epoch"] in (0, 1)
+    r = _run([*cmd, "--resume"])
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_stopped_loader_worker_is_an_error_naming_it_after_the_timeout(data, tmp_path):
+    out = tmp_path / "run"
+    proc = _start(_cmd(data, out, "--epochs", "3", "--workers", "1", "--loader-timeout-s", "2"))
+    _wait_for(proc, "epoch 0  2/8")
+    (worker,) = _children(proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        code, lines = _finish(proc)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # nothing left behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, sig)
+    assert code == 2, lines
+    assert lines[-1].startswith("error: no batch from the data loader for 2 s (--loader-timeout-s): ")
+    assert f"worker pid {worker} is stopped" in lines[-1] and "; checkpoint saved at epoch " in lines[-1]
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(data, tmp_path):
+    out = tmp_path / "run"
+    first = _start(_cmd(data, out, "--epochs", "50"))
+    _wait_for(first, "epoch 0  1/8")
+    try:
+        r = _run(_cmd(data, out, "--epochs", "50", "--resume-or-start"))
+        (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2
+        assert line.startswith(f"error: {out}: in use by another run (pid {first.pid} on ")
+        assert "gpupipe train --data" in line and line.endswith("choose another --out")
+    finally:
+        first.kill()
+        first.wait()
+    r = _run(_cmd(data, out, "--epochs", "1", "--resume-or-start", "--allow-config-change"))
+    assert r.returncode == 0, r.stderr  # the dead run's lock is in nobody's way
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_good_one_resumes(data, tmp_path):
+    """The probe: 64 bytes flipped in the middle of last.pt resumed with exit 0 and changed weights."""
+    out = tmp_path / "run"
+    assert _run(_cmd(data, out, "--epochs", "1", "--save-every", "3")).returncode == 0
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in checkpoint.kept(ckpts)) == ["step-00000006.pt", "step-00000008.pt"]
+    raw = bytearray((ckpts / "last.pt").read_bytes())
+    mid = len(raw) // 2
+    raw[mid : mid + 64] = bytes(b ^ 0xFF for b in raw[mid : mid + 64])
+    with open(ckpts / "last.pt", "r+b") as f:
+        f.write(raw)
+    r = _run(_cmd(data, out, "--epochs", "2", "--resume", "--allow-config-change"))
+    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and line.startswith(f"error: {ckpts / 'last.pt'}: cannot resume from it (damaged")
+    previous = ckpts / "step-00000006.pt"
+    assert f"the previous good checkpoint is {previous} (epoch 0, batch 6, step 6)" in line
+    assert line.endswith(f"resume from it with --resume-from {previous}")
+    r = _run(_cmd(data, out, "--epochs", "2", "--allow-config-change", "--resume-from", previous))
+    assert r.returncode == 0, r.stderr
+    assert "resumed from epoch 0, batch 6 (optimizer step 6)" in r.stderr
+    assert checkpoint.load_for_resume(ckpts / "last.pt")["step"] == 16

@@ -1,0 +1,99 @@
+"""train/stop.py with real signals and real DataLoader workers: a stop request, a stalled worker, a lost one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gpupipe.train.stop import (
+    LoaderStalled,
+    StopSignals,
+    WorkerLost,
+    next_batch,
+    resume_command,
+    worker_errors_in_next,
+)
+
+
+def test_the_first_signal_asks_to_stop_and_a_second_ctrl_c_stops_at_once():
+    said = []
+    with StopSignals(announce=said.append) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM and stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)  # again: the save is on its way
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert said == ["SIGTERM: stopping after this step to save a checkpoint"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+class _Slow(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return torch.tensor([i])
+
+
+def _worker_pids(it) -> list[int]:
+    return [w.pid for w in it._workers]  # the test reaches into torch to pick a real worker to signal
+
+
+def test_a_stopped_worker_is_an_error_naming_it_within_the_timeout():
+    it = iter(DataLoader(_Slow(), batch_size=4, num_workers=1, prefetch_factor=1))
+    next_batch(it, 10)
+    pid = _worker_pids(it)[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.perf_counter()
+        with pytest.raises(LoaderStalled) as e:
+            for _ in range(20):
+                next_batch(it, 1.0)
+        assert time.perf_counter() - start < 5
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("no batch from the data loader for 1 s (--loader-timeout-s)")
+        assert f"worker pid {pid} is stopped (SIGSTOP, or a debugger), and was ended" in msg
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        del it
+
+
+def test_a_killed_worker_is_one_line_naming_it_in_next_never_in_the_middle_of_a_step():
+    """torch's SIGCHLD handler would raise in whatever the main thread is doing (here: a busy loop standing for an
+    optimizer step); with it off, the loss shows in next_batch."""
+    with worker_errors_in_next():
+        it = iter(DataLoader(_Slow(), batch_size=4, num_workers=2, prefetch_factor=1))
+        next_batch(it, 10)
+        pid = _worker_pids(it)[0]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.perf_counter() + 0.5
+        while time.perf_counter() < deadline:  # the "step": no exception may land here
+            sum(range(1000))
+        with pytest.raises(WorkerLost) as e:
+            for _ in range(20):
+                next_batch(it, 10)
+        del it
+    msg = str(e.value)
+    assert "\n" not in msg and f"DataLoader worker (pid(s) {pid}) exited unexpectedly" in msg
+
+
+def test_forked_workers_ignore_ctrl_c():
+    """A Ctrl-C in a terminal reaches the whole process group. (SIGTERM from anyone but its parent ends a worker:
+    torch's own handler; the loop then saves, as for any lost worker.)"""
+    with StopSignals(announce=lambda text: None):
+        it = iter(DataLoader(_Slow(), batch_size=4, num_workers=1, prefetch_factor=1))
+        next_batch(it, 10)
+        os.kill(_worker_pids(it)[0], signal.SIGINT)
+        assert sum(len(b) for b in it) == 60  # the worker went on
+        del it
+
+
+def test_resume_command_repeats_the_command_with_resume(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/x/gpupipe", "train", "--out", "my run", "--resume", "--epochs", "3"])
+    assert resume_command("my run") == "gpupipe train --out 'my run' --epochs 3 --resume"
