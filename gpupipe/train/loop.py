@@ -28,6 +28,7 @@ from ..recipe import Recipe
 from .checkpoint import TrainState
 from .config import TrainConfig, to_yaml
 from .distributed import Distributed
+from .feedback import CTFeedback
 from .logging import Meter, RunLogger
 from .nonfinite import LossWatch
 from .precision import Precision
@@ -50,6 +51,7 @@ class Run:
     mix: Mix | None
     logger: RunLogger
     steps_per_epoch: int  # optimizer steps
+    feedback: CTFeedback | None = None  # --aa ctaugment: the probe batches that move its weights
 
     @property
     def micro_batches(self) -> int:
@@ -72,7 +74,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
 
         # Data: every rank reads its own shard, and every rank takes the same number of steps.
-        train_loader, val_loader = build_loaders(cfg, dist.device)
+        train_loader, val_loader, feedback = build_loaders(cfg, dist.device)
         steps_per_epoch = optimizer_steps(len(train_loader), cfg.accum)
         num_classes = len(train_loader.dataset.classes)
 
@@ -92,7 +94,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         total = steps_per_epoch * cfg.accum
         logger = RunLogger(Path(cfg.out), enabled=dist.is_main, total=total, world_size=dist.world_size)
         teardown.callback(logger.close)
-        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch)
+        run = Run(
+            cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch, feedback
+        )
         if dist.is_main:
             write_config(Path(cfg.out), cfg, resume, changed, state.step, logger)
         logger.note(startup_line(run))  # before the first progress line, which comes log_every batches later
@@ -141,6 +145,8 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     run.logger.start_epoch(epoch, first)
     batches = iter(run.train_loader)
     watch = LossWatch()  # a NaN/inf loss stops the run before anything after it is saved
+    if run.feedback is not None:
+        run.feedback.start_epoch(epoch, first)
     meter.start()
     for batch_idx in range(first, n_batches):
         t_wait = time.perf_counter()
@@ -154,6 +160,8 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         loss = forward_backward(run, images, targets, all_reduce=need_update)
         if need_update:
             optimizer_step(state)
+        if run.feedback is not None:  # FixMatch's loop: the model scores a probe batch, CTAugment's weights move
+            run.feedback.step(state.model, state.precision)
 
         meter.update(loss, len(labels), wait)
         watch.add(batch_idx, state.step + (not need_update), loss)  # the optimizer step this micro-batch makes
@@ -234,9 +242,10 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"unknown --model {name!r}; {hint}")
 
 
-def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loader | None]:
-    """The train loader, with the recipe's per-image policies, and the validation loader (None without --val),
-    labelled with the training classes whatever its folder holds."""
+def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loader | None, CTFeedback | None]:
+    """The train loader, with the recipe's per-image policies, the validation loader (None without --val),
+    labelled with the training classes whatever its folder holds, and with ``--aa ctaugment...`` its feedback (a
+    probe loader over the training data)."""
     recipe = Recipe(
         cfg.image_size,
         auto_augment=cfg.aa,
@@ -259,9 +268,13 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         allow_outside_root=cfg.allow_outside_root,
     )
     train_loader = loader(cfg.data, train=True)
+    feedback = None
+    if train_loader.ctaugment is not None:
+        feedback = CTFeedback(train_loader, lambda probe_recipe: loader(cfg.data, train=True, recipe=probe_recipe))
     if not cfg.val:
-        return train_loader, None
-    return train_loader, loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
+        return train_loader, None, feedback
+    val_loader = loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
+    return train_loader, val_loader, feedback
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:
