@@ -23,6 +23,7 @@ POLICIES = {
     "rand-m9-mstd0.5-inc1": dict(auto_augment="rand-m9-mstd0.5-inc1"),
     "original (AutoAugment)": dict(auto_augment="original"),
     "trivialaugment": dict(auto_augment="trivialaugment"),
+    "ctaugment (FixMatch's n2 d0.99 t0.8)": dict(auto_augment="ctaugment"),
     "color_jitter 0.4": dict(color_jitter=0.4),
     "re_prob 0.25 pixel": dict(re_prob=0.25),
     "re_prob 1.0 pixel": dict(re_prob=1.0),

@@ -37,7 +37,8 @@ class Recipe:
     ``round(size / crop_pct)`` + centre crop. Normalisation (mean/std) happens on the device.
 
     Train-time policies after the crop, per image, with timm's names and meanings (all off by default; see
-    :mod:`gpupipe.augment`): ``auto_augment`` (``"rand-m9-mstd0.5-inc1"``, ``"original"``, ``"trivialaugment"``),
+    :mod:`gpupipe.augment`): ``auto_augment`` (``"rand-m9-mstd0.5-inc1"``, ``"original"``, ``"trivialaugment"``,
+    ``"ctaugment-d0.99-t0.8-n2"`` with its feedback, see :mod:`gpupipe.augment.ctaugment`),
     ``color_jitter`` (0.4: brightness = contrast = saturation = 0.4), random erasing (``re_prob``, ``re_mode``
     ``"pixel"``/``"rand"``/``"const"``, up to ``re_count`` boxes)."""
 

@@ -204,7 +204,8 @@ def test_cuda_device_path_matches_the_cpu_workers(folder):
     assert synth.is_cuda and synth.shape == (24, 3, 48, 48)
 
 
-def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch):
+@pytest.mark.parametrize("aa", [RA, "ctaugment"])
+def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch, aa):
     import json
 
     from gpupipe.cli import main
@@ -233,7 +234,7 @@ def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch):
             "--image-size",
             "32",
             "--aa",
-            RA,
+            aa,
             "--reprob",
             "0.25",
             "--json",

@@ -31,6 +31,7 @@ POLICIES = {
     "rand-m9-n3 + pixel erasing x3": dict(auto_augment="rand-m9-n3-mstd0.5-inc1", re_prob=1.0, re_count=3),
     "original + jitter": dict(auto_augment="original", color_jitter=0.4),
     "trivialaugment + const erasing": dict(auto_augment="trivialaugment", re_prob=0.5, re_mode="const"),
+    "ctaugment-n4 (every op in 32 images)": dict(auto_augment="ctaugment-n4-t0.5"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Per-image augmentation after the crop: RandAugment, AutoAugment, TrivialAugment, colour jitter, random erasing.
+"""Per-image augmentation after the crop: RandAugment, AutoAugment, TrivialAugment, CTAugment (with its feedback,
+:mod:`.ctaugment`), colour jitter, random erasing.
 
 Where each part lives: :mod:`.parse` reads the recipe's settings (policy strings, jitter, erasing); :mod:`.ops`
 is the op table (name -> kernel and timm's level function; a new op is one entry there); :mod:`.kernels` the
@@ -31,6 +32,7 @@ recipe mean (0 after normalization, as timm), ``rand``/``pixel`` with normal noi
 (sample, channel, row, column) looked up in a normal quantile table, so it is the same on any device and batch.
 """
 
+from .ctaugment import CTAugment, CTWeights, proximity
 from .ops import OPS, Op, OpSpec, Record
 from .policies import AutoAugment, ColorJitter, Policy, RandAugment, RandomErasing, TrivialAugment
 from .sample import SampleAugment, TransformsMode, as_transform
@@ -38,6 +40,8 @@ from .sample import SampleAugment, TransformsMode, as_transform
 __all__ = [
     "OPS",
     "AutoAugment",
+    "CTAugment",
+    "CTWeights",
     "ColorJitter",
     "Op",
     "OpSpec",
@@ -49,4 +53,5 @@ __all__ = [
     "TransformsMode",
     "TrivialAugment",
     "as_transform",
+    "proximity",
 ]

@@ -107,6 +107,10 @@ def _per_image_u8(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def autocontrast(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+    return _autocontrast(x)
+
+
+def _autocontrast(x: torch.Tensor) -> torch.Tensor:
     """v2 ``autocontrast`` with the same arithmetic, its two boolean-mask assignments (a host sync each on CUDA) as
     ``where``."""
     image = x.float()
@@ -266,3 +270,64 @@ def erase(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
     region = x[:, :, y0:y1, x0:x1]
     x[:, :, y0:y1, x0:x1] = torch.where(inside, fill, region)
     return x
+
+
+# ---- CTAugment's own ops (FixMatch's ``libml/ctaugment.py``) ----------------------------------------------------
+_RING = [(dy, dx) for dy in range(5) for dx in range(5) if dy in (0, 4) or dx in (0, 4)]
+
+
+def _box_blur(x: torch.Tensor) -> torch.Tensor:
+    """PIL's ``ImageFilter.BLUR`` (the 16 pixels on the 5x5 ring, /16, rounded), borders kept."""
+    h, w = x.shape[-2:]
+    if h < 5 or w < 5:
+        return x.float()
+    xi = x.to(torch.int16)  # at most 16 * 255 + 8: no overflow
+    s = xi[..., 0 : h - 4, 0 : w - 4].clone()
+    for dy, dx in _RING[1:]:
+        s += xi[..., dy : dy + h - 4, dx : dx + w - 4]
+    out = xi.clone()
+    out[..., 2:-2, 2:-2] = torch.div(s + 8, 16, rounding_mode="floor")
+    return out.float()
+
+
+def _blended(op: Callable[[torch.Tensor], torch.Tensor]) -> Kernel:
+    """``Image.blend(x, op(x), level)`` as PIL computes it (float32 ``x + level * (op(x) - x)``, truncated), one
+    level per image."""
+
+    def kernel(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+        f = a[:, :1].to(torch.float32).view(-1, 1, 1, 1)
+        xf = x.float()
+        return xf.add_(f * (op(x).float() - xf)).clamp_(0, 255).to(torch.uint8)
+
+    return kernel
+
+
+ct_autocontrast = _blended(_autocontrast)  # v2's arithmetic without its host syncs
+ct_equalize = _blended(F.equalize)
+ct_invert = _blended(F.invert)
+ct_blur = _blended(_box_blur)
+ct_smooth = _blended(_sharp_degenerate)  # PIL's SMOOTH is v2's sharpness kernel: 3x3, centre 5, /13
+
+
+def ct_cutout(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+    """A (top, left, bottom, right) box per image, set to grey 127."""
+    h, w = x.shape[-2:]
+    top, left, bottom, right = (a[:, i].view(-1, 1, 1, 1) for i in range(4))
+    rows = torch.arange(h, device=x.device).view(1, 1, h, 1)
+    cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
+    inside = (rows >= top) & (rows < bottom) & (cols >= left) & (cols < right)
+    return x.masked_fill(inside, 127)
+
+
+class CtRescale:
+    """(s,): crop ``s`` of the side off every edge and resize back, a zoom about the centre: output (x, y) reads
+    input (s*W + (1-2s)x, s*H + (1-2s)y); one kernel per resampling mode (PIL's six methods map to three)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def __call__(self, x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        s = a[:, 0]
+        mats = _matrices(a, 1 - 2 * s, 0, s * w, 0, 1 - 2 * s, s * h)
+        return warp(x, mats, ctx.constant(x.device, "fill"), self.mode)

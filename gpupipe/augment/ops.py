@@ -1,6 +1,7 @@
 """The op table: every op a policy can draw, keyed by its name (timm's names, ``Hue`` for jitter, ``Erase`` for
-random erasing), with its batched kernel and, for the ops timm's policy strings name, timm's level function
-(``LEVEL_TO_ARG``). A new op is one entry here (and a kernel in :mod:`.kernels`); a policy then names it."""
+random erasing, ``Ct*`` for CTAugment's own), with its batched kernel and, for the ops timm's policy strings name,
+timm's level function (``LEVEL_TO_ARG``). A new op is one entry here (and a kernel in :mod:`.kernels`); a policy
+then names it."""
 
 from __future__ import annotations
 
@@ -111,6 +112,16 @@ OPS: dict[str, OpSpec] = {
     "SharpnessIncreasing": OpSpec(K.sharpness, _enhance_increasing),
     "Hue": OpSpec(K.hue),
     "Erase": OpSpec(K.erase),
+    # CTAugment's own (its level maps are in .ctaugment)
+    "CtAutocontrast": OpSpec(K.ct_autocontrast),
+    "CtEqualize": OpSpec(K.ct_equalize),
+    "CtInvert": OpSpec(K.ct_invert),
+    "CtBlur": OpSpec(K.ct_blur),
+    "CtSmooth": OpSpec(K.ct_smooth),
+    "CtCutout": OpSpec(K.ct_cutout),
+    "CtRescaleBicubic": OpSpec(K.CtRescale("bicubic")),
+    "CtRescaleBilinear": OpSpec(K.CtRescale("bilinear")),
+    "CtRescaleNearest": OpSpec(K.CtRescale("nearest")),
 }
 
 

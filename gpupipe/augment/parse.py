@@ -39,7 +39,27 @@ class TrivialAugmentConfig:
     """torchvision's ``TrivialAugmentWide``: no settings."""
 
 
-AutoAugmentSetting = RandAugmentConfig | AutoAugmentConfig | TrivialAugmentConfig
+@dataclass(frozen=True)
+class CTAugmentConfig:
+    """CTAugment (ReMixMatch, as FixMatch runs it): ``"ctaugment"`` with timm-style sections ``d`` (the rates'
+    decay), ``t`` (the threshold under which a bin is not drawn), ``n`` (ops per image), and ``probe`` (draw every
+    level uniformly and record it: the probe batches of the feedback). FixMatch's defaults."""
+
+    depth: int = 2
+    decay: float = 0.99
+    threshold: float = 0.8
+    probe: bool = False
+
+    def __post_init__(self):
+        if self.depth < 1:
+            raise ValueError(f"ctaugment ops per image (n) must be >= 1, got {self.depth}")
+        if not 0 < self.decay < 1:
+            raise ValueError(f"ctaugment decay (d) must be in (0, 1), got {self.decay}")
+        if not 0 <= self.threshold <= 1:
+            raise ValueError(f"ctaugment threshold (t) must be in [0, 1], got {self.threshold}")
+
+
+AutoAugmentSetting = RandAugmentConfig | AutoAugmentConfig | TrivialAugmentConfig | CTAugmentConfig
 
 
 def split_config(config: str) -> tuple[str, dict[str, str]]:
@@ -63,13 +83,15 @@ def parse_auto_augment(text: str | None) -> AutoAugmentSetting | None:
         return _rand_augment(config, kv)
     if config in ("trivialaugment", "trivialaugmentwide", "ta_wide"):
         return TrivialAugmentConfig()
+    if head == "ctaugment":
+        return parse_ctaugment(config)
     if head in ("original", "originalr"):
         if set(kv) - {"mstd"}:
             raise ValueError(f"unsupported AutoAugment section(s) in {config!r}; supported: mstd")
         return AutoAugmentConfig("original" if head == "original" else "originalr", float(kv.get("mstd", 0)))
     raise ValueError(
         f"auto_augment must be 'rand-...' (timm's RandAugment string), 'original', "
-        f"'originalr' or 'trivialaugment', got {text!r}"
+        f"'originalr', 'trivialaugment' or 'ctaugment[-d0.99-t0.8-n2][-probe]', got {text!r}"
     )
 
 
@@ -87,6 +109,28 @@ def _rand_augment(config: str, kv: dict[str, str]) -> RandAugmentConfig:
         mmax=int(kv["mmax"]) if "mmax" in kv else None,
         increasing=bool(int(kv.get("inc", 0))),
     )
+
+
+def parse_ctaugment(config: str) -> CTAugmentConfig:
+    """``"ctaugment-d0.99-t0.8-n2"`` (any sections, any order) or ``"ctaugment-probe"``."""
+    kw: dict = {}
+    for s in config.lower().split("-")[1:]:
+        key, value = s[:1], s[1:]
+        try:
+            if s == "probe":
+                kw["probe"] = True
+            elif key in ("d", "t") and value:
+                kw["decay" if key == "d" else "threshold"] = float(value)
+            elif key == "n" and value:
+                kw["depth"] = int(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"unsupported ctaugment section {s!r} in {config!r}; supported: d<decay>, t<threshold>, "
+                "n<ops per image>, probe"
+            ) from None
+    return CTAugmentConfig(**kw)
 
 
 def parse_color_jitter(cj: float | tuple[float, ...] | None) -> tuple[float, float, float, float] | None:

@@ -13,11 +13,13 @@ import numpy as np
 import torch
 
 from ..data.upload import HostPack, Slot
+from .ctaugment import CTAugment, CTWeights
 from .kernels import KernelContext
 from .ops import LEVEL_DENOM, OPS, Op, Record, level_args
 from .parse import (
     AutoAugmentConfig,
     AutoAugmentSetting,
+    CTAugmentConfig,
     RandAugmentConfig,
     check_erasing,
     parse_auto_augment,
@@ -244,6 +246,8 @@ def _auto_augment(setting: AutoAugmentSetting | None, size: int) -> Drawer | Non
         return RandAugment(setting, size)
     if isinstance(setting, AutoAugmentConfig):
         return AutoAugment(setting, size)
+    if isinstance(setting, CTAugmentConfig):
+        return CTAugment.from_config(setting, size)
     return None if setting is None else TrivialAugment()
 
 
@@ -263,8 +267,10 @@ class Policy:
         self.drawers: tuple[Drawer, ...] = tuple(
             d for d in (self.auto_augment, self.jitter, self.erasing) if d is not None
         )
+        # CTAugment: the weights it draws from, updated by its feedback (None for the other policies)
+        self.ctaugment = self.auto_augment if isinstance(self.auto_augment, CTAugment) else None
         mean255 = tuple(m * 255 for m in recipe.mean)
-        if isinstance(self.auto_augment, TrivialAugment):  # torchvision's defaults
+        if isinstance(self.auto_augment, (TrivialAugment, CTAugment)):  # torchvision's defaults; FixMatch's PIL's
             fill: tuple[float, ...] = (0.0, 0.0, 0.0)
             interpolation = "nearest"
         else:  # timm's img_mean; timm picks bilinear or bicubic at random, grid_sample has both
@@ -275,10 +281,14 @@ class Policy:
     def active(self) -> bool:
         return bool(self.drawers)
 
-    def draw(self, seed: int, epoch: int, index: int) -> Record:
-        """The record of sample ``(seed, epoch, index)``, from its own stream."""
+    def draw(self, seed: int, epoch: int, index: int, weights: CTWeights | None = None) -> Record:
+        """The record of sample ``(seed, epoch, index)``, from its own stream; ``weights``: the snapshot of
+        CTAugment's rates the sample's batch draws from (default: the current ones)."""
         rng = random.Random(f"{seed}/{epoch}/{index}/aug")
-        return tuple(op for drawer in self.drawers for op in drawer.draw(rng))
+        ops: list[Op] = []
+        for drawer in self.drawers:
+            ops += drawer.draw(rng, weights) if isinstance(drawer, CTAugment) else drawer.draw(rng)
+        return tuple(ops)
 
     def apply(self, images: torch.Tensor, records: Sequence[Record]) -> torch.Tensor:
         """(N,3,H,W) uint8 on any device, one record per image -> augmented uint8 (a new tensor)."""

@@ -11,6 +11,7 @@ import torch
 
 from ..data.upload import HostPack
 from ..errors import TransformError
+from .ctaugment import CTWeights
 from .policies import Policy, Step
 
 TransformsMode = Literal["image", "batch"]
@@ -53,32 +54,33 @@ class SampleAugment:
     def active(self) -> bool:
         return self.policy is not None or self.transforms is not None
 
-    def one(self, image: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
-        """One (3,H,W) uint8 image: the policy and the per-image transforms (the decode workers' call)."""
+    def one(self, image: torch.Tensor, epoch: int, index: int, weights: CTWeights | None = None) -> torch.Tensor:
+        """One (3,H,W) uint8 image: the policy and the per-image transforms (the decode workers' call); ``weights``:
+        CTAugment's snapshot for the sample's batch."""
         if self.policy is not None:
-            image = self.policy.apply(image[None], [self.policy.draw(self.seed, epoch, index)])[0]
+            image = self.policy.apply(image[None], [self.policy.draw(self.seed, epoch, index, weights)])[0]
         if self.per_image is not None:
             image = self._user(image, epoch, index)
         return image
 
-    def batch(self, images: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    def batch(self, images: torch.Tensor, keys: torch.Tensor | None, weights: CTWeights | None = None) -> torch.Tensor:
         """A (N,3,H,W) uint8 device batch: with ``keys`` ((N,2) (epoch, index) pairs on the CPU), the per-sample part,
-        batched; then the batch-wise transforms. (The device stage calls :meth:`prepare` and :meth:`run` instead, to
-        send the arguments with the labels in one copy.)"""
+        batched (``weights``: CTAugment's snapshot for the batch); then the batch-wise transforms. (The device stage
+        calls :meth:`prepare` and :meth:`run` instead, to send the arguments with the labels in one copy.)"""
         pack = HostPack()
-        job = self.prepare(keys, pack)
+        job = self.prepare(keys, pack, weights)
         pack.send(images.device)
         return self.run(images, job, pack)
 
-    def prepare(self, keys: torch.Tensor | None, pack: HostPack) -> BatchJob | None:
-        """Draw the records of the samples ``keys`` names and queue their arguments in ``pack``; None: nothing per
-        sample to do."""
+    def prepare(self, keys: torch.Tensor | None, pack: HostPack, weights: CTWeights | None = None) -> BatchJob | None:
+        """Draw the records of the samples ``keys`` names (CTAugment's from ``weights``, the batch's snapshot) and
+        queue their arguments in ``pack``; None: nothing per sample to do."""
         if keys is None or (self.policy is None and self.per_image is None):
             return None
         pairs = keys.tolist()
         steps = None
         if self.policy is not None:
-            steps = self.policy.prepare([self.policy.draw(self.seed, e, i) for e, i in pairs], pack)
+            steps = self.policy.prepare([self.policy.draw(self.seed, e, i, weights) for e, i in pairs], pack)
         return BatchJob(pairs, steps)
 
     def run(self, images: torch.Tensor, job: BatchJob | None, pack: HostPack | None) -> torch.Tensor:

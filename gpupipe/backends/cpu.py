@@ -48,18 +48,18 @@ class _SampleDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]) -> Sample:
+    def __getitem__(self, key: tuple) -> Sample:
         path, label = self.dataset.samples[key[1]]
         image = np.empty((self.recipe.size, self.recipe.size, 3), dtype=np.uint8)
         error, fell_back = self._into(key, self.dataset.read_many([key[1]])[0], image)
         if error is not None:
-            return Sample(path, label, None, error, key=key)
-        return Sample(path, label, image.transpose(2, 0, 1), fell_back=fell_back, key=key)
+            return Sample(path, label, None, error, key=(key[0], key[1]))
+        return Sample(path, label, image.transpose(2, 0, 1), fell_back=fell_back, key=(key[0], key[1]))
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> Batch:
+    def __getitems__(self, keys: list[tuple]) -> Batch:
         """A batch (the DataLoader's fetcher calls this): its bytes read together, concurrently where the storage
         can (object storage: one round trip's latency for the batch), then each image made into its slot."""
-        data = self.dataset.read_many([index for _, index in keys])
+        data = self.dataset.read_many([key[1] for key in keys])
         size = self.recipe.size
         images = _batch_buffer(len(keys), size)
         labels: list[int] = []
@@ -76,18 +76,16 @@ class _SampleDataset(torch.utils.data.Dataset):
                 errors.append((path, error))
                 continue
             labels.append(label)
-            good.append(key)
+            good.append((key[0], key[1]))
             fallbacks += fell_back
         keys_t = torch.tensor(good, dtype=torch.int64).view(-1, 2)
         labels_t = torch.tensor(labels, dtype=torch.int64)
         return WireBatch(images[: len(good)], labels_t, "NHWC", errors, fallbacks, keys_t)
 
-    def _into(
-        self, key: tuple[int, int], data: bytes | Exception, out: np.ndarray | torch.Tensor
-    ) -> tuple[str | None, bool]:
+    def _into(self, key: tuple, data: bytes | Exception, out: np.ndarray | torch.Tensor) -> tuple[str | None, bool]:
         """Decode sample ``key`` (its bytes, or why they could not be read) into ``out`` ((S, S, 3) uint8): (why it
         failed or None, whether it fell back)."""
-        epoch, index = key
+        epoch, index, *weights = key  # with CTAugment, the snapshot the sample's batch draws from (_KeysWithWeights)
         path = self.dataset.samples[index][0]
         try:
             if isinstance(data, Exception):
@@ -96,7 +94,7 @@ class _SampleDataset(torch.utils.data.Dataset):
             fell_back = _crop_into(self.decoder, data, path, plan, out)
             if self.augment is not None:
                 chw = torch.as_tensor(out).permute(2, 0, 1)
-                chw.copy_(self.augment.one(chw.clone(), epoch, index))
+                chw.copy_(self.augment.one(chw.clone(), epoch, index, *weights))
             return None, fell_back
         except DecodeError as e:
             return e.reason, False
@@ -156,6 +154,25 @@ class _Collate:
         return WireBatch(images, labels, "NHWC", errors, sum(it.fell_back for it in items), keys)
 
 
+class _KeysWithWeights:
+    """The sampler's batches of ``(epoch, index)`` keys, each key with the CTAugment weights snapshot its batch draws
+    from (one object per batch, so it is pickled to the worker once)."""
+
+    def __init__(self, loader: Loader):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader.sampler)
+
+    def __iter__(self) -> Iterator[list[tuple]]:
+        clock, position = self.loader.weights_clock, self.loader.position
+        assert clock is not None  # made only for a loader that draws from CTAugment's weights
+        first = position.epoch * len(self.loader.sampler) + position.batch  # the pass's start, read now
+        for g, keys in enumerate(self.loader.sampler, first):
+            weights = clock.for_batch(g)
+            yield [(e, i, weights) for e, i in keys]
+
+
 class CpuLoader(Loader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
@@ -163,16 +180,27 @@ class CpuLoader(Loader):
         super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder
-        # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU
-        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" else None
+        # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU; and
+        # CTAugment's probe batches (small), so their records come from the keys the device stage gets.
+        probe = self.ctaugment is not None and self.ctaugment.probe
+        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
         self._dataloader: torch.utils.data.DataLoader | None = None
 
+    @staticmethod
+    def _drawn_ahead(parts: LoaderParts) -> int:
+        """The workers draw on a CPU device, when the DataLoader hands them the batch's keys: up to ``workers *
+        prefetch_factor`` batches ahead."""
+        if parts.stage.device.type != "cpu":
+            return 0
+        return parts.workers * parts.dataloader.prefetch_factor  # DataLoader's queue (no prefetch with 0 workers)
+
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         if self._dataloader is None:  # made once: persistent workers outlive epochs
+            keyed = self._data.augment is not None and self.weights_clock is not None
             self._dataloader = torch.utils.data.DataLoader(
                 self._data,
-                batch_sampler=self.sampler,
+                batch_sampler=_KeysWithWeights(self) if keyed else self.sampler,
                 collate_fn=self._collate(),
                 **self.parts.dataloader.kwargs(self.parts.workers),
             )

@@ -12,7 +12,7 @@ from ..recipe import Recipe
 from .upload import HostPack
 
 if TYPE_CHECKING:
-    from ..augment import SampleAugment
+    from ..augment import CTWeights, SampleAugment
 
 
 Layout = Literal["NHWC", "NCHW"]  # a batch's uint8 images: (n,H,W,3) or (n,3,H,W)
@@ -25,6 +25,7 @@ class BatchLike(Protocol):
     labels: torch.Tensor
     layout: Layout
     keys: torch.Tensor | None
+    weights: CTWeights | None  # CTAugment's snapshot the batch draws from
 
 
 def normalize(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ class DeviceStage:
         label_slot = None if b.labels.device == self.device else pack.add(b.labels, torch.int64)
         job = None
         if self.augment is not None and b.keys is not None:
-            job = self.augment.prepare(b.keys, pack)
+            job = self.augment.prepare(b.keys, pack, b.weights)
         if label_slot is not None or job is not None:
             pack.send(self.device)
         labels = b.labels if label_slot is None else pack.get(label_slot)

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..augment.ctaugment import CTAugment, CTRecord, CTWeights
+from ..augment.feedback import LoaderFeedback, WeightsClock, lag_for
 from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from .device import DeviceStage, Layout
@@ -33,6 +35,7 @@ class Batch:
     # per-image transforms) is still to do; the device stage does it from these keys. None: done (or none to do).
     keys: torch.Tensor | None = None
     failure: GpupipeError | None = None  # raised in the main process whatever on_error says (a transform's bug)
+    weights: CTWeights | None = None  # CTAugment's snapshot the device stage draws this batch from
 
     def pin_memory(self) -> Batch:  # DataLoader's pin thread calls this
         self.images, self.labels = self.images.pin_memory(), self.labels.pin_memory()
@@ -109,6 +112,28 @@ class Loader:
         self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
+        augment = parts.stage.augment
+        policy = augment.policy if augment is not None else None
+        # CTAugment: the weights it draws from and their feedback (``update``); None without it
+        self.ctaugment: CTAugment | None = policy.ctaugment if policy is not None else None
+        # a probe loader's records of the batch last delivered, one per image (what ``ctaugment.update`` takes)
+        self.records: list[CTRecord] = []
+        self._feedback = (
+            None
+            if self.ctaugment is None
+            else LoaderFeedback(self.ctaugment, parts.seed, lag_for(self._drawn_ahead(parts)))
+        )
+
+    @staticmethod
+    def _drawn_ahead(parts: LoaderParts) -> int:
+        """How many batches' augmentation may be drawn before the batch before them is handed out, beyond the device
+        stage's one (CTAugment's lag): none where the device stage draws; loaders whose decode workers draw say."""
+        return 0
+
+    @property
+    def weights_clock(self) -> WeightsClock | None:
+        """Which CTAugment weights each batch draws from (None without CTAugment, or for a probe loader)."""
+        return None if self._feedback is None else self._feedback.clock
 
     @property
     def batch_size(self) -> int:
@@ -129,10 +154,16 @@ class Loader:
 
     def state_dict(self) -> dict:
         """``{"epoch", "batch"}``: the position after the batches delivered so far (never those prefetched); after a
-        full pass, the start of the next epoch. ``load_state_dict`` on a loader built alike resumes there."""
-        return self.position.state_dict()
+        full pass, the start of the next epoch. ``load_state_dict`` on a loader built alike resumes there. With
+        CTAugment, also its weights and the snapshots the next batches draw from (``"ctaugment"``)."""
+        state: dict = self.position.state_dict()
+        if self._feedback is not None and self._feedback.clock is not None:
+            state["ctaugment"] = self._feedback.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self._feedback is not None and "ctaugment" in state:
+            self._feedback.load_state_dict(state["ctaugment"])
         self.position.load_state_dict(state)
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
@@ -142,7 +173,18 @@ class Loader:
         """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""
         self.skipped, self.fallbacks = [], 0
         sizes = [len(b) for b in self.sampler.batches(epoch, start)]
-        return self.stage.iterate(self._with_policy(self._source(epoch, start), sizes))
+        batches = self._with_policy(self._source(epoch, start), sizes)
+        if self._feedback is None:
+            return self.stage.iterate(batches)
+        first = epoch * len(self) + start  # CTAugment's batch count, over epochs
+        return self._delivering(self.stage.iterate(self._feedback.tag(batches, first)), first)
+
+    def _delivering(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], first: int):
+        """The batches, CTAugment's clock told as each is handed out (a probe loader's ``records`` set)."""
+        assert self._feedback is not None  # only with CTAugment
+        for g, batch in enumerate(batches, first):
+            self.records = self._feedback.delivered(g) or []
+            yield batch
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         raise NotImplementedError
@@ -211,14 +253,15 @@ def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[
 def _cat(a: Batch, b: Batch) -> Batch:
     if len(a.labels) == 0 or len(b.labels) == 0:  # a batch of failures only: nothing to join (nor its layout)
         a = b if len(a.labels) == 0 else a
-        return Batch(a.images, a.labels, a.layout, keys=a.keys)
+        return Batch(a.images, a.labels, a.layout, keys=a.keys, weights=a.weights)
     keys = None if a.keys is None or b.keys is None else torch.cat([a.keys, b.keys])
-    return Batch(torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels]), a.layout, keys=keys)
+    cat = torch.cat
+    return Batch(cat([a.images, b.images]), cat([a.labels, b.labels]), a.layout, keys=keys, weights=a.weights)
 
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
     k = (None, None) if b.keys is None else (b.keys[:n], b.keys[n:])
     return (
-        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0]),
-        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1]),
+        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0], weights=b.weights),
+        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1], weights=b.weights),
     )

@@ -17,6 +17,7 @@ from ..mix import Mix
 from ..recipe import Recipe
 from .checkpoint import TrainState
 from .config import TrainConfig
+from .feedback import CTFeedback
 from .precision import Precision
 
 
@@ -43,9 +44,10 @@ def check_model_name(name: str) -> None:
         raise ValueError(f"unknown --model {name!r}; {hint}")
 
 
-def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loader | None]:
-    """The train loader, with the recipe's per-image policies, and the validation loader (None without --val),
-    labelled with the training classes whatever its folder holds."""
+def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loader | None, CTFeedback | None]:
+    """The train loader, with the recipe's per-image policies, the validation loader (None without --val),
+    labelled with the training classes whatever its folder holds, and with ``--aa ctaugment...`` its feedback (a
+    probe loader over the training data)."""
     recipe = Recipe(
         cfg.image_size,
         auto_augment=cfg.aa,
@@ -68,9 +70,13 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         allow_outside_root=cfg.allow_outside_root,
     )
     train_loader = loader(cfg.data, train=True)
+    feedback = None
+    if train_loader.ctaugment is not None:
+        feedback = CTFeedback(train_loader, lambda probe_recipe: loader(cfg.data, train=True, recipe=probe_recipe))
     if not cfg.val:
-        return train_loader, None
-    return train_loader, loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
+        return train_loader, None, feedback
+    val_loader = loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
+    return train_loader, val_loader, feedback
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:

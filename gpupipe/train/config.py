@@ -57,7 +57,8 @@ class TrainConfig:
     aa: str | None = opt(
         None,
         "per-image auto-augmentation, timm's names: rand-m9-mstd0.5-inc1 (RandAugment), original (AutoAugment), "
-        "trivialaugment (default None: off)",
+        "trivialaugment; ctaugment[-d0.99-t0.8-n2] (CTAugment, its weights moved by a probe batch per step, "
+        "FixMatch's loop) (default None: off)",
         resume="changeable",
     )
     color_jitter: float | None = opt(

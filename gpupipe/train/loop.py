@@ -26,6 +26,7 @@ from .build import build_criterion, build_loaders, build_model, build_state, che
 from .checkpoint import TrainState
 from .config import TrainConfig, to_yaml
 from .distributed import Distributed
+from .feedback import CTFeedback
 from .logging import Meter, RunLogger
 from .nonfinite import LossWatch
 from .precision import Precision
@@ -50,6 +51,7 @@ class Run:
     logger: RunLogger
     steps_per_epoch: int  # optimizer steps
     stop: StopSignals  # a SIGINT or SIGTERM asked the run to save and stop
+    feedback: CTFeedback | None = None  # --aa ctaugment: the probe batches that move its weights
 
     @property
     def micro_batches(self) -> int:
@@ -72,7 +74,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
 
         # Data: every rank reads its own shard, and every rank takes the same number of steps.
-        train_loader, val_loader = build_loaders(cfg, dist.device)
+        train_loader, val_loader, feedback = build_loaders(cfg, dist.device)
         steps_per_epoch = optimizer_steps(len(train_loader), cfg.accum)
         num_classes = len(train_loader.dataset.classes)
 
@@ -92,7 +94,20 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         total = steps_per_epoch * cfg.accum
         logger = RunLogger(Path(cfg.out), enabled=dist.is_main, total=total, world_size=dist.world_size)
         teardown.callback(logger.close)
-        run = Run(cfg, dist, state, run_model, train_loader, val_loader, criterion, mix, logger, steps_per_epoch, stop)
+        run = Run(
+            cfg,
+            dist,
+            state,
+            run_model,
+            train_loader,
+            val_loader,
+            criterion,
+            mix,
+            logger,
+            steps_per_epoch,
+            stop,
+            feedback,
+        )
         if dist.is_main:
             write_config(Path(cfg.out), cfg, resume is not None, changed, state.step, logger)
         logger.note(startup_line(run))  # before the first progress line, which comes log_every batches later
@@ -141,6 +156,8 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     run.logger.start_epoch(epoch, first)
     batches = iter(run.train_loader)
     watch = LossWatch()  # a NaN/inf loss stops the run before anything after it is saved
+    if run.feedback is not None:
+        run.feedback.start_epoch(epoch, first)
     meter.start()
     boundary = first  # where the last optimizer step left the epoch: what a save on a loader failure resumes from
     for batch_idx in range(first, n_batches):
@@ -156,6 +173,8 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         if need_update:
             optimizer_step(state)
             boundary = batch_idx + 1
+        if run.feedback is not None:  # FixMatch's loop: the model scores a probe batch, CTAugment's weights move
+            run.feedback.step(state.model, state.precision)
 
         meter.update(loss, len(labels), wait)
         watch.add(batch_idx, state.step + (not need_update), loss)  # the optimizer step this micro-batch makes
