@@ -94,20 +94,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         total = steps_per_epoch * cfg.accum
         logger = RunLogger(Path(cfg.out), enabled=dist.is_main, total=total, world_size=dist.world_size)
         teardown.callback(logger.close)
-        run = Run(
-            cfg,
-            dist,
-            state,
-            run_model,
-            train_loader,
-            val_loader,
-            criterion,
-            mix,
-            logger,
-            steps_per_epoch,
-            stop,
-            feedback,
-        )
+        loaders = (train_loader, val_loader)
+        run = Run(cfg, dist, state, run_model, *loaders, criterion, mix, logger, steps_per_epoch, stop, feedback)
         if dist.is_main:
             write_config(Path(cfg.out), cfg, resume is not None, changed, state.step, logger)
         logger.note(startup_line(run))  # before the first progress line, which comes log_every batches later
@@ -121,16 +109,21 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
             logger.note(f"resumed from {where} of {resume}")
 
-        metrics: dict = {}
-        for epoch in range(start["epoch"], cfg.epochs):
-            train_loader.set_epoch(epoch)  # the resumed epoch keeps the checkpoint's position
-            first = train_loader.state_dict()["batch"]
-            meter = meter if first > 0 else Meter()  # a resumed epoch goes on with its sums
-            if first >= run.micro_batches:  # the checkpoint was the epoch's last step
-                continue
-            train_one_epoch(run, epoch, first, meter)
-            metrics = end_epoch(run, epoch, meter)
-        return metrics
+        return run_epochs(run, start["epoch"], meter)
+
+
+def run_epochs(run: Run, first_epoch: int, meter: Meter) -> dict:
+    """The epochs from ``first_epoch`` on (the resumed one from the loader's position); the last one's metrics."""
+    metrics: dict = {}
+    for epoch in range(first_epoch, run.cfg.epochs):
+        run.train_loader.set_epoch(epoch)  # the resumed epoch keeps the checkpoint's position
+        first = run.train_loader.state_dict()["batch"]
+        meter = meter if first > 0 else Meter()  # a resumed epoch goes on with its sums
+        if first >= run.micro_batches:  # the checkpoint was the epoch's last step
+            continue
+        train_one_epoch(run, epoch, first, meter)
+        metrics = end_epoch(run, epoch, meter)
+    return metrics
 
 
 def startup_line(run: Run) -> str:
