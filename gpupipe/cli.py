@@ -67,8 +67,7 @@ def _cmd_bench(args) -> int:
     from .api import _resolve_device
     from .bench import suite
     from .bench.eta import shown_progress
-    from .bench.records import Config
-    from .recipe import Recipe
+    from .bench.records import Config, policy_recipes
     from .sample_data import DEFAULT_DIR, make_sample_data
 
     data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
@@ -94,7 +93,7 @@ def _cmd_bench(args) -> int:
         repeats=args.repeats,
         image_size=args.image_size,
         model=args.model,
-        recipe=Recipe(args.image_size, auto_augment=args.aa, color_jitter=args.color_jitter, re_prob=args.reprob),
+        recipes=policy_recipes(args.image_size, args.aa, args.color_jitter, args.reprob),
     )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
@@ -332,7 +331,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
         help="timed windows per measurement; the median is reported (default 3)",
     )
     p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
-    p.add_argument("--aa", help="add an 'augment' pipeline: train with this policy (e.g. rand-m9-mstd0.5-inc1)")
+    p.add_argument("--aa", action="append", help="add an 'augment' row: train with this policy; repeatable")
     p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")
     p.add_argument("--reprob", type=float, default=0.0, help="augment pipeline: random erasing probability")
     p.add_argument("--host-budget", action="store_true", help="instead: training-thread CPU per batch of GPU paths")

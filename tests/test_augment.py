@@ -204,8 +204,8 @@ def test_cuda_device_path_matches_the_cpu_workers(folder):
     assert synth.is_cuda and synth.shape == (24, 3, 48, 48)
 
 
-@pytest.mark.parametrize("aa", [RA, "ctaugment"])
-def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch, aa):
+def _bench(tmp_path, folder, monkeypatch, *flags: str) -> list[dict]:
+    """``gpupipe bench`` on pillow, train pipeline, tiny and short, with ``flags``: the JSON report's rows."""
     import json
 
     from gpupipe.cli import main
@@ -233,14 +233,30 @@ def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch, aa):
             "8",
             "--image-size",
             "32",
-            "--aa",
-            aa,
-            "--reprob",
-            "0.25",
+            *flags,
             "--json",
             str(j),
         ]
     )
     assert rc == 0
-    got = {(r["backend"], r["pipeline"]) for r in json.loads(j.read_text())["results"]}
+    return json.loads(j.read_text())["results"]
+
+
+@pytest.mark.parametrize("aa", [RA, "ctaugment"])
+def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch, aa):
+    rows = _bench(tmp_path, folder, monkeypatch, "--aa", aa, "--reprob", "0.25")
+    got = {(r["backend"], r["pipeline"]) for r in rows}
     assert {("pillow", "train"), ("pillow", "augment")} <= got
+
+
+def test_bench_reports_each_policys_cost_beside_the_others(tmp_path, folder, monkeypatch, capsys):
+    rows = _bench(tmp_path, folder, monkeypatch, "--aa", "ctaugment", "--aa", RA)
+    train = next(r for r in rows if r["pipeline"] == "train" and r["backend"] == "pillow")
+    augment = {r["policy"]: r for r in rows if r["pipeline"] == "augment"}
+    assert list(augment) == ["ctaugment", RA]  # one row per policy, in the order asked
+    for r in augment.values():
+        assert r["backend"] == "pillow"
+        want = 1000 / r["images_per_s"] - 1000 / train["images_per_s"]
+        assert r["cost_ms_per_image"] == pytest.approx(want)
+    out = capsys.readouterr().out
+    assert "augment: ctaugment" in out and f"augment: {RA}" in out and "ms/img vs train" in out

@@ -27,7 +27,7 @@ class Config:
     image_size: int = 224
     model: str | None = None
     dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
-    recipe: Recipe | None = None  # the augment pipeline's policies
+    recipes: dict[str, Recipe] = field(default_factory=dict)  # the augment pipeline's policies: one job per label
     skipped: set[str] = field(default_factory=set)  # filled by the run: unreadable files the loaders left out
 
 
@@ -52,3 +52,21 @@ class Result:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
         d["spread"] = list(self.spread)
         return {**d, **self.extra}
+
+
+def policy_recipes(
+    image_size: int, auto_augments: list[str] | None, color_jitter: float | None = None, re_prob: float = 0.0
+) -> dict[str, Recipe]:
+    """The augment pipeline's policies by label: one per auto-augment policy (``--aa``, repeatable), each with the
+    colour jitter and erasing asked for; one without auto-augment when none is named."""
+    extras = []
+    if color_jitter:
+        extras.append(f"color-jitter {color_jitter}")
+    if re_prob:
+        extras.append(f"reprob {re_prob}")
+    recipes = {}
+    names: list[str | None] = [*auto_augments] if auto_augments else [None]
+    for aa in dict.fromkeys(names):
+        label = " + ".join(([aa] if aa else []) + extras) or "none"
+        recipes[label] = Recipe(image_size, auto_augment=aa, color_jitter=color_jitter, re_prob=re_prob)
+    return recipes

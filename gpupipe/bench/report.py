@@ -35,7 +35,7 @@ def _cell(v, spec: str, suffix: str = "") -> str:
 
 # (column, justify, the cell of a result row); a column empty in every row (GPU figures on a CPU run) is left out
 _COLUMNS: list[tuple[str, Literal["left", "right"], Callable[[dict], str]]] = [
-    ("pipeline", "left", lambda r: r["pipeline"]),
+    ("pipeline", "left", lambda r: r["pipeline"] + (f": {r['policy']}" if r.get("policy") else "")),
     ("backend", "left", lambda r: r["backend"]),
     ("img/s", "right", lambda r: _cell(r["images_per_s"], ",.0f")),
     ("spread", "right", lambda r: f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}"),
@@ -46,6 +46,7 @@ _COLUMNS: list[tuple[str, Literal["left", "right"], Callable[[dict], str]]] = [
     ("GPU util", "right", lambda r: _cell(r.get("gpu_util"), ".0f")),
     ("vs synthetic", "right", lambda r: _cell(r.get("vs_synthetic"), ".2f")),
     ("data-wait", "right", lambda r: _cell(r.get("data_wait"), ".0%")),
+    ("ms/img vs train", "right", lambda r: _cell(r.get("cost_ms_per_image"), "+.2f")),
 ]
 
 

@@ -37,7 +37,8 @@ def save_latest(report: dict, data_root: str, device: torch.device) -> Path:
     path = result_path(data_root, device)
     rows = load_rows(path)
     for r in report["results"]:
-        rows[f"{r['backend']}|{r['pipeline']}"] = {**r, "date": report["date"]}
+        key = f"{r['backend']}|{r['pipeline']}" + (f"|{r['policy']}" if r.get("policy") else "")
+        rows[key] = {**r, "date": report["date"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": 2, "rows": rows}, indent=1))

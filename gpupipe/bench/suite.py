@@ -33,7 +33,8 @@ from .records import Config, Result
 PIPELINES = ("decode", "floor", "train", "eval", "augment")
 # decode: the whole image at full size. floor (CPU decoders): only the decode the train pipeline cannot avoid, at the
 # DCT scale each train crop allows; the train figure's ``vs_floor`` says how close the rest of the pipeline comes.
-# augment: the train pipeline with the config's recipe policies (--aa, --color-jitter, --reprob), beside plain train.
+# augment: the train pipeline with each of the config's recipe policies (--aa, repeatable; --color-jitter, --reprob),
+# beside plain train: one row per policy, with its cost in ms per image over plain train.
 
 
 class _GpuSampler:
@@ -242,6 +243,7 @@ class _Job(NamedTuple):
     backend: str
     pipeline: str
     make: Callable[[], Iterator[int]]  # starts the job: an endless stream of batch sizes
+    policy: str | None = None  # augment: the label of the policies it trains with
 
 
 def _plan(cfg: Config) -> list[_Job]:
@@ -255,18 +257,28 @@ def _plan(cfg: Config) -> list[_Job]:
         if pipeline in ("train", "eval"):
             jobs.append(_Job("baseline", pipeline, partial(baseline_counts, cfg, pipeline == "train")))
         for b in cfg.backends:
-            make = _backend_job(cfg, b, pipeline)
-            if make is None:
-                continue
-            jobs.append(_Job(b, pipeline, make))
+            jobs += _backend_jobs(cfg, b, pipeline)
             if b == "dali" and pipeline in ("train", "eval") and reference:
                 jobs.append(_Job("dali-reference", pipeline, partial(_reference_counts, cfg, pipeline == "train")))
     return jobs
 
 
+def _backend_jobs(cfg: Config, backend: str, pipeline: str) -> list[_Job]:
+    """``backend``'s jobs for ``pipeline``: one, or one per policy for augment (a train pipeline with that recipe;
+    without policies, the plain recipe), or none when the backend has no such pipeline."""
+    if pipeline == "augment":
+        recipes = cfg.recipes or {"none": Recipe(cfg.image_size)}
+        return [
+            _Job(backend, pipeline, partial(_loader_counts, cfg, backend, True, recipe), policy)
+            for policy, recipe in recipes.items()
+        ]
+    make = _backend_job(cfg, backend, pipeline)
+    return [] if make is None else [_Job(backend, pipeline, make)]
+
+
 def _backend_job(cfg: Config, backend: str, pipeline: str) -> Callable[[], Iterator[int]] | None:
-    """How to start ``backend``'s ``pipeline``; None when the backend has no such pipeline (decode needs a decode
-    job or a CPU decoder, floor a CPU decoder)."""
+    """How to start ``backend``'s ``pipeline`` (not augment); None when the backend has no such pipeline (decode
+    needs a decode job or a CPU decoder, floor a CPU decoder)."""
     spec = get(backend)
     if pipeline == "decode" and backend not in DECODE_JOBS and spec.decoder is None:
         return None
@@ -274,18 +286,17 @@ def _backend_job(cfg: Config, backend: str, pipeline: str) -> Callable[[], Itera
         return None
     if pipeline in ("decode", "floor"):
         return lambda: _decode_counts(cfg, backend, floor=pipeline == "floor")
-    if pipeline == "augment":
-        return lambda: _loader_counts(cfg, backend, True, cfg.recipe)
     return lambda: _loader_counts(cfg, backend, pipeline == "train")
 
 
 def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callable[..., None]) -> list[Result]:
     """One Result per job, pipeline by pipeline. Interleaved: the jobs of one pipeline are all started, then timed
     in turns (one window each per round), so a slow patch of a noisy machine hits every backend alike and the ratios
-    to the baseline hold. The floor is timed in the train rounds, as train figures are read against it."""
+    to the baseline hold. The floor and the augment policies are timed in the train rounds, as train figures are read
+    against the floor, and each policy's cost against plain train."""
 
     def timed_with(pipeline: str) -> str:
-        return "train" if pipeline == "floor" and "train" in cfg.pipelines else pipeline
+        return "train" if pipeline in ("floor", "augment") and "train" in cfg.pipelines else pipeline
 
     sync = _sync_for(cfg.device)
     results: list[Result] = []
@@ -302,7 +313,7 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
         group = [job for job in jobs if timed_with(job.pipeline) == rounds]
         streams = []
         for job in group:
-            report(f"{job.pipeline}: starting {job.backend}")
+            report(f"{job.pipeline}: starting {_name(job)}")
             t0 = time.monotonic()
             streams.append(job.make())
             _warm(streams[-1], warm)
@@ -312,7 +323,7 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
         gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
             for i, job in enumerate(group):
-                report(f"{job.pipeline}: {job.backend}, window {r + 1}/{cfg.repeats}")
+                report(f"{job.pipeline}: {_name(job)}, window {r + 1}/{cfg.repeats}")
                 t0 = time.monotonic()
                 _wait_quiet(limit=min(10.0, 2 * window))
                 with gpu_samplers[i]:
@@ -328,6 +339,10 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
     return results
 
 
+def _name(job: _Job) -> str:
+    return job.backend if job.policy is None else f"{job.backend} ({job.policy})"
+
+
 def _result(cfg: Config, job: _Job, rates: list[float], mp: float, gpu_util: float | None) -> Result:
     rate = statistics.median(rates)
     per_worker = rate / max(cfg.workers, 1)
@@ -341,18 +356,23 @@ def _result(cfg: Config, job: _Job, rates: list[float], mp: float, gpu_util: flo
         rate * mp,
         per_worker,
         gpu_util=gpu_util,
+        extra={} if job.policy is None else {"policy": job.policy},
     )
 
 
 def _add_ratios(results: list[Result]) -> None:
-    """Each figure against the baseline of its pipeline, and each train figure against its backend's floor."""
+    """Each figure against the baseline of its pipeline, each train figure against its backend's floor, and each
+    augment figure's policy cost: its ms per image over its backend's plain train (``cost_ms_per_image``)."""
     base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
     floor = {r.backend: r.images_per_s for r in results if r.pipeline == "floor"}
+    train = {r.backend: r.images_per_s for r in results if r.pipeline == "train"}
     for r in results:
         if r.pipeline in base:
             r.vs_baseline = r.images_per_s / base[r.pipeline]
         if r.pipeline == "train" and r.backend in floor:
             r.extra["vs_floor"] = r.images_per_s / floor[r.backend]
+        if r.pipeline == "augment" and train.get(r.backend) and r.images_per_s > 0:
+            r.extra["cost_ms_per_image"] = 1000 / r.images_per_s - 1000 / train[r.backend]
 
 
 def default_workers() -> int:
