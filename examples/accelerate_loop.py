@@ -69,6 +69,12 @@ def main() -> None:
     if args.resume:
         accelerator.load_state(args.out)  # model, optimizer, RNG states and the loader's position
 
+    fit(args, accelerator, loader, model, optimizer)
+    # Accelerate destroys its process group here: a gloo group left to interpreter shutdown can abort the process
+    accelerator.end_training()
+
+
+def fit(args, accelerator: Accelerator, loader, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     position = loader.state_dict()  # {"epoch", "batch"}: where the next batch comes from
     step = position["epoch"] * len(loader) + position["batch"]
     for epoch in range(position["epoch"], args.epochs):

@@ -109,6 +109,10 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Classifier(num_classes, args.record), datamodule=data, ckpt_path=args.ckpt)
+    # Lightning destroys only NCCL process groups at exit; a gloo group left to interpreter shutdown can abort the
+    # process ("terminate called without an active exception") after a run that went well
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
