@@ -8,6 +8,7 @@ process) after its first batch and after 200 batches. The sample list is what gr
 tuples has its reference counts written as workers read it, so its pages are copied into every worker.
 
     python bench/imagenet_size.py [--root /tmp/imagenet-links] [--out bench/results/imagenet_size_memory.json]
+    python bench/imagenet_size.py --loaders gpupipe-pillow,gpupipe-dali --runs 2 --out ...   # issue 21's start-up
 
 Memory figures do not depend on how busy the machine is; start-up seconds do (say so where they are quoted).
 """
@@ -81,11 +82,12 @@ def measure(kind: str, root: str) -> dict:
     import torch
 
     started = time.perf_counter()
-    if kind == "gpupipe-pillow":
+    if kind.startswith("gpupipe-"):
         import gpupipe
 
+        backend = kind.removeprefix("gpupipe-")
         loader = gpupipe.build_loader(
-            root, "pillow", batch_size=BATCH, image_size=32, num_workers=2, device="cpu", normalize=False
+            root, backend, batch_size=BATCH, image_size=32, num_workers=2, device="cpu", normalize=False
         )
     else:
         from torchvision import datasets
@@ -119,6 +121,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="/tmp/imagenet-links")
     ap.add_argument("--out", default="bench/results/imagenet_size_memory.json")
+    ap.add_argument(
+        "--loaders",
+        default="gpupipe-pillow,torchvision-imagefolder",
+        help="comma-separated: gpupipe-<backend> (e.g. gpupipe-dali) or torchvision-imagefolder",
+    )
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes per loader (a second run sees warm caches)")
+    ap.add_argument("--note", default="first_batch_s was taken on a shared, busy 2-core machine")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure this loader here
     args = ap.parse_args()
     if args.one:
@@ -128,13 +137,16 @@ def main() -> None:
     make_tree(Path(args.root))
     print(f"tree ready in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     rows = []
-    for kind in ("gpupipe-pillow", "torchvision-imagefolder"):
-        subprocess.run(["sync"], check=False)
-        run = subprocess.run(
-            [sys.executable, __file__, "--root", args.root, "--one", kind], capture_output=True, text=True, check=True
-        )
-        rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), file=sys.stderr)
+    for kind in args.loaders.split(","):
+        for n in range(args.runs):
+            subprocess.run(["sync"], check=False)
+            run = subprocess.run(
+                [sys.executable, __file__, "--root", args.root, "--one", kind], capture_output=True, text=True
+            )
+            if run.returncode != 0:
+                sys.exit(f"{kind}: failed (exit {run.returncode}):\n{run.stderr[-2000:]}")
+            rows.append({**json.loads(run.stdout.strip().splitlines()[-1]), "run": n + 1})
+            print(json.dumps(rows[-1]), file=sys.stderr)
     from gpupipe.info import machine_info
 
     result = {
@@ -142,7 +154,7 @@ def main() -> None:
         "machine": machine_info(),
         "data": f"{CLASSES} classes x {PER_CLASS} hard-linked 64x80 JPEGs ({CLASSES * PER_CLASS} files)",
         "settings": {"workers": 2, "batch_size": BATCH, "batches": BATCHES, "image_size": 32, "device": "cpu"},
-        "note": "memory is independent of machine load; first_batch_s was taken on a shared, busy 2-core machine",
+        "note": f"memory is independent of machine load; {args.note}",
         "results": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import torch
 
 from ._system import cores_per_rank, local_rank, usable_cores
 from .augment import Policy, SampleAugment
+from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, require_backend
 from .backends.auto import choose_auto
 from .data.device import DeviceStage
@@ -72,7 +72,7 @@ def build_loader(
     on_error: OnError = "raise",
     recipe: Recipe | None = None,
     transforms: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable] | None = None,
-    transforms_mode: Literal["image", "batch"] = "image",
+    transforms_mode: TransformsMode = "image",
     channels_last: bool = False,
     max_pixels: int | None = None,
     pin_memory: bool | None = None,

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-EraseMode = Literal["const", "rand", "pixel"]
-ERASE_MODES: tuple[EraseMode, ...] = ("const", "rand", "pixel")
+EraseMode = Literal["pixel", "rand", "const"]
+ERASE_MODES: tuple[EraseMode, ...] = ("pixel", "rand", "const")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
+from ..augment.parse import EraseMode
+from ..data.loader import OnError
 from .precision import PrecisionName
 
 OptimizerName = Literal["sgd", "adamw"]
-OnError = Literal["raise", "skip"]
-EraseMode = Literal["pixel", "rand", "const"]
 # What a resume compares with the checkpoint's config. "fixed" keys decide the checkpoint's shapes or the data order;
 # "changeable" ones change the run's maths, so they need --allow-config-change; the rest (out, workers, ...) are free.
 ResumeRule = Literal["fixed", "changeable"]
