@@ -1,5 +1,6 @@
 """Hooks and fixtures only; shared helpers are in common_utils.py."""
 
+import gc
 import random
 
 import numpy as np
@@ -16,6 +17,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Free what the tests left (DALI pipelines and their C++ worker threads, loaders) while the interpreter is whole:
+    native threads still joinable at interpreter shutdown abort the process after every test passed."""
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
