@@ -6,11 +6,9 @@ read, never written, so the workers keep sharing them."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 _SEP = "\0"  # no path holds a NUL
 
@@ -47,29 +45,3 @@ class PathList(Sequence):
         )
 
     __hash__ = None  # type: ignore[assignment]  # unhashable, as the list it stands for
-
-
-def walk_folder(root: str, class_to_idx: dict[str, int]) -> PathList:
-    """torchvision's ``make_dataset(root, class_to_idx, IMG_EXTENSIONS)``, in the same order, with the same error for
-    a class without images, into a :class:`PathList`: the per-file work is a string test and a join."""
-    paths: list[str] = []
-    labels: list[int] = []
-    empty = []
-    for name in sorted(class_to_idx):
-        target = os.path.join(root, name)
-        if not os.path.isdir(target):
-            continue
-        before = len(paths)
-        for folder, _, files in sorted(os.walk(target, followlinks=True)):
-            prefix = folder + os.sep
-            found = [prefix + f for f in sorted(files) if f.lower().endswith(IMG_EXTENSIONS)]
-            paths += found
-        labels += [class_to_idx[name]] * (len(paths) - before)
-        if len(paths) == before:
-            empty.append(name)
-    if empty:
-        raise FileNotFoundError(
-            f"Found no valid file for the classes {', '.join(sorted(empty))}. "
-            f"Supported extensions are: {', '.join(IMG_EXTENSIONS)}"
-        )
-    return PathList(paths, labels)
