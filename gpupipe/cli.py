@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
 from ._version import __version__
+from .data.sources import ALLOW_OUTSIDE_ROOT_HELP
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
 from .train.evaluate import add_eval_args, run_eval
@@ -166,7 +167,7 @@ def _cmd_check(args) -> int:
     from .check import check_source
     from .data.sources import open_source
 
-    source = open_source(args.dir)
+    source = open_source(args.dir, allow_outside_root=args.allow_outside_root)
     workers = usable_cores() if args.workers is None else args.workers
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("checking", total=len(source))
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="anything build_loader reads: a folder, a CSV list (path,label), shards, a URL")
     p.add_argument("--workers", type=_non_negative_int, help="checking processes (default: every usable core)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--allow-outside-root", action="store_true", help=ALLOW_OUTSIDE_ROOT_HELP)
     p.set_defaults(func=_cmd_check)
 
     _add_prepare_parser(sub)

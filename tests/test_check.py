@@ -43,3 +43,19 @@ def test_check_reads_shards_and_urls_as_build_loader_does(tmp_path, s3, capsys):
         assert main(["check", str(source), "--json", "--workers", "2"]) == 1
         report = json.loads(capsys.readouterr().out)
         assert report["files"] == 2 and [r["path"] for r in report["unreadable"]] == ["part-0.tar:b.jpg"]
+
+
+def test_check_takes_allow_outside_root_as_train_does(tmp_path, capsys):
+    """A CSV list naming files beside its folder: refused with the flag to pass, then checked with it."""
+    import numpy as np
+
+    from gpupipe.cli import main
+
+    from .common_utils import photo
+
+    photo(np.random.default_rng(0), 40, 50).save(tmp_path / "a.jpg", "JPEG")
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "train.csv").write_text("../a.jpg,0\n")
+    assert main(["check", str(tmp_path / "lists" / "train.csv"), "--workers", "0"]) == 2  # an error: one line
+    assert "--allow-outside-root" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "lists" / "train.csv"), "--workers", "0", "--allow-outside-root"]) == 0

@@ -208,8 +208,8 @@ def _resolve(path: Path, base: Path, rel: str, allow_outside_root: bool) -> str:
     if not allow_outside_root and not Path(rel).is_absolute() and not full.is_relative_to(base):
         raise ValueError(
             f"{path}: {rel!r} points outside {base} (relative paths are read from the list's folder); write it as "
-            "an absolute path, or pass allow_outside_root=True to build_loader (gpupipe train "
-            "--allow-outside-root) if you trust it"
+            "an absolute path, or pass allow_outside_root=True to build_loader (--allow-outside-root to gpupipe train, "
+            "check, eval) if you trust it"
         )
     return str(full)
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 
 from ..augment.parse import EraseMode
 from ..data.loader import OnError
+from ..data.sources import ALLOW_OUTSIDE_ROOT_HELP
 from .precision import PrecisionName
 
 OptimizerName = Literal["sgd", "adamw"]
@@ -102,7 +103,7 @@ class TrainConfig:
     )
     allow_config_change: bool = opt(False, "resume although these changed: {changeable} (never: {fixed})")
     save_every: int = opt(0, "optimizer steps between mid-epoch checkpoints (0: at epoch ends only)")
-    allow_outside_root: bool = opt(False, "let a CSV list's relative paths leave the list's folder (absolute are fine)")
+    allow_outside_root: bool = opt(False, ALLOW_OUTSIDE_ROOT_HELP)
     keep_checkpoints: int = opt(
         2,
         "checkpoints kept in checkpoints/: last.pt's and the ones before it (step-*.pt), so that a damaged last.pt "

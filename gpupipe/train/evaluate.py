@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..data.sources import ALLOW_OUTSIDE_ROOT_HELP
+
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="a `gpupipe train` checkpoint (OUT/checkpoints/last.pt)")
@@ -21,6 +23,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights (a run with --model-ema)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="an undecodable file (default raise)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.add_argument("--allow-outside-root", action="store_true", help=ALLOW_OUTSIDE_ROOT_HELP)
 
 
 def run_eval(args) -> int:
@@ -35,7 +38,9 @@ def run_eval(args) -> int:
 
     saved = checkpoint.load_for_resume(args.checkpoint)  # a broken or foreign file: one line naming it
     config = saved.get("config", {})
-    classes = saved.get("classes") or open_source(config.get("data_resolved") or config["data"]).classes
+    if not (classes := saved.get("classes")):  # an older checkpoint: the classes of the data it trained on
+        trusted = args.allow_outside_root or bool(config.get("allow_outside_root"))
+        classes = open_source(config.get("data_resolved") or config["data"], allow_outside_root=trusted).classes
     weights = saved["model_ema"] if args.ema else saved["model"]
     if args.ema and "model_ema" not in saved:
         raise ValueError(f"{args.checkpoint}: --ema, but the run kept no EMA weights (it ran without --model-ema)")
@@ -51,6 +56,7 @@ def run_eval(args) -> int:
         num_workers=args.workers,
         on_error=args.on_error,
         class_to_idx={c: i for i, c in enumerate(classes)},
+        allow_outside_root=args.allow_outside_root,
     )
     model.to(loader.device)
     dist = Distributed(str(loader.device))
