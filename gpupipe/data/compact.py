@@ -13,26 +13,23 @@ import numpy as np
 _SEP = "\0"  # no path holds a NUL
 
 
-class PathList(Sequence):
-    """``(path, label)`` per sample, made on access; equal to the list of tuples it stands for."""
+class SampleList(Sequence):
+    """``(name, label)`` per sample, made on access from arrays (``labels`` and what :meth:`name` reads); equal to the
+    list of tuples it stands for, and unhashable as that list is."""
 
-    def __init__(self, paths: Sequence[str], labels: Iterable[int]):
-        data = "".join(p + _SEP for p in paths).encode("utf-8", "surrogateescape")
-        self._buf = np.frombuffer(data, np.uint8)
-        self._starts = np.concatenate([[0], np.flatnonzero(self._buf == 0) + 1]).astype(np.int64)  # n + 1 of them
-        self.labels = np.fromiter(labels, np.int64, count=len(paths))
+    labels: np.ndarray
+
+    def name(self, i: int) -> str:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self.labels)
-
-    def path(self, i: int) -> str:
-        return self._buf[self._starts[i] : self._starts[i + 1] - 1].tobytes().decode("utf-8", "surrogateescape")
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         label = int(self.labels[i])  # IndexError past the end, as a list
-        return self.path(int(i) % len(self)), label
+        return self.name(int(i) % len(self)), label
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
         return (self[i] for i in range(len(self)))
@@ -44,4 +41,17 @@ class PathList(Sequence):
             and all(tuple(b) == a for a, b in zip(self, other, strict=True))
         )
 
-    __hash__ = None  # type: ignore[assignment]  # unhashable, as the list it stands for
+    __hash__ = None  # type: ignore[assignment]
+
+
+class PathList(SampleList):
+    """A folder's or CSV list's ``(path, label)`` per sample: every path in one UTF-8 buffer with an offsets array."""
+
+    def __init__(self, paths: Sequence[str], labels: Iterable[int]):
+        data = "".join(p + _SEP for p in paths).encode("utf-8", "surrogateescape")
+        self._buf = np.frombuffer(data, np.uint8)
+        self._starts = np.concatenate([[0], np.flatnonzero(self._buf == 0) + 1]).astype(np.int64)  # n + 1 of them
+        self.labels = np.fromiter(labels, np.int64, count=len(paths))
+
+    def name(self, i: int) -> str:
+        return self._buf[self._starts[i] : self._starts[i + 1] - 1].tobytes().decode("utf-8", "surrogateescape")

@@ -16,7 +16,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .._files import read_regular
 from .._names import escape
-from .compact import PathList
+from .compact import PathList, SampleList
 from .walk import walk_folder
 
 MAX_CLASSES = 1_000_000  # numeric labels are class indices: a label beyond this is a typo, not a class list
@@ -61,7 +61,7 @@ class ImageList:
 
     @property
     def targets(self) -> list[int]:
-        if isinstance(self.samples, PathList):
+        if isinstance(self.samples, SampleList):
             return self.samples.labels.tolist()
         return [label for _, label in self.samples]
 

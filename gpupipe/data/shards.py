@@ -15,7 +15,7 @@ import json
 import mmap
 import os
 import tarfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO, NamedTuple, cast
 
@@ -24,6 +24,7 @@ import numpy as np
 from .._files import is_regular_file, write_atomic
 from .._system import usable_cores
 from ..errors import GpupipeError
+from .compact import SampleList
 from .scan import MAX_CLASSES, ImageList
 
 META = "gpupipe.json"  # a prepared folder's metadata: its presence marks a complete prepared set
@@ -37,36 +38,15 @@ _INDEX_VERSION = 1
 _MAX_OPEN = 256  # shard maps kept open per process: each holds a file descriptor
 
 
-class _Samples(Sequence):
-    """``(name, label)`` per sample, made on access from the index arrays: no per-sample Python object at start-up,
-    and nothing for forked workers' reference counts to copy. A name is ``shard.tar:member``."""
+class _Samples(SampleList):
+    """A shard index's ``(name, label)`` per sample; a name is ``shard.tar:member``."""
 
     def __init__(self, shard_names: list[str], shard: np.ndarray, members: np.ndarray | None, labels: np.ndarray):
-        self._shards, self._shard, self._members, self._labels = shard_names, shard, members, labels
+        self._shards, self._shard, self._members, self.labels = shard_names, shard, members, labels
 
-    def __len__(self) -> int:
-        return len(self._labels)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = int(i)
-        label = int(self._labels[i])  # IndexError past the end, as a list
-        i %= len(self)
+    def name(self, i: int) -> str:
         member = f"{i:08d}.jpg" if self._members is None else str(self._members[i])
-        return f"{self._shards[self._shard[i]]}:{member}", label
-
-    def __iter__(self) -> Iterator[tuple[str, int]]:
-        return (self[i] for i in range(len(self)))
-
-    def __eq__(self, other) -> bool:
-        return (
-            isinstance(other, Sequence)
-            and len(other) == len(self)
-            and all(tuple(b) == a for a, b in zip(self, other, strict=True))
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # unhashable, as the list it stands for
+        return f"{self._shards[self._shard[i]]}:{member}"
 
 
 class _Sizes(Sequence):
