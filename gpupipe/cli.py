@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
+from ._options import ALLOW_OUTSIDE_ROOT_HELP
 from ._version import __version__
-from .data.sources import ALLOW_OUTSIDE_ROOT_HELP
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
 from .train.evaluate import add_eval_args, run_eval

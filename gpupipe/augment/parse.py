@@ -9,8 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-EraseMode = Literal["pixel", "rand", "const"]
-ERASE_MODES: tuple[EraseMode, ...] = ("pixel", "rand", "const")
+from .._options import ERASE_MODES, EraseMode
 
 
 @dataclass(frozen=True)

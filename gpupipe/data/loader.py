@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from .._options import OnError
 from ..augment.ctaugment import CTAugment, CTRecord, CTWeights
 from ..augment.feedback import LoaderFeedback, WeightsClock, lag_for
 from ..errors import DecodeError, GpupipeError, StorageError
@@ -18,7 +19,6 @@ from .position import Pass
 from .sampler import ShardSampler
 from .scan import ImageList
 
-OnError = Literal["raise", "skip"]
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 
 

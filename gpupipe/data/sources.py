@@ -15,10 +15,6 @@ from .scan import ImageList, scan_csv, scan_folder
 from .shards import is_shard_source, scan_shards
 
 Source = str | os.PathLike | Sequence[str | os.PathLike] | Remote
-ALLOW_OUTSIDE_ROOT_HELP = (
-    "trust the data set to name files outside it: a CSV list's relative paths leaving its folder, links out of an "
-    "ImageFolder or to folders in it (absolute CSV paths are always fine)"
-)
 
 
 def open_source(

@@ -11,9 +11,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
-from ..augment.parse import EraseMode
-from ..data.loader import OnError
-from ..data.sources import ALLOW_OUTSIDE_ROOT_HELP
+from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError
 from .precision import PrecisionName
 
 OptimizerName = Literal["sgd", "adamw"]

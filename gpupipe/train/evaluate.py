@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..data.sources import ALLOW_OUTSIDE_ROOT_HELP
+from .._options import ALLOW_OUTSIDE_ROOT_HELP
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,15 @@
+"""String options and help shared by the API and the command line, in a module that imports nothing heavy: the CLI
+builds its parser from them without importing torch (``gpupipe --version`` stays quick)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+OnError = Literal["raise", "skip"]  # an unreadable sample: stop naming it, or leave it out and count it
+EraseMode = Literal["pixel", "rand", "const"]  # random erasing's fill: per-pixel noise, one colour per box, zeros
+ERASE_MODES: tuple[EraseMode, ...] = ("pixel", "rand", "const")
+
+ALLOW_OUTSIDE_ROOT_HELP = (
+    "trust the data set to name files outside it: a CSV list's relative paths leaving its folder, links out of an "
+    "ImageFolder or to folders in it (absolute CSV paths are always fine)"
+)
