@@ -10,7 +10,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 import gpupipe
 from gpupipe.backends import gpu_crop
-from gpupipe.backends.gpu_crop import crop_resize_flip
+from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
 from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset, _collate, _upright_chw
 from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError
@@ -64,21 +64,23 @@ def test_a_batch_is_decoded_turned_cropped_and_counted(files):
     assert [p.rsplit("/", 1)[-1] for p, _ in batch.errors] == ["d.jpg"]
 
 
-def test_what_nvjpeg_rejects_goes_to_pillow(files):
+@pytest.mark.parametrize("refused", [0, 1])
+def test_what_nvjpeg_rejects_goes_to_pillow(files, refused):
+    """a.jpg (upright) or b.jpg (EXIF 6: Pillow turns it, so its box is planned again) refused by nvJPEG."""
     loader = _loader(files)
     items = _collate([loader._data[(0, i)] for i in range(4)])
-    rejected = len(files.read(0))
+    rejected = len(files.read(refused))
 
-    def picky(data):  # fails the whole batch, then a.jpg alone
+    def picky(data):  # fails the whole batch, then the refused file alone
         if isinstance(data, list) or data.numel() == rejected:
             raise RuntimeError("nvJPEG says no")
         return _cpu_decode(data)
 
     batch = loader._batch(0, items, picky)
     assert batch.keys.tolist() == [[0, 0], [0, 1], [0, 2]]
-    assert batch.fallbacks == 2  # c.jpg in the worker, a.jpg after nvJPEG refused it
+    assert batch.fallbacks == 2  # c.jpg in the worker, the refused one after nvJPEG
     reference = loader._batch(0, items, _cpu_decode)
-    assert (batch.images[0].float() - reference.images[0].float()).abs().mean() < 3
+    assert (batch.images[refused].float() - reference.images[refused].float()).abs().mean() < 3
 
 
 def test_a_jpeg_neither_decoder_takes_is_an_error_naming_its_file(files, monkeypatch):
@@ -98,6 +100,10 @@ def test_a_jpeg_neither_decoder_takes_is_an_error_naming_its_file(files, monkeyp
     assert all("nvJPEG says no; Pillow: broken" in why for p, why in batch.errors if not p.endswith("d.jpg"))
 
 
+def _crop(images, boxes, orientation, shapes, size):
+    return crop_resize_flip(images, *stored_rois(boxes, orientation, shapes), shapes, size)
+
+
 @pytest.mark.parametrize("orientation", range(1, 9))
 @pytest.mark.parametrize("flip", [False, True])
 def test_crops_of_stored_images_match_crops_of_upright_ones(orientation, flip):
@@ -107,12 +113,13 @@ def test_crops_of_stored_images_match_crops_of_upright_ones(orientation, flip):
     upright = _upright_chw(stored, orientation).contiguous()
     box = np.array([[5.5, 3.0, 21.0, 17.25, flip]])
     shape = lambda img: np.array([img.shape[1:]], np.int64)
-    got = crop_resize_flip([stored], box, np.array([orientation]), shape(stored), 16)
-    want = crop_resize_flip([upright], box, np.array([1]), shape(upright), 16)
+    got = _crop([stored], box, np.array([orientation]), shape(stored), 16)
+    want = _crop([upright], box, np.array([1]), shape(upright), 16)
     assert got.shape == (1, 3, 16, 16) and (got.int() - want.int()).abs().max() <= 1
 
 
-def test_a_batch_of_mixed_orientations_and_chunks(monkeypatch):
+@pytest.mark.parametrize("flips", [0, 2])
+def test_a_batch_of_mixed_orientations_and_chunks(monkeypatch, flips):
     """Several chunks (a small padding limit) and orientations in one batch: each image as cropped alone."""
     monkeypatch.setattr(gpu_crop, "_PAD_ELEMENTS", 3 * 50 * 70 * 2)
     rng = np.random.default_rng(1)
@@ -121,12 +128,15 @@ def test_a_batch_of_mixed_orientations_and_chunks(monkeypatch):
     orientation = np.array([1, 6, 3, 8, 5])
     upright_hw = [(h, w) if o < 5 else (w, h) for (h, w), o in zip(shapes.tolist(), orientation, strict=True)]
     boxes = np.array(
-        [(rng.uniform(0, 5), rng.uniform(0, 5), h - 8, w - 9, k % 2) for k, (h, w) in enumerate(upright_hw)]
+        [
+            (rng.uniform(0, 5), rng.uniform(0, 5), h - 8, w - 9, flips and k % flips)
+            for k, (h, w) in enumerate(upright_hw)
+        ]
     )
     assert len(list(gpu_crop.chunks(shapes))) > 1
-    batch = crop_resize_flip(images, boxes, orientation, shapes, 12)
+    batch = _crop(images, boxes, orientation, shapes, 12)
     for k, img in enumerate(images):
-        alone = crop_resize_flip([img], boxes[k : k + 1], orientation[k : k + 1], shapes[k : k + 1], 12)
+        alone = _crop([img], boxes[k : k + 1], orientation[k : k + 1], shapes[k : k + 1], 12)
         assert torch.equal(batch[k], alone[0])
 
 

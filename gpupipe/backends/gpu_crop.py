@@ -67,40 +67,47 @@ def padded(images: list[torch.Tensor], shapes: np.ndarray) -> torch.Tensor:
 
 
 def crop_resize_flip(
-    images: list[torch.Tensor], boxes: np.ndarray, orientation: np.ndarray, shapes: np.ndarray, size: int
+    images: list[torch.Tensor], rois: np.ndarray, steps: np.ndarray, shapes: np.ndarray, size: int
 ) -> torch.Tensor:
-    """Each stored (3,H,W) uint8 image's upright box (:func:`stored_rois`) resized to ``size``, turned upright and
-    flipped where the box says, as (N,3,S,S) uint8. The boxes and flags go to the device in one pinned non-blocking
-    copy, then a handful of ops per chunk, none per image."""
+    """Each stored (3,H,W) uint8 image (of ``shapes``) cropped to its ``rois`` and resized to ``size``, then turned
+    upright and flipped by its ``steps`` (both from :func:`stored_rois`), as (N,3,S,S) uint8. The boxes, the flags and
+    the mirror's column order go to the device in one pinned non-blocking copy, then a handful of ops per chunk, none
+    per image."""
     from torchvision.ops import roi_align  # defer: loads torchvision's C++ ops
 
     device = images[0].device
-    rois, steps = stored_rois(boxes, orientation, shapes)
     spans = list(chunks(shapes))
     first = np.concatenate([np.arange(hi - lo) for lo, hi in spans])  # each box's image within its chunk
-    pack = HostPack()
+    pack, columns = HostPack(), np.arange(size)
     roi_slot = pack.add(np.concatenate([first[:, None], rois], 1), torch.float32)
-    step_slot = pack.add(steps, torch.bool)
+    step_slot = pack.add(steps[:, :2], torch.bool)
+    column_slot = (
+        pack.add(np.where(steps[:, 2:], size - 1 - columns, columns), torch.int64) if steps[:, 2].any() else None
+    )
     pack.send(device)
-    on_device, flags = pack.get(roi_slot), pack.get(step_slot)
-    parts = [
-        roi_align(
-            padded(images[lo:hi], shapes[lo:hi]).float(),
-            on_device[lo:hi] if len(spans) > 1 else on_device,
-            size,
-            1.0,
-            -1,
-            True,
-        )
-        for lo, hi in spans
-    ]
-    out = torch.cat(parts) if len(parts) > 1 else parts[0]
-    # a convex mix of uint8 values stays within [0, 255]: rounding is enough
-    out = out.round_().to(torch.uint8)
-    if steps[:, 0].any():  # the orientation's steps, only in batches with such photos
-        out = torch.where(flags[:, 0].view(-1, 1, 1, 1), out.transpose(-1, -2), out)
-    if steps[:, 1].any():
-        out = torch.where(flags[:, 1].view(-1, 1, 1, 1), out.flip(-2), out)
-    if steps[:, 2].any():  # mirrored or flipped by the recipe (none in eval)
-        out = torch.where(flags[:, 2].view(-1, 1, 1, 1), out.flip(-1), out)
+    on_device = pack.get(roi_slot)
+    flags = pack.get(step_slot) if steps[:, :2].any() else None  # transposes and vertical flips: rare
+    mirror = None if column_slot is None else pack.get(column_slot).view(-1, 1, 1, size)  # each row's columns
+    out = None if len(spans) == 1 else torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
+    for lo, hi in spans:
+        resized = roi_align(padded(images[lo:hi], shapes[lo:hi]).float(), on_device[lo:hi], size, 1.0, -1, True)
+        # a convex mix of uint8 values stays within [0, 255]: adding 0.5 and truncating rounds it
+        chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], None if flags is None else flags[lo:hi])
+        dest = None if out is None else out[lo:hi]
+        if mirror is not None:  # one gather: every row's columns in its own order (reversed where mirrored)
+            chunk = torch.gather(chunk, -1, mirror[lo:hi].expand_as(chunk), out=dest)
+        elif dest is not None:
+            dest.copy_(chunk)
+        if out is None:
+            return chunk
+    assert out is not None
     return out
+
+
+def _turned(chunk: torch.Tensor, steps: np.ndarray, flags: torch.Tensor | None) -> torch.Tensor:
+    """The orientation's transpose and vertical flip, for the images whose ``steps`` say so (before the mirror)."""
+    if flags is not None and steps[:, 0].any():
+        chunk = torch.where(flags[:, 0].view(-1, 1, 1, 1), chunk.transpose(-1, -2), chunk)
+    if flags is not None and steps[:, 1].any():
+        chunk = torch.where(flags[:, 1].view(-1, 1, 1, 1), chunk.flip(-2), chunk)
+    return chunk

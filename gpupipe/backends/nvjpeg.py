@@ -20,7 +20,7 @@ from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Box, Recipe
-from .gpu_crop import crop_resize_flip
+from .gpu_crop import crop_resize_flip, stored_rois
 from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
@@ -80,11 +80,13 @@ class _BytesDataset(torch.utils.data.Dataset):
 
 class _Work(NamedTuple):
     """A worker's batch as whole-batch arrays (one small pickle, the bytes in one shared-memory tensor): the samples
-    read, in batch order, each a row of ``rows`` and ``boxes``, their JPEG bytes one after another in ``encoded``
-    (the rows whose ``on_cpu`` is 0, in order), the pixels Pillow decoded, in order, and the failures."""
+    read, in batch order, each a row of ``rows``, ``boxes``, ``rois`` and ``steps``, their JPEG bytes one after another
+    in ``encoded`` (the rows whose ``on_cpu`` is 0, in order), the pixels Pillow decoded, in order, and the failures."""
 
     rows: np.ndarray  # int64 (n, 6): label, sample, EXIF orientation, stored height, stored width, on_cpu
     boxes: np.ndarray  # float64 (n, 5): the recipe's crop in upright pixels: top, left, height, width, flip
+    rois: np.ndarray  # float64 (n, 4): the same crop in stored pixels, and (n, 3) bool: what turns it upright
+    steps: np.ndarray  # (see gpu_crop.stored_rois)
     encoded: torch.Tensor | None  # uint8: the JPEGs' bytes
     lengths: list[int]  # each JPEG's byte count
     cpu: list[np.ndarray]  # (H, W, 3) RGB, upright: what Pillow decoded in the worker
@@ -97,9 +99,11 @@ def _collate(items: list[_Item]) -> _Work:
     rows = [(it.label, it.sample, it.orientation, *it.stored, it.decoded_on_cpu) for it in good]
     boxes = [(b.top, b.left, b.height, b.width, b.flip) for b in (it.box for it in good) if b is not None]
     chunks = [it.data for it in jpegs if it.data is not None]
+    table, planned = np.array(rows, np.int64).reshape(-1, 6), np.array(boxes, np.float64).reshape(-1, 5)
     return _Work(
-        np.array(rows, np.int64).reshape(-1, 6),
-        np.array(boxes, np.float64).reshape(-1, 5),
+        table,
+        planned,
+        *stored_rois(planned, table[:, 2], table[:, 3:5]),
         torch.from_numpy(np.concatenate(chunks)) if chunks else None,
         [len(c) for c in chunks],
         [it.data for it in good if it.decoded_on_cpu and it.data is not None],
@@ -196,35 +200,46 @@ class NvjpegLoader(Loader):
         few batched ops. No tensor op per image on this thread (except for what nvJPEG or the worker refused)."""
         device, size = self.stage.device, self.recipe.size
         errors = list(work.errors)
-        images, orientation, shapes, fallbacks = self._images(work, decode, errors)
-        keep = np.array([k for k, img in enumerate(images) if img is not None], np.int64)
-        if not len(keep):
-            return empty_batch(size, device, errors)
-        kept = images if len(keep) == len(images) else [images[k] for k in keep]
-        crops = crop_resize_flip(kept, work.boxes[keep], orientation[keep], shapes[keep], size)  # type: ignore[arg-type]
-        keys = np.stack([np.full(len(keep), epoch, np.int64), work.rows[keep, 1]], 1)
-        return Batch(crops, torch.from_numpy(work.rows[keep, 0]), "NCHW", errors, fallbacks, torch.from_numpy(keys))
+        images, upright, fallbacks = self._images(work, decode, errors)
+        rows, rois, steps, shapes = work.rows, work.rois, work.steps, work.rows[:, 3:5]
+        if upright:  # Pillow decoded these upright after nvJPEG refused them: their boxes planned again
+            orientation, shapes = rows[:, 2].copy(), shapes.copy()
+            for row, hw in upright.items():
+                orientation[row], shapes[row] = 1, hw
+            rois, steps = stored_rois(work.boxes, orientation, shapes)
+        if len(errors) > len(work.errors):  # a file neither nvJPEG nor Pillow decoded: its row goes
+            keep = np.array([k for k, img in enumerate(images) if img is not None], np.int64)
+            if not len(keep):
+                return empty_batch(size, device, errors)
+            images, rows, rois, steps, shapes = (
+                [images[k] for k in keep],
+                rows[keep],
+                rois[keep],
+                steps[keep],
+                shapes[keep],
+            )
+        crops = crop_resize_flip(images, rois, steps, shapes, size)  # type: ignore[arg-type]
+        keys = np.stack([np.full(len(rows), epoch, np.int64), rows[:, 1]], 1)
+        return Batch(crops, torch.from_numpy(rows[:, 0].copy()), "NCHW", errors, fallbacks, torch.from_numpy(keys))
 
     def _images(
         self, work: _Work, decode: Decode, errors: list[tuple[str, str]]
-    ) -> tuple[list[torch.Tensor | None], np.ndarray, np.ndarray, int]:
-        """Each row's image on the device as stored (None: it failed, added to ``errors``), the rows' orientations
-        and stored (height, width) (upright for what Pillow decoded), and how many Pillow decoded (fallbacks)."""
+    ) -> tuple[list[torch.Tensor | None], dict[int, tuple[int, int]], int]:
+        """Each row's image on the device as stored (None: it failed, added to ``errors``), the rows Pillow decoded
+        upright after nvJPEG refused them, with their (height, width), and how many Pillow decoded (fallbacks)."""
         on_cpu = work.rows[:, 5].astype(bool)
-        orientation, shapes = work.rows[:, 2].copy(), work.rows[:, 3:5].copy()
         decoded, retried = self._decode_jpegs(work, decode, errors)
         jpeg_rows = np.flatnonzero(~on_cpu)
-        for j in retried:  # Pillow decoded it upright
-            orientation[jpeg_rows[j]], shapes[jpeg_rows[j]] = 1, decoded[j].shape[1:]  # type: ignore[union-attr]
+        upright = {int(jpeg_rows[j]): tuple(decoded[j].shape[1:]) for j in retried}  # type: ignore[union-attr]
         if not on_cpu.any():
-            return decoded, orientation, shapes, len(retried)
+            return decoded, upright, len(retried)  # type: ignore[return-value]
         images: list[torch.Tensor | None] = [None] * len(on_cpu)
         for j, row in enumerate(jpeg_rows.tolist()):
             images[row] = decoded[j]
         for row, pixels in zip(np.flatnonzero(on_cpu).tolist(), work.cpu, strict=True):
             pixels = pixels if pixels.flags.writeable else pixels.copy()  # from a worker: unpickled, writable
             images[row] = torch.from_numpy(pixels).to(self.stage.device, non_blocking=True).permute(2, 0, 1)
-        return images, orientation, shapes, len(retried) + len(work.cpu)
+        return images, upright, len(retried) + len(work.cpu)  # type: ignore[return-value]
 
     def _decode_jpegs(
         self, work: _Work, decode: Decode, errors: list[tuple[str, str]]
