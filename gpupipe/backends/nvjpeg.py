@@ -232,14 +232,14 @@ class NvjpegLoader(Loader):
         jpeg_rows = np.flatnonzero(~on_cpu)
         upright = {int(jpeg_rows[j]): tuple(decoded[j].shape[1:]) for j in retried}  # type: ignore[union-attr]
         if not on_cpu.any():
-            return decoded, upright, len(retried)  # type: ignore[return-value]
+            return decoded, upright, len(retried)
         images: list[torch.Tensor | None] = [None] * len(on_cpu)
         for j, row in enumerate(jpeg_rows.tolist()):
             images[row] = decoded[j]
         for row, pixels in zip(np.flatnonzero(on_cpu).tolist(), work.cpu, strict=True):
             pixels = pixels if pixels.flags.writeable else pixels.copy()  # from a worker: unpickled, writable
             images[row] = torch.from_numpy(pixels).to(self.stage.device, non_blocking=True).permute(2, 0, 1)
-        return images, upright, len(retried) + len(work.cpu)  # type: ignore[return-value]
+        return images, upright, len(retried) + len(work.cpu)
 
     def _decode_jpegs(
         self, work: _Work, decode: Decode, errors: list[tuple[str, str]]
