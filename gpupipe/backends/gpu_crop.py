@@ -10,6 +10,7 @@ box, so mirroring a box and then its output is the same as cropping the mirrored
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -78,21 +79,19 @@ def crop_resize_flip(
     device = images[0].device
     spans = list(chunks(shapes))
     first = np.concatenate([np.arange(hi - lo) for lo, hi in spans])  # each box's image within its chunk
-    pack, columns = HostPack(), np.arange(size)
+    pack = HostPack()
     roi_slot = pack.add(np.concatenate([first[:, None], rois], 1), torch.float32)
-    step_slot = pack.add(steps[:, :2], torch.bool)
-    column_slot = (
-        pack.add(np.where(steps[:, 2:], size - 1 - columns, columns), torch.int64) if steps[:, 2].any() else None
-    )
+    step_slot = pack.add(steps, torch.int64)
     pack.send(device)
-    on_device = pack.get(roi_slot)
-    flags = pack.get(step_slot) if steps[:, :2].any() else None  # transposes and vertical flips: rare
-    mirror = None if column_slot is None else pack.get(column_slot).view(-1, 1, 1, size)  # each row's columns
+    on_device, flags = pack.get(roi_slot), pack.get(step_slot)
+    mirror = None  # each row's columns in order, or reversed where mirrored
+    if steps[:, 2].any():
+        mirror = _column_orders(device, size).index_select(0, flags[:, 2]).view(-1, 1, 1, size)
     out = None if len(spans) == 1 else torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
     for lo, hi in spans:
         resized = roi_align(padded(images[lo:hi], shapes[lo:hi]).float(), on_device[lo:hi], size, 1.0, -1, True)
         # a convex mix of uint8 values stays within [0, 255]: adding 0.5 and truncating rounds it
-        chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], None if flags is None else flags[lo:hi])
+        chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], flags[lo:hi])
         dest = None if out is None else out[lo:hi]
         if mirror is not None:  # one gather: every row's columns in its own order (reversed where mirrored)
             chunk = torch.gather(chunk, -1, mirror[lo:hi].expand_as(chunk), out=dest)
@@ -104,10 +103,17 @@ def crop_resize_flip(
     return out
 
 
-def _turned(chunk: torch.Tensor, steps: np.ndarray, flags: torch.Tensor | None) -> torch.Tensor:
+def _turned(chunk: torch.Tensor, steps: np.ndarray, flags: torch.Tensor) -> torch.Tensor:
     """The orientation's transpose and vertical flip, for the images whose ``steps`` say so (before the mirror)."""
-    if flags is not None and steps[:, 0].any():
-        chunk = torch.where(flags[:, 0].view(-1, 1, 1, 1), chunk.transpose(-1, -2), chunk)
-    if flags is not None and steps[:, 1].any():
-        chunk = torch.where(flags[:, 1].view(-1, 1, 1, 1), chunk.flip(-2), chunk)
+    if steps[:, 0].any():
+        chunk = torch.where(flags[:, 0].view(-1, 1, 1, 1) > 0, chunk.transpose(-1, -2), chunk)
+    if steps[:, 1].any():
+        chunk = torch.where(flags[:, 1].view(-1, 1, 1, 1) > 0, chunk.flip(-2), chunk)
     return chunk
+
+
+@functools.lru_cache(maxsize=16)
+def _column_orders(device: torch.device, size: int) -> torch.Tensor:
+    """(2, size) int64 on ``device``: the columns in order, and reversed; made there once (no copy per batch)."""
+    columns = torch.arange(size, device=device)
+    return torch.stack([columns, columns.flip(0)])
