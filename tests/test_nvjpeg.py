@@ -11,7 +11,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 import gpupipe
 from gpupipe.backends import gpu_crop
 from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
-from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset, _collate, _upright_chw
+from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset, _upright_chw
 from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError
 from gpupipe.recipe import Recipe
@@ -56,7 +56,7 @@ def test_items_say_what_the_worker_did(files):
 
 def test_a_batch_is_decoded_turned_cropped_and_counted(files):
     loader = _loader(files)
-    items = _collate([loader._data[(0, i)] for i in range(4)])
+    items = loader._data.collate([loader._data[(0, i)] for i in range(4)])
     batch = loader._batch(0, items, _cpu_decode)
     assert batch.images.shape == (3, 3, 16, 16) and batch.layout == "NCHW"
     assert batch.keys.tolist() == [[0, 0], [0, 1], [0, 2]]
@@ -68,7 +68,7 @@ def test_a_batch_is_decoded_turned_cropped_and_counted(files):
 def test_what_nvjpeg_rejects_goes_to_pillow(files, refused):
     """a.jpg (upright) or b.jpg (EXIF 6: Pillow turns it, so its box is planned again) refused by nvJPEG."""
     loader = _loader(files)
-    items = _collate([loader._data[(0, i)] for i in range(4)])
+    items = loader._data.collate([loader._data[(0, i)] for i in range(4)])
     rejected = len(files.read(refused))
 
     def picky(data):  # fails the whole batch, then the refused file alone
@@ -85,7 +85,7 @@ def test_what_nvjpeg_rejects_goes_to_pillow(files, refused):
 
 def test_a_jpeg_neither_decoder_takes_is_an_error_naming_its_file(files, monkeypatch):
     loader = _loader(files)
-    work = _collate([loader._data[(0, i)] for i in range(4)])
+    work = loader._data.collate([loader._data[(0, i)] for i in range(4)])
 
     def refuse(data):
         raise RuntimeError("nvJPEG says no")

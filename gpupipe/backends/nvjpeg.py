@@ -19,7 +19,7 @@ import torch
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..data.upload import Reaper
 from ..errors import DecodeError
-from ..recipe import Box, Recipe
+from ..recipe import Recipe
 from .gpu_crop import crop_resize_flip, stored_rois
 from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
@@ -42,9 +42,10 @@ class _Item(NamedTuple):
     data: np.ndarray | None  # uint8: the file's bytes, or with decoded_on_cpu (H,W,3) RGB pixels; None: error
     decoded_on_cpu: bool  # Pillow decoded it in the worker (nvJPEG cannot take it): counted as a fallback
     orientation: int  # the EXIF orientation the GPU path applies after decoding (1: upright)
-    box: Box | None  # the recipe's crop, in upright pixels
+    epoch: int  # the sample's key is (epoch, sample): its crop is planned with the batch's (Recipe.plan_boxes)
     error: str | None = None  # why the file could not be read
     stored: tuple[int, int] = (0, 0)  # (height, width) as stored, before the orientation: what nvJPEG will output
+    upright: tuple[int, int] = (0, 0)  # (height, width) after the orientation: what the crop box is planned on
 
 
 class _BytesDataset(torch.utils.data.Dataset):
@@ -62,20 +63,41 @@ class _BytesDataset(torch.utils.data.Dataset):
         try:
             data = self.dataset.read(index)
             header = probe(data, path, "nvjpeg", self.max_pixels)
-            uh, uw = header.upright_size
-            box = self.recipe.plan(self.train, self.seed, epoch, index)(uh, uw)
             if nvjpeg_can_decode(data, header):
                 w, h = header.image.size
-                stored = (h, w)
+                raw = np.frombuffer(data, np.uint8)
                 return _Item(
-                    path, label, index, np.frombuffer(data, np.uint8), False, header.orientation, box, None, stored
+                    path, label, index, raw, False, header.orientation, epoch, None, (h, w), header.upright_size
                 )
             pixels = np.asarray(self._fallback.decode_opened(header, path))  # RGB, upright
-            return _Item(path, label, index, pixels, True, 1, box, None, pixels.shape[:2])
+            return _Item(path, label, index, pixels, True, 1, epoch, None, pixels.shape[:2], pixels.shape[:2])
         except DecodeError as e:
-            return _Item(path, label, index, None, False, 1, None, e.reason)
+            return _Item(path, label, index, None, False, 1, epoch, e.reason)
         except OSError as e:
-            return _Item(path, label, index, None, False, 1, None, f"cannot read the file ({e.strerror or e})")
+            return _Item(path, label, index, None, False, 1, epoch, f"cannot read the file ({e.strerror or e})")
+
+    def collate(self, items: list[_Item]) -> _Work:
+        """The batch's items as whole-batch arrays, its crops planned at once from the samples' keys."""
+        good = [it for it in items if it.data is not None]
+        jpegs = [it for it in good if not it.decoded_on_cpu]
+        table = np.array(
+            [(it.label, it.sample, it.orientation, *it.stored, it.decoded_on_cpu, *it.upright) for it in good], np.int64
+        ).reshape(-1, 8)
+        epochs = np.array([it.epoch for it in good], np.int64)
+        planned = np.zeros((len(good), 5))
+        for epoch in np.unique(epochs).tolist():  # one: a sampler's batch is drawn from one epoch
+            rows = table[epochs == epoch]
+            planned[epochs == epoch] = self.recipe.plan_boxes(self.train, self.seed, epoch, *rows[:, [1, 6, 7]].T)
+        chunks = [it.data for it in jpegs if it.data is not None]
+        return _Work(
+            table[:, :6],
+            planned,
+            *stored_rois(planned, table[:, 2], table[:, 3:5]),
+            torch.from_numpy(np.concatenate(chunks)) if chunks else None,
+            [len(c) for c in chunks],
+            [it.data for it in good if it.decoded_on_cpu and it.data is not None],
+            [(it.path, it.error or "") for it in items if it.data is None],
+        )
 
 
 class _Work(NamedTuple):
@@ -91,24 +113,6 @@ class _Work(NamedTuple):
     lengths: list[int]  # each JPEG's byte count
     cpu: list[np.ndarray]  # (H, W, 3) RGB, upright: what Pillow decoded in the worker
     errors: list[tuple[str, str]]
-
-
-def _collate(items: list[_Item]) -> _Work:
-    good = [it for it in items if it.data is not None]
-    jpegs = [it for it in good if not it.decoded_on_cpu]
-    rows = [(it.label, it.sample, it.orientation, *it.stored, it.decoded_on_cpu) for it in good]
-    boxes = [(b.top, b.left, b.height, b.width, b.flip) for b in (it.box for it in good) if b is not None]
-    chunks = [it.data for it in jpegs if it.data is not None]
-    table, planned = np.array(rows, np.int64).reshape(-1, 6), np.array(boxes, np.float64).reshape(-1, 5)
-    return _Work(
-        table,
-        planned,
-        *stored_rois(planned, table[:, 2], table[:, 3:5]),
-        torch.from_numpy(np.concatenate(chunks)) if chunks else None,
-        [len(c) for c in chunks],
-        [it.data for it in good if it.decoded_on_cpu and it.data is not None],
-        [(it.path, it.error or "") for it in items if it.data is None],
-    )
 
 
 def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -185,7 +189,7 @@ class NvjpegLoader(Loader):
         if self._dataloader is None:
             kwargs = {**self.parts.dataloader.kwargs(self.parts.workers), "pin_memory": False}  # bytes: no pinning
             self._dataloader = torch.utils.data.DataLoader(
-                self._data, batch_sampler=self.sampler, collate_fn=_collate, **kwargs
+                self._data, batch_sampler=self.sampler, collate_fn=self._data.collate, **kwargs
             )
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
