@@ -6,10 +6,12 @@ how they decode and interpolate, never in which pixels they keep (the parity tes
 
 from __future__ import annotations
 
+import functools
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from .augment.parse import EraseMode, check_erasing, parse_auto_augment, parse_color_jitter
 
@@ -73,35 +75,91 @@ class Recipe:
     def resize_size(self) -> int:
         return round(self.size / self.crop_pct)
 
-    def train_box(self, height: int, width: int, rng: random.Random) -> Box:
-        """torchvision ``RandomResizedCrop.get_params`` exactly, plus the flip coin, drawn from ``rng``."""
+    def train_draws(self, seed: int, epoch: int, indices) -> np.ndarray:
+        """(n, DRAWS) float64: what the train crops of samples ``indices`` in ``epoch`` are made from, for the whole
+        batch at once. Each sample's uniforms come from a counter-based generator keyed by ``(seed, epoch, index)``
+        (:func:`key_uniforms`), so a sample draws the same whatever batch, worker, rank or backend asks. Per attempt
+        (``ATTEMPTS``, RandomResizedCrop's 10): the area fraction, the aspect ratio, and the uniforms of the top and
+        left offsets; then the flip's uniform."""
+        u = key_uniforms(seed, epoch, indices, DRAWS)
+        lo, hi = self.scale
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        u[:, 0 : 4 * ATTEMPTS : 4] = lo + (hi - lo) * u[:, 0 : 4 * ATTEMPTS : 4]
+        u[:, 1 : 4 * ATTEMPTS : 4] = np.exp(log_lo + (log_hi - log_lo) * u[:, 1 : 4 * ATTEMPTS : 4])
+        return u
+
+    def train_box(self, height: int, width: int, drawn: list[float]) -> Box:
+        """torchvision ``RandomResizedCrop.get_params``' algorithm, plus the flip coin, from one row of
+        :meth:`train_draws` (as a list). :meth:`train_boxes` is the same for a batch, to the bit."""
         area = height * width
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        for _ in range(10):
-            target_area = area * rng.uniform(*self.scale)
-            aspect = math.exp(rng.uniform(*log_ratio))
-            w = round(math.sqrt(target_area * aspect))
-            h = round(math.sqrt(target_area / aspect))
+        for k in range(0, 4 * ATTEMPTS, 4):
+            target_area = area * drawn[k]
+            w = round(math.sqrt(target_area * drawn[k + 1]))
+            h = round(math.sqrt(target_area / drawn[k + 1]))
             if 0 < w <= width and 0 < h <= height:
-                top = rng.randint(0, height - h)
-                left = rng.randint(0, width - w)
-                return Box(top, left, h, w, rng.random() < self.flip_p)
+                top, left = math.floor(drawn[k + 2] * (height - h + 1)), math.floor(drawn[k + 3] * (width - w + 1))
+                return Box(top, left, h, w, drawn[-1] < self.flip_p)
+        h, w = self._fallback_size(height, width)
+        return Box((height - h) // 2, (width - w) // 2, h, w, drawn[-1] < self.flip_p)
+
+    def _fallback_size(self, height: int, width: int) -> tuple[int, int]:
+        """RandomResizedCrop's centre crop when no attempt fits: the whole image, clamped to the ratio range."""
         in_ratio = width / height
         if in_ratio < min(self.ratio):
-            w, h = width, round(width / min(self.ratio))
-        elif in_ratio > max(self.ratio):
-            h, w = height, round(height * max(self.ratio))
-        else:
-            w, h = width, height
-        return Box((height - h) // 2, (width - w) // 2, h, w, rng.random() < self.flip_p)
+            return round(width / min(self.ratio)), width
+        if in_ratio > max(self.ratio):
+            return height, round(height * max(self.ratio))
+        return height, width
+
+    def train_boxes(self, heights: np.ndarray, widths: np.ndarray, drawn: np.ndarray) -> np.ndarray:
+        """(n, 5) float64 ``top, left, height, width, flip``: :meth:`train_box` for a batch in a few array ops."""
+        n = len(drawn)
+        height, width = np.asarray(heights, np.int64)[:, None], np.asarray(widths, np.int64)[:, None]
+        target_area = (height * width) * drawn[:, 0 : 4 * ATTEMPTS : 4]
+        aspect = drawn[:, 1 : 4 * ATTEMPTS : 4]
+        w, h = np.round(np.sqrt(target_area * aspect)), np.round(np.sqrt(target_area / aspect))
+        fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        first, rows = fits.argmax(1), np.arange(n)
+        h, w = h[rows, first], w[rows, first]
+        height, width = height[:, 0], width[:, 0]
+        top = np.floor(drawn[rows, 4 * first + 2] * (height - h + 1))
+        left = np.floor(drawn[rows, 4 * first + 3] * (width - w + 1))
+        missed = np.flatnonzero(~fits.any(1))  # rare: RandomResizedCrop's fallback, one by one
+        for i, hh, ww in zip(missed.tolist(), height[missed].tolist(), width[missed].tolist(), strict=True):
+            h[i], w[i] = self._fallback_size(hh, ww)
+            top[i], left[i] = (hh - h[i]) // 2, (ww - w[i]) // 2
+        return np.stack([top, left, h, w, drawn[:, -1] < self.flip_p], 1).astype(np.float64)
 
     def plan(self, train: bool, seed: int, epoch: int, index: int) -> Callable[[int, int], Box]:
-        """``(height, width) -> Box`` for one sample: its train crop in this epoch (drawn from its own stream, see
-        :func:`sample_rng`), or the eval crop. Decoders call it once they know the upright size."""
+        """``(height, width) -> Box`` for one sample: its train crop in this epoch (:meth:`train_draws`), or the
+        eval crop. Decoders call it once they know the upright size."""
         if not train:
             return self.eval_box
-        rng = sample_rng(seed, epoch, index)
-        return lambda height, width: self.train_box(height, width, rng)
+        drawn = self.train_draws(seed, epoch, [index])[0].tolist()
+        return lambda height, width: self.train_box(height, width, drawn)
+
+    def plans(self, train: bool, seed: int, keys) -> list[Callable[[int, int], Box]]:
+        """:meth:`plan` for each ``(epoch, index, ...)`` key of a batch, the draws made for the whole batch at once
+        (a worker's batch; the boxes are the same as one sample at a time)."""
+        if not train:
+            return [self.eval_box] * len(keys)
+        out: list[Callable[[int, int], Box]] = [self.eval_box] * len(keys)
+        epochs = [key[0] for key in keys]
+        for epoch in sorted(set(epochs)):  # one: a sampler's batch is drawn from one epoch
+            where = [p for p, e in enumerate(epochs) if e == epoch]
+            for p, drawn in zip(
+                where, self.train_draws(seed, epoch, [keys[p][1] for p in where]).tolist(), strict=True
+            ):
+                out[p] = functools.partial(self.train_box, drawn=drawn)
+        return out
+
+    def plan_boxes(self, train: bool, seed: int, epoch: int, indices, heights, widths) -> np.ndarray:
+        """(n, 5) float64 ``top, left, height, width, flip``: :meth:`plan` for a whole batch of upright sizes."""
+        if train:
+            return self.train_boxes(heights, widths, self.train_draws(seed, epoch, indices))
+        sizes = zip(np.asarray(heights).tolist(), np.asarray(widths).tolist(), strict=True)
+        boxes = [self.eval_box(h, w) for h, w in sizes]
+        return np.array([(b.top, b.left, b.height, b.width, b.flip) for b in boxes], np.float64).reshape(-1, 5)
 
     def eval_resize(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) that torchvision ``Resize(resize_size)`` gives: shorter side exact, longer truncated."""
@@ -124,10 +182,29 @@ class Recipe:
         return Box(top * sy, left * sx, self.size * sy, self.size * sx, False)
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
-    """The random stream of one sample in one epoch: independent of worker, rank and batch, so a resumed
-    or re-sharded run draws the same crops."""
-    return random.Random(f"{seed}/{epoch}/{index}")
+ATTEMPTS = 10  # RandomResizedCrop's tries before its centre-crop fallback
+DRAWS = 4 * ATTEMPTS + 1  # per try: area, aspect, top, left; then the flip
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output function on uint64 arrays (arithmetic wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def key_uniforms(seed: int, epoch: int, indices, count: int) -> np.ndarray:
+    """(n, count) float64 uniforms in [0, 1) for the samples ``indices`` of ``epoch``: a counter-based generator
+    (splitmix64: the j-th draw is the mix of the sample's key plus j times the golden gamma), so any subset of
+    samples, in any batch or order, gets the same numbers, and a batch's draws are a few array ops."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.array([seed & _MASK], np.uint64))
+        key = _mix(key ^ np.array([epoch & _MASK], np.uint64))
+        key = _mix(key ^ np.asarray(indices, np.int64).astype(np.uint64).reshape(-1, 1))
+        counters = np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
+        return (_mix(key + counters) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def dct_scale(box: Box, size: int) -> int:

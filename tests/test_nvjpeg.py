@@ -8,8 +8,12 @@ import pytest
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset
+import gpupipe
+from gpupipe.backends import gpu_crop
+from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
+from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset, _upright_chw
 from gpupipe.data.sources import open_source as scan
+from gpupipe.errors import DecodeError
 from gpupipe.recipe import Recipe
 
 from .common_utils import encoded, jpeg_bytes, jpeg_with_orientation, photo
@@ -52,7 +56,7 @@ def test_items_say_what_the_worker_did(files):
 
 def test_a_batch_is_decoded_turned_cropped_and_counted(files):
     loader = _loader(files)
-    items = [loader._data[(0, i)] for i in range(4)]
+    items = loader._data.collate([loader._data[(0, i)] for i in range(4)])
     batch = loader._batch(0, items, _cpu_decode)
     assert batch.images.shape == (3, 3, 16, 16) and batch.layout == "NCHW"
     assert batch.keys.tolist() == [[0, 0], [0, 1], [0, 2]]
@@ -60,18 +64,119 @@ def test_a_batch_is_decoded_turned_cropped_and_counted(files):
     assert [p.rsplit("/", 1)[-1] for p, _ in batch.errors] == ["d.jpg"]
 
 
-def test_what_nvjpeg_rejects_goes_to_pillow(files):
+@pytest.mark.parametrize("refused", [0, 1])
+def test_what_nvjpeg_rejects_goes_to_pillow(files, refused):
+    """a.jpg (upright) or b.jpg (EXIF 6: Pillow turns it, so its box is planned again) refused by nvJPEG."""
     loader = _loader(files)
-    items = [loader._data[(0, i)] for i in range(4)]
-    rejected = len(files.read(0))
+    items = loader._data.collate([loader._data[(0, i)] for i in range(4)])
+    rejected = len(files.read(refused))
 
-    def picky(data):  # fails the whole batch, then a.jpg alone
+    def picky(data):  # fails the whole batch, then the refused file alone
         if isinstance(data, list) or data.numel() == rejected:
             raise RuntimeError("nvJPEG says no")
         return _cpu_decode(data)
 
     batch = loader._batch(0, items, picky)
     assert batch.keys.tolist() == [[0, 0], [0, 1], [0, 2]]
-    assert batch.fallbacks == 2  # c.jpg in the worker, a.jpg after nvJPEG refused it
+    assert batch.fallbacks == 2  # c.jpg in the worker, the refused one after nvJPEG
     reference = loader._batch(0, items, _cpu_decode)
-    assert (batch.images[0].float() - reference.images[0].float()).abs().mean() < 3
+    assert (batch.images[refused].float() - reference.images[refused].float()).abs().mean() < 3
+
+
+def test_a_jpeg_neither_decoder_takes_is_an_error_naming_its_file(files, monkeypatch):
+    loader = _loader(files)
+    work = loader._data.collate([loader._data[(0, i)] for i in range(4)])
+
+    def refuse(data):
+        raise RuntimeError("nvJPEG says no")
+
+    def broken(data, path):
+        raise DecodeError(path, "pillow", "broken")
+
+    monkeypatch.setattr(loader._data._fallback, "decode", broken)
+    batch = loader._batch(0, work, refuse)
+    assert batch.keys.tolist() == [[0, 2]] and batch.fallbacks == 1  # only c.jpg, decoded in the worker
+    assert sorted(p.rsplit("/", 1)[-1] for p, _ in batch.errors) == ["a.jpg", "b.jpg", "d.jpg"]
+    assert all("nvJPEG says no; Pillow: broken" in why for p, why in batch.errors if not p.endswith("d.jpg"))
+
+
+def _crop(images, boxes, orientation, shapes, size):
+    return crop_resize_flip(images, *stored_rois(boxes, orientation, shapes), shapes, size)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("flip", [False, True])
+def test_crops_of_stored_images_match_crops_of_upright_ones(orientation, flip):
+    """The boxes are mapped into stored pixels and the outputs turned upright: the same crop as cropping the image
+    turned upright first, for every EXIF orientation, with and without the recipe's flip."""
+    stored = torch.randint(0, 256, (3, 40, 60), dtype=torch.uint8)
+    upright = _upright_chw(stored, orientation).contiguous()
+    box = np.array([[5.5, 3.0, 21.0, 17.25, flip]])
+    shape = lambda img: np.array([img.shape[1:]], np.int64)
+    got = _crop([stored], box, np.array([orientation]), shape(stored), 16)
+    want = _crop([upright], box, np.array([1]), shape(upright), 16)
+    assert got.shape == (1, 3, 16, 16) and (got.int() - want.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("flips", [0, 2])
+def test_a_batch_of_mixed_orientations_and_chunks(monkeypatch, flips):
+    """Several chunks (a small padding limit) and orientations in one batch: each image as cropped alone."""
+    monkeypatch.setattr(gpu_crop, "_PAD_ELEMENTS", 3 * 50 * 70 * 2)
+    rng = np.random.default_rng(1)
+    images = [torch.randint(0, 256, (3, 30 + 5 * k, 70 - 5 * k), dtype=torch.uint8) for k in range(5)]
+    shapes = np.array([im.shape[1:] for im in images], np.int64)
+    orientation = np.array([1, 6, 3, 8, 5])
+    upright_hw = [(h, w) if o < 5 else (w, h) for (h, w), o in zip(shapes.tolist(), orientation, strict=True)]
+    boxes = np.array(
+        [
+            (rng.uniform(0, 5), rng.uniform(0, 5), h - 8, w - 9, flips and k % flips)
+            for k, (h, w) in enumerate(upright_hw)
+        ]
+    )
+    assert len(list(gpu_crop.chunks(shapes))) > 1
+    batch = _crop(images, boxes, orientation, shapes, 12)
+    for k, img in enumerate(images):
+        alone = _crop([img], boxes[k : k + 1], orientation[k : k + 1], shapes[k : k + 1], 12)
+        assert torch.equal(batch[k], alone[0])
+
+
+class _CpuNvjpegLoader(NvjpegLoader):
+    """The nvjpeg loader whole (workers, hand-over, batched crops), its device side on the CPU, decoding with
+    torchvision's CPU decoder: the same boxes and pixels as Pillow's loader, checked here without a GPU."""
+
+    decode_devices = ("cpu",)
+
+    def decoder(self):
+        return _cpu_decode
+
+
+@pytest.fixture(scope="module")
+def turned(tmp_path_factory):
+    """Every EXIF orientation, twice, in two classes, beside a PNG that Pillow decodes in the worker."""
+    root = tmp_path_factory.mktemp("turned")
+    rng = np.random.default_rng(3)
+    for c in range(2):
+        (root / f"c{c}").mkdir()
+        for o in range(1, 9):
+            (root / f"c{c}" / f"{o}.jpg").write_bytes(jpeg_with_orientation(photo(rng, 72 + 8 * c, 100 - o), o))
+    (root / "c1" / "png.jpg").write_bytes(encoded(photo(rng, 70, 90), "PNG"))
+    return root
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_the_whole_loader_crops_as_pillow_does(turned, train):
+    def run(make):
+        kw = dict(batch_size=5, train=train, image_size=32, num_workers=1, normalize=False, device="cpu", seed=4)
+        pillow = gpupipe.build_loader(turned, "pillow", **kw)
+        loader = make(pillow)
+        return [(x.float(), y) for x, y in loader], loader
+
+    ours, loader = run(lambda pillow: _CpuNvjpegLoader(pillow.parts))
+    reference, _ = run(lambda pillow: pillow)
+    assert len(ours) == len(reference) == (4 if not train else 3)  # train drops the last partial batch
+    assert train or loader.fallbacks == 1  # the PNG (train may drop it with the partial batch)
+    for (x, y), (ref_x, ref_y) in zip(ours, reference, strict=True):
+        assert torch.equal(y, ref_y) and x.shape == ref_x.shape
+        # resampling differs (roi_align vs Pillow's filter; the JPEG decoders' upsampling), the boxes do not: a box
+        # off by a few pixels, or a wrong turn, costs tens of levels
+        assert (x - ref_x).abs().mean(dim=(1, 2, 3)).max() < 4

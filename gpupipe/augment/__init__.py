@@ -10,7 +10,7 @@ Three steps, so every backend and device gives the same pixels for the same samp
 
 1. :meth:`Policy.draw` turns a sample key ``(seed, epoch, index)`` into a small record, the ops to apply with their
    arguments, drawn from the sample's own stream ``random.Random(f"{seed}/{epoch}/{index}/aug")`` (a second stream:
-   the crop's stream, :func:`gpupipe.recipe.sample_rng`, is untouched, so the plain recipe keeps its pixels).
+   the crop's draws, :meth:`gpupipe.recipe.Recipe.train_draws`, are untouched, so the plain recipe keeps its pixels).
 2. :meth:`Policy.apply` applies the records of a (N,3,H,W) uint8 batch on its device, image by image in meaning but
    batched in work: images are grouped by (position in their record, op), one call per group, each image with its
    own arguments. The decode workers call it with N=1, the GPU device stage with the whole batch; the kernels are

@@ -66,10 +66,11 @@ class _SampleDataset(torch.utils.data.Dataset):
         good: list[tuple[int, int]] = []
         errors: list[tuple[str, str]] = []
         fallbacks = 0
-        for key, d in zip(keys, data, strict=True):
+        plans = self.recipe.plans(self.train, self.seed, keys)  # the batch's crops drawn at once
+        for key, d, plan in zip(keys, data, plans, strict=True):
             path, label = self.dataset.samples[key[1]]
             try:
-                error, fell_back = self._into(key, d, images[len(good)])
+                error, fell_back = self._into(key, d, images[len(good)], plan)
             except TransformError as e:  # carried to the main process as the batch's failure
                 return WireBatch(images[:0], torch.empty(0, dtype=torch.int64), "NHWC", [], 0, None, e)
             if error is not None:
@@ -82,15 +83,17 @@ class _SampleDataset(torch.utils.data.Dataset):
         labels_t = torch.tensor(labels, dtype=torch.int64)
         return WireBatch(images[: len(good)], labels_t, "NHWC", errors, fallbacks, keys_t)
 
-    def _into(self, key: tuple, data: bytes | Exception, out: np.ndarray | torch.Tensor) -> tuple[str | None, bool]:
-        """Decode sample ``key`` (its bytes, or why they could not be read) into ``out`` ((S, S, 3) uint8): (why it
-        failed or None, whether it fell back)."""
+    def _into(
+        self, key: tuple, data: bytes | Exception, out: np.ndarray | torch.Tensor, plan: Callable | None = None
+    ) -> tuple[str | None, bool]:
+        """Decode sample ``key`` (its bytes, or why they could not be read) into ``out`` ((S, S, 3) uint8) with its
+        ``plan`` (the recipe's, when not given): (why it failed or None, whether it fell back)."""
         epoch, index, *weights = key  # with CTAugment, the snapshot the sample's batch draws from (_KeysWithWeights)
         path = self.dataset.samples[index][0]
         try:
             if isinstance(data, Exception):
                 raise data
-            plan = self.recipe.plan(self.train, self.seed, epoch, index)
+            plan = plan or self.recipe.plan(self.train, self.seed, epoch, index)
             fell_back = _crop_into(self.decoder, data, path, plan, out)
             if self.augment is not None:
                 chw = torch.as_tensor(out).permute(2, 0, 1)

@@ -14,7 +14,7 @@ only Pillow decodes (formats DALI lacks, CMYK, 16-bit) are decoded by Pillow in 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -99,8 +99,9 @@ class Feed(torch.utils.data.Dataset):
             work.stamps = [file_stamp(self.dataset, i) for i in request.indices]  # before the read
         chunks: list[bytes] = []
         rows: list[tuple[float, ...]] = []
-        for pos, i in enumerate(request.indices):
-            taken = self._sample(work, pos, i)
+        plans = self.recipe.plans(self.train, self.seed, [(request.epoch, i) for i in request.indices])
+        for pos, (i, plan) in enumerate(zip(request.indices, plans, strict=True)):
+            taken = self._sample(work, pos, i, plan)
             if taken is not None:
                 work.dali.append(pos)
                 chunks.append(taken[0])
@@ -110,7 +111,7 @@ class Feed(torch.utils.data.Dataset):
         work.rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), 5 if self.train else 4)
         return work
 
-    def _sample(self, work: Work, pos: int, i: int) -> tuple[bytes, tuple[float, ...]] | None:
+    def _sample(self, work: Work, pos: int, i: int, plan: Callable) -> tuple[bytes, tuple[float, ...]] | None:
         """(bytes, row) for DALI, or None: the sample failed (in ``work.errors``) or Pillow decoded it."""
         path = self.dataset.samples[i][0]
         try:
@@ -129,7 +130,6 @@ class Feed(torch.utils.data.Dataset):
             except DecodeError as e:
                 work.errors.append((path, e.reason))
                 return None
-        plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
         if pillow_only:
             decode_on_cpu(self.check, self.recipe.size, work, pos, path, data, plan)
             return None

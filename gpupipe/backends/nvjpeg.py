@@ -1,16 +1,15 @@
 """Batched nvJPEG decode on CUDA (torchcodec's ``decode_jpeg``, or torchvision's where torchcodec is missing), with
 the recipe's crop, resize and flip as a few batched ops on the GPU.
 
-The GPU path for users who cannot install DALI. Workers read the bytes and the header (size, EXIF orientation,
-pixel limit); the main process decodes the whole batch on the GPU in one call, on the loader's own stream, then
-crops and resizes every image in one ``roi_align`` (its adaptive sampling averages each output pixel's footprint:
-an antialiased resize) and flips them in one ``where``. Files nvJPEG cannot take (non-JPEG, CMYK) are decoded by
-Pillow in the worker and counted as fallbacks.
-"""
+The GPU path for users who cannot install DALI. DataLoader workers read the bytes, judge the header (size, EXIF
+orientation, pixel limit) and plan the crops, and hand each batch over as whole-batch arrays: the bytes in one
+shared-memory tensor, one row of label, key, orientation and stored size per sample, one crop box each. The
+training thread splits the bytes into views, decodes the whole batch on the GPU in one call on the loader's own
+stream, and crops, resizes, turns upright and flips it in a handful of batched ops (:mod:`.gpu_crop`). Files nvJPEG
+cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as fallbacks."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -18,9 +17,10 @@ import numpy as np
 import torch
 
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
-from ..data.upload import HostPack, Reaper
+from ..data.upload import Reaper
 from ..errors import DecodeError
-from ..recipe import Box, Recipe
+from ..recipe import Recipe
+from .gpu_crop import crop_resize_flip, stored_rois
 from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
@@ -42,9 +42,10 @@ class _Item(NamedTuple):
     data: np.ndarray | None  # uint8: the file's bytes, or with decoded_on_cpu (H,W,3) RGB pixels; None: error
     decoded_on_cpu: bool  # Pillow decoded it in the worker (nvJPEG cannot take it): counted as a fallback
     orientation: int  # the EXIF orientation the GPU path applies after decoding (1: upright)
-    box: Box | None  # the recipe's crop, in upright pixels
+    epoch: int  # the sample's key is (epoch, sample): its crop is planned with the batch's (Recipe.plan_boxes)
     error: str | None = None  # why the file could not be read
     stored: tuple[int, int] = (0, 0)  # (height, width) as stored, before the orientation: what nvJPEG will output
+    upright: tuple[int, int] = (0, 0)  # (height, width) after the orientation: what the crop box is planned on
 
 
 class _BytesDataset(torch.utils.data.Dataset):
@@ -62,47 +63,56 @@ class _BytesDataset(torch.utils.data.Dataset):
         try:
             data = self.dataset.read(index)
             header = probe(data, path, "nvjpeg", self.max_pixels)
-            uh, uw = header.upright_size
-            box = self.recipe.plan(self.train, self.seed, epoch, index)(uh, uw)
             if nvjpeg_can_decode(data, header):
                 w, h = header.image.size
-                stored = (h, w)
+                raw = np.frombuffer(data, np.uint8)
                 return _Item(
-                    path, label, index, np.frombuffer(data, np.uint8), False, header.orientation, box, None, stored
+                    path, label, index, raw, False, header.orientation, epoch, None, (h, w), header.upright_size
                 )
-            img = self._fallback.decode_opened(header, path)  # RGB, upright
-            return _Item(path, label, index, np.asarray(img), True, 1, box)
+            pixels = np.asarray(self._fallback.decode_opened(header, path))  # RGB, upright
+            return _Item(path, label, index, pixels, True, 1, epoch, None, pixels.shape[:2], pixels.shape[:2])
         except DecodeError as e:
-            return _Item(path, label, index, None, False, 1, None, e.reason)
+            return _Item(path, label, index, None, False, 1, epoch, e.reason)
         except OSError as e:
-            return _Item(path, label, index, None, False, 1, None, f"cannot read the file ({e.strerror or e})")
+            return _Item(path, label, index, None, False, 1, epoch, f"cannot read the file ({e.strerror or e})")
+
+    def collate(self, items: list[_Item]) -> _Work:
+        """The batch's items as whole-batch arrays, its crops planned at once from the samples' keys."""
+        good = [it for it in items if it.data is not None]
+        jpegs = [it for it in good if not it.decoded_on_cpu]
+        table = np.array(
+            [(it.label, it.sample, it.orientation, *it.stored, it.decoded_on_cpu, *it.upright) for it in good], np.int64
+        ).reshape(-1, 8)
+        epochs = np.array([it.epoch for it in good], np.int64)
+        planned = np.zeros((len(good), 5))
+        for epoch in np.unique(epochs).tolist():  # one: a sampler's batch is drawn from one epoch
+            rows = table[epochs == epoch]
+            planned[epochs == epoch] = self.recipe.plan_boxes(self.train, self.seed, epoch, *rows[:, [1, 6, 7]].T)
+        chunks = [it.data for it in jpegs if it.data is not None]
+        return _Work(
+            table[:, :6],
+            planned,
+            *stored_rois(planned, table[:, 2], table[:, 3:5]),
+            torch.from_numpy(np.concatenate(chunks)) if chunks else None,
+            [len(c) for c in chunks],
+            [it.data for it in good if it.decoded_on_cpu and it.data is not None],
+            [(it.path, it.error or "") for it in items if it.data is None],
+        )
 
 
-class _Collated(NamedTuple):
-    """A worker's batch: the items, the JPEGs' bytes moved into one tensor (one shared-memory transfer instead of a
-    pickled array per image), ``moved[k]``: item k's bytes are there, ``lengths`` in order."""
+class _Work(NamedTuple):
+    """A worker's batch as whole-batch arrays (one small pickle, the bytes in one shared-memory tensor): the samples
+    read, in batch order, each a row of ``rows``, ``boxes``, ``rois`` and ``steps``, their JPEG bytes one after another
+    in ``encoded`` (the rows whose ``on_cpu`` is 0, in order), the pixels Pillow decoded, in order, and the failures."""
 
-    items: list[_Item]
-    encoded: torch.Tensor | None
-    moved: list[bool]
-    lengths: list[int]
-
-    def restore(self) -> list[_Item]:
-        """The items with their bytes back, as views of the one tensor (no copy)."""
-        if self.encoded is None:
-            return self.items
-        views = iter(np.split(self.encoded.numpy(), np.cumsum(self.lengths)[:-1]))
-        return [it._replace(data=next(views)) if m else it for it, m in zip(self.items, self.moved, strict=True)]
-
-
-def _collate(items: list[_Item]) -> _Collated:
-    moved = [it.data is not None and not it.decoded_on_cpu for it in items]
-    chunks = [it.data for it, m in zip(items, moved, strict=True) if m and it.data is not None]
-    if not chunks:
-        return _Collated(items, None, moved, [])
-    encoded = torch.from_numpy(np.concatenate(chunks))
-    kept = [it._replace(data=None) if m else it for it, m in zip(items, moved, strict=True)]
-    return _Collated(kept, encoded, moved, [len(c) for c in chunks])
+    rows: np.ndarray  # int64 (n, 6): label, sample, EXIF orientation, stored height, stored width, on_cpu
+    boxes: np.ndarray  # float64 (n, 5): the recipe's crop in upright pixels: top, left, height, width, flip
+    rois: np.ndarray  # float64 (n, 4): the same crop in stored pixels, and (n, 3) bool: what turns it upright
+    steps: np.ndarray  # (see gpu_crop.stored_rois)
+    encoded: torch.Tensor | None  # uint8: the JPEGs' bytes
+    lengths: list[int]  # each JPEG's byte count
+    cpu: list[np.ndarray]  # (H, W, 3) RGB, upright: what Pillow decoded in the worker
+    errors: list[tuple[str, str]]
 
 
 def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -155,63 +165,6 @@ def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode
     return decode
 
 
-# The padded float copy one roi_align call reads: at most this many elements (1 GiB), so 1-8 MP photos go in chunks.
-_PAD_ELEMENTS = 1 << 28
-
-
-def _padded(images: list[torch.Tensor]) -> torch.Tensor:
-    """(N,3,Hmax,Wmax) uint8, each image at the top left, from one nested-tensor copy (not a copy per image)."""
-    device = images[0].device
-    if device.type not in ("cpu", "cuda"):  # no nested tensors there (the meta device: the benchmark's stand-in)
-        return torch.zeros(len(images), 3, *(max(im.shape[d] for im in images) for d in (1, 2)), device=device)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
-        return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
-
-
-def _chunks(images: list[torch.Tensor]) -> Iterator[tuple[int, int]]:
-    """``[lo, hi)`` ranges whose padded batch stays under ``_PAD_ELEMENTS``."""
-    lo, hmax, wmax = 0, 0, 0
-    for k, im in enumerate(images):
-        h, w = max(hmax, im.shape[1]), max(wmax, im.shape[2])
-        if k > lo and (k + 1 - lo) * 3 * h * w > _PAD_ELEMENTS:
-            yield lo, k
-            lo, h, w = k, im.shape[1], im.shape[2]
-        hmax, wmax = h, w
-    yield lo, len(images)
-
-
-def crop_resize_flip(images: list[torch.Tensor], boxes: list[Box], size: int) -> torch.Tensor:
-    """Each (3,H,W) uint8 image's box resized to ``size`` and flipped where the box says, as (N,3,S,S) uint8: the
-    boxes go to the device in one pinned non-blocking copy, then a handful of ops per chunk, none per image."""
-    from torchvision.ops import roi_align  # defer: loads torchvision's C++ ops
-
-    device = images[0].device
-    pack, starts = HostPack(), list(_chunks(images))
-    rows = [
-        (k - lo, b.left, b.top, b.left + b.width, b.top + b.height, b.flip)
-        for lo, hi in starts
-        for k, b in zip(range(lo, hi), boxes[lo:hi], strict=True)
-    ]
-    slot = pack.add(rows, torch.float32)
-    pack.send(device)
-    rois = pack.get(slot)
-    out = torch.cat(
-        [
-            roi_align(_padded(images[lo:hi]).float(), rois[lo:hi, :5].contiguous(), (size, size), 1.0, -1, True)
-            for lo, hi in starts
-        ]
-    )
-    out = torch.where(rois[:, 5].view(-1, 1, 1, 1) > 0.5, out.flip(-1), out)
-    return out.round_().clamp_(0, 255).to(torch.uint8)
-
-
-def _bytes(item: _Item) -> torch.Tensor:
-    assert item.data is not None
-    data = item.data  # from a worker: unpickled, writable, used as it is; from this process: the file's own bytes
-    return torch.from_numpy(data if data.flags.writeable else data.copy())
-
-
 class NvjpegLoader(Loader):
     backend = "nvjpeg"
     decode_devices: tuple[str, ...] = ("cuda",)  # the host-budget benchmark adds the meta device, with a stand-in
@@ -236,83 +189,92 @@ class NvjpegLoader(Loader):
         if self._dataloader is None:
             kwargs = {**self.parts.dataloader.kwargs(self.parts.workers), "pin_memory": False}  # bytes: no pinning
             self._dataloader = torch.utils.data.DataLoader(
-                self._data, batch_sampler=self.sampler, collate_fn=_collate, **kwargs
+                self._data, batch_sampler=self.sampler, collate_fn=self._data.collate, **kwargs
             )
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        for collated in self._dataloader:
-            batch = self._batch(epoch, collated.restore(), decode)
-            self._reaper.drop(collated)  # its shared-memory buffer, unmapped off this thread
-            del collated
+        for work in self._dataloader:
+            batch = self._batch(epoch, work, decode)
+            self._reaper.drop(work)  # its shared-memory buffer, unmapped off this thread
+            del work
             yield batch
 
-    def _batch(self, epoch: int, items: list[_Item], decode: Decode) -> Batch:
-        """The workers' items as a batch: decoded, made upright, then cropped, flipped and resized on the GPU."""
+    def _batch(self, epoch: int, work: _Work, decode: Decode) -> Batch:
+        """A worker's batch: decoded in one call, then cropped, resized, turned upright and flipped on the GPU in a
+        few batched ops. No tensor op per image on this thread (except for what nvJPEG or the worker refused)."""
         device, size = self.stage.device, self.recipe.size
-        errors = [(it.path, it.error) for it in items if it.error is not None]
-        images = self._upright_images(items, decode, errors)
-        if not images:
-            return empty_batch(size, device, errors)
-        boxes = [it.box for it, _, _ in images]
-        assert all(b is not None for b in boxes)
-        crops = crop_resize_flip([img for _, img, _ in images], boxes, size)  # type: ignore[arg-type]
-        return Batch(
-            crops,
-            torch.tensor([it.label for it, _, _ in images], dtype=torch.int64),
-            "NCHW",
-            errors,
-            sum(fallback for _, _, fallback in images),
-            torch.tensor([(epoch, it.sample) for it, _, _ in images], dtype=torch.int64).view(-1, 2),
-        )
+        errors = list(work.errors)
+        images, upright, fallbacks = self._images(work, decode, errors)
+        rows, rois, steps, shapes = work.rows, work.rois, work.steps, work.rows[:, 3:5]
+        if upright:  # Pillow decoded these upright after nvJPEG refused them: their boxes planned again
+            orientation, shapes = rows[:, 2].copy(), shapes.copy()
+            for row, hw in upright.items():
+                orientation[row], shapes[row] = 1, hw
+            rois, steps = stored_rois(work.boxes, orientation, shapes)
+        if len(errors) > len(work.errors):  # a file neither nvJPEG nor Pillow decoded: its row goes
+            keep = np.array([k for k, img in enumerate(images) if img is not None], np.int64)
+            if not len(keep):
+                return empty_batch(size, device, errors)
+            images, rows, rois, steps, shapes = (
+                [images[k] for k in keep],
+                rows[keep],
+                rois[keep],
+                steps[keep],
+                shapes[keep],
+            )
+        crops = crop_resize_flip(images, rois, steps, shapes, size)  # type: ignore[arg-type]
+        keys = np.stack([np.full(len(rows), epoch, np.int64), rows[:, 1]], 1)
+        return Batch(crops, torch.from_numpy(rows[:, 0].copy()), "NCHW", errors, fallbacks, torch.from_numpy(keys))
 
-    def _upright_images(
-        self, items: list[_Item], decode: Decode, errors: list[tuple[str, str]]
-    ) -> list[tuple[_Item, torch.Tensor, bool]]:
-        """Each decodable item, in batch order, with its upright (3,H,W) uint8 image on the GPU and whether Pillow
-        decoded it (a fallback). A file neither nvJPEG nor Pillow decodes is added to ``errors``."""
-        device = self.stage.device
-        jpegs = [it for it in items if it.data is not None and not it.decoded_on_cpu]
-        from_gpu = self._decode_jpegs(jpegs, decode, errors)
-        images = []
-        for it in items:
-            if it.decoded_on_cpu:
-                assert it.data is not None
-                images.append((it, torch.from_numpy(it.data).to(device, non_blocking=True).permute(2, 0, 1), True))
-            elif id(it) in from_gpu:
-                images.append((it, *from_gpu[id(it)]))
-        return images
+    def _images(
+        self, work: _Work, decode: Decode, errors: list[tuple[str, str]]
+    ) -> tuple[list[torch.Tensor | None], dict[int, tuple[int, int]], int]:
+        """Each row's image on the device as stored (None: it failed, added to ``errors``), the rows Pillow decoded
+        upright after nvJPEG refused them, with their (height, width), and how many Pillow decoded (fallbacks)."""
+        on_cpu = work.rows[:, 5].astype(bool)
+        decoded, retried = self._decode_jpegs(work, decode, errors)
+        jpeg_rows = np.flatnonzero(~on_cpu)
+        upright = {int(jpeg_rows[j]): tuple(decoded[j].shape[1:]) for j in retried}  # type: ignore[union-attr]
+        if not on_cpu.any():
+            return decoded, upright, len(retried)
+        images: list[torch.Tensor | None] = [None] * len(on_cpu)
+        for j, row in enumerate(jpeg_rows.tolist()):
+            images[row] = decoded[j]
+        for row, pixels in zip(np.flatnonzero(on_cpu).tolist(), work.cpu, strict=True):
+            pixels = pixels if pixels.flags.writeable else pixels.copy()  # from a worker: unpickled, writable
+            images[row] = torch.from_numpy(pixels).to(self.stage.device, non_blocking=True).permute(2, 0, 1)
+        return images, upright, len(retried) + len(work.cpu)
 
     def _decode_jpegs(
-        self, jpegs: list[_Item], decode: Decode, errors: list[tuple[str, str]]
-    ) -> dict[int, tuple[torch.Tensor, bool]]:
-        """``id(item)`` -> (upright image, decoded by Pillow): the whole batch in one nvJPEG call; when that fails,
-        one by one to find the culprits, which Pillow then tries."""
-        if not jpegs:
-            return {}
+        self, work: _Work, decode: Decode, errors: list[tuple[str, str]]
+    ) -> tuple[list[torch.Tensor | None], list[int]]:
+        """Each JPEG's image as stored (None: failed, in ``errors``) and which of them Pillow decoded (upright): the
+        whole batch in one nvJPEG call; when that fails, one by one to find the culprits, which Pillow then tries."""
+        if work.encoded is None:
+            return [], []
+        data = list(work.encoded.split(work.lengths))  # views, no copy
         try:
-            out = decode([_bytes(it) for it in jpegs])
+            return list(decode(data)), []
         except RuntimeError:  # nvJPEG reports the batch, not the file
             pass
-        else:
-            return {id(it): (_upright_chw(img, it.orientation), False) for it, img in zip(jpegs, out, strict=False)}
-        images = {}
-        for it in jpegs:
+        images: list[torch.Tensor | None] = []
+        retried, samples = [], work.rows[work.rows[:, 5] == 0, 1].tolist()
+        for j, (one, sample) in enumerate(zip(data, samples, strict=True)):
+            path = self._data.dataset.samples[sample][0]
             try:
-                images[id(it)] = (_upright_chw(decode(_bytes(it)), it.orientation), False)
+                images.append(decode(one))
             except RuntimeError as e:  # a variant nvJPEG rejects may still be valid: Pillow decides
-                img = self._pillow_retry(it, e, errors)
-                if img is not None:
-                    images[id(it)] = (img, True)
-        return images
+                images.append(self._pillow_retry(one, path, e, errors))
+                retried += [j] if images[-1] is not None else []
+        return images, retried
 
     def _pillow_retry(
-        self, it: _Item, nvjpeg_error: RuntimeError, errors: list[tuple[str, str]]
+        self, data: torch.Tensor, path: str, nvjpeg_error: RuntimeError, errors: list[tuple[str, str]]
     ) -> torch.Tensor | None:
-        assert it.data is not None
         try:
-            img = self._data._fallback.decode(it.data.tobytes(), it.path)  # RGB, upright
+            img = self._data._fallback.decode(data.numpy().tobytes(), path)  # RGB, upright
         except DecodeError as e:
-            errors.append((it.path, f"nvJPEG: {nvjpeg_error}; Pillow: {e.reason}"))
+            errors.append((path, f"nvJPEG: {nvjpeg_error}; Pillow: {e.reason}"))
             return None
         return chw_tensor(img).to(self.stage.device)
 

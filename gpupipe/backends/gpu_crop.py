@@ -1,0 +1,119 @@
+"""The recipe's crop, resize, flip and EXIF orientation for a whole batch of decoded images on the GPU, in a
+handful of batched ops (nvjpeg's device side).
+
+The images stay as the decoder stored them: each upright crop box is mapped into stored pixels on the host (numpy,
+the whole batch at once), one ``roi_align`` per chunk crops and resizes every image (its adaptive sampling averages
+each output pixel's footprint: an antialiased resize), and the orientation's transpose and flips, with the recipe's
+random flip, are applied to the square outputs by one ``where`` each over the batch. Sampling is symmetric within a
+box, so mirroring a box and then its output is the same as cropping the mirrored image.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..data.upload import HostPack
+from .image import ORIENT_STEPS
+
+# (transpose, mirror, flip) of each EXIF orientation, indexed by it (0 and 1: upright)
+_STEPS = np.array([(False, False, False)] * 2 + [ORIENT_STEPS[o] for o in range(2, 9)], dtype=bool)
+
+# The padded float copy one roi_align call reads: at most this many elements (1 GiB), so 1-8 MP photos go in chunks.
+_PAD_ELEMENTS = 1 << 28
+
+
+def stored_rois(boxes: np.ndarray, orientation: np.ndarray, shapes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rois, steps)`` for a batch: ``boxes`` (n, 5) ``top, left, height, width, flip`` in upright pixels,
+    ``orientation`` (n,) EXIF, ``shapes`` (n, 2) the stored ``(height, width)``. ``rois`` (n, 4) are ``x1, y1, x2, y2``
+    in stored pixels; ``steps`` (n, 3) bool: transpose, then flip vertically, then mirror each square output (the
+    mirror includes the recipe's flip) to get the upright crop."""
+    top, left, height, width, flip = (boxes[:, k] for k in range(5))
+    transpose, mirror, vflip = _STEPS[orientation].T
+    stored_h, stored_w = shapes[:, 0], shapes[:, 1]
+    upright_h, upright_w = np.where(transpose, stored_w, stored_h), np.where(transpose, stored_h, stored_w)
+    top = np.where(vflip, upright_h - top - height, top)  # the box before the vertical flip
+    left = np.where(mirror, upright_w - left - width, left)  # before the mirror
+    x1, y1 = np.where(transpose, top, left), np.where(transpose, left, top)  # before the transpose
+    w, h = np.where(transpose, height, width), np.where(transpose, width, height)
+    rois = np.stack([x1, y1, x1 + w, y1 + h], 1)
+    return rois, np.stack([transpose, vflip, mirror ^ (flip > 0.5)], 1)
+
+
+def chunks(shapes: np.ndarray) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` ranges, in order, each as long as its padded (n, 3, Hmax, Wmax) batch stays under
+    ``_PAD_ELEMENTS`` (at least one image each): a few numpy ops per chunk, none per image."""
+    lo, n = 0, len(shapes)
+    while lo < n:
+        heights, widths = np.maximum.accumulate(shapes[lo:, 0]), np.maximum.accumulate(shapes[lo:, 1])
+        cost = np.arange(1, n - lo + 1) * 3 * heights.astype(np.int64) * widths
+        hi = lo + max(1, int(np.searchsorted(cost, _PAD_ELEMENTS, side="right")))  # cost grows with each image
+        yield lo, hi
+        lo = hi
+
+
+def padded(images: list[torch.Tensor], shapes: np.ndarray) -> torch.Tensor:
+    """(N,3,Hmax,Wmax) uint8, each image (of ``shapes``: its height, width) at the top left, from one nested-tensor
+    copy (not a copy per image)."""
+    device = images[0].device
+    if device.type not in ("cpu", "cuda"):  # no nested tensors there (the meta device: the benchmark's stand-in)
+        return torch.zeros(len(images), 3, *shapes.max(0).tolist(), dtype=torch.uint8, device=device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
+        return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
+
+
+def crop_resize_flip(
+    images: list[torch.Tensor], rois: np.ndarray, steps: np.ndarray, shapes: np.ndarray, size: int
+) -> torch.Tensor:
+    """Each stored (3,H,W) uint8 image (of ``shapes``) cropped to its ``rois`` and resized to ``size``, then turned
+    upright and flipped by its ``steps`` (both from :func:`stored_rois`), as (N,3,S,S) uint8. The boxes, the flags and
+    the mirror's column order go to the device in one pinned non-blocking copy, then a handful of ops per chunk, none
+    per image."""
+    from torchvision.ops import roi_align  # defer: loads torchvision's C++ ops
+
+    device = images[0].device
+    spans = list(chunks(shapes))
+    first = np.concatenate([np.arange(hi - lo) for lo, hi in spans])  # each box's image within its chunk
+    pack = HostPack()
+    roi_slot = pack.add(np.concatenate([first[:, None], rois], 1), torch.float32)
+    step_slot = pack.add(steps, torch.int64)
+    pack.send(device)
+    on_device, flags = pack.get(roi_slot), pack.get(step_slot)
+    mirror = None  # each row's columns in order, or reversed where mirrored
+    if steps[:, 2].any():
+        mirror = _column_orders(device, size).index_select(0, flags[:, 2]).view(-1, 1, 1, size)
+    out = None if len(spans) == 1 else torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
+    for lo, hi in spans:
+        resized = roi_align(padded(images[lo:hi], shapes[lo:hi]).float(), on_device[lo:hi], size, 1.0, -1, True)
+        # a convex mix of uint8 values stays within [0, 255]: adding 0.5 and truncating rounds it
+        chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], flags[lo:hi])
+        dest = None if out is None else out[lo:hi]
+        if mirror is not None:  # one gather: every row's columns in its own order (reversed where mirrored)
+            chunk = torch.gather(chunk, -1, mirror[lo:hi].expand_as(chunk), out=dest)
+        elif dest is not None:
+            dest.copy_(chunk)
+        if out is None:
+            return chunk
+    assert out is not None
+    return out
+
+
+def _turned(chunk: torch.Tensor, steps: np.ndarray, flags: torch.Tensor) -> torch.Tensor:
+    """The orientation's transpose and vertical flip, for the images whose ``steps`` say so (before the mirror)."""
+    if steps[:, 0].any():
+        chunk = torch.where(flags[:, 0].view(-1, 1, 1, 1) > 0, chunk.transpose(-1, -2), chunk)
+    if steps[:, 1].any():
+        chunk = torch.where(flags[:, 1].view(-1, 1, 1, 1) > 0, chunk.flip(-2), chunk)
+    return chunk
+
+
+@functools.lru_cache(maxsize=16)
+def _column_orders(device: torch.device, size: int) -> torch.Tensor:
+    """(2, size) int64 on ``device``: the columns in order, and reversed; made there once (no copy per batch)."""
+    columns = torch.arange(size, device=device)
+    return torch.stack([columns, columns.flip(0)])
