@@ -59,13 +59,13 @@ class Step(NamedTuple):
 
 
 def _point_params(role: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """(n, 8): posterize mask, solarize threshold (uint8), solarize on, add, autocontrast on, blend factor, contrast
-    on, colour on; the identity where an image's role is another."""
+    """(n, 8): posterize mask, solarize threshold, 255 where solarized above it, add below 128 (the four as uint8),
+    autocontrast on, blend factor, contrast on, colour on; the identity where an image's role is another."""
     bits = np.clip(8 - a.astype(np.int64), 0, 8)
     p = np.empty((len(role), 8), np.float64)
     p[:, 0] = np.where(role == POSTERIZE, (0xFF << bits) & 0xFF, 255)
     p[:, 1] = np.where(role == SOLARIZE, np.minimum(a, 255), 0)
-    p[:, 2] = (role == INVERT) | ((role == SOLARIZE) & (a <= 255))
+    p[:, 2] = 255 * ((role == INVERT) | ((role == SOLARIZE) & (a <= 255)))  # 255 - x is x ^ 255 on uint8
     p[:, 3] = np.where(role == SOLARIZE_ADD, a, 0)
     p[:, 4] = role == AUTOCONTRAST
     p[:, 5] = np.where(role >= BRIGHTNESS, a, 1.0)
@@ -91,46 +91,40 @@ def _affine_params(role: np.ndarray, a: np.ndarray) -> np.ndarray:
     return p.reshape(len(role), 18)
 
 
-def _u8(p: torch.Tensor, j: int) -> torch.Tensor:
-    return p[:, j].to(torch.uint8).view(-1, 1, 1, 1)
-
-
-def _f32(p: torch.Tensor, j: int) -> torch.Tensor:
-    return p[:, j].to(torch.float32).view(-1, 1, 1, 1)
-
-
 def point(x: torch.Tensor, p: torch.Tensor, roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
     """Each image's pointwise op or blend (parameters from :func:`_point_params`), as :mod:`.kernels` computes it."""
+    n = len(x)
+    u = p[:, :4].to(torch.uint8).view(n, 4, 1, 1, 1).unbind(1)
+    f = p[:, 4:].to(torch.float32).view(n, 4, 1, 1, 1).unbind(1)
     if POSTERIZE in roles:
-        x = x & _u8(p, 0)
+        x = x & u[0]
     if roles & {SOLARIZE, INVERT}:
-        x = torch.where((x >= _u8(p, 1)) & p[:, 2].view(-1, 1, 1, 1).bool(), 255 - x, x)
+        x = torch.where(x >= u[1], x ^ u[2], x)
     if SOLARIZE_ADD in roles:
-        x = torch.where(x < 128, x + _u8(p, 3), x)
+        x = torch.where(x < 128, x + u[3], x)
     if AUTOCONTRAST in roles:
         image = x.float()
         minimum = image.amin(dim=(-2, -1), keepdim=True)
         maximum = image.amax(dim=(-2, -1), keepdim=True)
-        keep = (maximum == minimum) | (_f32(p, 4) == 0)
+        keep = (maximum == minimum) | (f[0] == 0)
         inv_scale = torch.where(keep, 1.0, (maximum - minimum).mul_(1.0 / 255))
         x = image.sub_(torch.where(keep, 0.0, minimum)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
     if roles & {BRIGHTNESS, CONTRAST, COLOR}:
-        x = _blend(x, p, roles)
+        x = _blend(x, f[1:], roles)
     return x
 
 
-def _blend(x: torch.Tensor, p: torch.Tensor, roles: frozenset[int]) -> torch.Tensor:
+def _blend(x: torch.Tensor, f: Sequence[torch.Tensor], roles: frozenset[int]) -> torch.Tensor:
     """``x * f + other * (1 - f)``: other = 0 (brightness), the grey mean (contrast), the grey image (colour)."""
-    f = _f32(p, 5)
+    factor, is_contrast, is_color = f
     other = None
-    if CONTRAST in roles:
-        mean = K._gray(x).mean(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64).float()
-        other = mean * _f32(p, 6)
-    if COLOR in roles:
-        grey = K._gray(x) * _f32(p, 7)
-        other = grey if other is None else grey.add_(other)
-    out = x.float().mul(f)
-    out = out if other is None else out.add_(other * (1.0 - f))
+    grey = K._gray(x) if roles & {CONTRAST, COLOR} else None
+    if grey is not None and CONTRAST in roles:
+        other = grey.mean(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64).float().mul_(is_contrast)
+    if grey is not None and COLOR in roles:
+        other = grey.mul_(is_color) if other is None else grey.mul_(is_color).add_(other)
+    out = x.float().mul(factor)
+    out = out if other is None else out.add_(other * (1.0 - factor))
     return out.clamp_(0, 255).to(torch.uint8)
 
 

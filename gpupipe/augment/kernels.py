@@ -91,15 +91,19 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
-    """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept), in exact integers."""
-    xi = x.to(torch.int16)  # at most 13 * 255 * 2 + 13: no overflow
-    s = xi[..., 1:-1, 1:-1] * 4
-    for dy in (0, 1, 2):
-        for dx in (0, 1, 2):
-            s = s + xi[..., dy : dy + x.shape[-2] - 2, dx : dx + x.shape[-1] - 2]
-    out = xi.clone()
-    out[..., 1:-1, 1:-1] = torch.div(2 * s + 13, 26, rounding_mode="floor")  # round(s / 13): no ties with 13
-    return out.float()
+    """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept) as one convolution:
+    every product and sum is an integer below 2**24 (and the inputs exact in TF32), so float32 gives them exactly,
+    and ``floor((2s + 13) / 26)`` rounds ``s / 13`` (no ties with 13)."""
+    xf = x.float()
+    h, w = x.shape[-2:]
+    if h < 3 or w < 3:
+        return xf
+    weight = xf.new_ones((3, 1, 3, 3))
+    weight[:, :, 1, 1] = 5.0
+    s = torch.nn.functional.conv2d(xf, weight, groups=3)
+    out = xf.clone()
+    out[..., 1:-1, 1:-1] = s.mul_(2).add_(13).div_(26).floor_()
+    return out
 
 
 def _per_image_u8(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +255,7 @@ def erase(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
             x[i : i + 1] = erase(x[i : i + 1], a[i : i + 1], ctx)
         return x
     dev = x.device
-    top, left, h, w = (a[:, i].long() for i in range(4))
+    top, left, h, w = a[:, :4].long().unbind(1)
     if dev.type == "cpu":  # one box: its span (host values, no sync on the CPU)
         y0, y1, x0, x1 = int(top.min()), int((top + h).max()), int(left.min()), int((left + w).max())
     else:
