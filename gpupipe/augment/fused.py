@@ -53,49 +53,57 @@ class Step(NamedTuple):
     roles present (the point kernel's stages to run)."""
 
     name: str
-    params: Slot | None
+    params: tuple[Slot, ...]
     rows: Slot | None
     roles: frozenset[int]
 
 
-def _point_params(role: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """(n, 8): posterize mask, solarize threshold, 255 where solarized above it, add below 128 (the four as uint8),
-    autocontrast on, blend factor, contrast on, colour on; the identity where an image's role is another."""
+Params = tuple[tuple[np.ndarray, torch.dtype], ...]  # a family's parameters: arrays and their device dtypes
+
+
+def _point_params(role: np.ndarray, a: np.ndarray, hw: tuple[int, int]) -> Params:
+    """(n, 4) uint8: posterize mask, solarize threshold, 255 where solarized above it, add below 128; (n, 4)
+    float32: autocontrast on, blend factor, contrast on, colour on; the identity where an image's role is
+    another."""
     bits = np.clip(8 - a.astype(np.int64), 0, 8)
-    p = np.empty((len(role), 8), np.float64)
-    p[:, 0] = np.where(role == POSTERIZE, (0xFF << bits) & 0xFF, 255)
-    p[:, 1] = np.where(role == SOLARIZE, np.minimum(a, 255), 0)
-    p[:, 2] = 255 * ((role == INVERT) | ((role == SOLARIZE) & (a <= 255)))  # 255 - x is x ^ 255 on uint8
-    p[:, 3] = np.where(role == SOLARIZE_ADD, a, 0)
-    p[:, 4] = role == AUTOCONTRAST
-    p[:, 5] = np.where(role >= BRIGHTNESS, a, 1.0)
-    p[:, 6] = role == CONTRAST
-    p[:, 7] = role == COLOR
-    return p
+    u = np.empty((len(role), 4), np.uint8)
+    u[:, 0] = np.where(role == POSTERIZE, (0xFF << bits) & 0xFF, 255)
+    u[:, 1] = np.where(role == SOLARIZE, np.minimum(a, 255), 0)
+    u[:, 2] = 255 * ((role == INVERT) | ((role == SOLARIZE) & (a <= 255)))  # 255 - x is x ^ 255 on uint8
+    u[:, 3] = np.where(role == SOLARIZE_ADD, a, 0)
+    f = np.empty((len(role), 4), np.float32)
+    f[:, 0] = role == AUTOCONTRAST
+    f[:, 1] = np.where(role >= BRIGHTNESS, a, 1.0)
+    f[:, 2] = role == CONTRAST
+    f[:, 3] = role == COLOR
+    return (u, torch.uint8), (f, torch.float32)
 
 
-def _affine_params(role: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """(n, 18): each of the six entries of an image's inverse map as (constant, times width, times height)."""
+def _affine_params(role: np.ndarray, a: np.ndarray, hw: tuple[int, int]) -> Params:
+    """(n, 6) float32: each image's inverse map (PIL's convention, as :mod:`.kernels`' matrices) taking an output
+    pixel's centre to ``grid_sample``'s normalized coordinates."""
+    h, w = hw
     r = np.where(role == ROTATE, a * (-np.pi / 180), 0.0)
     cos, sin = np.cos(r), np.sin(r)  # 1 and 0 for the other ops
-    p = np.zeros((len(role), 6, 3), np.float64)
-    p[:, 0, 0], p[:, 4, 0] = cos, cos
-    p[:, 1, 0] = sin + np.where(role == SHEAR_X, a, 0.0)
-    p[:, 3, 0] = -sin + np.where(role == SHEAR_Y, a, 0.0)
-    p[:, 2, 0] = np.where(role == TRANSLATE_X, a, 0.0)
-    p[:, 5, 0] = np.where(role == TRANSLATE_Y, a, 0.0)
-    p[:, 2, 1] = 0.5 - 0.5 * cos + np.where(role == TRANSLATE_X_REL, a, 0.0)  # rotation about the centre
-    p[:, 2, 2] = -0.5 * sin
-    p[:, 5, 1] = 0.5 * sin
-    p[:, 5, 2] = 0.5 - 0.5 * cos + np.where(role == TRANSLATE_Y_REL, a, 0.0)
-    return p.reshape(len(role), 18)
+    cx, cy = w / 2, h / 2
+    m = np.empty((len(role), 6), np.float64)
+    m[:, 0], m[:, 4] = cos, cos
+    m[:, 1] = sin + np.where(role == SHEAR_X, a, 0.0)
+    m[:, 3] = -sin + np.where(role == SHEAR_Y, a, 0.0)
+    m[:, 2] = cx - cos * cx - sin * cy + np.where(role == TRANSLATE_X, a, np.where(role == TRANSLATE_X_REL, a * w, 0.0))
+    m[:, 5] = cy + sin * cx - cos * cy + np.where(role == TRANSLATE_Y, a, np.where(role == TRANSLATE_Y_REL, a * h, 0.0))
+    m[:, :3] *= 2.0 / w
+    m[:, 3:] *= 2.0 / h
+    m[:, 2] -= 1.0
+    m[:, 5] -= 1.0
+    return ((m.astype(np.float32), torch.float32),)
 
 
-def point(x: torch.Tensor, p: torch.Tensor, roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
+def point(x: torch.Tensor, p: Sequence[torch.Tensor], roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
     """Each image's pointwise op or blend (parameters from :func:`_point_params`), as :mod:`.kernels` computes it."""
     n = len(x)
-    u = p[:, :4].to(torch.uint8).view(n, 4, 1, 1, 1).unbind(1)
-    f = p[:, 4:].to(torch.float32).view(n, 4, 1, 1, 1).unbind(1)
+    u = p[0].view(n, 4, 1, 1, 1).unbind(1)
+    f = p[1].view(n, 4, 1, 1, 1).unbind(1)
     if POSTERIZE in roles:
         x = x & u[0]
     if roles & {SOLARIZE, INVERT}:
@@ -128,67 +136,66 @@ def _blend(x: torch.Tensor, f: Sequence[torch.Tensor], roles: frozenset[int]) ->
     return out.clamp_(0, 255).to(torch.uint8)
 
 
-def affine(x: torch.Tensor, p: torch.Tensor, roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
-    """Each image's geometric op as one warp (parameters from :func:`_affine_params`)."""
-    c = p.view(-1, 6, 3)
-    mats = c[:, :, 0] + c[:, :, 1] * x.shape[-1] + c[:, :, 2] * x.shape[-2]
-    return K.warp(x, mats, ctx.constant(x.device, "fill"), ctx.interpolation)
+def affine(x: torch.Tensor, p: Sequence[torch.Tensor], roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
+    """Each image's geometric op as one warp (its matrix from :func:`_affine_params`)."""
+    return K.warp_normalized(x, p[0], ctx)
 
 
-FamilyKernel = Callable[[torch.Tensor, torch.Tensor, frozenset[int], K.KernelContext], torch.Tensor]
-_FAMILIES: dict[str, tuple[dict[str, int], Callable[[np.ndarray, np.ndarray], np.ndarray], FamilyKernel]] = {
+FamilyKernel = Callable[[torch.Tensor, Sequence[torch.Tensor], frozenset[int], K.KernelContext], torch.Tensor]
+_FAMILIES: dict[
+    str, tuple[dict[str, int], Callable[[np.ndarray, np.ndarray, tuple[int, int]], Params], FamilyKernel]
+] = {
     "point": (_POINT, _point_params, point),
     "affine": (_AFFINE, _affine_params, affine),
 }
 _FAMILY_OF = {name: family for family, (roles, _, _) in _FAMILIES.items() for name in roles}
 
 
-def prepare(columns: Sequence[Column], pack: HostPack) -> list[Step]:
-    """The kernel calls of a batch's columns, their parameters queued in ``pack``: per column, one call per family
-    (or op outside the families) any image draws, over just those images."""
+def prepare(columns: Sequence[Column], pack: HostPack, hw: tuple[int, int]) -> list[Step]:
+    """The kernel calls of a batch's columns on (H, W) images ``hw``, their parameters queued in ``pack``: per
+    column, one call per family (or op outside the families) any image draws, over just those images."""
     steps = []
     for col in columns:
+        family = np.asarray([_FAMILY_OF.get(n, n) for n in col.names] + [""], object)[col.code]  # -1: ""
         present = np.bincount(col.code[col.code >= 0], minlength=len(col.names))
         groups: dict[str, list[int]] = {}
         for c in np.flatnonzero(present).tolist():
             groups.setdefault(_FAMILY_OF.get(col.names[c], col.names[c]), []).append(c)
         for name, codes in groups.items():
-            steps.append(_step(col, name, codes, pack))
+            steps.append(_step(col, name, codes, family == name, pack, hw))
     return steps
 
 
-def _step(col: Column, name: str, codes: list[int], pack: HostPack) -> Step:
-    mask = np.isin(col.code, codes) if len(codes) > 1 else col.code == codes[0]
+def _step(col: Column, name: str, codes: list[int], mask: np.ndarray, pack: HostPack, hw: tuple[int, int]) -> Step:
     rows = None if mask.all() else np.flatnonzero(mask)
     code = col.code if rows is None else col.code[rows]
     args = col.args if rows is None else col.args[rows]
     row_slot = None if rows is None else pack.add(rows, torch.int64)
     family = _FAMILIES.get(name)
     if family is None:
-        width = col.arity[codes[0]]
-        return Step(name, pack.add(args[:, :width]) if width else None, row_slot, frozenset())
+        return Step(name, (pack.add(args[:, : col.arity[codes[0]]]),), row_slot, frozenset())
     role_of, params, _ = family
     role = np.asarray([role_of.get(n, -1) for n in col.names], np.int64)[code]
     a = args[:, 0] if args.shape[1] else np.zeros(len(code))
-    return Step(name, pack.add(params(role, a)), row_slot, frozenset(role_of[col.names[c]] for c in codes))
+    slots = tuple(pack.add(v, dtype) for v, dtype in params(role, a, hw))
+    return Step(name, slots, row_slot, frozenset(role_of[col.names[c]] for c in codes))
 
 
 def run(images: torch.Tensor, steps: Sequence[Step], pack: HostPack, ctx: K.KernelContext) -> torch.Tensor:
     """The steps of :func:`prepare` on ``images`` once ``pack`` was sent to their device: no copy, no sync."""
     images = images.clone()
     for step in steps:
-        params = None if step.params is None else pack.get(step.params)
-        family = _FAMILIES.get(step.name)
+        params = tuple(pack.get(slot) for slot in step.params)
         if step.rows is None:
-            images = _call(family, step, images, params, ctx)
+            images = _call(step, images, params, ctx)
         else:
             sel = pack.get(step.rows)
-            images.index_copy_(0, sel, _call(family, step, images.index_select(0, sel), params, ctx))
+            images.index_copy_(0, sel, _call(step, images.index_select(0, sel), params, ctx))
     return images
 
 
-def _call(family, step: Step, x: torch.Tensor, params: torch.Tensor | None, ctx: K.KernelContext) -> torch.Tensor:
+def _call(step: Step, x: torch.Tensor, params: tuple[torch.Tensor, ...], ctx: K.KernelContext) -> torch.Tensor:
+    family = _FAMILIES.get(step.name)
     if family is not None:
-        assert params is not None
         return family[2](x, params, step.roles, ctx)
-    return OPS[step.name].kernel(x, params if params is not None else x.new_zeros((len(x), 0), dtype=torch.float64), ctx)
+    return OPS[step.name].kernel(x, params[0], ctx)

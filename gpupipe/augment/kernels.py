@@ -59,6 +59,15 @@ class KernelContext:
             self._constants[key] = value.to(device)
         return self._constants[key]
 
+    def centres(self, device: torch.device, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pixel centres' x (1,1,W) and y (1,H,1) as float32 on ``device``, made there once per size."""
+        xs, ys = (device, f"centres-x{w}"), (device, f"centres-y{h}")
+        if xs not in self._constants:
+            self._constants[xs] = torch.arange(w, device=device, dtype=torch.float32).add_(0.5).view(1, 1, w)
+        if ys not in self._constants:
+            self._constants[ys] = torch.arange(h, device=device, dtype=torch.float32).add_(0.5).view(1, h, 1)
+        return self._constants[xs], self._constants[ys]
+
     def noise_table(self, device: torch.device) -> torch.Tensor:
         return self.constant(device, "noise")
 
@@ -236,7 +245,20 @@ def warp(x: torch.Tensor, mats: torch.Tensor, fill_t: torch.Tensor, mode: str) -
     xs = (torch.arange(w, device=x.device, dtype=torch.float32) + 0.5).view(1, 1, w)
     gx = (m[:, 0] * xs + m[:, 1] * ys + m[:, 2]) * (2.0 / w) - 1.0
     gy = (m[:, 3] * xs + m[:, 4] * ys + m[:, 5]) * (2.0 / h) - 1.0
-    grid = torch.stack([gx, gy], dim=-1)
+    return _sample(x, torch.stack([gx, gy], dim=-1), fill_t, mode)
+
+
+def warp_normalized(x: torch.Tensor, m: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+    """:func:`warp` with ``m`` (N, 6) float32 already mapping each output pixel's centre to ``grid_sample``'s
+    normalized coordinates (worked out on the host), on the context's cached pixel centres: a few launches."""
+    m = m.view(len(x), 6, 1, 1)
+    xs, ys = ctx.centres(x.device, x.shape[-2], x.shape[-1])
+    gx = torch.addcmul(torch.addcmul(m[:, 2], m[:, 1], ys), m[:, 0], xs)
+    gy = torch.addcmul(torch.addcmul(m[:, 5], m[:, 4], ys), m[:, 3], xs)
+    return _sample(x, torch.stack([gx, gy], dim=-1), ctx.constant(x.device, "fill"), ctx.interpolation)
+
+
+def _sample(x: torch.Tensor, grid: torch.Tensor, fill_t: torch.Tensor, mode: str) -> torch.Tensor:
     # sampling (image - fill) with zero padding, then adding fill back, blends the fill in where the source runs out
     # (v2's extra mask channel, without the fourth channel)
     out = torch.nn.functional.grid_sample(

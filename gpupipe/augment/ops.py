@@ -136,4 +136,6 @@ def level_args(name: str, level: float, rng: random.Random, translate_const: flo
     if spec.level.arity == 0:
         return ()
     coin = spec.level.signed and rng.random() > 0.5
-    return (float(level_values(level_table((name,), translate_const)[0], np.float64(level), np.bool_(coin))),)
+    return (
+        float(level_values(level_table((name,), translate_const)[0], np.asarray(level, np.float64), np.asarray(coin))),
+    )

@@ -30,7 +30,9 @@ def uniforms(seed: int, epochs: np.ndarray, indices: np.ndarray, stream: int, co
     ``stream``, 53 bits each."""
     base = np.array([(seed & _M64) ^ (stream * 0x632BE59BD9B4E019 & _M64)], np.uint64)
     with np.errstate(over="ignore"):
-        key = _mix(_mix(base + _mix(np.asarray(epochs, np.int64).astype(np.uint64))) + np.asarray(indices).astype(np.uint64))
+        key = _mix(
+            _mix(base + _mix(np.asarray(epochs, np.int64).astype(np.uint64))) + np.asarray(indices).astype(np.uint64)
+        )
         key = _mix(key)
         counters = np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
         bits = _mix(key[:, None] + counters[None, :])

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from ..data.upload import HostPack
-from .ctaugment import CTAugment, CTWeights
 from . import fused
+from .ctaugment import CTAugment, CTWeights
 from .fused import Step
 from .kernels import KernelContext
 from .ops import LEVEL_DENOM, Op, Record, level_args, level_table, level_values
@@ -98,7 +98,9 @@ AA_ORIGINALR: tuple[SubPolicy, ...] = tuple(
 )
 
 
-class Drawer(Protocol):
+class RecordDrawer(Protocol):
+    """A drawer that draws one sample's ops at a time from the sample's ``random.Random``."""
+
     def draw(self, rng: random.Random) -> list[Op]: ...
 
 
@@ -268,6 +270,9 @@ class RandomErasing:
 _LOG_LOW, _LOG_HIGH = math.log(0.3), math.log(1 / 0.3)
 
 
+Drawer = RecordDrawer | RandAugment | RandomErasing  # the latter two: a whole batch at once (``columns``)
+
+
 def _auto_augment(setting: AutoAugmentSetting | None, size: int) -> Drawer | None:
     if isinstance(setting, RandAugmentConfig):
         return RandAugment(setting, size)
@@ -321,7 +326,9 @@ class Policy:
                 columns += drawer.columns(seed, epochs, indices)
                 continue
             if rngs is None:
-                rngs = [random.Random(f"{seed}/{e}/{i}/aug") for e, i in zip(epochs.tolist(), indices.tolist())]
+                rngs = [
+                    random.Random(f"{seed}/{e}/{i}/aug") for e, i in zip(epochs.tolist(), indices.tolist(), strict=True)
+                ]
             if isinstance(drawer, CTAugment):
                 columns += from_records([tuple(drawer.draw(rng, weights)) for rng in rngs])
             else:
@@ -339,14 +346,16 @@ class Policy:
     def apply_plan(self, images: torch.Tensor, columns: Sequence[Column]) -> torch.Tensor:
         """:meth:`apply` for the batch's columns (:meth:`plan`)."""
         pack = HostPack()
-        steps = self.prepare(columns, pack)
+        steps = self.prepare(columns, pack, images.shape[-2:])
         pack.send(images.device)
         return self.run(images, steps, pack)
 
-    def prepare(self, columns: Sequence[Column], pack: HostPack) -> list[Step]:
-        """The batch's kernel calls, their parameters queued in ``pack`` (sent with the batch's one copy): per
-        position, one call per family of ops (:mod:`.fused`), over the images that draw one."""
-        return fused.prepare(columns, pack)
+    def prepare(self, columns: Sequence[Column], pack: HostPack, hw: Sequence[int] | None = None) -> list[Step]:
+        """The batch's kernel calls on (H, W) images ``hw`` (default: the recipe's size), their parameters queued in
+        ``pack`` (sent with the batch's one copy): per position, one call per family of ops (:mod:`.fused`), over the
+        images that draw one."""
+        h, w = hw if hw is not None else (self.size, self.size)
+        return fused.prepare(columns, pack, (int(h), int(w)))
 
     def run(self, images: torch.Tensor, steps: Sequence[Step], pack: HostPack) -> torch.Tensor:
         """The steps of :meth:`prepare` on ``images``, once ``pack`` was sent to their device: no copy, no sync."""

@@ -4,7 +4,7 @@ recipe's :class:`~.policies.Policy`, then the user's ``transforms=``)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -69,19 +69,26 @@ class SampleAugment:
         batched (``weights``: CTAugment's snapshot for the batch); then the batch-wise transforms. (The device stage
         calls :meth:`prepare` and :meth:`run` instead, to send the arguments with the labels in one copy.)"""
         pack = HostPack()
-        job = self.prepare(keys, pack, weights)
+        job = self.prepare(keys, pack, weights, images.shape[-2:])
         pack.send(images.device)
         return self.run(images, job, pack)
 
-    def prepare(self, keys: torch.Tensor | None, pack: HostPack, weights: CTWeights | None = None) -> BatchJob | None:
-        """Draw the records of the samples ``keys`` names (CTAugment's from ``weights``, the batch's snapshot) and
-        queue their arguments in ``pack``; None: nothing per sample to do."""
+    def prepare(
+        self,
+        keys: torch.Tensor | None,
+        pack: HostPack,
+        weights: CTWeights | None = None,
+        hw: Sequence[int] | None = None,
+    ) -> BatchJob | None:
+        """Draw the ops of the samples ``keys`` names (CTAugment's from ``weights``, the batch's snapshot) for
+        (H, W) images ``hw`` (default: the recipe's size) and queue their arguments in ``pack``; None: nothing per
+        sample to do."""
         if keys is None or (self.policy is None and self.per_image is None):
             return None
         pairs = keys.numpy()
         steps = None
         if self.policy is not None:
-            steps = self.policy.prepare(self.policy.plan(self.seed, pairs[:, 0], pairs[:, 1], weights), pack)
+            steps = self.policy.prepare(self.policy.plan(self.seed, pairs[:, 0], pairs[:, 1], weights), pack, hw)
         return BatchJob(pairs, steps)
 
     def run(self, images: torch.Tensor, job: BatchJob | None, pack: HostPack | None) -> torch.Tensor:

@@ -136,11 +136,11 @@ class _OpCounter(TorchDispatchMode):
 
 
 def policy_ms(size: int, batch: int, batches: int) -> dict[str, float]:
-    """The device stage's host cost for :data:`POLICY` per batch: drawing each sample's record and packing the
+    """The device stage's host cost for :data:`POLICY` per batch: drawing each sample's ops and packing their
     arguments (host work on any device: measured), and the ops the stage then dispatches to the device (counted on
-    the meta device; each that is not a view is a kernel launch on CUDA, a few microseconds of host time there: ``--device cuda`` on a
-    GPU machine measures them. The meta device itself is no stand-in for their time: several of its kernels are
-    Python decompositions, a millisecond each)."""
+    the meta device; each one that is not a view is a kernel launch on CUDA, a few microseconds of host time there:
+    ``--device cuda`` on a GPU machine measures them. The meta device itself is no stand-in for their time: several
+    of its kernels are Python decompositions, a millisecond each)."""
     recipe = Recipe(size, **POLICY)
     augment = SampleAugment(Policy(recipe), 0)
     stage = DeviceStage(META, recipe, augment=augment)
