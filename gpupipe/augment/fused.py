@@ -62,20 +62,20 @@ Params = tuple[tuple[np.ndarray, torch.dtype], ...]  # a family's parameters: ar
 
 
 def _point_params(role: np.ndarray, a: np.ndarray, hw: tuple[int, int]) -> Params:
-    """(n, 4) uint8: posterize mask, solarize threshold, 255 where solarized above it, add below 128; (n, 4)
-    float32: autocontrast on, blend factor, contrast on, colour on; the identity where an image's role is
+    """(n, 5) uint8: posterize mask, solarize threshold, 255 where solarized above it, add below 128, not
+    autocontrast; (n, 3) float32: blend factor, contrast on, colour on; the identity where an image's role is
     another."""
     bits = np.clip(8 - a.astype(np.int64), 0, 8)
-    u = np.empty((len(role), 4), np.uint8)
+    u = np.empty((len(role), 5), np.uint8)
     u[:, 0] = np.where(role == POSTERIZE, (0xFF << bits) & 0xFF, 255)
     u[:, 1] = np.where(role == SOLARIZE, np.minimum(a, 255), 0)
     u[:, 2] = 255 * ((role == INVERT) | ((role == SOLARIZE) & (a <= 255)))  # 255 - x is x ^ 255 on uint8
     u[:, 3] = np.where(role == SOLARIZE_ADD, a, 0)
-    f = np.empty((len(role), 4), np.float32)
-    f[:, 0] = role == AUTOCONTRAST
-    f[:, 1] = np.where(role >= BRIGHTNESS, a, 1.0)
-    f[:, 2] = role == CONTRAST
-    f[:, 3] = role == COLOR
+    u[:, 4] = role != AUTOCONTRAST
+    f = np.empty((len(role), 3), np.float32)
+    f[:, 0] = np.where(role >= BRIGHTNESS, a, 1.0)
+    f[:, 1] = role == CONTRAST
+    f[:, 2] = role == COLOR
     return (u, torch.uint8), (f, torch.float32)
 
 
@@ -102,8 +102,8 @@ def _affine_params(role: np.ndarray, a: np.ndarray, hw: tuple[int, int]) -> Para
 def point(x: torch.Tensor, p: Sequence[torch.Tensor], roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
     """Each image's pointwise op or blend (parameters from :func:`_point_params`), as :mod:`.kernels` computes it."""
     n = len(x)
-    u = p[0].view(n, 4, 1, 1, 1).unbind(1)
-    f = p[1].view(n, 4, 1, 1, 1).unbind(1)
+    u = p[0].view(n, 5, 1, 1, 1).unbind(1)
+    f = p[1].view(n, 3, 1, 1, 1).unbind(1)
     if POSTERIZE in roles:
         x = x & u[0]
     if roles & {SOLARIZE, INVERT}:
@@ -114,11 +114,11 @@ def point(x: torch.Tensor, p: Sequence[torch.Tensor], roles: frozenset[int], ctx
         image = x.float()
         minimum = image.amin(dim=(-2, -1), keepdim=True)
         maximum = image.amax(dim=(-2, -1), keepdim=True)
-        keep = (maximum == minimum) | (f[0] == 0)
-        inv_scale = torch.where(keep, 1.0, (maximum - minimum).mul_(1.0 / 255))
-        x = image.sub_(torch.where(keep, 0.0, minimum)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
+        keep = (maximum == minimum).logical_or_(u[4].view(torch.bool))  # flat, or not this image's op: as it is
+        inv_scale = (maximum - minimum).mul_(1.0 / 255).masked_fill_(keep, 1.0)
+        x = image.sub_(minimum.masked_fill_(keep, 0.0)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
     if roles & {BRIGHTNESS, CONTRAST, COLOR}:
-        x = _blend(x, f[1:], roles)
+        x = _blend(x, f, roles)
     return x
 
 
@@ -156,13 +156,16 @@ def prepare(columns: Sequence[Column], pack: HostPack, hw: tuple[int, int]) -> l
     column, one call per family (or op outside the families) any image draws, over just those images."""
     steps = []
     for col in columns:
-        family = np.asarray([_FAMILY_OF.get(n, n) for n in col.names] + [""], object)[col.code]  # -1: ""
         present = np.bincount(col.code[col.code >= 0], minlength=len(col.names))
         groups: dict[str, list[int]] = {}
         for c in np.flatnonzero(present).tolist():
             groups.setdefault(_FAMILY_OF.get(col.names[c], col.names[c]), []).append(c)
-        for name, codes in groups.items():
-            steps.append(_step(col, name, codes, family == name, pack, hw))
+        group_of = np.full(len(col.names) + 1, -1, np.int64)  # code -1 (none) reads the last entry
+        for g, codes in enumerate(groups.values()):
+            group_of[codes] = g
+        group = group_of[col.code]
+        for g, (name, codes) in enumerate(groups.items()):
+            steps.append(_step(col, name, codes, group == g, pack, hw))
     return steps
 
 
@@ -173,7 +176,10 @@ def _step(col: Column, name: str, codes: list[int], mask: np.ndarray, pack: Host
     row_slot = None if rows is None else pack.add(rows, torch.int64)
     family = _FAMILIES.get(name)
     if family is None:
-        return Step(name, (pack.add(args[:, : col.arity[codes[0]]]),), row_slot, frozenset())
+        own = args[:, : col.arity[codes[0]]]
+        if name == "Erase":
+            return Step(name, (pack.add(K.erase_params(own), torch.int64),), row_slot, frozenset())
+        return Step(name, (pack.add(own),), row_slot, frozenset())
     role_of, params, _ = family
     role = np.asarray([role_of.get(n, -1) for n in col.names], np.int64)[code]
     a = args[:, 0] if args.shape[1] else np.zeros(len(code))

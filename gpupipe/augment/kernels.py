@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as F
 
@@ -67,6 +68,18 @@ class KernelContext:
         if ys not in self._constants:
             self._constants[ys] = torch.arange(h, device=device, dtype=torch.float32).add_(0.5).view(1, h, 1)
         return self._constants[xs], self._constants[ys]
+
+    def positions(self, device: torch.device, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row (1,1,H,1) and column (1,1,1,W) indices and each value's position ``(c * H + row) * W + col``
+        (1,3,H,W), int64 on ``device``, made there once per size (random erasing's)."""
+        keys = [(device, f"erase-{name}{h}x{w}") for name in ("rows", "cols", "pos")]
+        if keys[0] not in self._constants:
+            rows = torch.arange(h, device=device).view(1, 1, h, 1)
+            cols = torch.arange(w, device=device).view(1, 1, 1, w)
+            pos = (torch.arange(3, device=device).view(1, 3, 1, 1) * h + rows) * w + cols
+            self._constants.update(zip(keys, (rows, cols, pos), strict=True))
+        rows, cols, pos = (self._constants[k] for k in keys)
+        return rows, cols, pos
 
     def noise_table(self, device: torch.device) -> torch.Tensor:
         return self.constant(device, "noise")
@@ -269,33 +282,53 @@ def _sample(x: torch.Tensor, grid: torch.Tensor, fill_t: torch.Tensor, mode: str
 
 # ---- random erasing --------------------------------------------------------------------------------------------------
 def erase(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-    """Boxes (top, left, h, w, noise seed) filled per the context's mode. On the CPU box by box, computing only the
-    rows and columns each box spans; on a device the whole group at once over the whole image (the span would have to
-    be read back to the host). The values depend on absolute positions only, so both agree."""
+    """Boxes (top, left, bottom, right, hashed noise seed; int64, :func:`erase_params`) filled per the context's
+    mode. On the CPU box by box, computing only the rows and columns each box spans; on a device the whole group at
+    once over the whole image (the span would have to be read back to the host), on the context's cached positions.
+    The values depend on absolute positions only, so both agree."""
     if x.device.type == "cpu" and len(x) > 1:
         for i in range(len(x)):
             x[i : i + 1] = erase(x[i : i + 1], a[i : i + 1], ctx)
         return x
-    dev = x.device
-    top, left, h, w = a[:, :4].long().unbind(1)
+    dev, (height, width) = x.device, x.shape[-2:]
+    t, l_, b, r, seed = (v.view(-1, 1, 1, 1) for v in a.long().unbind(1))
     if dev.type == "cpu":  # one box: its span (host values, no sync on the CPU)
-        y0, y1, x0, x1 = int(top.min()), int((top + h).max()), int(left.min()), int((left + w).max())
+        y0, y1, x0, x1 = int(t), int(b), int(l_), int(r)
+        rows = torch.arange(y0, y1).view(1, 1, -1, 1)
+        cols = torch.arange(x0, x1).view(1, 1, 1, -1)
+        pos = (torch.arange(3).view(1, 3, 1, 1) * height + rows) * width + cols
     else:
-        y0, y1, x0, x1 = 0, x.shape[-2], 0, x.shape[-1]
-    rows = torch.arange(y0, y1, device=dev).view(1, 1, -1, 1)
-    cols = torch.arange(x0, x1, device=dev).view(1, 1, 1, -1)
-    t, l_, b, r = (v.view(-1, 1, 1, 1) for v in (top, left, top + h, left + w))
-    inside = (rows >= t) & (rows < b) & (cols >= l_) & (cols < r)
-    chan = torch.arange(3, device=dev).view(1, 3, 1, 1)
+        y0, y1, x0, x1 = 0, height, 0, width
+        rows, cols, pos = ctx.positions(dev, height, width)
+    inside = ((rows >= t) & (rows < b)) & ((cols >= l_) & (cols < r))
+    region = x[:, :, y0:y1, x0:x1]
     if ctx.erase_mode == "const":
         fill = ctx.constant(dev, "erase_fill")
     else:
-        seed = hash32(a[:, 4].long()).view(-1, 1, 1, 1)
-        pos = chan if ctx.erase_mode == "rand" else (chan * x.shape[-2] + rows) * x.shape[-1] + cols
-        fill = ctx.noise_table(dev).view(-1)[chan * 65536 + (hash32(pos ^ seed) & 0xFFFF)]
-    region = x[:, :, y0:y1, x0:x1]
+        pos = torch.arange(3, device=dev).view(1, 3, 1, 1) if ctx.erase_mode == "rand" else pos
+        idx = (hash32(pos ^ seed) & 0xFFFF).expand(len(x), 3, *region.shape[-2:])
+        table = ctx.noise_table(dev).expand(len(x), 3, 65536)
+        fill = torch.gather(table, 2, idx.reshape(len(x), 3, -1)).view(idx.shape)
+    if dev.type != "cpu":
+        return torch.where(inside, fill, x)
     x[:, :, y0:y1, x0:x1] = torch.where(inside, fill, region)
     return x
+
+
+def erase_params(args) -> np.ndarray:
+    """Erasing's (top, left, h, w, seed) rows as the kernel's (top, left, bottom, right, hashed seed), int64."""
+    a = np.asarray(args, np.float64).astype(np.int64)
+    return np.stack([a[:, 0], a[:, 1], a[:, 0] + a[:, 2], a[:, 1] + a[:, 3], hash32_numpy(a[:, 4])], 1)
+
+
+def hash32_numpy(x: np.ndarray) -> np.ndarray:
+    """:func:`hash32` on the host."""
+    x = x.astype(np.int64) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
 
 
 # ---- CTAugment's own ops (FixMatch's ``libml/ctaugment.py``) ----------------------------------------------------
