@@ -86,3 +86,13 @@ def test_randaugment_and_erasing_on_the_device_stage_launch_few_kernels():
             stage.upload(Batch(images, torch.arange(n), "NCHW", keys=keys))
         counts.append(counter.launches)
     assert max(counts) <= 260 and abs(counts[0] - counts[1]) <= 40
+
+
+def test_sharpness_is_exact_under_the_callers_autocast():
+    """Its smoothing is a convolution: autocast (bfloat16 here, float16 on CUDA) would round the sums."""
+    policy = Policy(Recipe(32))
+    x = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    records = [(Op("Sharpness", (1.9,)),)] * 4
+    plain = policy.apply(x, records)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(policy.apply(x, records), plain)

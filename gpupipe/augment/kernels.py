@@ -8,6 +8,7 @@ device (:meth:`KernelContext.to_device`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -114,15 +115,17 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 
 def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
     """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept) as one convolution:
-    every product and sum is an integer below 2**24 (and the inputs exact in TF32), so float32 gives them exactly,
-    and ``floor((2s + 13) / 26)`` rounds ``s / 13`` (no ties with 13)."""
+    every product and sum is an integer below 2**24 (and the inputs exact in TF32; autocast is turned off for it),
+    so float32 gives them exactly, and ``floor((2s + 13) / 26)`` rounds ``s / 13`` (no ties with 13)."""
     xf = x.float()
     h, w = x.shape[-2:]
     if h < 3 or w < 3:
         return xf
     weight = xf.new_ones((3, 1, 3, 3))
     weight[:, :, 1, 1] = 5.0
-    s = torch.nn.functional.conv2d(xf, weight, groups=3)
+    kind = x.device.type
+    with torch.autocast(kind, enabled=False) if kind in ("cuda", "cpu") else contextlib.nullcontext():
+        s = torch.nn.functional.conv2d(xf, weight, groups=3)  # in float32 even under the caller's autocast
     out = xf.clone()
     out[..., 1:-1, 1:-1] = s.mul_(2).add_(13).div_(26).floor_()
     return out
