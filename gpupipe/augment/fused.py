@@ -7,6 +7,7 @@ identity parameters of the other stages change no value), so one image and a bat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -181,10 +182,17 @@ def _step(col: Column, name: str, codes: list[int], mask: np.ndarray, pack: Host
             return Step(name, (pack.add(K.erase_params(own), torch.int64),), row_slot, frozenset())
         return Step(name, (pack.add(own),), row_slot, frozenset())
     role_of, params, _ = family
-    role = np.asarray([role_of.get(n, -1) for n in col.names], np.int64)[code]
+    role = _roles(name, col.names)[code]
     a = args[:, 0] if args.shape[1] else np.zeros(len(code))
     slots = tuple(pack.add(v, dtype) for v, dtype in params(role, a, hw))
     return Step(name, slots, row_slot, frozenset(role_of[col.names[c]] for c in codes))
+
+
+@functools.lru_cache(maxsize=256)
+def _roles(family: str, names: tuple[str, ...]) -> np.ndarray:
+    """The role in ``family`` of each op of ``names`` (-1: another family's)."""
+    role_of = _FAMILIES[family][0]
+    return np.asarray([role_of.get(n, -1) for n in names], np.int64)
 
 
 def run(images: torch.Tensor, steps: Sequence[Step], pack: HostPack, ctx: K.KernelContext) -> torch.Tensor:

@@ -25,17 +25,20 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def uniforms(seed: int, epochs: np.ndarray, indices: np.ndarray, stream: int, count: int) -> np.ndarray:
-    """(N, count) float64 uniforms in [0, 1): sample ``(seed, epochs[i], indices[i])``'s first ``count`` numbers of
-    ``stream``, 53 bits each."""
-    base = np.array([(seed & _M64) ^ (stream * 0x632BE59BD9B4E019 & _M64)], np.uint64)
+def sample_keys(seed: int, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """(N,) uint64: the key of each sample ``(seed, epochs[i], indices[i])``, from which :func:`uniforms` counts."""
+    base = np.array([seed & _M64], np.uint64)
     with np.errstate(over="ignore"):
-        key = _mix(
-            _mix(base + _mix(np.asarray(epochs, np.int64).astype(np.uint64))) + np.asarray(indices).astype(np.uint64)
-        )
-        key = _mix(key)
-        counters = np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
-        bits = _mix(key[:, None] + counters[None, :])
+        key = _mix(base + _mix(np.asarray(epochs, np.int64).astype(np.uint64) + _GOLDEN))
+        return _mix(key + np.asarray(indices, np.int64).astype(np.uint64))
+
+
+def uniforms(keys: np.ndarray, stream: int, count: int) -> np.ndarray:
+    """(N, count) float64 uniforms in [0, 1), 53 bits each: the first ``count`` numbers of each sample's ``stream``
+    (counters ``stream * 2**32 + 1, 2, ...`` of its key)."""
+    counters = (np.arange(1, count + 1, dtype=np.uint64) + np.uint64(stream << 32)) * _GOLDEN
+    with np.errstate(over="ignore"):
+        bits = _mix(keys[:, None] + counters[None, :])
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -27,7 +27,7 @@ from .parse import (
     parse_auto_augment,
     parse_color_jitter,
 )
-from .plan import STREAM_AUTO_AUGMENT, STREAM_ERASING, Column, from_records, normals, records, uniforms
+from .plan import STREAM_AUTO_AUGMENT, STREAM_ERASING, Column, from_records, normals, records, sample_keys, uniforms
 
 RAND_TRANSFORMS = (
     "AutoContrast",
@@ -137,10 +137,10 @@ class RandAugment:
         self.table = level_table(self.names, self.translate_const)
         self.arity = tuple(int(a) for a in self.table[:, 7])
 
-    def columns(self, seed: int, epochs: np.ndarray, indices: np.ndarray) -> list[Column]:
+    def columns(self, keys: np.ndarray) -> list[Column]:
         """The batch's ``n`` op positions: op (with replacement, as timm), kept with probability ``p``, magnitude
         and sign coin, five uniforms per position from each sample's own stream."""
-        u = uniforms(seed, epochs, indices, STREAM_AUTO_AUGMENT, 5 * self.n).reshape(len(epochs), self.n, 5)
+        u = uniforms(keys, STREAM_AUTO_AUGMENT, 5 * self.n).reshape(len(keys), self.n, 5)
         choice = np.minimum((u[..., 0] * len(self.names)).astype(np.int64), len(self.names) - 1)
         kept = u[..., 1] <= self.p if self.p < 1.0 else np.ones(choice.shape, bool)
         level = self.magnitude.draw_many(self.m, u[..., 2], u[..., 3])
@@ -244,14 +244,14 @@ class RandomErasing:
     def __init__(self, prob: float, count: int, size: int):
         self.prob, self.count, self.size = prob, count, size
 
-    def columns(self, seed: int, epochs: np.ndarray, indices: np.ndarray) -> list[Column]:
+    def columns(self, keys: np.ndarray) -> list[Column]:
         """``count`` positions of boxes (top, left, h, w, noise seed); -1 where a sample erases nothing there (not
         drawn, fewer boxes, or no attempt fitted)."""
-        n, size, count = len(epochs), self.size, self.count
-        u = uniforms(seed, epochs, indices, STREAM_ERASING, 2 + count * 23)
+        n, size, count = len(keys), self.size, self.count
+        u = uniforms(keys, STREAM_ERASING, 2 + count * 23)
         on = u[:, 0] <= self.prob
         boxes = np.ones(n, np.int64) if count == 1 else 1 + np.minimum((u[:, 1] * count).astype(np.int64), count - 1)
-        columns = []
+        columns, everyone = [], np.arange(n)
         for j in range(count):
             b = u[:, 2 + 23 * j : 2 + 23 * (j + 1)]
             target = (0.02 + (1 / 3 - 0.02) * b[:, :10]) * (size * size) / boxes[:, None]
@@ -259,7 +259,7 @@ class RandomErasing:
             h, w = np.rint(np.sqrt(target * aspect)), np.rint(np.sqrt(target / aspect))
             fits = (w < size) & (h < size)
             first = fits.argmax(1)
-            h, w = h[np.arange(n), first], w[np.arange(n), first]
+            h, w = h[everyone, first], w[everyone, first]
             top, left = np.floor(b[:, 20] * (size - h + 1)), np.floor(b[:, 21] * (size - w + 1))
             args = np.stack([top, left, h, w, np.floor(b[:, 22] * 2**31)], 1)
             code = np.where(on & (j < boxes) & fits.any(1), 0, -1)
@@ -321,9 +321,11 @@ class Policy:
         epochs, indices = np.asarray(epochs, np.int64), np.asarray(indices, np.int64)
         columns: list[Column] = []
         rngs: list[random.Random] | None = None
+        keys: np.ndarray | None = None
         for drawer in self.drawers:
             if isinstance(drawer, (RandAugment, RandomErasing)):
-                columns += drawer.columns(seed, epochs, indices)
+                keys = sample_keys(seed, epochs, indices) if keys is None else keys
+                columns += drawer.columns(keys)
                 continue
             if rngs is None:
                 rngs = [
