@@ -1,6 +1,7 @@
-"""One class per policy, each drawing the ops of one image from the sample's own stream (RandAugment, AutoAugment,
-TrivialAugment, colour jitter, random erasing), and :class:`Policy`, the recipe's policies together: a record per
-sample (:meth:`Policy.draw`), applied batched (:meth:`Policy.apply`)."""
+"""One class per policy (RandAugment, AutoAugment, TrivialAugment, colour jitter, random erasing): RandAugment and
+erasing draw a whole batch at once from the samples' counter-based keys, the others one image at a time from the
+sample's own stream; and :class:`Policy`, the recipe's policies together: a batch's ops as columns
+(:meth:`Policy.plan`; one sample's record: :meth:`Policy.draw`), applied batched (:meth:`Policy.apply_plan`)."""
 
 from __future__ import annotations
 
