@@ -20,7 +20,7 @@ from .ops import OPS
 from .plan import Column
 
 # pointwise ops and blends: one role each (a stage of the point kernel)
-POSTERIZE, SOLARIZE, INVERT, SOLARIZE_ADD, AUTOCONTRAST, BRIGHTNESS, CONTRAST, COLOR = range(8)
+POSTERIZE, SOLARIZE, INVERT, SOLARIZE_ADD, AUTOCONTRAST, BRIGHTNESS, CONTRAST, COLOR, SHARPNESS = range(9)
 _POINT = {
     "AutoContrast": AUTOCONTRAST,
     "Invert": INVERT,
@@ -36,6 +36,8 @@ _POINT = {
     "ContrastIncreasing": CONTRAST,
     "Color": COLOR,
     "ColorIncreasing": COLOR,
+    "Sharpness": SHARPNESS,
+    "SharpnessIncreasing": SHARPNESS,
 }
 ROTATE, SHEAR_X, SHEAR_Y, TRANSLATE_X, TRANSLATE_Y, TRANSLATE_X_REL, TRANSLATE_Y_REL = range(7)
 _AFFINE = {
@@ -64,8 +66,8 @@ Params = tuple[tuple[np.ndarray, torch.dtype], ...]  # a family's parameters: ar
 
 def _point_params(role: np.ndarray, a: np.ndarray, hw: tuple[int, int]) -> Params:
     """(n, 5) uint8: posterize mask, solarize threshold, 255 where solarized above it, add below 128, not
-    autocontrast; (n, 3) float32: blend factor, contrast on, colour on; the identity where an image's role is
-    another."""
+    autocontrast; (n, 4) float32: blend factor, contrast on, colour on, sharpness on; the identity where an image's
+    role is another."""
     bits = np.clip(8 - a.astype(np.int64), 0, 8)
     u = np.empty((len(role), 5), np.uint8)
     u[:, 0] = np.where(role == POSTERIZE, (0xFF << bits) & 0xFF, 255)
@@ -73,10 +75,11 @@ def _point_params(role: np.ndarray, a: np.ndarray, hw: tuple[int, int]) -> Param
     u[:, 2] = 255 * ((role == INVERT) | ((role == SOLARIZE) & (a <= 255)))  # 255 - x is x ^ 255 on uint8
     u[:, 3] = np.where(role == SOLARIZE_ADD, a, 0)
     u[:, 4] = role != AUTOCONTRAST
-    f = np.empty((len(role), 3), np.float32)
+    f = np.empty((len(role), 4), np.float32)
     f[:, 0] = np.where(role >= BRIGHTNESS, a, 1.0)
     f[:, 1] = role == CONTRAST
     f[:, 2] = role == COLOR
+    f[:, 3] = role == SHARPNESS
     return (u, torch.uint8), (f, torch.float32)
 
 
@@ -104,7 +107,7 @@ def point(x: torch.Tensor, p: Sequence[torch.Tensor], roles: frozenset[int], ctx
     """Each image's pointwise op or blend (parameters from :func:`_point_params`), as :mod:`.kernels` computes it."""
     n = len(x)
     u = p[0].view(n, 5, 1, 1, 1).unbind(1)
-    f = p[1].view(n, 3, 1, 1, 1).unbind(1)
+    f = p[1].view(n, 4, 1, 1, 1).unbind(1)
     if POSTERIZE in roles:
         x = x & u[0]
     if roles & {SOLARIZE, INVERT}:
@@ -118,22 +121,29 @@ def point(x: torch.Tensor, p: Sequence[torch.Tensor], roles: frozenset[int], ctx
         keep = (maximum == minimum).logical_or_(u[4].view(torch.bool))  # flat, or not this image's op: as it is
         inv_scale = (maximum - minimum).mul_(1.0 / 255).masked_fill_(keep, 1.0)
         x = image.sub_(minimum.masked_fill_(keep, 0.0)).div_(inv_scale).clamp_(0, 255).to(torch.uint8)
-    if roles & {BRIGHTNESS, CONTRAST, COLOR}:
-        x = _blend(x, f, roles)
+    if roles & {BRIGHTNESS, CONTRAST, COLOR, SHARPNESS}:
+        x = _blend(x, f, roles, ctx)
     return x
 
 
-def _blend(x: torch.Tensor, f: Sequence[torch.Tensor], roles: frozenset[int]) -> torch.Tensor:
-    """``x * f + other * (1 - f)``: other = 0 (brightness), the grey mean (contrast), the grey image (colour)."""
-    factor, is_contrast, is_color = f
-    other = None
+def _blend(x: torch.Tensor, f: Sequence[torch.Tensor], roles: frozenset[int], ctx: K.KernelContext) -> torch.Tensor:
+    """``x * f + other * (1 - f)``: other = 0 (brightness), the grey mean (contrast), the grey image (colour), the
+    smoothed image (sharpness); the other terms times 0 add nothing."""
+    factor, is_contrast, is_color, is_sharp = f
+    terms = []
     grey = K._gray(x) if roles & {CONTRAST, COLOR} else None
     if grey is not None and CONTRAST in roles:
-        other = grey.mean(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64).float().mul_(is_contrast)
+        terms.append(grey.mean(dim=(-3, -2, -1), keepdim=True, dtype=torch.float64).float().mul_(is_contrast))
     if grey is not None and COLOR in roles:
-        other = grey.mul_(is_color) if other is None else grey.mul_(is_color).add_(other)
+        terms.append(grey.mul_(is_color))
+    if SHARPNESS in roles:
+        terms.append(K._sharp_degenerate(x, ctx.constant(x.device, "smooth")).mul_(is_sharp))
     out = x.float().mul(factor)
-    out = out if other is None else out.add_(other * (1.0 - factor))
+    if terms:
+        other = terms[-1]
+        for term in terms[-2::-1]:
+            other = other.add_(term)
+        out = out.add_(other * (1.0 - factor))
     return out.clamp_(0, 255).to(torch.uint8)
 
 

@@ -42,11 +42,12 @@ class KernelContext:
 
     def to_device(self, device: torch.device) -> None:
         """Make the constants on ``device`` now (the device stage calls this at build), not in a batch."""
-        for name in ("fill", "erase_fill", "noise"):
+        for name in ("fill", "erase_fill", "noise", "smooth"):
             self.constant(device, name)
 
     def constant(self, device: torch.device, name: str) -> torch.Tensor:
-        """``fill`` (1,3,1,1) float32, ``erase_fill`` (1,3,1,1) uint8 (the mean), ``noise`` (3, 65536) uint8:
+        """``fill`` (1,3,1,1) float32, ``erase_fill`` (1,3,1,1) uint8 (the mean), ``smooth`` sharpness's kernel
+        (:func:`smooth_weight`), ``noise`` (3, 65536) uint8:
         ``mean + std * z`` at 65,536 evenly spaced normal quantiles, per channel. Made on the CPU, copied once."""
         key = (device, name)
         if key not in self._constants:
@@ -54,6 +55,8 @@ class KernelContext:
                 value = torch.tensor(self.fill, dtype=torch.float32).view(1, 3, 1, 1)
             elif name == "erase_fill":
                 value = torch.tensor([round(m) for m in self.mean255], dtype=torch.uint8).view(1, 3, 1, 1)
+            elif name == "smooth":
+                value = smooth_weight(torch.device("cpu"))
             else:
                 z = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536)
                 mean, std = torch.tensor(self.mean255).view(3, 1), torch.tensor(self.std255).view(3, 1)
@@ -113,7 +116,14 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
     return F.rgb_to_grayscale(x).float()  # v2's uint8 grayscale: floored
 
 
-def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
+def smooth_weight(device: torch.device) -> torch.Tensor:
+    """The 3x3 smoothing kernel of sharpness, one per channel: (3, 1, 3, 3) float32, 5 in the centre."""
+    weight = torch.ones((3, 1, 3, 3), device=device)
+    weight[:, :, 1, 1] = 5.0
+    return weight
+
+
+def _sharp_degenerate(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept) as one convolution:
     every product and sum is an integer below 2**24 (and the inputs exact in TF32; autocast is turned off for it),
     so float32 gives them exactly, and ``floor((2s + 13) / 26)`` rounds ``s / 13`` (no ties with 13)."""
@@ -121,8 +131,7 @@ def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
     h, w = x.shape[-2:]
     if h < 3 or w < 3:
         return xf
-    weight = xf.new_ones((3, 1, 3, 3))
-    weight[:, :, 1, 1] = 5.0
+    weight = smooth_weight(x.device) if weight is None else weight
     kind = x.device.type
     with torch.autocast(kind, enabled=False) if kind in ("cuda", "cpu") else contextlib.nullcontext():
         s = torch.nn.functional.conv2d(xf, weight, groups=3)  # in float32 even under the caller's autocast
