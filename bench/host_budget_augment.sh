@@ -3,7 +3,8 @@
 # draws and family calls (commit $BEFORE) and this checkout's, in one run, each beside pillow's plain loader, on
 # ImageNet-like photos (batch 256) and large photos (batch 32). bench/README.md, "Host budget". From the repository
 # root:   sh bench/host_budget_augment.sh [DATA (default: data)] [OUT (default: bench/results)]
-# DATA holds photos/ and photos-large/ (bench/real_photos.py); each is listed 3 times in a CSV.
+# DATA holds photos/ and photos-large/ (bench/real_photos.py); each is listed 3 times in a CSV. NOTE="..." goes into
+# the JSON's meta (the machine and how busy it was).
 set -e
 BEFORE=${BEFORE:-4a1fdeb}
 PYTHON=${PYTHON:-$(pwd)/.venv/bin/python}  # not realpath: that would leave the venv
@@ -26,11 +27,11 @@ for side in before after; do
   (cd "$tree" && PYTHONPATH="$tree" nice -n 10 "$PYTHON" -m gpupipe.bench.host_budget "$tmp/photos-large.csv" \
     --sizes 224 32 --batch 32 --batches 3 --workers 2 --backends pillow --json "$tmp/$side-large.json")
 done
-"$PYTHON" - "$tmp" "$out/host-budget-augment-$(date +%Y-%m-%d).json" "$BEFORE" <<'EOF'
+"$PYTHON" - "$tmp" "$out/host-budget-augment-$(date +%Y-%m-%d).json" "$BEFORE" "${NOTE:-}" <<'EOF'
 import json, sys
 
-tmp, path, before = sys.argv[1:]
-out = {"meta": {"before": before, "command": "sh bench/host_budget_augment.sh"}}
+tmp, path, before, note = sys.argv[1:]
+out = {"meta": {"before": before, "command": "sh bench/host_budget_augment.sh", "machine": note}}
 for side in ("before", "after"):
     out[side] = []
     for kind in ("photos", "large"):
