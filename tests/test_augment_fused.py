@@ -85,7 +85,7 @@ def test_randaugment_and_erasing_on_the_device_stage_launch_few_kernels():
         with _OpCounter() as counter:
             stage.upload(Batch(images, torch.arange(n), "NCHW", keys=keys))
         counts.append(counter.launches)
-    assert max(counts) <= 260 and abs(counts[0] - counts[1]) <= 40
+    assert max(counts) <= 230 and abs(counts[0] - counts[1]) <= 40  # 204 at 256 images (main before: 808)
 
 
 def test_sharpness_is_exact_under_the_callers_autocast():

@@ -3,8 +3,9 @@ tensor **on the batch's device**, from the batch's one host-to-device copy) and 
 and returns the batch with each image changed by its own arguments. The maths are torchvision v2's tensor kernels
 (the blends take one factor per image); every kernel is elementwise or exact per image, so one image and a batch give
 the same pixels on any device. No kernel reads a value back to the host or copies to the device (on CUDA either
-would make the host wait for the GPU): geometric matrices are computed on the device, constants are made once per
-device (:meth:`KernelContext.to_device`)."""
+would make the host wait for the GPU): the ops' own geometric matrices are computed on the device (the fused
+calls of :mod:`.fused` work theirs out on the host and send them with the batch), constants are made once per device
+(:meth:`KernelContext.to_device`)."""
 
 from __future__ import annotations
 
