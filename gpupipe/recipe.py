@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .augment.parse import EraseMode, check_erasing, parse_auto_augment, parse_color_jitter
+from .draws import STREAM_CROP, sample_keys, uniforms
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -184,27 +185,12 @@ class Recipe:
 
 ATTEMPTS = 10  # RandomResizedCrop's tries before its centre-crop fallback
 DRAWS = 4 * ATTEMPTS + 1  # per try: area, aspect, top, left; then the flip
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's output function on uint64 arrays (arithmetic wraps)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def key_uniforms(seed: int, epoch: int, indices, count: int) -> np.ndarray:
-    """(n, count) float64 uniforms in [0, 1) for the samples ``indices`` of ``epoch``: a counter-based generator
-    (splitmix64: the j-th draw is the mix of the sample's key plus j times the golden gamma), so any subset of
-    samples, in any batch or order, gets the same numbers, and a batch's draws are a few array ops."""
-    with np.errstate(over="ignore"):
-        key = _mix(np.array([seed & _MASK], np.uint64))
-        key = _mix(key ^ np.array([epoch & _MASK], np.uint64))
-        key = _mix(key ^ np.asarray(indices, np.int64).astype(np.uint64).reshape(-1, 1))
-        counters = np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
-        return (_mix(key + counters) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    """(n, count) float64 uniforms in [0, 1) for the crop draws of the samples ``indices`` of ``epoch``
+    (:mod:`gpupipe.draws`: any subset of samples, in any batch or order, gets the same numbers)."""
+    return uniforms(sample_keys(seed, epoch, indices), STREAM_CROP, count)
 
 
 def dct_scale(box: Box, size: int) -> int:

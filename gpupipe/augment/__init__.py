@@ -4,17 +4,22 @@
 Where each part lives: :mod:`.parse` reads the recipe's settings (policy strings, jitter, erasing); :mod:`.ops`
 is the op table (name -> kernel and timm's level function; a new op is one entry there); :mod:`.kernels` the
 batched pixel kernels; :mod:`.policies` one class per policy and :class:`Policy`, which combines them;
-:mod:`.sample` the per-sample driver.
+:mod:`.plan` a batch's draws as columns; :mod:`.fused` the family calls that apply them; :mod:`.sample` the
+per-sample driver.
 
 Three steps, so every backend and device gives the same pixels for the same sample:
 
-1. :meth:`Policy.draw` turns a sample key ``(seed, epoch, index)`` into a small record, the ops to apply with their
-   arguments, drawn from the sample's own stream ``random.Random(f"{seed}/{epoch}/{index}/aug")`` (a second stream:
-   the crop's draws, :meth:`gpupipe.recipe.Recipe.train_draws`, are untouched, so the plain recipe keeps its pixels).
-2. :meth:`Policy.apply` applies the records of a (N,3,H,W) uint8 batch on its device, image by image in meaning but
-   batched in work: images are grouped by (position in their record, op), one call per group, each image with its
-   own arguments. The decode workers call it with N=1, the GPU device stage with the whole batch; the kernels are
-   elementwise or exact per image, so both give the same pixels.
+1. :meth:`Policy.plan` draws the ops of a batch of sample keys ``(seed, epoch, index)`` as columns (position k of
+   every sample's record). RandAugment and random erasing draw the whole batch at once from each sample's
+   counter-based key (:mod:`gpupipe.draws`: a hash of the key and a counter, so a sample's draws never depend on
+   its batch or worker); the other policies from the sample's own stream ``random.Random(f"{seed}/{epoch}/{index}
+   /aug")``. The crop's stream, :meth:`gpupipe.recipe.Recipe.train_draws`, is untouched, so the plain recipe keeps its
+   pixels. :meth:`Policy.draw` is one sample's record.
+2. :meth:`Policy.apply_plan` (or :meth:`Policy.apply`, from records) applies them to a (N,3,H,W) uint8 batch on
+   its device, image by image in meaning but batched in work: per position, one call per family of ops over every
+   image that draws one (:mod:`.fused`: all geometric ops are one warp, all pointwise ops and blends one call),
+   each image with its own parameters. The decode workers call it with N=1, the GPU device stage with the whole
+   batch; the kernels are elementwise or exact per image, so both give the same pixels.
 3. :class:`SampleAugment` adds the user's ``transforms=`` (per image by default, or batch-wise) and is what the
    loader and the device stage hold.
 

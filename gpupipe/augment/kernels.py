@@ -1,16 +1,21 @@
+# Over 400 lines: one small kernel per op of the OPS table (ops.py) and the few helpers they share; split by family,
+# the table would import from several modules what it lists in one place.
 """The batched pixel kernels: each takes a (N,3,H,W) uint8 batch, one row of arguments per image (an (N, k) float64
 tensor **on the batch's device**, from the batch's one host-to-device copy) and the policy's :class:`KernelContext`,
 and returns the batch with each image changed by its own arguments. The maths are torchvision v2's tensor kernels
 (the blends take one factor per image); every kernel is elementwise or exact per image, so one image and a batch give
 the same pixels on any device. No kernel reads a value back to the host or copies to the device (on CUDA either
-would make the host wait for the GPU): geometric matrices are computed on the device, constants are made once per
-device (:meth:`KernelContext.to_device`)."""
+would make the host wait for the GPU): the ops' own geometric matrices are computed on the device (the fused
+calls of :mod:`.fused` work theirs out on the host and send them with the batch), constants are made once per device
+(:meth:`KernelContext.to_device`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as F
 
@@ -40,11 +45,12 @@ class KernelContext:
 
     def to_device(self, device: torch.device) -> None:
         """Make the constants on ``device`` now (the device stage calls this at build), not in a batch."""
-        for name in ("fill", "erase_fill", "noise"):
+        for name in ("fill", "erase_fill", "noise", "smooth"):
             self.constant(device, name)
 
     def constant(self, device: torch.device, name: str) -> torch.Tensor:
-        """``fill`` (1,3,1,1) float32, ``erase_fill`` (1,3,1,1) uint8 (the mean), ``noise`` (3, 65536) uint8:
+        """``fill`` (1,3,1,1) float32, ``erase_fill`` (1,3,1,1) uint8 (the mean), ``smooth`` sharpness's kernel
+        (:func:`smooth_weight`), ``noise`` (3, 65536) uint8:
         ``mean + std * z`` at 65,536 evenly spaced normal quantiles, per channel. Made on the CPU, copied once."""
         key = (device, name)
         if key not in self._constants:
@@ -52,12 +58,35 @@ class KernelContext:
                 value = torch.tensor(self.fill, dtype=torch.float32).view(1, 3, 1, 1)
             elif name == "erase_fill":
                 value = torch.tensor([round(m) for m in self.mean255], dtype=torch.uint8).view(1, 3, 1, 1)
+            elif name == "smooth":
+                value = smooth_weight(torch.device("cpu"))
             else:
                 z = torch.special.ndtri((torch.arange(65536, dtype=torch.float64) + 0.5) / 65536)
                 mean, std = torch.tensor(self.mean255).view(3, 1), torch.tensor(self.std255).view(3, 1)
                 value = (mean + std * z).round().clamp(0, 255).to(torch.uint8)
             self._constants[key] = value.to(device)
         return self._constants[key]
+
+    def centres(self, device: torch.device, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pixel centres' x (1,1,W) and y (1,H,1) as float32 on ``device``, made there once per size."""
+        xs, ys = (device, f"centres-x{w}"), (device, f"centres-y{h}")
+        if xs not in self._constants:
+            self._constants[xs] = torch.arange(w, device=device, dtype=torch.float32).add_(0.5).view(1, 1, w)
+        if ys not in self._constants:
+            self._constants[ys] = torch.arange(h, device=device, dtype=torch.float32).add_(0.5).view(1, h, 1)
+        return self._constants[xs], self._constants[ys]
+
+    def positions(self, device: torch.device, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Row (1,1,H,1) and column (1,1,1,W) indices and each value's position ``(c * H + row) * W + col``
+        (1,3,H,W), int64 on ``device``, made there once per size (random erasing's)."""
+        keys = [(device, f"erase-{name}{h}x{w}") for name in ("rows", "cols", "pos")]
+        if keys[0] not in self._constants:
+            rows = torch.arange(h, device=device).view(1, 1, h, 1)
+            cols = torch.arange(w, device=device).view(1, 1, 1, w)
+            pos = (torch.arange(3, device=device).view(1, 3, 1, 1) * h + rows) * w + cols
+            self._constants.update(zip(keys, (rows, cols, pos), strict=True))
+        rows, cols, pos = (self._constants[k] for k in keys)
+        return rows, cols, pos
 
     def noise_table(self, device: torch.device) -> torch.Tensor:
         return self.constant(device, "noise")
@@ -90,16 +119,28 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
     return F.rgb_to_grayscale(x).float()  # v2's uint8 grayscale: floored
 
 
-def _sharp_degenerate(x: torch.Tensor) -> torch.Tensor:
-    """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept), in exact integers."""
-    xi = x.to(torch.int16)  # at most 13 * 255 * 2 + 13: no overflow
-    s = xi[..., 1:-1, 1:-1] * 4
-    for dy in (0, 1, 2):
-        for dx in (0, 1, 2):
-            s = s + xi[..., dy : dy + x.shape[-2] - 2, dx : dx + x.shape[-1] - 2]
-    out = xi.clone()
-    out[..., 1:-1, 1:-1] = torch.div(2 * s + 13, 26, rounding_mode="floor")  # round(s / 13): no ties with 13
-    return out.float()
+def smooth_weight(device: torch.device) -> torch.Tensor:
+    """The 3x3 smoothing kernel of sharpness, one per channel: (3, 1, 3, 3) float32, 5 in the centre."""
+    weight = torch.ones((3, 1, 3, 3), device=device)
+    weight[:, :, 1, 1] = 5.0
+    return weight
+
+
+def _sharp_degenerate(x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """v2 ``adjust_sharpness``'s smoothed image (3x3 kernel, 5 in the centre, /13, borders kept) as one convolution:
+    every product and sum is an integer below 2**24 (and the inputs exact in TF32; autocast is turned off for it),
+    so float32 gives them exactly, and ``floor((2s + 13) / 26)`` rounds ``s / 13`` (no ties with 13)."""
+    xf = x.float()
+    h, w = x.shape[-2:]
+    if h < 3 or w < 3:
+        return xf
+    weight = smooth_weight(x.device) if weight is None else weight
+    kind = x.device.type
+    with torch.autocast(kind, enabled=False) if kind in ("cuda", "cpu") else contextlib.nullcontext():
+        s = torch.nn.functional.conv2d(xf, weight, groups=3)  # in float32 even under the caller's autocast
+    out = xf.clone()
+    out[..., 1:-1, 1:-1] = s.mul_(2).add_(13).div_(26).floor_()
+    return out
 
 
 def _per_image_u8(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +273,20 @@ def warp(x: torch.Tensor, mats: torch.Tensor, fill_t: torch.Tensor, mode: str) -
     xs = (torch.arange(w, device=x.device, dtype=torch.float32) + 0.5).view(1, 1, w)
     gx = (m[:, 0] * xs + m[:, 1] * ys + m[:, 2]) * (2.0 / w) - 1.0
     gy = (m[:, 3] * xs + m[:, 4] * ys + m[:, 5]) * (2.0 / h) - 1.0
-    grid = torch.stack([gx, gy], dim=-1)
+    return _sample(x, torch.stack([gx, gy], dim=-1), fill_t, mode)
+
+
+def warp_normalized(x: torch.Tensor, m: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
+    """:func:`warp` with ``m`` (N, 6) float32 already mapping each output pixel's centre to ``grid_sample``'s
+    normalized coordinates (worked out on the host), on the context's cached pixel centres: a few launches."""
+    m = m.view(len(x), 6, 1, 1)
+    xs, ys = ctx.centres(x.device, x.shape[-2], x.shape[-1])
+    gx = torch.addcmul(torch.addcmul(m[:, 2], m[:, 1], ys), m[:, 0], xs)
+    gy = torch.addcmul(torch.addcmul(m[:, 5], m[:, 4], ys), m[:, 3], xs)
+    return _sample(x, torch.stack([gx, gy], dim=-1), ctx.constant(x.device, "fill"), ctx.interpolation)
+
+
+def _sample(x: torch.Tensor, grid: torch.Tensor, fill_t: torch.Tensor, mode: str) -> torch.Tensor:
     # sampling (image - fill) with zero padding, then adding fill back, blends the fill in where the source runs out
     # (v2's extra mask channel, without the fourth channel)
     out = torch.nn.functional.grid_sample(
@@ -243,33 +297,53 @@ def warp(x: torch.Tensor, mats: torch.Tensor, fill_t: torch.Tensor, mode: str) -
 
 # ---- random erasing --------------------------------------------------------------------------------------------------
 def erase(x: torch.Tensor, a: torch.Tensor, ctx: KernelContext) -> torch.Tensor:
-    """Boxes (top, left, h, w, noise seed) filled per the context's mode. On the CPU box by box, computing only the
-    rows and columns each box spans; on a device the whole group at once over the whole image (the span would have to
-    be read back to the host). The values depend on absolute positions only, so both agree."""
+    """Boxes (top, left, bottom, right, hashed noise seed; int64, :func:`erase_params`) filled per the context's
+    mode. On the CPU box by box, computing only the rows and columns each box spans; on a device the whole group at
+    once over the whole image (the span would have to be read back to the host), on the context's cached positions.
+    The values depend on absolute positions only, so both agree."""
     if x.device.type == "cpu" and len(x) > 1:
         for i in range(len(x)):
             x[i : i + 1] = erase(x[i : i + 1], a[i : i + 1], ctx)
         return x
-    dev = x.device
-    top, left, h, w = (a[:, i].long() for i in range(4))
+    dev, (height, width) = x.device, x.shape[-2:]
+    t, l_, b, r, seed = (v.view(-1, 1, 1, 1) for v in a.long().unbind(1))
     if dev.type == "cpu":  # one box: its span (host values, no sync on the CPU)
-        y0, y1, x0, x1 = int(top.min()), int((top + h).max()), int(left.min()), int((left + w).max())
+        y0, y1, x0, x1 = int(t), int(b), int(l_), int(r)
+        rows = torch.arange(y0, y1).view(1, 1, -1, 1)
+        cols = torch.arange(x0, x1).view(1, 1, 1, -1)
+        pos = (torch.arange(3).view(1, 3, 1, 1) * height + rows) * width + cols
     else:
-        y0, y1, x0, x1 = 0, x.shape[-2], 0, x.shape[-1]
-    rows = torch.arange(y0, y1, device=dev).view(1, 1, -1, 1)
-    cols = torch.arange(x0, x1, device=dev).view(1, 1, 1, -1)
-    t, l_, b, r = (v.view(-1, 1, 1, 1) for v in (top, left, top + h, left + w))
-    inside = (rows >= t) & (rows < b) & (cols >= l_) & (cols < r)
-    chan = torch.arange(3, device=dev).view(1, 3, 1, 1)
+        y0, y1, x0, x1 = 0, height, 0, width
+        rows, cols, pos = ctx.positions(dev, height, width)
+    inside = ((rows >= t) & (rows < b)) & ((cols >= l_) & (cols < r))
+    region = x[:, :, y0:y1, x0:x1]
     if ctx.erase_mode == "const":
         fill = ctx.constant(dev, "erase_fill")
     else:
-        seed = hash32(a[:, 4].long()).view(-1, 1, 1, 1)
-        pos = chan if ctx.erase_mode == "rand" else (chan * x.shape[-2] + rows) * x.shape[-1] + cols
-        fill = ctx.noise_table(dev).view(-1)[chan * 65536 + (hash32(pos ^ seed) & 0xFFFF)]
-    region = x[:, :, y0:y1, x0:x1]
+        pos = torch.arange(3, device=dev).view(1, 3, 1, 1) if ctx.erase_mode == "rand" else pos
+        idx = (hash32(pos ^ seed) & 0xFFFF).expand(len(x), 3, *region.shape[-2:])
+        table = ctx.noise_table(dev).expand(len(x), 3, 65536)
+        fill = torch.gather(table, 2, idx.reshape(len(x), 3, -1)).view(idx.shape)
+    if dev.type != "cpu":
+        return torch.where(inside, fill, x)
     x[:, :, y0:y1, x0:x1] = torch.where(inside, fill, region)
     return x
+
+
+def erase_params(args) -> np.ndarray:
+    """Erasing's (top, left, h, w, seed) rows as the kernel's (top, left, bottom, right, hashed seed), int64."""
+    a = np.asarray(args, np.float64).astype(np.int64)
+    return np.stack([a[:, 0], a[:, 1], a[:, 0] + a[:, 2], a[:, 1] + a[:, 3], hash32_numpy(a[:, 4])], 1)
+
+
+def hash32_numpy(x: np.ndarray) -> np.ndarray:
+    """:func:`hash32` on the host."""
+    x = x.astype(np.int64) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
 
 
 # ---- CTAugment's own ops (FixMatch's ``libml/ctaugment.py``) ----------------------------------------------------

@@ -5,9 +5,11 @@ then names it."""
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable
 from typing import NamedTuple
+
+import numpy as np
 
 from . import kernels as K
 
@@ -23,93 +25,93 @@ class Op(NamedTuple):
 
 Record = tuple[Op, ...]
 
-# (level 0..10, the sample's stream for the sign coin, translate_const in pixels) -> the op's arguments
-LevelFn = Callable[[float, random.Random, float], tuple[float, ...]]
+
+class Level(NamedTuple):
+    """timm's level function of an op, as one formula so a batch's arguments are a few array ops: ``v = level / 10
+    * scale`` (``scale`` None: the translate constant in pixels), floored if ``floor``, capped at ``cap``, negated on
+    the sign coin if ``signed``, then ``base + mult * v``, at least ``low``; ``arity`` 0: no argument."""
+
+    scale: float | None = 1.0
+    floor: bool = False
+    cap: float = math.inf
+    signed: bool = False
+    base: float = 0.0
+    mult: float = 1.0
+    low: float = -math.inf
+    arity: int = 1
 
 
-def _negate(v: float, rng: random.Random) -> float:
-    return -v if rng.random() > 0.5 else v
+NO_ARGS = Level(arity=0)
 
 
-def _no_args(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return ()
-
-
-def _signed(maximum: float) -> LevelFn:
+def _signed(maximum: float | None) -> Level:
     """A signed value, ``maximum`` at level 10 (the sign a coin)."""
-
-    def level_fn(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-        return (_negate(level / LEVEL_DENOM * maximum, rng),)
-
-    return level_fn
+    return Level(maximum, signed=True)
 
 
-def _translate_abs(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (_negate(level / LEVEL_DENOM * translate_const, rng),)
+ENHANCE = Level(1.8, base=0.1)
+ENHANCE_INCREASING = Level(0.9, signed=True, base=1.0, low=0.1)
+POSTERIZE = Level(4.0, floor=True)
+POSTERIZE_INCREASING = Level(4.0, floor=True, base=4.0, mult=-1.0)
+POSTERIZE_ORIGINAL = Level(4.0, floor=True, base=4.0)
+SOLARIZE = Level(256.0, floor=True, cap=256.0)
+SOLARIZE_INCREASING = Level(256.0, floor=True, cap=256.0, base=256.0, mult=-1.0)
+SOLARIZE_ADD = Level(110.0, floor=True, cap=128.0)
 
 
-def _enhance(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (level / LEVEL_DENOM * 1.8 + 0.1,)
+def level_table(names: tuple[str, ...], translate_const: float) -> np.ndarray:
+    """The :class:`Level` of each op of ``names`` as rows of a (len(names), 8) float64 table, for
+    :func:`level_values`."""
+    rows = []
+    for name in names:
+        spec = OPS[name].level
+        if spec is None:
+            raise ValueError(f"unknown op {name!r}")
+        scale = translate_const if spec.scale is None else spec.scale
+        rows.append((scale, spec.floor, spec.cap, spec.signed, spec.base, spec.mult, spec.low, spec.arity))
+    return np.asarray(rows, np.float64).reshape(len(names), 8)
 
 
-def _enhance_increasing(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (max(0.1, 1.0 + _negate(level / LEVEL_DENOM * 0.9, rng)),)
-
-
-def _posterize(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (float(int(level / LEVEL_DENOM * 4)),)
-
-
-def _posterize_increasing(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (float(4 - int(level / LEVEL_DENOM * 4)),)
-
-
-def _posterize_original(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (float(int(level / LEVEL_DENOM * 4) + 4),)
-
-
-def _solarize(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (float(min(256, int(level / LEVEL_DENOM * 256))),)
-
-
-def _solarize_increasing(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (float(256 - min(256, int(level / LEVEL_DENOM * 256))),)
-
-
-def _solarize_add(level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    return (float(min(128, int(level / LEVEL_DENOM * 110))),)
+def level_values(table: np.ndarray, level: np.ndarray, coin: np.ndarray) -> np.ndarray:
+    """Each row's argument from its op's row of :func:`level_table`, its level (0..10) and its sign coin (True:
+    negate, where the op is signed): the same float64 arithmetic as timm's level functions."""
+    scale, floor, cap, signed, base, mult, low = (table[..., j] for j in range(7))
+    v = level / LEVEL_DENOM * scale
+    v = np.minimum(np.where(floor > 0, np.floor(v), v), cap)
+    v = np.where((signed > 0) & coin, -v, v)
+    return np.maximum(base + mult * v, low)
 
 
 class OpSpec(NamedTuple):
     kernel: K.Kernel
-    level: LevelFn | None = None  # None: its arguments are drawn by its policy (TrivialAugment, jitter, erasing)
+    level: Level | None = None  # None: its arguments are drawn by its policy (TrivialAugment, jitter, erasing)
 
 
 OPS: dict[str, OpSpec] = {
-    "AutoContrast": OpSpec(K.autocontrast, _no_args),
-    "Equalize": OpSpec(K.equalize, _no_args),
-    "Invert": OpSpec(K.invert, _no_args),
+    "AutoContrast": OpSpec(K.autocontrast, NO_ARGS),
+    "Equalize": OpSpec(K.equalize, NO_ARGS),
+    "Invert": OpSpec(K.invert, NO_ARGS),
     "Rotate": OpSpec(K.Affine(K.rotate_matrices), _signed(30.0)),
     "ShearX": OpSpec(K.Affine(K.shear_x_matrices), _signed(0.3)),
     "ShearY": OpSpec(K.Affine(K.shear_y_matrices), _signed(0.3)),
-    "TranslateX": OpSpec(K.Affine(K.translate_x_matrices), _translate_abs),
-    "TranslateY": OpSpec(K.Affine(K.translate_y_matrices), _translate_abs),
+    "TranslateX": OpSpec(K.Affine(K.translate_x_matrices), _signed(None)),
+    "TranslateY": OpSpec(K.Affine(K.translate_y_matrices), _signed(None)),
     "TranslateXRel": OpSpec(K.Affine(K.translate_x_rel_matrices), _signed(0.45)),
     "TranslateYRel": OpSpec(K.Affine(K.translate_y_rel_matrices), _signed(0.45)),
-    "Posterize": OpSpec(K.posterize, _posterize),
-    "PosterizeIncreasing": OpSpec(K.posterize, _posterize_increasing),
-    "PosterizeOriginal": OpSpec(K.posterize, _posterize_original),
-    "Solarize": OpSpec(K.solarize, _solarize),
-    "SolarizeIncreasing": OpSpec(K.solarize, _solarize_increasing),
-    "SolarizeAdd": OpSpec(K.solarize_add, _solarize_add),
-    "Color": OpSpec(K.color, _enhance),
-    "ColorIncreasing": OpSpec(K.color, _enhance_increasing),
-    "Contrast": OpSpec(K.contrast, _enhance),
-    "ContrastIncreasing": OpSpec(K.contrast, _enhance_increasing),
-    "Brightness": OpSpec(K.brightness, _enhance),
-    "BrightnessIncreasing": OpSpec(K.brightness, _enhance_increasing),
-    "Sharpness": OpSpec(K.sharpness, _enhance),
-    "SharpnessIncreasing": OpSpec(K.sharpness, _enhance_increasing),
+    "Posterize": OpSpec(K.posterize, POSTERIZE),
+    "PosterizeIncreasing": OpSpec(K.posterize, POSTERIZE_INCREASING),
+    "PosterizeOriginal": OpSpec(K.posterize, POSTERIZE_ORIGINAL),
+    "Solarize": OpSpec(K.solarize, SOLARIZE),
+    "SolarizeIncreasing": OpSpec(K.solarize, SOLARIZE_INCREASING),
+    "SolarizeAdd": OpSpec(K.solarize_add, SOLARIZE_ADD),
+    "Color": OpSpec(K.color, ENHANCE),
+    "ColorIncreasing": OpSpec(K.color, ENHANCE_INCREASING),
+    "Contrast": OpSpec(K.contrast, ENHANCE),
+    "ContrastIncreasing": OpSpec(K.contrast, ENHANCE_INCREASING),
+    "Brightness": OpSpec(K.brightness, ENHANCE),
+    "BrightnessIncreasing": OpSpec(K.brightness, ENHANCE_INCREASING),
+    "Sharpness": OpSpec(K.sharpness, ENHANCE),
+    "SharpnessIncreasing": OpSpec(K.sharpness, ENHANCE_INCREASING),
     "Hue": OpSpec(K.hue),
     "Erase": OpSpec(K.erase),
     # CTAugment's own (its level maps are in .ctaugment)
@@ -126,8 +128,14 @@ OPS: dict[str, OpSpec] = {
 
 
 def level_args(name: str, level: float, rng: random.Random, translate_const: float) -> tuple[float, ...]:
-    """timm's ``LEVEL_TO_ARG`` for ``name`` at ``level`` (0..10), the sign coin drawn from ``rng``."""
+    """timm's ``LEVEL_TO_ARG`` for ``name`` at ``level`` (0..10), the sign coin drawn from ``rng`` (signed ops
+    only, as timm)."""
     spec = OPS.get(name)
     if spec is None or spec.level is None:
         raise ValueError(f"unknown op {name!r}")
-    return spec.level(level, rng, translate_const)
+    if spec.level.arity == 0:
+        return ()
+    coin = spec.level.signed and rng.random() > 0.5
+    return (
+        float(level_values(level_table((name,), translate_const)[0], np.asarray(level, np.float64), np.asarray(coin))),
+    )

@@ -1,6 +1,7 @@
-"""One class per policy, each drawing the ops of one image from the sample's own stream (RandAugment, AutoAugment,
-TrivialAugment, colour jitter, random erasing), and :class:`Policy`, the recipe's policies together: a record per
-sample (:meth:`Policy.draw`), applied batched (:meth:`Policy.apply`)."""
+"""One class per policy (RandAugment, AutoAugment, TrivialAugment, colour jitter, random erasing): RandAugment and
+erasing draw a whole batch at once from the samples' counter-based keys, the others one image at a time from the
+sample's own stream; and :class:`Policy`, the recipe's policies together: a batch's ops as columns
+(:meth:`Policy.plan`; one sample's record: :meth:`Policy.draw`), applied batched (:meth:`Policy.apply_plan`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from typing import ClassVar, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from ..data.upload import HostPack, Slot
+from ..data.upload import HostPack
+from ..draws import STREAM_AUTO_AUGMENT, STREAM_ERASING, sample_keys, uniforms
+from . import fused
 from .ctaugment import CTAugment, CTWeights
+from .fused import Step
 from .kernels import KernelContext
-from .ops import LEVEL_DENOM, OPS, Op, Record, level_args
+from .ops import LEVEL_DENOM, Op, Record, level_args, level_table, level_values
 from .parse import (
     AutoAugmentConfig,
     AutoAugmentSetting,
@@ -25,6 +29,7 @@ from .parse import (
     parse_auto_augment,
     parse_color_jitter,
 )
+from .plan import Column, from_records, normals, records
 
 RAND_TRANSFORMS = (
     "AutoContrast",
@@ -95,7 +100,9 @@ AA_ORIGINALR: tuple[SubPolicy, ...] = tuple(
 )
 
 
-class Drawer(Protocol):
+class RecordDrawer(Protocol):
+    """A drawer that draws one sample's ops at a time from the sample's ``random.Random``."""
+
     def draw(self, rng: random.Random) -> list[Op]: ...
 
 
@@ -110,6 +117,16 @@ class Magnitude(NamedTuple):
             m = rng.gauss(m, self.std)
         return max(0.0, min(m, self.max or LEVEL_DENOM))
 
+    def draw_many(self, m: float, u1: np.ndarray, u2: np.ndarray) -> np.ndarray:
+        """:meth:`draw` for an array of samples from two uniforms each (the normal by Box-Muller)."""
+        if self.std == math.inf:
+            v = u1 * m
+        elif self.std > 0:
+            v = m + self.std * normals(u1, u2)
+        else:
+            v = np.full(u1.shape, float(m))
+        return np.clip(v, 0.0, self.max or LEVEL_DENOM)
+
 
 class RandAugment:
     """timm's ``rand_augment_transform``: ``n`` ops drawn with replacement, each kept with probability ``p``."""
@@ -119,14 +136,19 @@ class RandAugment:
         self.magnitude = Magnitude(math.inf if config.mstd > 100 else config.mstd, config.mmax)
         self.names = RAND_INCREASING_TRANSFORMS if config.increasing else RAND_TRANSFORMS
         self.translate_const = int(size * 0.45)
+        self.table = level_table(self.names, self.translate_const)
+        self.arity = tuple(int(a) for a in self.table[:, 7])
 
-    def draw(self, rng: random.Random) -> list[Op]:
-        names, ops = self.names, []
-        for name in [names[rng.randrange(len(names))] for _ in range(self.n)]:  # with replacement, as timm
-            if self.p < 1.0 and rng.random() > self.p:
-                continue
-            ops.append(Op(name, level_args(name, self.magnitude.draw(self.m, rng), rng, self.translate_const)))
-        return ops
+    def columns(self, keys: np.ndarray) -> list[Column]:
+        """The batch's ``n`` op positions: op (with replacement, as timm), kept with probability ``p``, magnitude
+        and sign coin, five uniforms per position from each sample's own stream."""
+        u = uniforms(keys, STREAM_AUTO_AUGMENT, 5 * self.n).reshape(len(keys), self.n, 5)
+        choice = np.minimum((u[..., 0] * len(self.names)).astype(np.int64), len(self.names) - 1)
+        kept = u[..., 1] <= self.p if self.p < 1.0 else np.ones(choice.shape, bool)
+        level = self.magnitude.draw_many(self.m, u[..., 2], u[..., 3])
+        args = level_values(self.table[choice], level, u[..., 4] > 0.5)
+        code = np.where(kept, choice, -1)
+        return [Column(self.names, self.arity, code[:, k], args[:, k, None]) for k in range(self.n)]
 
 
 class AutoAugment:
@@ -224,21 +246,33 @@ class RandomErasing:
     def __init__(self, prob: float, count: int, size: int):
         self.prob, self.count, self.size = prob, count, size
 
-    def draw(self, rng: random.Random) -> list[Op]:
-        if rng.random() > self.prob:
-            return []
-        size, ops = self.size, []
-        count = 1 if self.count == 1 else rng.randint(1, self.count)
-        for _ in range(count):
-            for _attempt in range(10):
-                target = rng.uniform(0.02, 1 / 3) * size * size / count
-                aspect = math.exp(rng.uniform(math.log(0.3), math.log(1 / 0.3)))
-                h, w = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-                if w < size and h < size:
-                    top, left = rng.randint(0, size - h), rng.randint(0, size - w)
-                    ops.append(Op("Erase", (top, left, h, w, rng.getrandbits(31))))
-                    break
-        return ops
+    def columns(self, keys: np.ndarray) -> list[Column]:
+        """``count`` positions of boxes (top, left, h, w, noise seed); -1 where a sample erases nothing there (not
+        drawn, fewer boxes, or no attempt fitted)."""
+        n, size, count = len(keys), self.size, self.count
+        u = uniforms(keys, STREAM_ERASING, 2 + count * 23)
+        on = u[:, 0] <= self.prob
+        boxes = np.ones(n, np.int64) if count == 1 else 1 + np.minimum((u[:, 1] * count).astype(np.int64), count - 1)
+        columns, everyone = [], np.arange(n)
+        for j in range(count):
+            b = u[:, 2 + 23 * j : 2 + 23 * (j + 1)]
+            target = (0.02 + (1 / 3 - 0.02) * b[:, :10]) * (size * size) / boxes[:, None]
+            aspect = np.exp(_LOG_LOW + (_LOG_HIGH - _LOG_LOW) * b[:, 10:20])
+            h, w = np.rint(np.sqrt(target * aspect)), np.rint(np.sqrt(target / aspect))
+            fits = (w < size) & (h < size)
+            first = fits.argmax(1)
+            h, w = h[everyone, first], w[everyone, first]
+            top, left = np.floor(b[:, 20] * (size - h + 1)), np.floor(b[:, 21] * (size - w + 1))
+            args = np.stack([top, left, h, w, np.floor(b[:, 22] * 2**31)], 1)
+            code = np.where(on & (j < boxes) & fits.any(1), 0, -1)
+            columns.append(Column(("Erase",), (5,), code, args))
+        return columns
+
+
+_LOG_LOW, _LOG_HIGH = math.log(0.3), math.log(1 / 0.3)
+
+
+Drawer = RecordDrawer | RandAugment | RandomErasing  # the latter two: a whole batch at once (``columns``)
 
 
 def _auto_augment(setting: AutoAugmentSetting | None, size: int) -> Drawer | None:
@@ -281,54 +315,52 @@ class Policy:
     def active(self) -> bool:
         return bool(self.drawers)
 
-    def draw(self, seed: int, epoch: int, index: int, weights: CTWeights | None = None) -> Record:
-        """The record of sample ``(seed, epoch, index)``, from its own stream; ``weights``: the snapshot of
-        CTAugment's rates the sample's batch draws from (default: the current ones)."""
-        rng = random.Random(f"{seed}/{epoch}/{index}/aug")
-        ops: list[Op] = []
+    def plan(self, seed: int, epochs, indices, weights: CTWeights | None = None) -> list[Column]:
+        """The ops of the samples ``(seed, epochs[i], indices[i])`` as columns. RandAugment and erasing draw the
+        whole batch at once from each sample's counter-based streams; the other drawers from the sample's own
+        ``random.Random(f"{seed}/{epoch}/{index}/aug")`` (``weights``: CTAugment's snapshot the batch draws
+        from)."""
+        epochs, indices = np.asarray(epochs, np.int64), np.asarray(indices, np.int64)
+        columns: list[Column] = []
+        rngs: list[random.Random] | None = None
+        keys: np.ndarray | None = None
         for drawer in self.drawers:
-            ops += drawer.draw(rng, weights) if isinstance(drawer, CTAugment) else drawer.draw(rng)
-        return tuple(ops)
+            if isinstance(drawer, (RandAugment, RandomErasing)):
+                keys = sample_keys(seed, epochs, indices) if keys is None else keys
+                columns += drawer.columns(keys)
+                continue
+            if rngs is None:
+                rngs = [
+                    random.Random(f"{seed}/{e}/{i}/aug") for e, i in zip(epochs.tolist(), indices.tolist(), strict=True)
+                ]
+            if isinstance(drawer, CTAugment):
+                columns += from_records([tuple(drawer.draw(rng, weights)) for rng in rngs])
+            else:
+                columns += from_records([tuple(drawer.draw(rng)) for rng in rngs])
+        return columns
 
-    def apply(self, images: torch.Tensor, records: Sequence[Record]) -> torch.Tensor:
+    def draw(self, seed: int, epoch: int, index: int, weights: CTWeights | None = None) -> Record:
+        """The record of sample ``(seed, epoch, index)``: its ops in order, as :meth:`plan` draws them."""
+        return records(self.plan(seed, [epoch], [index], weights), 1)[0]
+
+    def apply(self, images: torch.Tensor, recs: Sequence[Record]) -> torch.Tensor:
         """(N,3,H,W) uint8 on any device, one record per image -> augmented uint8 (a new tensor)."""
+        return self.apply_plan(images, from_records(recs))
+
+    def apply_plan(self, images: torch.Tensor, columns: Sequence[Column]) -> torch.Tensor:
+        """:meth:`apply` for the batch's columns (:meth:`plan`)."""
         pack = HostPack()
-        steps = self.prepare(records, pack)
+        steps = self.prepare(columns, pack, images.shape[-2:])
         pack.send(images.device)
         return self.run(images, steps, pack)
 
-    def prepare(self, records: Sequence[Record], pack: HostPack) -> list[Step]:
-        """The batch's kernel calls, their arguments queued in ``pack`` (sent with the batch's one copy). Images are
-        grouped by (position in their record, op): one kernel call per group, each image with its own arguments."""
-        steps = []
-        for k in range(max((len(r) for r in records), default=0)):
-            groups: dict[str, list[int]] = {}
-            for i, r in enumerate(records):
-                if k < len(r):
-                    groups.setdefault(r[k].name, []).append(i)
-            for name, rows in groups.items():
-                width = len(records[rows[0]][k].args)
-                args = pack.add(np.asarray([records[i][k].args for i in rows], np.float64).reshape(len(rows), width))
-                whole = len(rows) == len(records)
-                steps.append(Step(name, args, None if whole else pack.add(rows, torch.int64)))
-        return steps
+    def prepare(self, columns: Sequence[Column], pack: HostPack, hw: Sequence[int] | None = None) -> list[Step]:
+        """The batch's kernel calls on (H, W) images ``hw`` (default: the recipe's size), their parameters queued in
+        ``pack`` (sent with the batch's one copy): per position, one call per family of ops (:mod:`.fused`), over the
+        images that draw one."""
+        h, w = hw if hw is not None else (self.size, self.size)
+        return fused.prepare(columns, pack, (int(h), int(w)))
 
     def run(self, images: torch.Tensor, steps: Sequence[Step], pack: HostPack) -> torch.Tensor:
         """The steps of :meth:`prepare` on ``images``, once ``pack`` was sent to their device: no copy, no sync."""
-        images = images.clone()
-        for step in steps:
-            kernel, args = OPS[step.name].kernel, pack.get(step.args)
-            if step.rows is None:
-                images = kernel(images, args, self.context)
-            else:
-                sel = pack.get(step.rows)
-                images[sel] = kernel(images[sel], args, self.context)
-        return images
-
-
-class Step(NamedTuple):
-    """One kernel call of a batch: the op, its (n, k) arguments and, when not every image takes it, which images."""
-
-    name: str
-    args: Slot
-    rows: Slot | None
+        return fused.run(images, steps, pack, self.context)

@@ -4,9 +4,10 @@ recipe's :class:`~.policies.Policy`, then the user's ``transforms=``)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 
 from ..data.upload import HostPack
@@ -20,7 +21,7 @@ TransformsMode = Literal["image", "batch"]
 class BatchJob(NamedTuple):
     """What :meth:`SampleAugment.prepare` planned for a batch: its (epoch, index) pairs and the policy's steps."""
 
-    pairs: list[list[int]]
+    pairs: np.ndarray  # (N, 2) int64
     steps: list[Step] | None
 
 
@@ -58,7 +59,7 @@ class SampleAugment:
         """One (3,H,W) uint8 image: the policy and the per-image transforms (the decode workers' call); ``weights``:
         CTAugment's snapshot for the sample's batch."""
         if self.policy is not None:
-            image = self.policy.apply(image[None], [self.policy.draw(self.seed, epoch, index, weights)])[0]
+            image = self.policy.apply_plan(image[None], self.policy.plan(self.seed, [epoch], [index], weights))[0]
         if self.per_image is not None:
             image = self._user(image, epoch, index)
         return image
@@ -68,19 +69,26 @@ class SampleAugment:
         batched (``weights``: CTAugment's snapshot for the batch); then the batch-wise transforms. (The device stage
         calls :meth:`prepare` and :meth:`run` instead, to send the arguments with the labels in one copy.)"""
         pack = HostPack()
-        job = self.prepare(keys, pack, weights)
+        job = self.prepare(keys, pack, weights, images.shape[-2:])
         pack.send(images.device)
         return self.run(images, job, pack)
 
-    def prepare(self, keys: torch.Tensor | None, pack: HostPack, weights: CTWeights | None = None) -> BatchJob | None:
-        """Draw the records of the samples ``keys`` names (CTAugment's from ``weights``, the batch's snapshot) and
-        queue their arguments in ``pack``; None: nothing per sample to do."""
+    def prepare(
+        self,
+        keys: torch.Tensor | None,
+        pack: HostPack,
+        weights: CTWeights | None = None,
+        hw: Sequence[int] | None = None,
+    ) -> BatchJob | None:
+        """Draw the ops of the samples ``keys`` names (CTAugment's from ``weights``, the batch's snapshot) for
+        (H, W) images ``hw`` (default: the recipe's size) and queue their arguments in ``pack``; None: nothing per
+        sample to do."""
         if keys is None or (self.policy is None and self.per_image is None):
             return None
-        pairs = keys.tolist()
+        pairs = keys.numpy()
         steps = None
         if self.policy is not None:
-            steps = self.policy.prepare([self.policy.draw(self.seed, e, i, weights) for e, i in pairs], pack)
+            steps = self.policy.prepare(self.policy.plan(self.seed, pairs[:, 0], pairs[:, 1], weights), pack, hw)
         return BatchJob(pairs, steps)
 
     def run(self, images: torch.Tensor, job: BatchJob | None, pack: HostPack | None) -> torch.Tensor:
@@ -90,7 +98,7 @@ class SampleAugment:
             if job.steps is not None and self.policy is not None and pack is not None:
                 images = self.policy.run(images, job.steps, pack)
             if self.per_image is not None:
-                pairs = job.pairs
+                pairs = job.pairs.tolist()
                 images = torch.stack([self._user(img, e, i) for img, (e, i) in zip(images, pairs, strict=True)])
         if self.batch_transforms is not None:
             try:

@@ -134,30 +134,33 @@ def make_loader(root: str, backend: str, recipe: Recipe, batch: int, workers: in
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts the ops dispatched with a tensor on the meta device: the kernels the device stage would launch."""
+    """Counts the ops dispatched with a tensor on the meta device (``ops``) and those of them that are not views
+    (``launches``: the kernels the device stage would launch; a view only changes a tensor's metadata)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.launches = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if any(isinstance(t, torch.Tensor) and t.device == META for t in (out if isinstance(out, tuple) else (out,))):
             self.ops += 1
+            self.launches += not getattr(func, "is_view", False)
         return out
 
 
 def policy_ms(size: int, batch: int, batches: int) -> dict[str, float]:
-    """The device stage's host cost for :data:`POLICY` per batch: drawing each sample's record and packing the
+    """The device stage's host cost for :data:`POLICY` per batch: drawing each sample's ops and packing their
     arguments (host work on any device: measured), and the ops the stage then dispatches to the device (counted on
-    the meta device; each is a kernel launch on CUDA, a few microseconds of host time there: ``--device cuda`` on a
-    GPU machine measures them. The meta device itself is no stand-in for their time: several of its kernels are
-    Python decompositions, a millisecond each)."""
+    the meta device; each one that is not a view is a kernel launch on CUDA, a few microseconds of host time there:
+    ``--device cuda`` on a GPU machine measures them. The meta device itself is no stand-in for their time: several
+    of its kernels are Python decompositions, a millisecond each)."""
     recipe = Recipe(size, **POLICY)
     augment = SampleAugment(Policy(recipe), 0)
     stage = DeviceStage(META, recipe, augment=augment)
     images = torch.zeros(batch, 3, size, size, dtype=torch.uint8)
-    draw, ops = [], []
+    draw, ops, launches = [], [], []
     for e in range(batches + 1):
         keys = torch.stack([torch.full((batch,), e), torch.arange(batch)], 1)
         t0 = time.thread_time()
@@ -166,7 +169,12 @@ def policy_ms(size: int, batch: int, batches: int) -> dict[str, float]:
         with _OpCounter() as counter:
             stage.upload(Batch(images, torch.arange(batch), "NCHW", keys=keys))
         ops.append(counter.ops)
-    return {"draw_and_pack": statistics.median(draw[1:]), "device_ops": statistics.median(ops[1:])}
+        launches.append(counter.launches)
+    return {
+        "draw_and_pack": statistics.median(draw[1:]),
+        "device_ops": statistics.median(ops[1:]),
+        "device_launches": statistics.median(launches[1:]),
+    }
 
 
 def run(
@@ -186,7 +194,9 @@ def run(
         cost = policy_ms(size, batch, batches)
         rows.append(_row("-", "host", size, "policy: draw + pack", batch, cost["draw_and_pack"], cost["draw_and_pack"]))
         rows[-1]["device_ops"] = cost["device_ops"]
-        print(_line(rows[-1]), f" + {cost['device_ops']:.0f} device ops (kernel launches on CUDA)", flush=True)
+        rows[-1]["device_launches"] = cost["device_launches"]
+        ops = f" + {cost['device_ops']:.0f} device ops, {cost['device_launches']:.0f} of them kernel launches on CUDA"
+        print(_line(rows[-1]), ops, flush=True)
     return rows
 
 

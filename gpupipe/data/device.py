@@ -76,7 +76,8 @@ class DeviceStage:
         label_slot = None if b.labels.device == self.device else pack.add(b.labels, torch.int64)
         job = None
         if self.augment is not None and b.keys is not None:
-            job = self.augment.prepare(b.keys, pack, b.weights)
+            hw = b.images.shape[1:3] if b.layout == "NHWC" else b.images.shape[2:]
+            job = self.augment.prepare(b.keys, pack, b.weights, hw)
         if label_slot is not None or job is not None:
             pack.send(self.device)
         labels = b.labels if label_slot is None else pack.get(label_slot)
