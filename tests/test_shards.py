@@ -240,3 +240,21 @@ def test_gpu_backends_read_shards(unique_folder, unique_prepared, backend):
     x, y = run(unique_prepared, backend, "cuda")
     ref_x, ref_y = run(unique_folder, "pillow", "cpu")
     assert torch.equal(y, ref_y) and (x - ref_x).abs().mean() <= 1.0
+
+
+@pytest.mark.parametrize("source", ["webdataset", "folder"])
+def test_dali_reads_no_sample_before_training_and_only_what_it_schedules(wds_shards, folder, source, monkeypatch):
+    """No up-front scan (issue 21): building the loader reads no sample's bytes, and the first batch reads its own
+    samples and the few scheduled ahead, not the data set (headers are judged from the bytes the feed holds)."""
+    pytest.importorskip("nvidia.dali")
+    from gpupipe.data.scan import ImageList
+
+    reads: list[int] = []
+    for cls in (ImageList, shards.ShardImageList):
+        read = cls.read
+        monkeypatch.setattr(cls, "read", lambda self, i, read=read: reads.append(i) or read(self, i))
+    root = str(wds_shards / "part-*.tar") if source == "webdataset" else folder
+    loader = gpupipe.build_loader(root, "dali", batch_size=2, image_size=16, device="cpu", num_workers=0)
+    assert reads == [] and len(loader.dataset) >= 12
+    images, _ = next(iter(loader))
+    assert images.shape[0] == 2 and 2 <= len(reads) <= 6 < len(loader.dataset)  # this batch and two ahead at most
