@@ -13,6 +13,7 @@ import gpupipe
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.backends.image import crop_resize, crop_resize_into, resize_box, resize_box_into
+from gpupipe.data.device import DeviceStage, normalize, normalize_on_cpu
 from gpupipe.data.sources import open_source
 from gpupipe.recipe import Box, Recipe
 
@@ -120,3 +121,19 @@ def test_two_workers_skip_and_raise_a_bad_file_mid_batch_as_the_main_process(tmp
     assert [p for p, _ in runs[1][2]] == [str(root / "c01" / "002.jpg")]
     with pytest.raises(gpupipe.DecodeError, match=r"002\.jpg"):
         list(gpupipe.build_loader(root, "turbojpeg", num_workers=2, on_error="raise", **kw))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalising_on_the_cpu_image_by_image_gives_torchs_bits(channels_last):
+    recipe = Recipe(40)
+    nhwc = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (5, 40, 40, 3), dtype=np.uint8))
+    stage = DeviceStage(torch.device("cpu"), recipe, channels_last=channels_last)
+    want = normalize(nhwc.permute(0, 3, 1, 2).contiguous(), stage.mean, stage.inv_std)
+    got = stage.finish(nhwc, "NHWC")
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert got.is_contiguous(memory_format=fmt)
+    assert torch.equal(stage.finish(nhwc.permute(0, 3, 1, 2).contiguous(), "NCHW"), want)
+    out = torch.full((5, 3, 40, 40), 7.0)
+    assert normalize_on_cpu(nhwc.permute(0, 3, 1, 2), stage.mean, stage.inv_std, out=out) is out
+    assert torch.equal(out, want)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._system import usable_cores
-from ..data.device import normalize
+from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
 from ..errors import DecodeError, TransformError
@@ -142,7 +142,7 @@ class _Collate:
             nchw = batch.images.permute(0, 3, 1, 2) if batch.layout == "NHWC" else batch.images
             out = buffer(tuple(nchw.shape), torch.float32)
             images, batch.layout = batch.images, "NCHW"
-            batch.images = normalize(out.copy_(nchw), *self.normalize)
+            batch.images = normalize_on_cpu(nchw, *self.normalize, out=out)
             release(images)
         return batch
 
