@@ -69,11 +69,19 @@ def arrive(
     """The batch in the main process: its images copied out of the worker's buffer, which is then marked free."""
     flat = _header(images)
     if flat is not None:
-        images = images.clone()
+        images = _copy(images)
         flat.numpy()[0] = 1  # after the copy: the worker may write the buffer again
         _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
     return Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure)
+
+
+def _copy(images: torch.Tensor) -> torch.Tensor:
+    """A copy in this thread alone (numpy): torch's copy of a batch runs on its intra-op threads, which would take
+    the cores the decode workers run on (and spin there after the copy)."""
+    out = torch.empty_like(images, memory_format=torch.contiguous_format)
+    np.copyto(out.numpy(), images.numpy())
+    return out
 
 
 def release(images: torch.Tensor) -> None:
