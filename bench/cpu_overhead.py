@@ -9,9 +9,14 @@ Three jobs per decoder, each a DataLoader over the same files (shuffled, the tra
 - ``batch``: gpupipe's CPU loader's worker as it is now (``_SampleDataset.__getitems__``: one call per batch, each
   image resized straight into its slot of one shared-memory buffer).
 
+- ``loader``: gpupipe's loader itself (``build_loader``, device ``cpu``), as ``gpupipe bench`` times train: float32
+  normalised batches, so the main process's share (copying the batch out, NHWC to NCHW, normalisation) counts.
+
 ``time`` (default) starts all jobs, then times them in turns (``--rounds`` rounds of one ``--seconds`` window each, the
-prefetched batches taken untimed before each window), and prints img/s and each job against its decoder's floor. The
-main process only counts batches, so the figures are the workers'. ``profile`` runs both paths in this process under
+prefetched batches taken untimed before each window), and prints img/s, each job against its decoder's floor, and the
+CPU time per image of the worker processes and of the main process (``/proc``, every thread of each: what a profile
+inside one process does not see, e.g. the main process's torch threads running on a worker's core). The first three
+jobs' main processes only count batches. ``profile`` runs both paths in this process under
 cProfile (what one worker does per batch, the hand-over pickling included) and prints the fraction of time per step.
 
     python bench/cpu_overhead.py time --data /tmp/photos --decoders turbojpeg,pillow --workers 1
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -36,6 +42,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data._utils import worker
 
+from gpupipe.api import build_loader
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.data.loader import Batch
@@ -112,42 +119,111 @@ def _datasets(args: argparse.Namespace, name: str) -> dict[str, tuple[torch.util
     }
 
 
-def _stream(args: argparse.Namespace, ds, collate):
+class _Stream:
+    """An endless stream of batch sizes from one job, with the CPU seconds its worker processes have used
+    (``/proc``: each process's user + system time, every thread)."""
+
+    def __init__(self, epochs, count):
+        self.epochs, self.count, self.pids = epochs, count, []
+        self._it = self._batches()
+
+    def _batches(self):
+        epoch = 0
+        while True:
+            for b in self.epochs(epoch):
+                self.pids = self.pids or _worker_pids()
+                yield self.count(b)
+            epoch += 1
+
+    def __next__(self) -> int:
+        return next(self._it)
+
+    def worker_cpu(self) -> float:
+        return sum(_proc_cpu(pid) for pid in self.pids)
+
+
+_SEEN: set[int] = set()
+
+
+def _worker_pids() -> list[int]:
+    """This process's child processes not yet claimed by another stream (each job starts its workers in turn)."""
+    kids = {int(p) for t in os.listdir("/proc/self/task") for p in _read(f"/proc/self/task/{t}/children").split()}
+    new = sorted(kids - _SEEN)
+    _SEEN.update(new)
+    return new
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _proc_cpu(pid: int) -> float:
+    """A process's CPU seconds (user + system, every thread) from /proc; 0 when it is gone or not Linux."""
+    fields = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if len(fields) > 12 else 0.0
+
+
+def _stream(args: argparse.Namespace, ds, collate) -> _Stream:
     sampler = ShardSampler(len(ds), args.batch, shuffle=True)
     dl = torch.utils.data.DataLoader(
         ds, batch_sampler=sampler, collate_fn=collate, num_workers=args.workers, persistent_workers=True
     )
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        for b in dl:
-            yield b if isinstance(b, int) else len(b.labels)
-        epoch += 1
+
+    def epoch(e: int):
+        sampler.set_epoch(e)
+        return dl
+
+    return _Stream(epoch, lambda b: b if isinstance(b, int) else len(b.labels))
+
+
+def _loader_stream(args: argparse.Namespace, name: str) -> _Stream:
+    """gpupipe's loader as ``gpupipe bench`` times train: float32 normalised NCHW batches on the CPU device, so the
+    main process's share (the batch copied out of the worker's buffer, NHWC to NCHW, normalisation) is counted."""
+    loader = build_loader(
+        args.data, name, batch_size=args.batch, train=True, image_size=args.size, device="cpu",
+        num_workers=args.workers, on_error="skip",
+    )  # fmt: skip
+    return _Stream(lambda e: loader, lambda b: len(b[1]))
 
 
 def time_jobs(args: argparse.Namespace) -> None:
-    jobs = {}
+    jobs: dict[tuple[str, str], _Stream] = {}
     for name in args.decoders.split(","):
         for kind, (ds, collate) in _datasets(args, name).items():
             jobs[(name, kind)] = _stream(args, ds, collate)
             for _ in range(3):
                 next(jobs[(name, kind)])  # workers started, warm
+        jobs[(name, "loader")] = _loader_stream(args, name)
+        for _ in range(3):
+            next(jobs[(name, "loader")])
     rates: dict[tuple[str, str], list[float]] = {k: [] for k in jobs}
+    cpu = {k: [0.0, 0.0, 0.0] for k in jobs}  # worker s, main s, images
     for _ in range(args.rounds):
         for key, stream in jobs.items():
             for _ in range(2 * args.workers):
                 next(stream)  # what was prefetched while another job was timed
-            n, t0 = 0, time.perf_counter()
+            n, w0, m0, t0 = 0, stream.worker_cpu(), time.process_time(), time.perf_counter()
             while time.perf_counter() - t0 < args.seconds:
                 n += next(stream)
             rates[key].append(n / (time.perf_counter() - t0))
-    print(f"{args.workers} worker(s), batch {args.batch}, {args.rounds} x {args.seconds} s windows, median (min-max)")
+            used = cpu[key]
+            used[0] += stream.worker_cpu() - w0
+            used[1] += time.process_time() - m0
+            used[2] += n
+    print(f"{args.workers} worker(s), batch {args.batch}, {args.rounds} x {args.seconds} s windows, median (min-max);")
+    print("CPU ms per image while timed: the workers' and the main process's (every thread of each)")
     for (name, kind), r in rates.items():
         med, floor = statistics.median(r), statistics.median(rates[(name, "floor")])
-        old = statistics.median(rates[(name, "per-sample")])
+        w, m, n = cpu[(name, kind)]
+        fw, _, fn = cpu[(name, "floor")]
         print(
-            f"{name:12} {kind:10} {med:8.1f} img/s ({min(r):.0f}-{max(r):.0f})  vs floor {med / floor:6.1%}"
-            f"  vs per-sample {med / old:5.2f}x  ms/img after the decode {1e3 / med - 1e3 / floor:6.3f}"
+            f"{name:10} {kind:10} {med:7.1f} img/s ({min(r):.0f}-{max(r):.0f})  vs floor {med / floor:6.1%}"
+            f"  CPU ms/img: workers {w / n * 1e3:6.3f} (after the decode {(w / n - fw / fn) * 1e3:6.3f})"
+            f"  main {m / n * 1e3:6.3f}"
         )
 
 
@@ -241,7 +317,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    if args.mode != "time":  # one thread, as in a DataLoader worker; `time`'s main process is left as a user's is
+        torch.set_num_threads(1)
     {"time": time_jobs, "profile": profile, "paired": paired}[args.mode](args)
 
 
