@@ -13,7 +13,7 @@ import gpupipe
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.backends.image import crop_resize, crop_resize_into, resize_box, resize_box_into
-from gpupipe.data.device import DeviceStage, normalize, normalize_on_cpu
+from gpupipe.data.device import DeviceStage, host_tensor, normalize, normalize_on_cpu
 from gpupipe.data.sources import open_source
 from gpupipe.recipe import Box, Recipe
 
@@ -124,9 +124,10 @@ def test_two_workers_skip_and_raise_a_bad_file_mid_batch_as_the_main_process(tmp
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_normalising_on_the_cpu_image_by_image_gives_torchs_bits(channels_last):
-    recipe = Recipe(40)
-    nhwc = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (5, 40, 40, 3), dtype=np.uint8))
+@pytest.mark.parametrize("size", [40, 240])  # 240: a 4.1 MB float batch, in its own mapping (host_tensor)
+def test_normalising_on_the_cpu_image_by_image_gives_torchs_bits(channels_last, size):
+    recipe = Recipe(size)
+    nhwc = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (5, size, size, 3), dtype=np.uint8))
     stage = DeviceStage(torch.device("cpu"), recipe, channels_last=channels_last)
     want = normalize(nhwc.permute(0, 3, 1, 2).contiguous(), stage.mean, stage.inv_std)
     got = stage.finish(nhwc, "NHWC")
@@ -134,6 +135,19 @@ def test_normalising_on_the_cpu_image_by_image_gives_torchs_bits(channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     assert got.is_contiguous(memory_format=fmt)
     assert torch.equal(stage.finish(nhwc.permute(0, 3, 1, 2).contiguous(), "NCHW"), want)
-    out = torch.full((5, 3, 40, 40), 7.0)
+    as_uint8 = DeviceStage(torch.device("cpu"), recipe, channels_last=channels_last, normalize=False)
+    as_uint8 = as_uint8.finish(nhwc, "NHWC")
+    assert as_uint8.is_contiguous(memory_format=fmt) and torch.equal(as_uint8, nhwc.permute(0, 3, 1, 2))
+    out = torch.full((5, 3, size, size), 7.0)
     assert normalize_on_cpu(nhwc.permute(0, 3, 1, 2), stage.mean, stage.inv_std, out=out) is out
     assert torch.equal(out, want)
+
+
+def test_a_batch_in_its_own_mapping_is_an_ordinary_tensor():
+    x = host_tensor((2, 3, 512, 512), torch.float32)  # 6 MB: its own mapping
+    x.copy_(torch.arange(x.numel(), dtype=torch.float32).view_as(x))
+    assert x.is_contiguous() and x[1, 2, 511, 511].item() == x.numel() - 1
+    y = x[0].clone()
+    x.share_memory_()  # as a tensor sent to another process is
+    assert x.is_shared() and torch.equal(x[0], y)
+    assert host_tensor((3, 4), torch.uint8).shape == (3, 4)

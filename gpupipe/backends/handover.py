@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from ..data.device import Layout
+from ..data.device import Layout, host_tensor
 from ..data.loader import Batch
 
 _HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below
@@ -79,7 +79,7 @@ def arrive(
 def _copy(images: torch.Tensor) -> torch.Tensor:
     """A copy in this thread alone (numpy): torch's copy of a batch runs on its intra-op threads, which would take
     the cores the decode workers run on (and spin there after the copy)."""
-    out = torch.empty_like(images, memory_format=torch.contiguous_format)
+    out = host_tensor(tuple(images.shape), images.dtype)
     np.copyto(out.numpy(), images.numpy())
     return out
 
