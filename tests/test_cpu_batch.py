@@ -124,7 +124,7 @@ def test_two_workers_skip_and_raise_a_bad_file_mid_batch_as_the_main_process(tmp
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("size", [40, 240])  # 240: a 4.1 MB float batch, in its own mapping (host_tensor)
+@pytest.mark.parametrize("size", [40, 1050])  # 1050: a 66 MB float batch, in its own mapping (host_tensor)
 def test_normalising_on_the_cpu_image_by_image_gives_torchs_bits(channels_last, size):
     recipe = Recipe(size)
     nhwc = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (5, size, size, 3), dtype=np.uint8))
@@ -144,9 +144,9 @@ def test_normalising_on_the_cpu_image_by_image_gives_torchs_bits(channels_last, 
 
 
 def test_a_batch_in_its_own_mapping_is_an_ordinary_tensor():
-    x = host_tensor((2, 3, 512, 512), torch.float32)  # 6 MB: its own mapping
+    x = host_tensor((2, 3, 1600, 1600), torch.float32)  # 61 MB: its own mapping
     x.copy_(torch.arange(x.numel(), dtype=torch.float32).view_as(x))
-    assert x.is_contiguous() and x[1, 2, 511, 511].item() == x.numel() - 1
+    assert x.is_contiguous() and x[1, 2, 1599, 1599].item() == x.numel() - 1
     y = x[0].clone()
     x.share_memory_()  # as a tensor sent to another process is
     assert x.is_shared() and torch.equal(x[0], y)
