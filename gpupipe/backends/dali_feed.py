@@ -100,8 +100,9 @@ class Feed(torch.utils.data.Dataset):
         chunks: list[bytes] = []
         rows: list[tuple[float, ...]] = []
         plans = self.recipe.plans(self.train, self.seed, [(request.epoch, i) for i in request.indices])
-        for pos, (i, plan) in enumerate(zip(request.indices, plans, strict=True)):
-            taken = self._sample(work, pos, i, plan)
+        read = self.dataset.read_many(request.indices)  # together: object storage serves a batch in few requests
+        for pos, (i, plan, data) in enumerate(zip(request.indices, plans, read, strict=True)):
+            taken = self._sample(work, pos, i, plan, data)
             if taken is not None:
                 work.dali.append(pos)
                 chunks.append(taken[0])
@@ -111,14 +112,16 @@ class Feed(torch.utils.data.Dataset):
         work.rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), 5 if self.train else 4)
         return work
 
-    def _sample(self, work: Work, pos: int, i: int, plan: Callable) -> tuple[bytes, tuple[float, ...]] | None:
+    def _sample(
+        self, work: Work, pos: int, i: int, plan: Callable, data: bytes | Exception
+    ) -> tuple[bytes, tuple[float, ...]] | None:
         """(bytes, row) for DALI, or None: the sample failed (in ``work.errors``) or Pillow decoded it."""
         path = self.dataset.samples[i][0]
-        try:
-            data = self.dataset.read(i)
-        except OSError as e:
-            work.errors.append((path, f"cannot read the file ({e.strerror or e})"))
+        if isinstance(data, OSError):
+            work.errors.append((path, f"cannot read the file ({data.strerror or data})"))
             return None
+        if isinstance(data, Exception):  # not a bad file (object storage gone): the loader raises it
+            raise data
         entry = self._judge(i, data)
         if entry.problem is not None:
             work.errors.append((path, entry.problem))

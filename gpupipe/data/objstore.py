@@ -38,6 +38,10 @@ class Remote:
         storage_options: passed to the fsspec file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
             ``client_kwargs``...); by default credentials and endpoint come from the environment and config files.
         cache_dir: a local folder that keeps every shard once read (whole, on first use): later epochs read the disk.
+        memory_cache: bytes of shards each process (each DataLoader worker) may keep in memory. When the data set's
+            shards fit, they are read in 8 MiB blocks, each once, and kept; otherwise a batch's samples are read by
+            range, those of one shard less than 256 KiB apart in one request (:mod:`gpupipe.data.ranges`). 0: never
+            keep.
         retries: attempts per read on transient errors (connection lost, 5xx, throttling) before a StorageError.
         backoff: the first wait in seconds; it doubles per attempt (with jitter), capped at 30 s.
     """
@@ -45,12 +49,15 @@ class Remote:
     url: str | Sequence[str]
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
+    memory_cache: int = 256 << 20
     retries: int = 6
     backoff: float = 0.5
 
     def __post_init__(self):
         if self.retries < 1:
             raise ValueError(f"retries must be >= 1, got {self.retries}")
+        if self.memory_cache < 0:
+            raise ValueError(f"memory_cache must be >= 0 bytes, got {self.memory_cache}")
         if self.backoff < 0:
             raise ValueError(f"backoff must be >= 0, got {self.backoff}")
 

@@ -4,8 +4,9 @@ for foreign WebDataset ``.tar`` shards (a list, a glob, or WebDataset's brace no
 Nothing is downloaded before training but the small files: a prepared set's metadata and the index columns it
 needs (read out of ``index.npz`` by range, never its per-sample ``source`` column), or a foreign shard's header
 index (built once, by streaming the shard, several shards in parallel, then cached on the local disk). Each sample is
-then one range read of ``size`` bytes at ``offset`` of its shard, the same bytes a local shard's mmap gives, so
-every backend reads the same samples, labels and order from a URL as from a disk.
+then ``size`` bytes at ``offset`` of its shard, the same bytes a local shard's mmap gives, so every backend reads the
+same samples, labels and order from a URL as from a disk; a batch's samples are read together in few requests
+(:mod:`.ranges`).
 
 The client (fsspec) and its retries: :mod:`.objstore`.
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 from ..errors import GpupipeError, StorageError
 from .objstore import Remote, Store
+from .ranges import BatchReader
 from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, combine_indexes, index_tar
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -61,29 +63,33 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 class RemoteShardImageList(ShardImageList):
-    """Shards at URLs: :meth:`read` is one range read (or a local read from the cache folder)."""
+    """Shards at URLs, read by range a batch at a time (:class:`~.ranges.BatchReader`: few requests per batch), or
+    from the cache folder when there is one."""
 
     def __init__(self, store: Store, root: str, urls: list[str], *args, **kwargs):
         super().__init__(root, urls, *args, **kwargs)
         self.store = store
+        ends = np.zeros(len(urls), np.int64)
+        np.maximum.at(ends, self._shard.astype(np.intp), (self._offset + self._size).astype(np.int64))
+        self.reader = BatchReader(store, urls, ends, store.remote.memory_cache)
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
-        """A batch's bytes by concurrent range reads (from the cache folder when there is one)."""
+        """A batch's bytes in few concurrent range reads (from the cache folder when there is one)."""
         if self.store.remote.cache_dir is not None:
             return super().read_many(indices)
-        shards = self._shard[indices]
-        return self.store.read_many(
-            [self.shard_paths[int(s)] for s in shards],
-            self._offset[indices].tolist(),
-            self._size[indices].tolist(),
+        return self.reader.read(
+            self._shard[indices].tolist(), self._offset[indices].tolist(), self._size[indices].tolist()
         )
 
     def read(self, index: int) -> bytes:
-        s = int(self._shard[index])
-        url, start, size = self.shard_paths[s], int(self._offset[index]), int(self._size[index])
         cache = self.store.remote.cache_dir
         if cache is None:
-            return self.store.read(url, start, size)
+            data = self.read_many([index])[0]
+            if isinstance(data, Exception):
+                raise data
+            return data
+        s = int(self._shard[index])
+        url, start, size = self.shard_paths[s], int(self._offset[index]), int(self._size[index])
         local = _cached_shard(self.store, url, Path(cache))
         with open(local, "rb") as f:
             data = os.pread(f.fileno(), size, start)

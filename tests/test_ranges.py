@@ -1,0 +1,83 @@
+"""A batch read from object storage in few requests (gpupipe/data/ranges.py), against the tests' real S3-compatible
+server: kept blocks and coalesced ranges give exactly the bytes the same shards give on disk, in the batch's order,
+with far fewer requests than samples; a fault in a block or a coalesced range still names the URL (after the retries
+for a server that is gone)."""
+
+import numpy as np
+import pytest
+
+from gpupipe import Remote, StorageError
+from gpupipe.data import ranges
+from gpupipe.data.ranges import Span, coalesce
+from gpupipe.data.sources import open_source as scan
+from gpupipe.prepare import PrepareOptions, prepare
+
+from .common_utils import S3Server
+
+FAST = dict(retries=3, backoff=0.05)
+
+
+def test_samples_close_together_share_a_request():
+    spans, where = coalesce([0, 0, 1, 0, 0], [100, 0, 0, 10_000, 50], [50, 40, 10, 5, 50], max_gap=20, max_span=400)
+    assert spans == [Span(0, 0, 150), Span(0, 10_000, 10_005), Span(1, 0, 10)]
+    assert where == [(0, 100), (0, 0), (2, 0), (1, 0), (0, 50)]
+    spans, where = coalesce([0, 0, 0], [0, 0, 60], [50, 50, 50], max_gap=20, max_span=100)  # a repeat; the cap
+    assert spans == [Span(0, 0, 50), Span(0, 60, 110)] and where == [(0, 0), (0, 0), (1, 0)]
+
+
+@pytest.fixture(scope="module")
+def shards(unique_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranges") / "prepared"
+    prepare(unique_folder, out, PrepareOptions(shard_size=24 * 1024))  # 3-4 samples a shard
+    return out
+
+
+@pytest.fixture(scope="module")
+def url(s3, shards):
+    return s3.upload(shards, "ranges")
+
+
+@pytest.mark.parametrize("memory_cache", [256 << 20, 0], ids=["blocks", "coalesced"])
+def test_a_batch_is_the_disks_bytes_in_few_requests(shards, url, memory_cache, monkeypatch):
+    monkeypatch.setattr(ranges, "BLOCK", 6000)  # samples across block boundaries, several blocks per shard
+    disk, remote = scan(shards), scan(Remote(url, memory_cache=memory_cache))
+    assert remote.reader.keeps_blocks == (memory_cache > 0) and len(remote.shard_paths) >= 3
+    batch = [int(i) for i in np.random.default_rng(0).permutation(len(disk))] + [4, 4]
+    assert remote.read_many(batch) == [disk.read(i) for i in batch]
+    used = remote.reader.requests
+    assert used < len(batch)
+    assert remote.read_many(list(range(len(disk)))) == [disk.read(i) for i in range(len(disk))]
+    assert remote.reader.requests == used if memory_cache else used + len(remote.shard_paths)
+    assert remote.read(7) == disk.read(7)
+
+
+def test_a_server_gone_fails_each_sample_of_a_request_with_its_url(s3, shards):
+    server = S3Server(process=True)
+    try:
+        url, options = server.upload(shards, "gone"), {"endpoint_url": server.endpoint}
+        sets = [scan(Remote(url, storage_options=options, memory_cache=m, **FAST)) for m in (256 << 20, 0)]
+    finally:
+        server.stop()
+    for data in sets:  # kept blocks, then coalesced ranges
+        got = data.read_many(list(range(len(data))))
+        assert data.reader.requests < len(data)
+        for i, e in enumerate(got):
+            assert isinstance(e, StorageError)
+            assert str(e).startswith(f"{data.shard_paths[int(data._shard[i])]}: unreachable after 3 attempts")
+
+
+@pytest.mark.parametrize("memory_cache", [256 << 20, 0], ids=["blocks", "coalesced"])
+def test_a_truncated_shard_fails_its_samples_only(s3, shards, memory_cache):
+    url = s3.upload(shards, f"cut-{memory_cache}")
+    data = scan(Remote(url, memory_cache=memory_cache))
+    s3.client().pipe(f"{S3Server.BUCKET}/cut-{memory_cache}/shard-000001.tar", b"x" * 600)
+    got = data.read_many(list(range(len(data))))
+    cut = [i for i in range(len(data)) if data.shard_paths[int(data._shard[i])].endswith("shard-000001.tar")]
+    assert cut and all(isinstance(got[i], StorageError) for i in cut)
+    assert all("shard-000001.tar ends before its member" in str(got[i]) for i in cut)
+    assert all(got[i] == scan(shards).read(i) for i in range(len(data)) if i not in cut)
+
+
+def test_memory_cache_is_checked():
+    with pytest.raises(ValueError, match="memory_cache must be >= 0"):
+        Remote("s3://b/x", memory_cache=-1)
