@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import gpupipe
-from gpupipe.bench.suite import _forever, _warm, _window
+from gpupipe.bench.suite import _forever, _warm
 from gpupipe.info import machine_info
 from gpupipe.prepare import PrepareOptions, prepare
 
@@ -77,10 +77,11 @@ def cmd_read(args) -> None:
     )
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    sources = [("folder", args.data), ("shards", str(shards))]
+    sources: list[tuple[str, object]] = [("folder", args.data), ("shards", str(shards))]
     server = _local_s3(shards) if args.s3 else None
-    if server is not None:
-        sources.append(("s3", server[1]))
+    if server is not None:  # blocks kept in memory (the set fits), and coalesced ranges only (memory_cache=0)
+        sources += [("s3", server[1]), ("s3-ranges", gpupipe.Remote(server[1], memory_cache=0))]
+    sources = [s for s in sources if not args.sources or s[0] in args.sources.split(",")]
     jobs = [(b, src, root) for b in backends for src, root in sources]
     streams = []
     for backend, src, root in jobs:
@@ -98,15 +99,22 @@ def cmd_read(args) -> None:
         streams.append((len(y) for _, y in _forever(lambda loader=loader: loader)))
         _warm(streams[-1], max(1.0, args.seconds / 4))
         print(f"started {backend} on {src}", file=sys.stderr)
-    rates = [[] for _ in jobs]
+    rates: list[list[float]] = [[] for _ in jobs]
+    server_cpu: list[list[float]] = [[] for _ in jobs]  # the S3 server's CPU ms per image, in each window
     drain = 4 * max(args.workers, 1) + 2  # what the prefetch queues made while another job was timed
-    for _ in range(args.repeats):  # interleaved: a slow patch of the machine hits folder and shards alike
-        for i in range(len(jobs)):
-            rates[i].append(_window(streams[i], args.seconds / args.repeats, drain, sync))
-    for s in streams:
-        s.close()
-    if server is not None:
-        server[0].kill()
+    pid = server[0].pid if server is not None else None
+    try:
+        for _ in range(args.repeats):  # interleaved: a slow patch of the machine hits folder and shards alike
+            for i in range(len(jobs)):
+                rate, cpu_ms = _window_cpu(streams[i], args.seconds / args.repeats, drain, sync, pid)
+                rates[i].append(rate)
+                server_cpu[i].append(cpu_ms)
+    finally:
+        for st in streams:
+            st.close()
+        if server is not None:
+            server[0].kill()
+            server[0].wait()
     med = {(b, src): statistics.median(r) for (b, src, _), r in zip(jobs, rates, strict=True)}
     results = [
         {
@@ -115,12 +123,49 @@ def cmd_read(args) -> None:
             "images_per_s": med[b, src],
             "min": min(r),
             "max": max(r),
-            "shards_vs_folder": med[b, "shards"] / med[b, "folder"],
-            **({"s3_vs_shards": med[b, "s3"] / med[b, "shards"]} if server is not None else {}),
+            **_ratios(med, b, src),
+            **({"server_cpu_ms_per_image": statistics.median(c)} if src.startswith("s3") else {}),
         }
-        for (b, src, _), r in zip(jobs, rates, strict=True)
+        for (b, src, _), r, c in zip(jobs, rates, server_cpu, strict=True)
     ]
     _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results, args.json)
+
+
+def _ratios(med: dict, backend: str, source: str) -> dict[str, float]:
+    """This row's figure over the same backend's shards on disk (and the shards' over the folder)."""
+    if source == "folder" or (backend, "shards") not in med:
+        return {}
+    if source == "shards":
+        folder = med.get((backend, "folder"))
+        return {"shards_vs_folder": med[backend, "shards"] / folder} if folder else {}
+    return {f"{source}_vs_shards": med[backend, source] / med[backend, "shards"]}
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """The CPU time (user + system) process ``pid`` has used; 0 without one."""
+    if pid is None:
+        return 0.0
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _window_cpu(batches, seconds: float, drain: int, sync, pid: int | None) -> tuple[float, float]:
+    """gpupipe.bench's window (images/s after ``drain`` untimed batches), with the CPU ms per image the server
+    process ``pid`` spent in it."""
+    for _, _ in zip(range(drain), batches, strict=False):
+        pass
+    sync()
+    cpu0, t0, count = _cpu_seconds(pid), time.perf_counter(), 0
+    for n in batches:
+        count += n
+        if time.perf_counter() - t0 >= seconds:
+            break
+    sync()
+    elapsed, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+    return count / elapsed, 1000 * cpu / max(count, 1)
 
 
 def _local_s3(shards: Path) -> tuple[subprocess.Popen, str]:
@@ -255,6 +300,7 @@ def main() -> None:
     p.add_argument("--max-side", type=int)
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--s3", action="store_true", help="also read the shards from a local S3 server (moto_server)")
+    p.add_argument("--sources", help="comma-separated subset of folder,shards,s3,s3-ranges (default: all)")
     p.set_defaults(func=cmd_read)
     p = sub.add_parser("startup", help="build_loader start-up against set size")
     p.add_argument("--sizes", default="1000,10000,100000")
