@@ -2,18 +2,21 @@
 against set size, and ``gpupipe prepare`` throughput. Each part writes JSON with the machine, versions and date.
 
     python bench/shards.py read DATA [--backends pillow,turbojpeg,dali] [--workers 1] [--seconds 10] [--max-side 512]
-                                     [--s3]
+                                     [--s3] [--sources folder,shards,s3,s3-ranges] [--shard-size MiB]
     python bench/shards.py startup [--sizes 1000,10000,100000] [--repeats 3]
     python bench/shards.py prepare DATA [--workers 1,2] [--max-side 512]
 
 ``read`` prepares DATA once into ``DATA-shards[-maxN]`` (resumed if interrupted; ``--prepared`` picks the folder),
 then times train loaders (uint8 batches, one decode worker by default) on the folder and on the shards in
-interleaved windows after a warm-up, with gpupipe.bench's window method: median, min-max, shards / folder. With
-``--max-side`` the shards hold smaller re-encoded images, so the ratio then says what the preparation gains, not
-what the storage layout costs.
+interleaved windows after a warm-up (one epoch, then a quarter of ``--seconds``), with gpupipe.bench's window
+method: median, min-max, shards / folder. With ``--max-side`` the shards hold smaller re-encoded images, so the ratio
+then says what the preparation gains, not what the storage layout costs.
 With ``--s3`` the same shards are also uploaded to a local S3-compatible server (moto's ``moto_server``, a process
-of its own on 127.0.0.1) and read from there by range (``s3_vs_shards``: what object storage costs over the disk,
-the HTTP round trips and the client; a real store adds its network's latency).
+of its own on 127.0.0.1) and read from there (``s3_vs_shards``: what object storage costs over the disk, the HTTP
+round trips and the client; a real store adds its network's latency): ``s3`` as ``build_loader`` reads a URL by
+default (a set that fits ``Remote.memory_cache`` is read in blocks once per worker, then kept), ``s3-ranges`` with
+``memory_cache=0`` (each batch by coalesced range requests, as a set larger than the cache is read). Each S3 row has
+the server process's CPU ms per image in its windows (on a shared machine the server's CPU is the loader's CPU).
 ``startup`` times ``build_loader`` on fake prepared sets (one tiny shard, an index of N rows) in fresh processes.
 """
 
@@ -68,7 +71,7 @@ def _prepared(data: str, out: str | None, options: PrepareOptions, workers: int)
 
 
 def cmd_read(args) -> None:
-    options = PrepareOptions(max_side=args.max_side, quality=args.quality)
+    options = PrepareOptions(max_side=args.max_side, quality=args.quality, shard_size=args.shard_size << 20)
     shards = _prepared(args.data, args.prepared, options, gpupipe.api.usable_cores())
     backends = (
         args.backends.split(",")
@@ -78,9 +81,10 @@ def cmd_read(args) -> None:
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sources: list[tuple[str, object]] = [("folder", args.data), ("shards", str(shards))]
-    server = _local_s3(shards) if args.s3 else None
+    server = _local_s3({"shards": shards}) if args.s3 else None
     if server is not None:  # blocks kept in memory (the set fits), and coalesced ranges only (memory_cache=0)
-        sources += [("s3", server[1]), ("s3-ranges", gpupipe.Remote(server[1], memory_cache=0))]
+        url = f"{server[1]}/shards"
+        sources += [("s3", url), ("s3-ranges", gpupipe.Remote(url, memory_cache=0))]
     sources = [s for s in sources if not args.sources or s[0] in args.sources.split(",")]
     jobs = [(b, src, root) for b in backends for src, root in sources]
     streams = []
@@ -97,6 +101,8 @@ def cmd_read(args) -> None:
             normalize=False,
         )
         streams.append((len(y) for _, y in _forever(lambda loader=loader: loader)))
+        for _ in zip(range(len(loader)), streams[-1], strict=False):  # a whole epoch: caches filled, as in training
+            pass
         _warm(streams[-1], max(1.0, args.seconds / 4))
         print(f"started {backend} on {src}", file=sys.stderr)
     rates: list[list[float]] = [[] for _ in jobs]
@@ -168,8 +174,9 @@ def _window_cpu(batches, seconds: float, drain: int, sync, pid: int | None) -> t
     return count / elapsed, 1000 * cpu / max(count, 1)
 
 
-def _local_s3(shards: Path) -> tuple[subprocess.Popen, str]:
-    """A ``moto_server`` process on a free port, the AWS_* variables pointing at it, and ``shards`` uploaded."""
+def _local_s3(folders: dict[str, Path]) -> tuple[subprocess.Popen, str]:
+    """A ``moto_server`` process on a free port, the AWS_* variables pointing at it, and each folder's files
+    uploaded under ``s3://bench/<name>/``; returns the process and ``s3://bench``."""
     import os
     import socket
 
@@ -197,10 +204,11 @@ def _local_s3(shards: Path) -> tuple[subprocess.Popen, str]:
             break
         except OSError:
             time.sleep(0.1)
-    for f in sorted(shards.iterdir()):
-        fs.put_file(str(f), f"bench/shards/{f.name}")
-    print(f"uploaded {shards} to s3://bench/shards at {endpoint}", file=sys.stderr)
-    return proc, "s3://bench/shards"
+    for name, folder in folders.items():
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        fs.put([str(p) for p in files], [f"bench/{name}/{p.relative_to(folder).as_posix()}" for p in files])
+        print(f"uploaded {folder} to s3://bench/{name} at {endpoint}", file=sys.stderr)
+    return proc, "s3://bench"
 
 
 def fake_prepared(out: Path, n: int) -> Path:
@@ -300,6 +308,7 @@ def main() -> None:
     p.add_argument("--max-side", type=int)
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--s3", action="store_true", help="also read the shards from a local S3 server (moto_server)")
+    p.add_argument("--shard-size", type=int, default=512, help="MiB per shard at most (gpupipe prepare's default)")
     p.add_argument("--sources", help="comma-separated subset of folder,shards,s3,s3-ranges (default: all)")
     p.set_defaults(func=cmd_read)
     p = sub.add_parser("startup", help="build_loader start-up against set size")

@@ -175,8 +175,9 @@ def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
 def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteShardImageList:
     """Foreign shards at ``urls``, in that order, each indexed from its tar headers on first use (several at once)
     and the index cached on this machine."""
+    listed = _listed(store, urls)
     with ThreadPoolExecutor(min(threads, len(urls))) as pool:
-        parts = list(pool.map(lambda u: remote_shard_index(store, u), urls))
+        parts = list(pool.map(lambda u: remote_shard_index(store, u, listed.get(u)), urls))
     labels, classes, shard = combine_indexes(parts, urls)
     return RemoteShardImageList(
         store,
@@ -191,11 +192,24 @@ def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteS
     )
 
 
-def remote_shard_index(store: Store, url: str) -> dict[str, np.ndarray]:
+def _listed(store: Store, urls: list[str]) -> dict[str, dict]:
+    """Each shard's size and ETag from one listing of its folder (a request per 1,000 objects, where asking each
+    object would be a request each); {} for a folder that cannot be listed (then each object is asked)."""
+    out: dict[str, dict] = {}
+    for folder in dict.fromkeys(os.path.dirname(u) for u in urls):
+        try:
+            found = store.call(folder, lambda folder=folder: store.fs.ls(store.path(folder), detail=True, refresh=True))
+        except StorageError:
+            continue  # not listable (a permission, an HTTP server): info() per object instead
+        out.update({f"{folder}/{os.path.basename(f['name'])}": f for f in found if f.get("type") == "file"})
+    return out
+
+
+def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict[str, np.ndarray]:
     """The header index of a foreign shard at ``url``, cached under ``$XDG_CACHE_HOME/gpupipe/shard-index`` and
-    rebuilt when the object's size or ETag changes. Building it streams the shard once (into the cache folder when
-    there is one: the reads that follow then stay local)."""
-    info = store.info(url)
+    rebuilt when the object's size or ETag (``info``, else asked) changes. Building it streams the shard once (into
+    the cache folder when there is one: the reads that follow then stay local)."""
+    info = info or store.info(url)
     tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
     digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
     stamp = np.array([_INDEX_VERSION, int(info.get("size") or 0), digest], np.int64)
