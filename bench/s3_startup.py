@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--note", help="kept in the report's config (e.g. what else ran on the machine)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -105,6 +105,7 @@ def cmd_read(args) -> None:
             pass
         _warm(streams[-1], max(1.0, args.seconds / 4))
         print(f"started {backend} on {src}", file=sys.stderr)
+    read_path = _read_path(shards, f"{server[1]}/shards", args.batch_size) if server is not None else []
     rates: list[list[float]] = [[] for _ in jobs]
     server_cpu: list[list[float]] = [[] for _ in jobs]  # the S3 server's CPU ms per image, in each window
     drain = 4 * max(args.workers, 1) + 2  # what the prefetch queues made while another job was timed
@@ -134,7 +135,32 @@ def cmd_read(args) -> None:
         }
         for (b, src, _), r, c in zip(jobs, rates, server_cpu, strict=True)
     ]
-    _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results, args.json)
+    _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results + read_path, args.json)
+
+
+def _read_path(shards: Path, url: str, batch_size: int) -> list[dict]:
+    """The read path alone (no decode), in this process: the bytes of shuffled batches by ``read_many``, from the
+    disk and from S3 (``build_loader``'s default: the first epoch fetches the blocks, the next ones reuse them), in
+    microseconds per image over 3 epochs after the first; and the first epoch's seconds from S3."""
+    from gpupipe.data.sources import open_source
+
+    disk, remote = open_source(shards), open_source(url)
+    order = np.random.default_rng(0).permutation(len(disk)).tolist()
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    t0 = time.perf_counter()
+    for b in batches:
+        remote.read_many(b)
+    first = time.perf_counter() - t0
+    rows = []
+    for name, data in (("shards", disk), ("s3", remote)):
+        t0 = time.perf_counter()
+        for _ in range(3):
+            for b in batches:
+                data.read_many(b)
+        us = 1e6 * (time.perf_counter() - t0) / (3 * len(order))
+        rows.append({"read_path": name, "read_us_per_image": us})
+    rows[1].update(first_epoch_s=first, requests=remote.reader.requests)
+    return rows
 
 
 def _ratios(med: dict, backend: str, source: str) -> dict[str, float]:
@@ -325,6 +351,7 @@ def main() -> None:
     p.set_defaults(func=cmd_prepare)
     for p in sub.choices.values():
         p.add_argument("--json", help="write the report here")
+        p.add_argument("--note", help="kept in the report's config (e.g. what else ran on the machine)")
     args = parser.parse_args()
     args.func(args)
 
