@@ -13,6 +13,7 @@ import torch
 import gpupipe
 from gpupipe import Remote, StorageError
 from gpupipe.data import remote
+from gpupipe.data.objstore import Store
 from gpupipe.data.remote import expand_braces
 from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import GpupipeError
@@ -105,6 +106,15 @@ def test_a_foreign_shards_index_is_built_once(foreign_url, monkeypatch):
     scan(url)  # built (or already cached by an earlier test)
     monkeypatch.setattr(remote, "index_tar", lambda p: pytest.fail("the cached index was not used"))
     assert scan(url).targets == [0, 1, 2, 3, 4]
+
+
+def test_foreign_shards_take_their_sizes_and_etags_from_one_listing(foreign_url):
+    urls = [f"{foreign_url}/part-00000{i}.tar" for i in range(3)]
+    store = Store(Remote(urls), urls[0])
+    listed = remote._listed(store, urls)
+    for url in urls:  # what a HEAD request per shard gave: the cached index's stamp is unchanged
+        info = store.info(url)
+        assert (listed[url]["ETag"], listed[url]["size"]) == (info["ETag"], info["size"])
 
 
 @pytest.mark.parametrize("backend", ["pillow", "synthetic"])

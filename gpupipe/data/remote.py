@@ -197,8 +197,12 @@ def _listed(store: Store, urls: list[str]) -> dict[str, dict]:
     object would be a request each); {} for a folder that cannot be listed (then each object is asked)."""
     out: dict[str, dict] = {}
     for folder in dict.fromkeys(os.path.dirname(u) for u in urls):
+
+        def listing(folder: str = folder) -> list[dict]:
+            return store.fs.ls(store.path(folder), detail=True, refresh=True)
+
         try:
-            found = store.call(folder, lambda folder=folder: store.fs.ls(store.path(folder), detail=True, refresh=True))
+            found = store.call(folder, listing)
         except StorageError:
             continue  # not listable (a permission, an HTTP server): info() per object instead
         out.update({f"{folder}/{os.path.basename(f['name'])}": f for f in found if f.get("type") == "file"})
