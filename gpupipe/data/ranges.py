@@ -83,10 +83,10 @@ class BatchReader:
             for b in range(start // BLOCK, max(start + size - 1, start) // BLOCK + 1)
         }
         have: dict[tuple[int, int], bytes | Exception] = {}
-        for key in wanted:
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-                have[key] = self._blocks[key]
+        for key in wanted:  # .get: safe beside another thread's _keep (no lock: at worst a block read twice)
+            block = self._blocks.get(key)
+            if block is not None:
+                have[key] = block
         missing = [key for key in wanted if key not in have]
         spans = [Span(s, b * BLOCK, min((b + 1) * BLOCK, int(self.ends[s]))) for s, b in missing]
         for key, data in zip(missing, self._fetch(spans), strict=True):
@@ -108,8 +108,10 @@ class BatchReader:
         return out
 
     def _keep(self, key: tuple[int, int], data: bytes) -> None:
-        """Keep a block, dropping the least recently read ones past the budget (blocks hold at most the shards'
-        bytes, which fit the budget, so this is a bound, not a policy)."""
+        """Keep a block, dropping the oldest past the budget (blocks hold at most the shards' bytes, which fit the
+        budget, so this is a bound, not a policy)."""
+        if key in self._blocks:
+            return
         self._blocks[key] = data
         self._held += len(data)
         while self._held > self._budget and len(self._blocks) > 1:
