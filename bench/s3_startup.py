@@ -6,7 +6,7 @@ WebDataset shards (first use: their header index is built; cached: it is read ba
 
 DATA's images become one shard each (``gpupipe prepare`` with the smallest shard size; and one ``.tar`` per image,
 ``key.jpg`` + ``key.cls``, for the foreign set): ``data/photos`` gives 1,000 shards. The server is ``moto_server``
-(a process on 127.0.0.1, started by :func:`shards._local_s3`), reached through the ``AWS_*`` variables.
+(a process on 127.0.0.1, started by :func:`s3bench.local_s3`), reached through the ``AWS_*`` variables.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shards import _local_s3, _report  # bench/shards.py, beside this script
+from s3bench import local_s3
+from shards import _report  # bench/shards.py and s3bench.py, beside this script
 
 from gpupipe.data.sources import open_source
 from gpupipe.prepare import PrepareOptions, prepare
@@ -99,7 +100,7 @@ def main() -> None:
         samples = _foreign(work / "prepared", work / "wds")
         shards = len(json.loads((work / "prepared" / "gpupipe.json").read_text())["shards"])
         t0 = time.perf_counter()
-        server, url = _local_s3({"prepared": work / "prepared", "wds": work / "wds"})
+        server, url = local_s3({"prepared": work / "prepared", "wds": work / "wds"})
         print(f"{2 * shards + 2} objects uploaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         try:
             results = _runs(args, work, url, shards)

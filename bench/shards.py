@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from s3bench import local_s3, paired, read_path, window_cpu  # bench/s3bench.py, beside this script
 
 import gpupipe
 from gpupipe.bench.suite import _forever, _warm
@@ -73,57 +74,53 @@ def _prepared(data: str, out: str | None, options: PrepareOptions, workers: int)
 def cmd_read(args) -> None:
     options = PrepareOptions(max_side=args.max_side, quality=args.quality, shard_size=args.shard_size << 20)
     shards = _prepared(args.data, args.prepared, options, gpupipe.api.usable_cores())
+    server = local_s3({"shards": shards}) if args.s3 else None
+    try:  # the server is stopped whatever happens
+        results = _read_jobs(args, shards, server)
+    finally:
+        if server is not None:
+            server[0].kill()
+            server[0].wait()
+    _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results, args.json)
+
+
+def _read_jobs(args, shards: Path, server: tuple[subprocess.Popen, str] | None) -> list[dict]:
     backends = (
         args.backends.split(",")
         if args.backends
         else [b for b in ("pillow", "pillow-simd", "turbojpeg", "dali") if b in gpupipe.available_backends()]
     )
-    device = torch.device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sources: list[tuple[str, object]] = [("folder", args.data), ("shards", str(shards))]
-    server = _local_s3({"shards": shards}) if args.s3 else None
     if server is not None:  # blocks kept in memory (the set fits), and coalesced ranges only (memory_cache=0)
         url = f"{server[1]}/shards"
         sources += [("s3", url), ("s3-ranges", gpupipe.Remote(url, memory_cache=0))]
     sources = [s for s in sources if not args.sources or s[0] in args.sources.split(",")]
     jobs = [(b, src, root) for b in backends for src, root in sources]
-    streams = []
-    for backend, src, root in jobs:
-        loader = gpupipe.build_loader(
-            root,
-            backend,
-            batch_size=args.batch_size,
-            train=True,
-            image_size=224,
-            device=device,
-            num_workers=args.workers,
-            drop_last=False,
-            normalize=False,
-        )
-        streams.append((len(y) for _, y in _forever(lambda loader=loader: loader)))
-        for _ in zip(range(len(loader)), streams[-1], strict=False):  # a whole epoch: caches filled, as in training
-            pass
-        _warm(streams[-1], max(1.0, args.seconds / 4))
-        print(f"started {backend} on {src}", file=sys.stderr)
-    read_path = _read_path(shards, f"{server[1]}/shards", args.batch_size) if server is not None else []
-    rates: list[list[float]] = [[] for _ in jobs]
-    server_cpu: list[list[float]] = [[] for _ in jobs]  # the S3 server's CPU ms per image, in each window
-    drain = 4 * max(args.workers, 1) + 2  # what the prefetch queues made while another job was timed
-    pid = server[0].pid if server is not None else None
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    streams: list = []
     try:
+        for backend, src, root in jobs:
+            streams.append(_started(args, backend, root, device))
+            print(f"started {backend} on {src}", file=sys.stderr)
+        rates: list[list[float]] = [[] for _ in jobs]
+        server_cpu: list[list[float]] = [[] for _ in jobs]  # the S3 server's CPU ms per image, in each window
+        drain = 4 * max(args.workers, 1) + 2  # what the prefetch queues made while another job was timed
+        pid = server[0].pid if server is not None else None
         for _ in range(args.repeats):  # interleaved: a slow patch of the machine hits folder and shards alike
             for i in range(len(jobs)):
-                rate, cpu_ms = _window_cpu(streams[i], args.seconds / args.repeats, drain, sync, pid)
+                rate, cpu_ms = window_cpu(streams[i], args.seconds / args.repeats, drain, sync, pid)
                 rates[i].append(rate)
                 server_cpu[i].append(cpu_ms)
+        extra = []
+        if server is not None:  # the read path alone, and each worker's batch on disk and S3 in turns
+            extra = read_path(shards, f"{server[1]}/shards", args.batch_size)
+            extra += paired(shards, f"{server[1]}/shards", backends, args.batch_size)
     finally:
         for st in streams:
             st.close()
-        if server is not None:
-            server[0].kill()
-            server[0].wait()
     med = {(b, src): statistics.median(r) for (b, src, _), r in zip(jobs, rates, strict=True)}
-    results = [
+    return [
         {
             "backend": b,
             "source": src,
@@ -134,33 +131,28 @@ def cmd_read(args) -> None:
             **({"server_cpu_ms_per_image": statistics.median(c)} if src.startswith("s3") else {}),
         }
         for (b, src, _), r, c in zip(jobs, rates, server_cpu, strict=True)
-    ]
-    _report("read", {**vars(args), "func": None, "prepared": str(shards)}, results + read_path, args.json)
+    ] + extra
 
 
-def _read_path(shards: Path, url: str, batch_size: int) -> list[dict]:
-    """The read path alone (no decode), in this process: the bytes of shuffled batches by ``read_many``, from the
-    disk and from S3 (``build_loader``'s default: the first epoch fetches the blocks, the next ones reuse them), in
-    microseconds per image over 3 epochs after the first; and the first epoch's seconds from S3."""
-    from gpupipe.data.sources import open_source
-
-    disk, remote = open_source(shards), open_source(url)
-    order = np.random.default_rng(0).permutation(len(disk)).tolist()
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    t0 = time.perf_counter()
-    for b in batches:
-        remote.read_many(b)
-    first = time.perf_counter() - t0
-    rows = []
-    for name, data in (("shards", disk), ("s3", remote)):
-        t0 = time.perf_counter()
-        for _ in range(3):
-            for b in batches:
-                data.read_many(b)
-        us = 1e6 * (time.perf_counter() - t0) / (3 * len(order))
-        rows.append({"read_path": name, "read_us_per_image": us})
-    rows[1].update(first_epoch_s=first, requests=remote.reader.requests)
-    return rows
+def _started(args, backend: str, root, device: torch.device):
+    """A train loader's batch sizes, for ever, warmed up: a whole epoch (caches filled, as in training), then a
+    quarter of ``--seconds``."""
+    loader = gpupipe.build_loader(
+        root,
+        backend,
+        batch_size=args.batch_size,
+        train=True,
+        image_size=224,
+        device=device,
+        num_workers=args.workers,
+        drop_last=False,
+        normalize=False,
+    )
+    stream = (len(y) for _, y in _forever(lambda: loader))
+    for _ in zip(range(len(loader)), stream, strict=False):
+        pass
+    _warm(stream, max(1.0, args.seconds / 4))
+    return stream
 
 
 def _ratios(med: dict, backend: str, source: str) -> dict[str, float]:
@@ -171,70 +163,6 @@ def _ratios(med: dict, backend: str, source: str) -> dict[str, float]:
         folder = med.get((backend, "folder"))
         return {"shards_vs_folder": med[backend, "shards"] / folder} if folder else {}
     return {f"{source}_vs_shards": med[backend, source] / med[backend, "shards"]}
-
-
-def _cpu_seconds(pid: int | None) -> float:
-    """The CPU time (user + system) process ``pid`` has used; 0 without one."""
-    if pid is None:
-        return 0.0
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _window_cpu(batches, seconds: float, drain: int, sync, pid: int | None) -> tuple[float, float]:
-    """gpupipe.bench's window (images/s after ``drain`` untimed batches), with the CPU ms per image the server
-    process ``pid`` spent in it."""
-    for _, _ in zip(range(drain), batches, strict=False):
-        pass
-    sync()
-    cpu0, t0, count = _cpu_seconds(pid), time.perf_counter(), 0
-    for n in batches:
-        count += n
-        if time.perf_counter() - t0 >= seconds:
-            break
-    sync()
-    elapsed, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
-    return count / elapsed, 1000 * cpu / max(count, 1)
-
-
-def _local_s3(folders: dict[str, Path]) -> tuple[subprocess.Popen, str]:
-    """A ``moto_server`` process on a free port, the AWS_* variables pointing at it, and each folder's files
-    uploaded under ``s3://bench/<name>/``; returns the process and ``s3://bench``."""
-    import os
-    import socket
-
-    import s3fs
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    for _ in range(600):  # up to a minute for the server to answer
-        try:
-            fs.mkdir("bench")
-            break
-        except OSError:
-            time.sleep(0.1)
-    for name, folder in folders.items():
-        files = sorted(p for p in folder.rglob("*") if p.is_file())
-        fs.put([str(p) for p in files], [f"bench/{name}/{p.relative_to(folder).as_posix()}" for p in files])
-        print(f"uploaded {folder} to s3://bench/{name} at {endpoint}", file=sys.stderr)
-    return proc, "s3://bench"
 
 
 def fake_prepared(out: Path, n: int) -> Path:
