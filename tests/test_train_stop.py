@@ -45,23 +45,30 @@ def _worker_pids(it) -> list[int]:
     return [w.pid for w in it._workers]  # the test reaches into torch to pick a real worker to signal
 
 
+def _end(it) -> None:
+    """Shut the iterator's workers down and reap them now: an iterator left alive (a traceback holds it) keeps its
+    dead worker registered with torch's SIGCHLD handler, which then raises in whatever test runs next."""
+    it._shutdown_workers()
+
+
 def test_a_stopped_worker_is_an_error_naming_it_within_the_timeout():
-    it = iter(DataLoader(_Slow(), batch_size=4, num_workers=1, prefetch_factor=1))
-    next_batch(it, 10)
-    pid = _worker_pids(it)[0]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        start = time.perf_counter()
-        with pytest.raises(LoaderStalled) as e:
-            for _ in range(20):
-                next_batch(it, 1.0)
-        assert time.perf_counter() - start < 5
-        msg = str(e.value)
-        assert "\n" not in msg and msg.startswith("no batch from the data loader for 1 s (--loader-timeout-s)")
-        assert f"worker pid {pid} is stopped (SIGSTOP, or a debugger), and was ended" in msg
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        del it
+    with worker_errors_in_next():  # as a run does: the worker ended below must not raise in torch's SIGCHLD handler
+        it = iter(DataLoader(_Slow(), batch_size=4, num_workers=1, prefetch_factor=1))
+        next_batch(it, 10)
+        pid = _worker_pids(it)[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.perf_counter()
+            with pytest.raises(LoaderStalled) as e:
+                for _ in range(20):
+                    next_batch(it, 1.0)
+            assert time.perf_counter() - start < 5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            _end(it)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("no batch from the data loader for 1 s (--loader-timeout-s)")
+    assert f"worker pid {pid} is stopped (SIGSTOP, or a debugger), and was ended" in msg
 
 
 def test_a_killed_worker_is_one_line_naming_it_in_next_never_in_the_middle_of_a_step():
@@ -78,7 +85,7 @@ def test_a_killed_worker_is_one_line_naming_it_in_next_never_in_the_middle_of_a_
         with pytest.raises(WorkerLost) as e:
             for _ in range(20):
                 next_batch(it, 10)
-        del it
+        _end(it)
     msg = str(e.value)
     assert "\n" not in msg and f"DataLoader worker (pid(s) {pid}) exited unexpectedly" in msg
 
