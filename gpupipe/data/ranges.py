@@ -77,11 +77,11 @@ class BatchReader:
         )
 
     def _from_blocks(self, shards, starts, sizes) -> list[bytes | Exception]:
-        wanted = {
-            (s, b): None
+        per_sample = [
+            [(s, b) for b in range(start // BLOCK, max(start + size - 1, start) // BLOCK + 1)]
             for s, start, size in zip(shards, starts, sizes, strict=True)
-            for b in range(start // BLOCK, max(start + size - 1, start) // BLOCK + 1)
-        }
+        ]  # each sample's blocks, in order
+        wanted = dict.fromkeys(key for keys in per_sample for key in keys)
         have: dict[tuple[int, int], bytes | Exception] = {}
         for key in wanted:  # .get: safe beside another thread's _keep (no lock: at worst a block read twice)
             block = self._blocks.get(key)
@@ -94,8 +94,7 @@ class BatchReader:
             if not isinstance(data, Exception):
                 self._keep(key, data)
         out: list[bytes | Exception] = []
-        for s, start, size in zip(shards, starts, sizes, strict=True):
-            keys = [(s, b) for b in range(start // BLOCK, max(start + size - 1, start) // BLOCK + 1)]
+        for keys, start, size in zip(per_sample, starts, sizes, strict=True):
             parts = [have[k] for k in keys]
             error = next((p for p in parts if isinstance(p, Exception)), None)
             if error is not None:
