@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,12 +76,12 @@ class Recipe:
     def resize_size(self) -> int:
         return round(self.size / self.crop_pct)
 
-    def train_draws(self, seed: int, epoch: int, indices) -> np.ndarray:
+    def train_draws(self, seed: int, epoch: int | Sequence[int], indices) -> np.ndarray:
         """(n, DRAWS) float64: what the train crops of samples ``indices`` in ``epoch`` are made from, for the whole
-        batch at once. Each sample's uniforms come from a counter-based generator keyed by ``(seed, epoch, index)``
-        (:func:`key_uniforms`), so a sample draws the same whatever batch, worker, rank or backend asks. Per attempt
-        (``ATTEMPTS``, RandomResizedCrop's 10): the area fraction, the aspect ratio, and the uniforms of the top and
-        left offsets; then the flip's uniform."""
+        batch at once (``epoch``: one for all, or one per sample). Each sample's uniforms come from a counter-based
+        generator keyed by ``(seed, epoch, index)`` (:func:`key_uniforms`), so a sample draws the same whatever
+        batch, worker, rank or backend asks. Per attempt (``ATTEMPTS``, RandomResizedCrop's 10): the area fraction,
+        the aspect ratio, and the uniforms of the top and left offsets; then the flip's uniform."""
         u = key_uniforms(seed, epoch, indices, DRAWS)
         lo, hi = self.scale
         log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
@@ -134,25 +134,15 @@ class Recipe:
     def plan(self, train: bool, seed: int, epoch: int, index: int) -> Callable[[int, int], Box]:
         """``(height, width) -> Box`` for one sample: its train crop in this epoch (:meth:`train_draws`), or the
         eval crop. Decoders call it once they know the upright size."""
-        if not train:
-            return self.eval_box
-        drawn = self.train_draws(seed, epoch, [index])[0].tolist()
-        return lambda height, width: self.train_box(height, width, drawn)
+        return self.plans(train, seed, [(epoch, index)])[0]
 
     def plans(self, train: bool, seed: int, keys) -> list[Callable[[int, int], Box]]:
         """:meth:`plan` for each ``(epoch, index, ...)`` key of a batch, the draws made for the whole batch at once
         (a worker's batch; the boxes are the same as one sample at a time)."""
         if not train:
             return [self.eval_box] * len(keys)
-        out: list[Callable[[int, int], Box]] = [self.eval_box] * len(keys)
-        epochs = [key[0] for key in keys]
-        for epoch in sorted(set(epochs)):  # one: a sampler's batch is drawn from one epoch
-            where = [p for p, e in enumerate(epochs) if e == epoch]
-            for p, drawn in zip(
-                where, self.train_draws(seed, epoch, [keys[p][1] for p in where]).tolist(), strict=True
-            ):
-                out[p] = functools.partial(self.train_box, drawn=drawn)
-        return out
+        drawn = self.train_draws(seed, [key[0] for key in keys], [key[1] for key in keys]).tolist()
+        return [functools.partial(self.train_box, drawn=d) for d in drawn]
 
     def plan_boxes(self, train: bool, seed: int, epoch: int, indices, heights, widths) -> np.ndarray:
         """(n, 5) float64 ``top, left, height, width, flip``: :meth:`plan` for a whole batch of upright sizes."""
@@ -187,7 +177,7 @@ ATTEMPTS = 10  # RandomResizedCrop's tries before its centre-crop fallback
 DRAWS = 4 * ATTEMPTS + 1  # per try: area, aspect, top, left; then the flip
 
 
-def key_uniforms(seed: int, epoch: int, indices, count: int) -> np.ndarray:
+def key_uniforms(seed: int, epoch: int | Sequence[int], indices, count: int) -> np.ndarray:
     """(n, count) float64 uniforms in [0, 1) for the crop draws of the samples ``indices`` of ``epoch``
     (:mod:`gpupipe.draws`: any subset of samples, in any batch or order, gets the same numbers)."""
     return uniforms(sample_keys(seed, epoch, indices), STREAM_CROP, count)
