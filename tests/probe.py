@@ -7,6 +7,7 @@ final parameters (``OUT/probe-rank{R}.pt``).
     torchrun --nproc_per_node 2 tests/probe.py tiny64 OUT INIT.pt DATA BATCH ACCUM
     python tests/probe.py kill-in-save N -- <gpupipe train arguments>   # SIGKILL inside the Nth checkpoint write
     python tests/probe.py rank-exits RANK K -- <gpupipe train arguments>  # that rank exits after K train batches
+    python tests/probe.py worker-dies RANK K -- <gpupipe train arguments>  # that rank's loader worker is SIGKILLed
     torchrun ... tests/probe.py all-exit K -- <gpupipe train arguments>  # every rank exits after K train batches
 """
 
@@ -91,6 +92,33 @@ def _rank_exits(rank: int, after: int) -> None:
     ShardSampler.__iter__ = iter_then_exit
 
 
+def _worker_dies(rank: int, after: int) -> None:
+    """On ``rank``, the DataLoader workers (this process's children) are SIGKILLed when its train sampler is asked
+    for batch ``after + 1``: a worker lost to the out-of-memory killer in the middle of a DDP run."""
+
+    def iter_then_kill(self):
+        for i, keys in enumerate(_sampler_iter(self)):
+            if self.shuffle and self.rank == rank and i == after:
+                for pid in _children(os.getpid()):
+                    os.kill(pid, signal.SIGKILL)
+            yield keys
+
+    ShardSampler.__iter__ = iter_then_kill
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+    return found
+
+
 def _all_exit(after: int) -> None:
     """Every rank exits (status 3, no clean-up) when its train sampler is asked for batch ``after + 1`` of the run:
     the same point on all ranks, as a job that a scheduler stops."""
@@ -114,11 +142,13 @@ def main() -> None:
         from gpupipe.cli import main as cli_main
 
         sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
-    if mode in ("kill-in-save", "rank-exits"):
+    if mode in ("kill-in-save", "rank-exits", "worker-dies"):
         if mode == "kill-in-save":
             _kill_in_save(int(sys.argv[2]))
-        else:
+        elif mode == "rank-exits":
             _rank_exits(int(sys.argv[2]), int(sys.argv[3]))
+        else:
+            _worker_dies(int(sys.argv[2]), int(sys.argv[3]))
         from gpupipe.cli import main as cli_main
 
         sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))

@@ -244,15 +244,14 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(data, tmp_path):
     assert not list((out / "checkpoints").glob(".last.pt.tmp-*"))  # the next save cleared the torn one
 
 
-def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
-    """Two ranks started by hand (no torchrun agent to kill the survivor): rank 1 exits after 2 batches; rank 0,
-    blocked in an all-reduce, must fail with an error well within its --dist-timeout-s, not wait forever."""
+def _two_ranks(probe_args: list[str], train: list[str]) -> list[subprocess.Popen]:
+    """Two ranks of ``gpupipe train`` started by hand under ``tests/probe.py`` (no torchrun agent to kill the
+    survivor), output piped."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["train", *train_args(data, tmp_path / "run", dist_timeout_s=30)]
     procs = []
     for rank in (0, 1):
         env = {
@@ -264,11 +263,15 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
             "LOCAL_RANK": str(rank),
             "OMP_NUM_THREADS": "1",
         }
-        procs.append(
-            subprocess.Popen(
-                _probe("rank-exits", "1", "2", "--", *args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-            )
-        )
+        cmd = _probe(*probe_args, "--", "train", *train)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
+    """Rank 1 exits after 2 batches; rank 0, blocked in an all-reduce, must fail with an error well within its
+    --dist-timeout-s, not wait forever."""
+    procs = _two_ranks(["rank-exits", "1", "2"], train_args(data, tmp_path / "run", dist_timeout_s=30))
     assert procs[1].wait(timeout=120) == 3
     t0 = time.monotonic()
     try:
@@ -277,6 +280,29 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
         procs[0].kill()
     assert code != 0
     assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_that_loses_its_loader_worker_saves_a_checkpoint_alone(data, tmp_path):
+    """Under DDP, the rank whose DataLoader worker is killed writes the checkpoint itself (the others wait for it
+    in an all-reduce and cannot), says so in one line, and the run resumes from it."""
+    out = tmp_path / "run"
+    procs = _two_ranks(["worker-dies", "1", "2"], train_args(data, out, workers=1, dist_timeout_s=30))
+    try:
+        text, _ = procs[1].communicate(timeout=120)
+        procs[0].wait(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 2, text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    assert last.startswith("error: rank 1: DataLoader worker (pid(s) "), text
+    assert "; checkpoint saved at epoch 0, batch " in last and last.endswith("--resume"), last
+    saved = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert saved["loader"]["epoch"] == 0 and saved["loader"]["batch"] == saved["step"]  # accum 1: a step a batch
+    r = subprocess.run(train_cli(data, out, resume=True), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr  # one process resumes what two ranks saved
+    final = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert final["epoch"] == 2 and final["step"] > saved["step"]  # QUICK_TRAIN's 2 epochs, ended
 
 
 def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):

@@ -195,24 +195,24 @@ def step_boundary(run: Run, watch: LossWatch, epoch: int, batch: int, meter: Met
 
 def next_or_save(run: Run, batches: Iterator, epoch: int, boundary: int, meter: Meter):
     """The next batch. A loader that stalls past ``--loader-timeout-s`` or loses a worker ends the run in one line,
-    after a checkpoint at the last optimizer-step boundary (``boundary``) of a one-process run. (Under DDP the other
-    ranks wait in a collective, so there is no save: they stop after ``--dist-timeout-s``.)"""
+    after a checkpoint at the last optimizer-step boundary (``boundary``). Under DDP this rank writes it alone, with no
+    collective: the other ranks wait for it in an all-reduce (and stop after ``--dist-timeout-s``), and their weights
+    are the same as of that step."""
     try:
         return next_batch(batches, run.cfg.loader_timeout_s)
     except (LoaderStalled, WorkerLost) as e:
-        if run.dist.enabled:
-            raise
-        where = save_at(run, epoch, boundary, meter)
+        where = save_at(run, epoch, boundary, meter, alone=run.dist.enabled)
         if run.stop.requested:  # a SIGTERM to the whole process group ends the workers too: a stop, not a failure
             raise stopped(run.stop, where, run.cfg.out) from None
-        raise type(e)(f"{e}; checkpoint saved at {where}; resume with: {resume_command(run.cfg.out)}") from None
+        rank = f"rank {run.dist.rank}: " if run.dist.enabled else ""
+        raise type(e)(f"{rank}{e}; checkpoint saved at {where}; resume with: {resume_command(run.cfg.out)}") from None
 
 
-def save_at(run: Run, epoch: int, batch: int, meter: Meter) -> str:
-    """A checkpoint that resumes at ``batch`` of ``epoch``; where, in words."""
+def save_at(run: Run, epoch: int, batch: int, meter: Meter, *, alone: bool = False) -> str:
+    """A checkpoint that resumes at ``batch`` of ``epoch``; where, in words. ``alone``: see :func:`save_checkpoint`."""
     meter.sync()
     position = {**run.train_loader.state_dict(), "epoch": epoch, "batch": batch}  # the loader's, at that batch
-    save_checkpoint(run.state, position, meter, run.cfg, run.dist)
+    save_checkpoint(run.state, position, meter, run.cfg, run.dist, alone=alone)
     return f"epoch {epoch}, batch {batch} (optimizer step {run.state.step})"
 
 

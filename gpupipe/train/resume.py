@@ -6,7 +6,10 @@ side: the refusals before any data is read, the settings compared with the saved
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -87,16 +90,32 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
     return changeable
 
 
-def save_checkpoint(state: TrainState, position: dict, meter: Meter, cfg: TrainConfig, dist: Distributed) -> None:
+def save_checkpoint(
+    state: TrainState, position: dict, meter: Meter, cfg: TrainConfig, dist: Distributed, *, alone: bool = False
+) -> None:
     """``checkpoints/last.pt`` with the loader's ``position`` (its ``state_dict()``) to resume from. Every rank
-    holds the same weights: rank 0 writes, the others wait for it."""
-    if dist.is_main:
+    holds the same weights: rank 0 writes, the others wait for it. ``alone``: this rank writes, with no collective
+    (under DDP, a rank whose loader failed while the others wait for it in an all-reduce: its weights are theirs, as of
+    the last optimizer step). Writers take the folder's save lock, so two never rotate the kept files at once."""
+    if dist.is_main or alone:
         config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
         running = meter.state_dict()
-        checkpoint.save(
-            checkpoint_path(cfg), state, loader=position, running=running, config=config, keep=cfg.keep_checkpoints
-        )
-    dist.barrier()
+        with _save_lock(checkpoint_path(cfg).parent):
+            checkpoint.save(
+                checkpoint_path(cfg), state, loader=position, running=running, config=config, keep=cfg.keep_checkpoints
+            )
+    if not alone:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _save_lock(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder/.save.lock`` while a checkpoint is written (released by the kernel however
+    the writer ends)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".save.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def checkpoint_path(cfg: TrainConfig) -> Path:
