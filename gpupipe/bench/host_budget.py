@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from ..backends.nvjpeg import NvjpegLoader
 from ..data.device import DeviceStage
 from ..data.loader import Batch
 from ..data.upload import HostPack
+from ..errors import GpupipeError, error_line, show_traceback
 from ..recipe import Recipe
 
 META = torch.device("meta")
@@ -254,4 +256,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:  # one line, as the gpupipe command says it
+        if show_traceback():
+            raise
+        sys.exit(f"error: {error_line(e)}")
