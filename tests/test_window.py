@@ -127,8 +127,7 @@ def test_the_loader_delivers_the_window_order(prepared, folder):
 
 
 def test_resume_mid_epoch_under_the_window(prepared):
-    kw = dict(KW, num_workers=1)
-    make = lambda: gpupipe.build_loader(prepared, "pillow", train=True, shuffle_window=3, **kw)
+    make = lambda: gpupipe.build_loader(prepared, "pillow", train=True, shuffle_window=3, **KW)
     assert_resume_is_exact(make, epoch=1, batch=3)
 
 
@@ -136,6 +135,8 @@ def test_train_passes_the_window_to_the_train_loader_only(prepared):
     from gpupipe.train.build import build_loaders
     from gpupipe.train.config import load_config
 
-    cfg = load_config(None, {"data": str(prepared), "val": str(prepared), "shuffle_window": 2, "workers": 0})
+    cfg = load_config(
+        None, {"data": str(prepared), "val": str(prepared), "shuffle_window": 2, "workers": 0, "batch_size": 4}
+    )
     train, val, _ = build_loaders(cfg, torch.device("cpu"))
     assert train.sampler.window == 2 and val is not None and val.sampler.window is None

@@ -146,7 +146,9 @@ def window_order(shards: np.ndarray, window: int, generator: torch.Generator) ->
     order, taken ``window`` at a time, and the samples of each group of shards in a random order among themselves;
     the groups one after the other. Drawn from ``generator`` alone."""
     count = int(shards.max()) + 1
-    group = np.empty(count, np.int64)  # each shard's group: its place in a random order of the shards, // window
+    # each shard's group: its place in a random order of the shards, // window (in the narrowest integer type, which
+    # numpy's stable sort sorts by radix: linear in the samples)
+    group = np.empty(count, np.min_scalar_type(max(count // window, 1)))
     group[torch.randperm(count, generator=generator).numpy()] = np.arange(count) // window
     shuffled = torch.randperm(len(shards), generator=generator).numpy()
     return shuffled[np.argsort(group[shards[shuffled]], kind="stable")]  # a group's samples keep the random order
@@ -155,7 +157,7 @@ def window_order(shards: np.ndarray, window: int, generator: torch.Generator) ->
 def _check_window(window: int | None, shards: np.ndarray | None, num_samples: int, shuffle: bool) -> None:
     if window is None:
         return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"shuffle_window must be a number of shards >= 1, got {window!r}")
     if not shuffle:
         raise ValueError("shuffle_window orders a shuffled (train) epoch; an eval loader reads in order: leave it None")
