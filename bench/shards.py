@@ -20,7 +20,9 @@ default (a set that fits ``Remote.memory_cache`` is read in blocks once per work
 sets another), ``s3-window`` with ``--memory-cache`` and ``shuffle_window=--shuffle-window`` (blocks of the window's
 shards kept), beside ``shards-window``, the same order from the disk (``s3-window_vs_shards-window``). Each S3 row has
 the server process's CPU ms per image in its windows (on a shared machine the server's CPU is the loader's CPU).
-``--skip-extras`` leaves out the read path alone and the paired batches an ``--s3`` run adds.
+``--skip-extras`` leaves out the read path alone and the paired batches an ``--s3`` run adds; ``--paired-window``
+adds paired batches (one process, disk and S3 in turns, mean per batch) with ``--memory-cache``, in the global shuffle
+and in the window's order.
 ``startup`` times ``build_loader`` on fake prepared sets (one tiny shard, an index of N rows) in fresh processes.
 """
 
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from s3bench import local_s3, paired, read_path, window_cpu  # bench/s3bench.py, beside this script
+from s3bench import local_s3, paired, paired_window, read_path, window_cpu  # bench/s3bench.py, beside this script
 
 import gpupipe
 from gpupipe.bench.suite import _forever, _warm
@@ -116,6 +118,10 @@ def _read_jobs(args, shards: Path, server: tuple[subprocess.Popen, str] | None) 
         if server is not None and not args.skip_extras:  # the read path alone, each worker's batch on disk and S3
             extra = read_path(shards, f"{server[1]}/shards", args.batch_size)
             extra += paired(shards, f"{server[1]}/shards", backends, args.batch_size)
+        if server is not None and args.paired_window:  # the same, larger than the cache, with the window
+            url, cache, window = f"{server[1]}/shards", args.memory_cache << 20, args.shuffle_window
+            for backend in backends:
+                extra += [paired_window(shards, url, backend, args.batch_size, cache, w) for w in (None, window)]
     finally:
         for st in streams:
             st.close()
@@ -286,6 +292,9 @@ def main() -> None:
     p.add_argument("--memory-cache", type=int, default=0, help="MiB: Remote(memory_cache=) of s3-ranges and s3-window")
     p.add_argument("--shuffle-window", type=int, default=4, help="shards: the shuffle_window of the -window sources")
     p.add_argument("--skip-extras", action="store_true", help="no read path alone nor paired batches after --s3")
+    p.add_argument(
+        "--paired-window", action="store_true", help="after --s3: paired batches with --memory-cache, --shuffle-window"
+    )
     p.set_defaults(func=cmd_read)
     p = sub.add_parser("startup", help="build_loader start-up against set size")
     p.add_argument("--sizes", default="1000,10000,100000")
