@@ -139,3 +139,39 @@ def paired(shards: Path, url: str, backends: list[str], batch_size: int, epochs:
             }
         )
     return rows
+
+
+def paired_window(shards: Path, url: str, backend: str, batch_size: int, memory_cache: int, window: int | None) -> dict:
+    """:func:`paired` for a set larger than ``memory_cache`` bytes: a train loader with ``shuffle_window=window``
+    (None: the global shuffle) from the disk and from S3 (``Remote(url, memory_cache=)``), batch by batch in turns in
+    one process, over 4 epochs after the first; the mean ms per batch (a group's first batch waits for its blocks:
+    the median would hide it), and the S3 reader's requests and MB per epoch."""
+    kw = dict(batch_size=batch_size, train=True, image_size=224, device="cpu", num_workers=0, normalize=False)
+    remote = gpupipe.Remote(url, memory_cache=memory_cache)
+    loaders = {
+        "shards": gpupipe.build_loader(shards, backend, shuffle_window=window, **kw),
+        "s3": gpupipe.build_loader(remote, backend, shuffle_window=window, **kw),
+    }
+    times: dict[str, list[float]] = {"shards": [], "s3": []}
+    reader = loaders["s3"].dataset.reader
+    for epoch in range(5):
+        its = {k: iter(v) for k, v in loaders.items()}
+        if epoch == 1:
+            requests, read = reader.requests, reader.bytes_read
+        for b in range(len(loaders["shards"])):
+            for k in ("shards", "s3") if b % 2 else ("s3", "shards"):
+                t0 = time.perf_counter()
+                next(its[k])
+                if epoch:
+                    times[k].append(time.perf_counter() - t0)
+    ms = {k: 1000 * statistics.mean(v) for k, v in times.items()}
+    return {
+        "paired_window": backend,
+        "shuffle_window": window,
+        "memory_cache_mib": memory_cache >> 20,
+        "shards_ms_per_batch": ms["shards"],
+        "s3_ms_per_batch": ms["s3"],
+        "s3_vs_shards": ms["shards"] / ms["s3"],
+        "s3_requests_per_epoch": (reader.requests - requests) / 4,
+        "s3_mb_per_epoch": (reader.bytes_read - read) / 4e6,
+    }

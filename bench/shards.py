@@ -2,7 +2,8 @@
 against set size, and ``gpupipe prepare`` throughput. Each part writes JSON with the machine, versions and date.
 
     python bench/shards.py read DATA [--backends pillow,turbojpeg,dali] [--workers 1] [--seconds 10] [--max-side 512]
-                                     [--s3] [--sources folder,shards,s3,s3-ranges] [--shard-size MiB]
+                                     [--s3] [--sources folder,shards,s3,s3-ranges,shards-window,s3-window]
+                                     [--shard-size MiB] [--memory-cache MiB] [--shuffle-window K] [--skip-extras]
     python bench/shards.py startup [--sizes 1000,10000,100000] [--repeats 3]
     python bench/shards.py prepare DATA [--workers 1,2] [--max-side 512]
 
@@ -15,8 +16,13 @@ With ``--s3`` the same shards are also uploaded to a local S3-compatible server 
 of its own on 127.0.0.1) and read from there (``s3_vs_shards``: what object storage costs over the disk, the HTTP
 round trips and the client; a real store adds its network's latency): ``s3`` as ``build_loader`` reads a URL by
 default (a set that fits ``Remote.memory_cache`` is read in blocks once per worker, then kept), ``s3-ranges`` with
-``memory_cache=0`` (each batch by coalesced range requests, as a set larger than the cache is read). Each S3 row has
+``memory_cache=0`` (each batch by coalesced range requests, as a set larger than the cache is read; ``--memory-cache``
+sets another), ``s3-window`` with ``--memory-cache`` and ``shuffle_window=--shuffle-window`` (blocks of the window's
+shards kept), beside ``shards-window``, the same order from the disk (``s3-window_vs_shards-window``). Each S3 row has
 the server process's CPU ms per image in its windows (on a shared machine the server's CPU is the loader's CPU).
+``--skip-extras`` leaves out the read path alone and the paired batches an ``--s3`` run adds; ``--paired-window``
+adds paired batches (one process, disk and S3 in turns, mean per batch) with ``--memory-cache``, in the global shuffle
+and in the window's order.
 ``startup`` times ``build_loader`` on fake prepared sets (one tiny shard, an index of N rows) in fresh processes.
 """
 
@@ -35,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from s3bench import local_s3, paired, read_path, window_cpu  # bench/s3bench.py, beside this script
+from s3bench import local_s3, paired, paired_window, read_path, window_cpu  # bench/s3bench.py, beside this script
 
 import gpupipe
 from gpupipe.bench.suite import _forever, _warm
@@ -90,18 +96,14 @@ def _read_jobs(args, shards: Path, server: tuple[subprocess.Popen, str] | None) 
         if args.backends
         else [b for b in ("pillow", "pillow-simd", "turbojpeg", "dali") if b in gpupipe.available_backends()]
     )
-    sources: list[tuple[str, object]] = [("folder", args.data), ("shards", str(shards))]
-    if server is not None:  # blocks kept in memory (the set fits), and coalesced ranges only (memory_cache=0)
-        url = f"{server[1]}/shards"
-        sources += [("s3", url), ("s3-ranges", gpupipe.Remote(url, memory_cache=0))]
-    sources = [s for s in sources if not args.sources or s[0] in args.sources.split(",")]
-    jobs = [(b, src, root) for b in backends for src, root in sources]
+    jobs = [(b, src, root) for b in backends for src, root in _sources(args, shards, server)]
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     streams: list = []
     try:
         for backend, src, root in jobs:
-            streams.append(_started(args, backend, root, device))
+            window = args.shuffle_window if src.endswith("-window") else None
+            streams.append(_started(args, backend, root, device, window))
             print(f"started {backend} on {src}", file=sys.stderr)
         rates: list[list[float]] = [[] for _ in jobs]
         server_cpu: list[list[float]] = [[] for _ in jobs]  # the S3 server's CPU ms per image, in each window
@@ -113,9 +115,13 @@ def _read_jobs(args, shards: Path, server: tuple[subprocess.Popen, str] | None) 
                 rates[i].append(rate)
                 server_cpu[i].append(cpu_ms)
         extra = []
-        if server is not None:  # the read path alone, and each worker's batch on disk and S3 in turns
+        if server is not None and not args.skip_extras:  # the read path alone, each worker's batch on disk and S3
             extra = read_path(shards, f"{server[1]}/shards", args.batch_size)
             extra += paired(shards, f"{server[1]}/shards", backends, args.batch_size)
+        if server is not None and args.paired_window:  # the same, larger than the cache, with the window
+            url, cache, window = f"{server[1]}/shards", args.memory_cache << 20, args.shuffle_window
+            for backend in backends:
+                extra += [paired_window(shards, url, backend, args.batch_size, cache, w) for w in (None, window)]
     finally:
         for st in streams:
             st.close()
@@ -134,7 +140,19 @@ def _read_jobs(args, shards: Path, server: tuple[subprocess.Popen, str] | None) 
     ] + extra
 
 
-def _started(args, backend: str, root, device: torch.device):
+def _sources(args, shards: Path, server: tuple[subprocess.Popen, str] | None) -> list[tuple[str, object]]:
+    """The sources ``--sources`` names, as ``(name, root)``; a ``-window`` one is read with ``--shuffle-window``."""
+    sources: list[tuple[str, object]] = [("folder", args.data), ("shards", str(shards))]
+    sources += [("shards-window", str(shards))]
+    if server is not None:  # blocks kept in memory (the set fits), coalesced ranges only, the window's blocks kept
+        url, cache = f"{server[1]}/shards", args.memory_cache << 20
+        sources += [("s3", url), ("s3-ranges", gpupipe.Remote(url, memory_cache=cache))]
+        sources += [("s3-window", gpupipe.Remote(url, memory_cache=cache))]
+    default = ("folder", "shards", "s3", "s3-ranges")
+    return [s for s in sources if s[0] in (args.sources.split(",") if args.sources else default)]
+
+
+def _started(args, backend: str, root, device: torch.device, window: int | None = None):
     """A train loader's batch sizes, for ever, warmed up: a whole epoch (caches filled, as in training), then a
     quarter of ``--seconds``."""
     loader = gpupipe.build_loader(
@@ -147,6 +165,7 @@ def _started(args, backend: str, root, device: torch.device):
         num_workers=args.workers,
         drop_last=False,
         normalize=False,
+        shuffle_window=window,
     )
     stream = (len(y) for _, y in _forever(lambda: loader))
     for _ in zip(range(len(loader)), stream, strict=False):
@@ -162,7 +181,10 @@ def _ratios(med: dict, backend: str, source: str) -> dict[str, float]:
     if source == "shards":
         folder = med.get((backend, "folder"))
         return {"shards_vs_folder": med[backend, "shards"] / folder} if folder else {}
-    return {f"{source}_vs_shards": med[backend, source] / med[backend, "shards"]}
+    out = {f"{source}_vs_shards": med[backend, source] / med[backend, "shards"]}
+    if source == "s3-window" and (backend, "shards-window") in med:  # the same order from the disk
+        out["s3-window_vs_shards-window"] = med[backend, source] / med[backend, "shards-window"]
+    return out
 
 
 def fake_prepared(out: Path, n: int) -> Path:
@@ -263,7 +285,16 @@ def main() -> None:
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--s3", action="store_true", help="also read the shards from a local S3 server (moto_server)")
     p.add_argument("--shard-size", type=int, default=512, help="MiB per shard at most (gpupipe prepare's default)")
-    p.add_argument("--sources", help="comma-separated subset of folder,shards,s3,s3-ranges (default: all)")
+    p.add_argument(
+        "--sources",
+        help="comma-separated, of folder,shards,s3,s3-ranges,shards-window,s3-window (default: the first four)",
+    )
+    p.add_argument("--memory-cache", type=int, default=0, help="MiB: Remote(memory_cache=) of s3-ranges and s3-window")
+    p.add_argument("--shuffle-window", type=int, default=4, help="shards: the shuffle_window of the -window sources")
+    p.add_argument("--skip-extras", action="store_true", help="no read path alone nor paired batches after --s3")
+    p.add_argument(
+        "--paired-window", action="store_true", help="after --s3: paired batches with --memory-cache, --shuffle-window"
+    )
     p.set_defaults(func=cmd_read)
     p = sub.add_parser("startup", help="build_loader start-up against set size")
     p.add_argument("--sizes", default="1000,10000,100000")

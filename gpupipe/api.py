@@ -15,8 +15,10 @@ from .backends import BackendName, BackendSpec, check_name, require_backend
 from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
+from .data.remote import RemoteShardImageList
 from .data.sampler import ShardSampler
 from .data.scan import ImageList
+from .data.shards import ShardImageList
 from .data.sources import Source, open_source
 from .recipe import Recipe
 
@@ -66,6 +68,7 @@ def build_loader(
     num_workers: int | None = None,
     seed: int = 0,
     drop_last: bool | None = None,
+    shuffle_window: int | None = None,
     normalize: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
@@ -97,6 +100,13 @@ def build_loader(
         num_workers: decode workers (or DALI threads); ``None``: the usable cores shared among the node's ranks.
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
         drop_last: ``None`` means True for train, False for eval.
+        shuffle_window: shards only, train only: ``K`` shuffles each epoch by shards rather than globally: the
+            shards in a random order (seeded by ``seed`` and the epoch), ``K`` at a time, the samples of each ``K``
+            shards shuffled among themselves, and each rank a contiguous part of the epoch (as Mosaic streaming's
+            and litdata's orders), so a batch touches at most ``K`` shards (``2K`` across a group's end). For shards
+            at a URL larger than ``Remote(memory_cache=)``: ``K`` shards that fit it are read in large blocks, once
+            each per worker, instead of about a request per sample. ``None``: the global shuffle. A folder or CSV
+            list (no shards) refuses it.
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
@@ -130,7 +140,32 @@ def build_loader(
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
     recipe = recipe or Recipe(224 if image_size is None else image_size)  # 0 or less: Recipe's one-line error
     rank, world_size = _resolve_rank(rank, world_size)
-    # Train: every rank takes the same number of steps (DDP needs it). Eval: every sample exactly once, no padding.
+    drop_last = train if drop_last is None else drop_last
+    sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)
+    augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
+    stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
+    parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dataloader)
+    return spec.make_loader(parts)
+
+
+def _sampler(
+    dataset: ImageList,
+    batch_size: int,
+    train: bool,
+    seed: int,
+    rank_world: tuple[int, int],
+    drop_last: bool,
+    window: int | None,
+) -> ShardSampler:
+    """The loader's order. Train: every rank takes the same number of steps (DDP needs it); eval: every sample
+    exactly once, no padding. Shards at a URL are told the order, to read as it suits (and warn when it does not)."""
+    if window is not None and not isinstance(dataset, ShardImageList):
+        raise ValueError(
+            f"shuffle_window={window} shuffles groups of shards and {dataset.root} has none (an ImageFolder or a CSV "
+            "list reads each file on its own; gpupipe prepare writes shards): leave it None"
+        )
+    shards = dataset.shard_of if isinstance(dataset, ShardImageList) and window is not None else None
+    rank, world_size = rank_world
     sampler = ShardSampler(
         len(dataset),
         batch_size,
@@ -138,13 +173,14 @@ def build_loader(
         seed=seed,
         rank=rank,
         world_size=world_size,
-        drop_last=train if drop_last is None else drop_last,
+        drop_last=drop_last,
         equal_steps=train,
+        shards=shards,
+        window=window,
     )
-    augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
-    stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
-    parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dataloader)
-    return spec.make_loader(parts)
+    if isinstance(dataset, RemoteShardImageList):
+        dataset.plan_reads(train, window)
+    return sampler
 
 
 def _check(

@@ -3,9 +3,13 @@ server: kept blocks and coalesced ranges give exactly the bytes the same shards 
 with far fewer requests than samples; a fault in a block or a coalesced range still names the URL (after the retries
 for a server that is gone)."""
 
+import warnings
+
 import numpy as np
 import pytest
+import torch
 
+import gpupipe
 from gpupipe import Remote, StorageError
 from gpupipe.data import ranges
 from gpupipe.data.ranges import Span, coalesce
@@ -49,6 +53,45 @@ def test_a_batch_is_the_disks_bytes_in_few_requests(shards, url, memory_cache, m
     assert remote.read_many(list(range(len(disk)))) == [disk.read(i) for i in range(len(disk))]
     assert remote.reader.requests == used if memory_cache else used + len(remote.shard_paths)
     assert remote.read(7) == disk.read(7)
+
+
+@pytest.fixture(scope="module")
+def many(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranges-window") / "prepared"
+    prepare(folder, out, PrepareOptions(shard_size=16 * 1024))  # 24 samples in 2-4 KiB, some 10 shards
+    return out
+
+
+def test_a_window_reads_each_block_once_per_epoch_from_a_set_larger_than_the_cache(s3, many, monkeypatch):
+    """shuffle_window=2 with a memory cache that holds 2 shards of a larger set: the same batches as from the disk,
+    and each block read once in an epoch (in one process); the global shuffle over that cache is warned about."""
+    monkeypatch.setattr(ranges, "BLOCK", 6000)  # several blocks per shard, samples across their boundaries
+    url = s3.upload(many, "window")
+    ends = scan(url).reader.ends
+    budget = scan(url).reader.window_bytes(2)
+    assert len(ends) >= 6 and budget < ends.sum()
+    kw = dict(batch_size=4, image_size=24, num_workers=0, device="cpu", seed=2, normalize=False, drop_last=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        remote = gpupipe.build_loader(Remote(url, memory_cache=budget), "pillow", shuffle_window=2, **kw)
+    disk = gpupipe.build_loader(many, "pillow", shuffle_window=2, **kw)
+    reader = remote.dataset.reader
+    blocks = sum(-(-int(e) // ranges.BLOCK) for e in ends)
+    assert reader.keeps_blocks
+    for epoch in (0, 1):
+        remote.set_epoch(epoch)
+        disk.set_epoch(epoch)
+        before = reader.requests
+        for (a, la), (b, lb) in zip(remote, disk, strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+        if epoch == 0:
+            assert (reader.requests, reader.bytes_read) == (blocks, int(ends.sum()))
+        assert reader.requests - before <= blocks
+    with pytest.warns(UserWarning, match=rf"^{url}: a global shuffle over .* MiB of shards, more than the .* use "):
+        shuffled = gpupipe.build_loader(Remote(url, memory_cache=budget), "pillow", **kw)
+    assert not shuffled.dataset.reader.keeps_blocks
+    with pytest.warns(UserWarning, match=r"shuffle_window=2 spans up to .* use shuffle_window=1 or less"):
+        gpupipe.build_loader(Remote(url, memory_cache=budget - 1), "pillow", shuffle_window=2, **kw)
 
 
 def test_a_server_gone_fails_each_sample_of_a_request_with_its_url(s3, shards):

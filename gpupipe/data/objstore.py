@@ -39,9 +39,9 @@ class Remote:
             ``client_kwargs``...); by default credentials and endpoint come from the environment and config files.
         cache_dir: a local folder that keeps every shard once read (whole, on first use): later epochs read the disk.
         memory_cache: bytes of shards each process (each DataLoader worker) may keep in memory. When the data set's
-            shards fit, they are read in 8 MiB blocks, each once, and kept; otherwise a batch's samples are read by
-            range, those of one shard less than 256 KiB apart in one request (:mod:`gpupipe.data.ranges`). 0: never
-            keep.
+            shards fit, or a train loader's ``shuffle_window`` of K shards does, they are read in 8 MiB blocks, each
+            once (per epoch, with the window), and kept; otherwise a batch's samples are read by range, those of one
+            shard less than 256 KiB apart in one request (:mod:`gpupipe.data.ranges`). 0: never keep.
         retries: attempts per read on transient errors (connection lost, 5xx, throttling) before a StorageError.
         backoff: the first wait in seconds; it doubles per attempt (with jitter), capped at 30 s.
     """

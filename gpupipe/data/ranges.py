@@ -6,11 +6,15 @@ An object store charges per request (a round trip, and the server's own work per
 
 - **blocks, kept** (the data set's shards fit in ``Remote.memory_cache``): each sample's aligned block of
   :data:`BLOCK` bytes is read once and kept in this process (a DataLoader worker keeps its own), so an epoch costs
-  about ``shard bytes / BLOCK`` requests whatever the order, and later epochs none;
-- **coalesced ranges** (a larger set): the batch's samples that lie in the same shard are merged into one request
-  when the gap between them is at most :data:`MAX_GAP` bytes (at most :data:`MAX_SPAN` per request). A shuffled
-  batch of a large set is spread over many shards, so this saves little there, but a sequential pass (evaluation,
-  ``shuffle=False``) reads each batch in one request per shard it touches.
+  about ``shard bytes / BLOCK`` requests whatever the order, and later epochs none. Also for a larger set when the
+  loader's ``shuffle_window`` is ``K`` shards and ``K`` shards fit (:meth:`BatchReader.set_window`): the blocks are
+  then kept least recently used first out, and as an epoch takes its shards ``K`` at a time (the
+  :func:`~.sampler.window_order`), each block is read once per epoch and process, in few large requests;
+- **coalesced ranges** (otherwise): the batch's samples that lie in the same shard are merged into one request
+  when the gap between them is at most :data:`MAX_GAP` bytes (at most :data:`MAX_SPAN` per request). A globally
+  shuffled batch of a large set is spread over many shards, so this saves little there (about a request per sample:
+  :meth:`BatchReader.advice` says so, and what to change), but a sequential pass (evaluation, ``shuffle=False``)
+  reads each batch in one request per shard it touches.
 
 Either way the bytes are exactly the index's ranges: a short answer is a truncated object, and a failed request
 (after :class:`~.objstore.Store`'s retries) is the error of every sample it held, naming the URL.
@@ -40,24 +44,60 @@ class Span(NamedTuple):
 
 class BatchReader:
     """Reads samples of the shards at ``urls`` (``ends[s]``: where shard ``s``'s last sample ends) by range, with
-    blocks kept in memory when every shard fits ``memory_cache`` bytes, else by coalesced ranges."""
+    blocks kept in memory when every shard fits ``memory_cache`` bytes (or, after :meth:`set_window`, the window's
+    shards do), else by coalesced ranges."""
 
     def __init__(self, store: Store, urls: Sequence[str], ends: np.ndarray, memory_cache: int):
         self.store, self.urls, self.ends = store, urls, ends
         self.keeps_blocks = 0 < int(ends.sum()) <= memory_cache
+        self.window: int | None = None  # the loader's shuffle_window, in shards
         self.requests = 0  # range requests this process made (tests and the bench read it)
+        self.bytes_read = 0  # and the bytes they asked for
         self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self._budget = memory_cache
         self._held = 0
         self._pid = os.getpid()
 
     def __getstate__(self):  # a spawned worker starts with no blocks
-        return {**self.__dict__, "_blocks": OrderedDict(), "_held": 0, "requests": 0}
+        return {**self.__dict__, "_blocks": OrderedDict(), "_held": 0, "requests": 0, "bytes_read": 0}
+
+    def window_bytes(self, window: int) -> int:
+        """The most bytes ``window`` shards hold: the largest ones'."""
+        return int(np.sort(self.ends)[::-1][:window].sum())
+
+    def set_window(self, window: int | None) -> None:
+        """The loader's ``shuffle_window`` (shards; None: a global shuffle, or none): keep blocks also when that many
+        shards fit the budget, the largest ones, which is what the window order needs to read each block once."""
+        self.window = window
+        fits = 0 < int(self.ends.sum()) <= self._budget
+        self.keeps_blocks = fits or (window is not None and 0 < self.window_bytes(window) <= self._budget)
+
+    def advice(self, shuffled: bool) -> str | None:
+        """One line when a shuffled epoch will be read by range, about a request per sample (the set does not fit
+        the budget, nor does the window), saying what would keep blocks instead; None when nothing is to change."""
+        if not shuffled or self.keeps_blocks:
+            return None
+        fit = int(np.searchsorted(np.cumsum(np.sort(self.ends)[::-1]), self._budget, side="right"))
+        budget = f"Remote(memory_cache=) of {_mib(self._budget)} per process"
+        fix = (
+            f"shuffle_window={fit} or less (the largest {fit} shards hold {_mib(self.window_bytes(fit))}), or a larger "
+            "memory_cache"
+            if fit
+            else f"a memory_cache of at least {_mib(int(self.ends.max()))} (the largest shard) with a shuffle_window, "
+            "or smaller shards (gpupipe prepare --shard-size 64MB)"
+        )
+        if self.window is None:
+            what = f"a global shuffle over {_mib(int(self.ends.sum()))} of shards, more than the {budget}"
+        else:
+            what = f"shuffle_window={self.window} spans up to {_mib(self.window_bytes(self.window))} of shards, more "
+            what += f"than the {budget}"
+        return f"{what}, reads about one range request per sample: use {fix}"
 
     def read(self, shards: Sequence[int], starts: Sequence[int], sizes: Sequence[int]) -> list[bytes | Exception]:
         """Each sample's bytes (shard ``shards[k]``, ``sizes[k]`` bytes at ``starts[k]``), or why it has none."""
         if self._pid != os.getpid():  # a forked worker: the parent's blocks are not worth its memory
-            self._blocks, self._held, self.requests, self._pid = OrderedDict(), 0, 0, os.getpid()
+            self._blocks, self._held, self._pid = OrderedDict(), 0, os.getpid()
+            self.requests = self.bytes_read = 0
         if self.keeps_blocks:
             return self._from_blocks(shards, starts, sizes)
         spans, where = coalesce(shards, starts, sizes)
@@ -72,6 +112,7 @@ class BatchReader:
         if not spans:
             return []
         self.requests += len(spans)
+        self.bytes_read += sum(s.end - s.start for s in spans)
         return self.store.read_many(
             [self.urls[s.shard] for s in spans], [s.start for s in spans], [s.end - s.start for s in spans]
         )
@@ -87,6 +128,7 @@ class BatchReader:
             block = self._blocks.get(key)
             if block is not None:
                 have[key] = block
+                self._used(key)
         missing = [key for key in wanted if key not in have]
         spans = [Span(s, b * BLOCK, min((b + 1) * BLOCK, int(self.ends[s]))) for s, b in missing]
         for key, data in zip(missing, self._fetch(spans), strict=True):
@@ -106,9 +148,16 @@ class BatchReader:
             out.append(joined[at : at + size])
         return out
 
+    def _used(self, key: tuple[int, int]) -> None:
+        """A kept block was used: it is now the last to drop."""
+        try:
+            self._blocks.move_to_end(key)
+        except KeyError:  # another thread dropped it meanwhile
+            pass
+
     def _keep(self, key: tuple[int, int], data: bytes) -> None:
-        """Keep a block, dropping the oldest past the budget (blocks hold at most the shards' bytes, which fit the
-        budget, so this is a bound, not a policy)."""
+        """Keep a block, dropping the least recently used past the budget (the set's shards fit it, or the window's
+        do and the blocks dropped are those of the shards the epoch has left behind)."""
         if key in self._blocks:
             return
         self._blocks[key] = data
@@ -135,3 +184,7 @@ def coalesce(
             spans.append(Span(s, start, end))
         where[k] = (len(spans) - 1, start - spans[-1].start)
     return spans, where
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"

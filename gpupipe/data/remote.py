@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,6 +73,15 @@ class RemoteShardImageList(ShardImageList):
         ends = np.zeros(len(urls), np.int64)
         np.maximum.at(ends, self._shard.astype(np.intp), (self._offset + self._size).astype(np.int64))
         self.reader = BatchReader(store, urls, ends, store.remote.memory_cache)
+
+    def plan_reads(self, shuffled: bool, window: int | None) -> None:
+        """Read as a loader's order suits: ``window`` is its ``shuffle_window`` (shards), kept blocks when they fit
+        (:meth:`~.ranges.BatchReader.set_window`). A shuffled epoch that will cost about a request per sample is
+        worth a warning, once, with the fix (not with a cache folder: it reads the local disk)."""
+        self.reader.set_window(window)
+        why = self.reader.advice(shuffled)
+        if why is not None and self.store.remote.cache_dir is None:
+            warnings.warn(f"{self.root}: {why}", stacklevel=4)
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
         """A batch's bytes in few concurrent range reads (from the cache folder when there is one)."""

@@ -1,10 +1,18 @@
-"""Which samples each rank reads, in which order, epoch by epoch: one sampler for every backend."""
+"""Which samples each rank reads, in which order, epoch by epoch: one sampler for every backend.
+
+A train epoch is a global random permutation of the samples, dealt round-robin over the ranks (``order[rank::world]``),
+or, with a shuffle window of ``K`` shards (:func:`window_order`), the shards permuted and taken ``K`` at a time, the
+samples of each group permuted among themselves, each rank a contiguous part of that order: a batch then touches at
+most the ``K`` shards of its group (``2K`` where it straddles two), so shards at a URL can be read in large blocks and
+kept (:mod:`.ranges`), as Mosaic streaming and litdata order their samples.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from .position import Position
@@ -25,6 +33,11 @@ class ShardSampler:
     hangs DDP). With ``equal_steps=False`` (evaluation) nothing is padded or dropped: each sample is read exactly
     once, by one rank, and ranks may take different numbers of batches. Yields lists of ``(epoch, index)`` keys,
     so persistent workers see the epoch without being told, and a sample's augmentation depends on its key alone.
+
+    ``window`` (with ``shuffle``; ``shards[i]``: sample ``i``'s shard number): the epoch's order is
+    :func:`window_order` over groups of ``window`` shards, and each rank takes a contiguous part of it (the same
+    counts, padding and dropping as above), so ranks read mostly disjoint shards. The order is then a function of
+    ``(seed, epoch, rank, world_size, window, shards)``.
     """
 
     def __init__(
@@ -38,6 +51,8 @@ class ShardSampler:
         world_size: int = 1,
         drop_last: bool = False,
         equal_steps: bool = True,
+        shards: np.ndarray | None = None,
+        window: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -45,6 +60,8 @@ class ShardSampler:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if num_samples < 1:
             raise ValueError("the data set has no samples")
+        _check_window(window, shards, num_samples, shuffle)
+        self.shards, self.window = shards, window
         self.num_samples, self.batch_size = num_samples, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.rank, self.world_size, self.equal_steps = rank, world_size, equal_steps
@@ -80,19 +97,30 @@ class ShardSampler:
             raise ValueError(f"start_batch must be in [0, {self.num_batches}], got {start_batch}")
         self.position.load_state_dict({"epoch": epoch, "batch": start_batch})
 
+    def order(self, epoch: int) -> list[int]:
+        """Every sample index in ``epoch``'s order, before it is dealt to the ranks."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        if self.window is None or self.shards is None:
+            return torch.randperm(self.num_samples, generator=g).tolist()
+        return window_order(self.shards, self.window, g).tolist()
+
     def rank_indices(self, epoch: int) -> list[int]:
-        """This rank's sample indices for ``epoch``, padded or cut to a whole number of equal shares."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
+        """This rank's sample indices for ``epoch``, padded or cut to a whole number of equal shares: every
+        ``world_size``-th of the order from ``rank`` on, or with a window its ``rank``-th contiguous part."""
+        order = self.order(epoch)
+        n, world, rank = self.num_samples, self.world_size, self.rank
         if not self.equal_steps:
-            return order[self.rank :: self.world_size]
-        total = self.per_rank * self.world_size
+            if self.window is None:
+                return order[rank::world]
+            start = rank * (n // world) + min(rank, n % world)
+            return order[start : start + self.per_rank]
+        total = self.per_rank * world
         if total > len(order):  # pad by wrapping around, as DistributedSampler does
             order += (order * math.ceil(total / len(order)))[: total - len(order)]
-        mine = order[:total][self.rank :: self.world_size]
+        order = order[:total]
+        mine = order[rank::world] if self.window is None else order[rank * self.per_rank : (rank + 1) * self.per_rank]
         if self.drop_last:
             mine = mine[: self.num_batches * self.batch_size]
         return mine
@@ -111,3 +139,27 @@ class ShardSampler:
         """The keys from the position on, as a torch batch sampler: the DataLoader of a worker backend iterates this
         when a pass starts, so it reads the pass's ``(epoch, start_batch)``. It only reads the position."""
         return iter(self.keys(self.position.epoch, self.position.batch))
+
+
+def window_order(shards: np.ndarray, window: int, generator: torch.Generator) -> np.ndarray:
+    """Every sample index (``shards[i]``: sample ``i``'s shard number) in a windowed shuffle: the shards in a random
+    order, taken ``window`` at a time, and the samples of each group of shards in a random order among themselves;
+    the groups one after the other. Drawn from ``generator`` alone."""
+    count = int(shards.max()) + 1
+    # each shard's group: its place in a random order of the shards, // window (in the narrowest integer type, which
+    # numpy's stable sort sorts by radix: linear in the samples)
+    group = np.empty(count, np.min_scalar_type(max(count // window, 1)))
+    group[torch.randperm(count, generator=generator).numpy()] = np.arange(count) // window
+    shuffled = torch.randperm(len(shards), generator=generator).numpy()
+    return shuffled[np.argsort(group[shards[shuffled]], kind="stable")]  # a group's samples keep the random order
+
+
+def _check_window(window: int | None, shards: np.ndarray | None, num_samples: int, shuffle: bool) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"shuffle_window must be a number of shards >= 1, got {window!r}")
+    if not shuffle:
+        raise ValueError("shuffle_window orders a shuffled (train) epoch; an eval loader reads in order: leave it None")
+    if shards is None or len(shards) != num_samples:
+        raise ValueError("shuffle_window needs each sample's shard number (a shard source)")

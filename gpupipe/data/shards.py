@@ -101,6 +101,11 @@ class ShardImageList(ImageList):
     def targets(self) -> list[int]:
         return self.labels.tolist()
 
+    @property
+    def shard_of(self) -> np.ndarray:
+        """Each sample's shard number (what ``build_loader(shuffle_window=)`` groups by)."""
+        return self._shard
+
     def read(self, index: int) -> bytes:
         if self._pid != os.getpid():  # a forked worker: its parent's maps are not its own to share
             self._close()

@@ -69,10 +69,11 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         recipe=recipe,
         allow_outside_root=cfg.allow_outside_root,
     )
-    train_loader = loader(cfg.data, train=True)
+    train = partial(loader, cfg.data, train=True, shuffle_window=cfg.shuffle_window)
+    train_loader = train()
     feedback = None
     if train_loader.ctaugment is not None:
-        feedback = CTFeedback(train_loader, lambda probe_recipe: loader(cfg.data, train=True, recipe=probe_recipe))
+        feedback = CTFeedback(train_loader, lambda probe_recipe: train(recipe=probe_recipe))
     if not cfg.val:
         return train_loader, None, feedback
     val_loader = loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)

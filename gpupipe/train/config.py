@@ -88,6 +88,13 @@ class TrainConfig:
     channels_last: bool = opt(False, "channels_last memory format for model and batches")
     compile: bool = opt(False, "torch.compile the model")
     workers: int | None = opt(None, "decode workers per rank (default None: every usable core)")
+    shuffle_window: int | None = opt(
+        None,
+        "shards only: shuffle each epoch K shards at a time (the samples of K shards among themselves, each rank a "
+        "contiguous part), so shards at a URL larger than the memory cache are read in large blocks; see "
+        "build_loader (default None: a global shuffle)",
+        resume="fixed",
+    )
     image_size: int = opt(224, "training and validation image side", resume="fixed")
     device: str | None = opt(
         None,
