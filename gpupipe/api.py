@@ -16,7 +16,7 @@ from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.remote import RemoteShardImageList
-from .data.sampler import ShardSampler
+from .data.sampler import ShardSampler, window_mixing
 from .data.scan import ImageList
 from .data.shards import ShardImageList
 from .data.sources import Source, open_source
@@ -178,6 +178,9 @@ def _sampler(
         shards=shards,
         window=window,
     )
+    if isinstance(dataset, ShardImageList) and window is not None:
+        if why := window_mixing(dataset.shard_of, dataset.labels, window, batch_size):
+            warnings.warn(f"{dataset.root}: {why}", stacklevel=3)
     if isinstance(dataset, RemoteShardImageList):
         dataset.plan_reads(train, window)
     return sampler

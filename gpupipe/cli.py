@@ -198,6 +198,7 @@ def _cmd_prepare(args) -> int:
         "quality": args.quality,
         "subsampling": args.subsampling,
         "shard_size": None if args.shard_size is None else parse_size(args.shard_size),
+        "order": args.order,
     }
     options = PrepareOptions(**{k: v for k, v in given.items() if v is not None})
     workers = usable_cores() if args.workers is None else args.workers
@@ -362,6 +363,8 @@ def _add_prepare_parser(sub) -> None:
         choices=["keep", "420"],
         help=f"420: re-encode 4:4:4 and 4:2:2 JPEGs to 4:2:0, which decodes faster (default {defaults.subsampling})",
     )
+    mixed = "shuffled: one fixed random order, so each shard holds a random part of the set (--shuffle-window's need)"
+    p.add_argument("--order", choices=["source", "shuffled"], help=f"{mixed}; default {defaults.order}")
     p.set_defaults(func=_cmd_prepare)
 
 

@@ -58,12 +58,16 @@ _SAMPLINGS = {0: "4:4:4", 1: "4:2:2", 2: "4:2:0"}  # Pillow's JpegImagePlugin.ge
 class PrepareOptions:
     """What the shards hold. ``max_side``: longer side cap (None keeps the size); ``quality``: JPEG quality of
     re-encoded images; ``shard_size``: bytes per shard at most (one sample more when it alone is larger);
-    ``subsampling``: ``"keep"`` the source's chroma subsampling, or re-encode 4:4:4/4:2:2 JPEGs to ``"420"``."""
+    ``subsampling``: ``"keep"`` the source's chroma subsampling, or re-encode 4:4:4/4:2:2 JPEGs to ``"420"``;
+    ``order``: the samples in the ``"source"``'s order (an ImageFolder's: class by class), or ``"shuffled"`` (one fixed
+    random order, seed 0), so that every shard holds a random part of the data set, as WebDataset's tools advise:
+    what ``build_loader(shuffle_window=K)`` needs to mix classes in a batch. The set's sample numbers follow it."""
 
     max_side: int | None = None
     quality: int = 90
     shard_size: int = 512 * 2**20
     subsampling: Literal["keep", "420"] = "keep"
+    order: Literal["source", "shuffled"] = "source"
 
     def __post_init__(self):
         if self.max_side is not None and self.max_side < 1:
@@ -74,6 +78,14 @@ class PrepareOptions:
             raise ValueError(f"shard_size must be at least {4 * _BLOCK} bytes, got {self.shard_size}")
         if self.subsampling not in ("keep", "420"):
             raise ValueError(f"subsampling must be 'keep' or '420', got {self.subsampling!r}")
+        if self.order not in ("source", "shuffled"):
+            raise ValueError(f"order must be 'source' or 'shuffled', got {self.order!r}")
+
+    def sample_order(self, count: int) -> np.ndarray:
+        """The source's sample indices in the order the shards hold them."""
+        if self.order == "source":
+            return np.arange(count)
+        return np.random.default_rng(0).permutation(count)
 
 
 class Converted(NamedTuple):
@@ -160,17 +172,19 @@ def _fit(h: int, w: int, max_side: int | None) -> tuple[int, int]:
     return max(1, round(h * scale)), max(1, round(w * scale))
 
 
-_job: tuple[ImageList, PrepareOptions] | None = None  # a pool worker's source and options
+_job: tuple[ImageList, PrepareOptions, np.ndarray] | None = None  # a pool worker's source, options and order
 
 
 def _init_worker(source: ImageList, options: PrepareOptions) -> None:
     global _job
-    _job = (source, options)
+    _job = (source, options, options.sample_order(len(source)))
 
 
-def _convert_sample(index: int) -> Converted:
+def _convert_sample(place: int) -> Converted:
+    """The sample at ``place`` of the shards' order."""
     assert _job is not None  # set by _init_worker
-    source, options = _job
+    source, options, order = _job
+    index = int(order[place])
     path = source.samples[index][0]
     try:
         data = read_regular(path) if source.reads_files else source.read(index)  # never a fifo or a device
@@ -179,8 +193,11 @@ def _convert_sample(index: int) -> Converted:
     return convert(data, path, options)
 
 
-def _results(source: ImageList, options: PrepareOptions, start: int, workers: int) -> Iterator[Converted]:
-    """Converted samples from ``start`` on, in dataset order, from ``workers`` processes."""
+def _results(
+    source: ImageList, options: PrepareOptions, order: np.ndarray, start: int, workers: int
+) -> Iterator[Converted]:
+    """Converted samples from place ``start`` of ``order`` (the source's indices in the shards' order) on, in that
+    order, from ``workers`` processes."""
     indices = range(start, len(source))
     if workers <= 1:
         _init_worker(source, options)
@@ -192,7 +209,7 @@ def _results(source: ImageList, options: PrepareOptions, start: int, workers: in
         workers,
         initializer=_init_worker,
         initargs=(source, options),
-        name=lambda i: source.samples[i][0],
+        name=lambda place: source.samples[int(order[place])][0],
         what=f"{source.root}: a prepare worker",
     )
 
@@ -363,11 +380,14 @@ def prepare(
 
 
 def _plan(source: ImageList, src, options: PrepareOptions) -> dict:
+    settings = asdict(options)
+    if settings["order"] == "source":  # what every set prepared before the option was written with: theirs match
+        del settings["order"]
     return {
         "format": FORMAT,
         "version": VERSION,
         "source": getattr(src, "url", src),  # a Remote is recorded by its URL (never its storage options)
-        "options": asdict(options),
+        "options": settings,
         "fingerprint": _fingerprint(source),
     }
 
@@ -435,7 +455,8 @@ def _write_shards(
     on_progress: Callable[[int, int], None] | None,
     on_shard: Callable[[dict], None] = lambda manifest: None,
 ) -> list[dict]:
-    """Convert the samples from ``start`` on and write them in order into shards of at most ``options.shard_size``,
+    """Convert the samples from place ``start`` of ``options.sample_order`` on and write them in that order into shards
+    of at most ``options.shard_size``,
     appending each closed shard's manifest to ``manifests`` (and handing it to ``on_shard``). Returns the files left
     out after the last shard."""
     total = len(source)
@@ -444,8 +465,9 @@ def _write_shards(
     writer: _ShardWriter | None = None
     pending: list[dict] = []  # files left out before the next shard opens
     first = sum(m["count"] for m in manifests)
-    for index, sample in enumerate(_results(source, options, start, workers), start):
-        name, label = source.samples[index]
+    order = options.sample_order(total)
+    for index, sample in enumerate(_results(source, options, order, start, workers), start):  # index: place in order
+        name, label = source.samples[int(order[index])]
         if sample.reason is not None:
             (pending if writer is None else writer.left_out).append({"path": name, "reason": sample.reason})
         else:

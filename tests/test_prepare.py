@@ -160,13 +160,13 @@ def add_then_die(self, *args):
     if len(written) == {kill_at}:  # mid-shard: SIGKILL, no clean-up of any kind
         os.kill(os.getpid(), signal.SIGKILL)
 p._ShardWriter.add = add_then_die
-p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}))
+p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}, order="{order}"))
 """
 
 
 def test_an_interrupted_prepare_resumes_to_the_same_result(folder, tmp_path, prepared):
     out = tmp_path / "out"
-    script = textwrap.dedent(_KILLED_RUN).format(kill_at=11, shard_size=SMALL.shard_size)
+    script = textwrap.dedent(_KILLED_RUN).format(kill_at=11, shard_size=SMALL.shard_size, order="source")
     run = subprocess.run([sys.executable, "-c", script, str(folder), str(out)], capture_output=True, text=True)
     assert run.returncode == -signal.SIGKILL, run.stderr
     assert not (out / "gpupipe.json").exists() and (out / ".prepare-plan.json").exists()
@@ -181,6 +181,41 @@ def test_an_interrupted_prepare_resumes_to_the_same_result(folder, tmp_path, pre
     assert 0 < summary.resumed_at < 24
     assert _files(out) == _files(prepared)  # byte for byte what an uninterrupted run writes
     assert prepare(folder, out, SMALL).up_to_date
+
+
+def test_shuffled_order_spreads_the_classes_over_the_shards_and_resumes(folder, tmp_path):
+    """``order="shuffled"``: the shards hold the samples in one fixed random order (each sample once, its label kept),
+    so a shard holds more classes than in the source's class-by-class order; an interrupted run resumes to the same
+    bytes; a set prepared in the source's order keeps its plan (no ``order`` in it), as sets prepared before."""
+    shuffled = PrepareOptions(shard_size=SMALL.shard_size, order="shuffled")
+    prepare(folder, tmp_path / "straight", shuffled)
+    tv = ImageFolder(str(folder))
+    perm = shuffled.sample_order(len(tv.samples))
+    assert sorted(perm.tolist()) == list(range(len(tv.samples))) and perm.tolist() != sorted(perm.tolist())
+    loaded = gpupipe.build_loader(tmp_path / "straight", "pillow", batch_size=24, train=False, image_size=16)
+    assert loaded.dataset.targets == [tv.targets[i] for i in perm]  # the set's sample numbers follow the order
+    with np.load(tmp_path / "straight" / "index.npz") as z:
+        assert z["source"].tolist() == [tv.samples[i][0] for i in perm]
+        classes_per_shard = {k: len(set(z["label"][z["shard"] == k].tolist())) for k in set(z["shard"].tolist())}
+    with np.load(tmp_path / "straight" / "index.npz") as z, np.load(_prepared_in_order(folder, tmp_path)) as y:
+        in_order = {k: len(set(y["label"][y["shard"] == k].tolist())) for k in set(y["shard"].tolist())}
+    assert np.mean(list(classes_per_shard.values())) > np.mean(list(in_order.values()))
+    out = tmp_path / "resumed"
+    script = textwrap.dedent(_KILLED_RUN).format(kill_at=11, shard_size=SMALL.shard_size, order="shuffled")
+    run = subprocess.run([sys.executable, "-c", script, str(folder), str(out)], capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert 0 < prepare(folder, out, shuffled).resumed_at < 24
+    assert _files(out) == _files(tmp_path / "straight")
+    meta = json.loads((out / "gpupipe.json").read_text())
+    assert meta["options"]["order"] == "shuffled"
+    with pytest.raises(FileExistsError, match="other options"):
+        prepare(folder, out, SMALL)  # the same folder in the source's order: another set
+
+
+def _prepared_in_order(folder, tmp_path) -> Path:
+    prepare(folder, tmp_path / "in-order", SMALL)
+    assert "order" not in json.loads((tmp_path / "in-order" / "gpupipe.json").read_text())["options"]
+    return tmp_path / "in-order" / "index.npz"
 
 
 def test_prepare_refuses_a_folder_it_did_not_write(folder, tmp_path):
@@ -199,12 +234,15 @@ def test_parse_size_and_options():
         parse_size("lots")
     with pytest.raises(ValueError, match="'keep' or '420'"):
         PrepareOptions(subsampling="444")
+    with pytest.raises(ValueError, match="'source' or 'shuffled'"):
+        PrepareOptions(order="random")
 
 
 def test_cli_flags_reach_the_options(tmp_path):
     src = make_folder(tmp_path / "src", 2, 2)
     args = ["--max-side", "64", "--quality", "80", "--shard-size", "20KB", "--subsampling", "420", "--workers", "1"]
-    assert main(["prepare", str(src), str(tmp_path / "out"), *args]) == 0
+    assert main(["prepare", str(src), str(tmp_path / "out"), *args, "--order", "shuffled"]) == 0
     meta = json.loads((tmp_path / "out" / "gpupipe.json").read_text())
-    assert meta["options"] == {"max_side": 64, "quality": 80, "shard_size": 20 * 1024, "subsampling": "420"}
+    expected = {"max_side": 64, "quality": 80, "shard_size": 20 * 1024, "subsampling": "420", "order": "shuffled"}
+    assert meta["options"] == expected
     assert max(max(hw) for hw in scan(tmp_path / "out").sizes) == 64

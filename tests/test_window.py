@@ -140,3 +140,24 @@ def test_train_passes_the_window_to_the_train_loader_only(prepared):
     )
     train, val, _ = build_loaders(cfg, torch.device("cpu"))
     assert train.sampler.window == 2 and val is not None and val.sampler.window is None
+
+
+def test_shards_written_class_by_class_are_named_and_shuffled_ones_are_not(tmp_path):
+    """A window over shards that each hold one or two classes would feed every batch few classes: said in one
+    warning with the fix (``gpupipe prepare --order shuffled``), which then mixes them."""
+    import warnings
+
+    from .common_utils import make_folder
+
+    src = make_folder(tmp_path / "src", 8, 4, sizes=((64, 64),))
+    for order in ("source", "shuffled"):
+        prepare(src, tmp_path / order, PrepareOptions(shard_size=8 * 1024, order=order))  # ~2 samples a shard
+    kw = {**KW, "batch_size": 8, "shuffle_window": 2}
+    with pytest.warns(UserWarning, match="look written class by class") as said:
+        gpupipe.build_loader(tmp_path / "source", "pillow", **kw)
+    assert "gpupipe prepare --order shuffled" in str(said[0].message) and str(tmp_path / "source") in str(
+        said[0].message
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gpupipe.build_loader(tmp_path / "shuffled", "pillow", **kw)

@@ -163,3 +163,24 @@ def _check_window(window: int | None, shards: np.ndarray | None, num_samples: in
         raise ValueError("shuffle_window orders a shuffled (train) epoch; an eval loader reads in order: leave it None")
     if shards is None or len(shards) != num_samples:
         raise ValueError("shuffle_window needs each sample's shard number (a shard source)")
+
+
+def window_mixing(shards: np.ndarray, labels: np.ndarray, window: int, batch_size: int) -> str | None:
+    """Why a ``window`` of shards would mix too few classes into a batch, or None. Shards written class by class (an
+    ImageFolder prepared in its own order) hold one or two classes each, so a group of ``window`` of them holds at most
+    ``window`` times that many, where a globally shuffled batch of ``batch_size`` holds about
+    ``C * (1 - (1 - 1/C) ** batch_size)`` of the ``C`` classes. Said when the group holds fewer than half that."""
+    classes = int(labels.max()) + 1 if len(labels) else 0
+    if classes < 2:
+        return None
+    per_shard = len(np.unique(shards.astype(np.int64) * classes + labels)) / (int(shards.max()) + 1)
+    in_group = min(classes, window * per_shard)
+    in_batch = classes * (1 - (1 - 1 / classes) ** batch_size)
+    if in_group >= in_batch / 2:
+        return None
+    return (
+        f"shuffle_window={window}: a group of {window} shards holds about {in_group:.0f} of the {classes} classes "
+        f"(its shards {per_shard:.1f} each), where a shuffled batch of {batch_size} holds about {in_batch:.0f}: the "
+        "shards look written class by class, so every batch would see few classes. Write them in a random order "
+        "(gpupipe prepare --order shuffled) or raise shuffle_window"
+    )
