@@ -4,6 +4,7 @@ crop and augment one image at a time in DataLoader workers, collate uint8 batche
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -162,16 +163,29 @@ class _KeysWithWeights:
     from (one object per batch, so it is pickled to the worker once)."""
 
     def __init__(self, loader: Loader):
-        self.loader = loader
+        # weakly: the loader holds the DataLoader that holds this (a cycle would leave the workers to the garbage
+        # collector, which closes their queues before the DataLoader can stop them: 5 s a worker); the loader is
+        # alive while its DataLoader iterates
+        self._loader = weakref.ref(loader)
+
+    @property
+    def loader(self) -> Loader:
+        loader = self._loader()
+        assert loader is not None  # see __init__
+        return loader
 
     def __len__(self) -> int:
         return len(self.loader.sampler)
 
     def __iter__(self) -> Iterator[list[tuple]]:
-        clock, position = self.loader.weights_clock, self.loader.position
+        clock, position, sampler = (
+            self.loader.weights_clock,
+            self.loader.position,
+            self.loader.sampler,
+        )  # not the loader
         assert clock is not None  # made only for a loader that draws from CTAugment's weights
-        first = position.epoch * len(self.loader.sampler) + position.batch  # the pass's start, read now
-        for g, keys in enumerate(self.loader.sampler, first):
+        first = position.epoch * len(sampler) + position.batch  # the pass's start, read now
+        for g, keys in enumerate(sampler, first):
             weights = clock.for_batch(g)
             yield [(e, i, weights) for e, i in keys]
 

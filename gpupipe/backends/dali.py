@@ -24,6 +24,7 @@ import torch
 from .._deps import INSTALL_HINTS, has_module, require
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
+from ..data.sampler import ShardSampler
 from ..errors import DecodeError
 from .dali_feed import Feed, FeedStream, Request, Work, decode_on_cpu, file_stamp
 from .dali_graph import build_pipeline, dali_device_id, to_torch
@@ -207,7 +208,7 @@ class DaliLoader(Loader):
         ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
         pending = self._take_ahead(epoch, start_batch)
         todo = self.sampler.batches(epoch, start_batch)[len(pending) :]
-        following = (Request(epoch + 1, b, True) for b in self._batches_of(epoch + 1))  # lazy: only at the end
+        following = (Request(epoch + 1, b, True) for b in _batches_of(self.sampler, epoch + 1))  # lazy: at the end
         prepared = self._stream(itertools.chain((Request(epoch, b, False) for b in todo), following))
         while True:
             self._fill(pending, prepared)
@@ -220,9 +221,6 @@ class DaliLoader(Loader):
             del work
             yield batch
         self._ahead = pending
-
-    def _batches_of(self, epoch: int) -> Iterator[list[int]]:
-        yield from self.sampler.batches(epoch)
 
     def _fill(self, pending: deque[Work], prepared: Iterator[Work]) -> None:
         """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
@@ -284,3 +282,10 @@ SPEC = BackendSpec(
     DaliLoader,
     read=read_dali,
 )
+
+
+def _batches_of(sampler: ShardSampler, epoch: int) -> Iterator[list[int]]:
+    """``sampler.batches(epoch)``, made when first asked for. Not a method: the feed's DataLoader holds this
+    generator, and one that held the loader (which holds that DataLoader) would make a cycle, which leaves the feed's
+    workers to the garbage collector (it closes their queues before the DataLoader can stop them: 5 s a worker)."""
+    yield from sampler.batches(epoch)

@@ -105,7 +105,11 @@ class Pass(Generic[T]):
         self._position, self._make = position, make
         self._batches: Iterator[T] | None = None
         self._done = False
-        position.begin(self)
+        # the position knows this pass by a token of its own, not by the pass: a pass holds the loader (``make``),
+        # which holds the position, and a cycle through a DataLoader's iterator would leave its workers to the
+        # garbage collector, which closes their queues before the iterator can tell them to stop (5 s a worker)
+        self._token = object()
+        position.begin(self._token)
 
     def __iter__(self) -> Pass[T]:
         return self
@@ -114,14 +118,14 @@ class Pass(Generic[T]):
         if self._done:
             raise StopIteration
         if self._batches is None:
-            self._batches = self._make(*self._position.start(self))
+            self._batches = self._make(*self._position.start(self._token))
         else:
-            self._position.check(self)
+            self._position.check(self._token)
         try:
             batch = next(self._batches)
         except StopIteration:
             self._done = True
-            self._position.finish(self)
+            self._position.finish(self._token)
             raise
-        self._position.advance(self)
+        self._position.advance(self._token)
         return batch
