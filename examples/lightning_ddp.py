@@ -109,9 +109,11 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Classifier(num_classes, args.record), datamodule=data, ckpt_path=args.ckpt)
-    # Lightning destroys only NCCL process groups at exit; a gloo group left to interpreter shutdown can abort the
-    # process ("terminate called without an active exception") after a run that went well
+    # Lightning destroys only NCCL process groups at exit; a gloo group, or a gloo work still in flight, left to
+    # interpreter shutdown can abort the process ("terminate called without an active exception") after a run that
+    # went well: every rank's collectives done (the barrier waits for them), then the group destroyed
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
