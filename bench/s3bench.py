@@ -120,15 +120,7 @@ def paired(shards: Path, url: str, backends: list[str], batch_size: int, epochs:
             "shards": gpupipe.build_loader(shards, backend, **kw),
             "s3": gpupipe.build_loader(url, backend, **kw),
         }
-        times: dict[str, list[float]] = {"shards": [], "s3": []}
-        for epoch in range(epochs):
-            its = {k: iter(v) for k, v in loaders.items()}
-            for b in range(len(loaders["shards"])):
-                for k in ("shards", "s3") if b % 2 else ("s3", "shards"):
-                    t0 = time.perf_counter()
-                    next(its[k])
-                    if epoch:
-                        times[k].append(time.perf_counter() - t0)
+        times = _in_turns(loaders, epochs)
         ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
         rows.append(
             {
@@ -139,6 +131,23 @@ def paired(shards: Path, url: str, backends: list[str], batch_size: int, epochs:
             }
         )
     return rows
+
+
+def _in_turns(loaders: dict, epochs: int, after_first=lambda: None) -> dict[str, list[float]]:
+    """Seconds per batch of each loader (``"shards"``, ``"s3"``), taken batch by batch in turns (which goes first
+    alternates), over ``epochs`` epochs; the first epoch warms up, untimed (``after_first`` is called after it)."""
+    times: dict[str, list[float]] = {"shards": [], "s3": []}
+    for epoch in range(epochs):
+        its = {k: iter(v) for k, v in loaders.items()}
+        if epoch == 1:
+            after_first()
+        for b in range(len(loaders["shards"])):
+            for k in ("shards", "s3") if b % 2 else ("s3", "shards"):
+                t0 = time.perf_counter()
+                next(its[k])
+                if epoch:
+                    times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def paired_window(shards: Path, url: str, backend: str, batch_size: int, memory_cache: int, window: int | None) -> dict:
@@ -152,18 +161,10 @@ def paired_window(shards: Path, url: str, backend: str, batch_size: int, memory_
         "shards": gpupipe.build_loader(shards, backend, shuffle_window=window, **kw),
         "s3": gpupipe.build_loader(remote, backend, shuffle_window=window, **kw),
     }
-    times: dict[str, list[float]] = {"shards": [], "s3": []}
     reader = loaders["s3"].dataset.reader
-    for epoch in range(5):
-        its = {k: iter(v) for k, v in loaders.items()}
-        if epoch == 1:
-            requests, read = reader.requests, reader.bytes_read
-        for b in range(len(loaders["shards"])):
-            for k in ("shards", "s3") if b % 2 else ("s3", "shards"):
-                t0 = time.perf_counter()
-                next(its[k])
-                if epoch:
-                    times[k].append(time.perf_counter() - t0)
+    at_epoch_1: list[int] = []
+    times = _in_turns(loaders, 5, lambda: at_epoch_1.extend((reader.requests, reader.bytes_read)))
+    requests, read = at_epoch_1
     ms = {k: 1000 * statistics.mean(v) for k, v in times.items()}
     return {
         "paired_window": backend,

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from gpupipe.data.sampler import ShardSampler
+from gpupipe.train.stop import _children
 
 try:
     from .common_utils import train_config
@@ -104,19 +105,6 @@ def _worker_dies(rank: int, after: int) -> None:
             yield keys
 
     ShardSampler.__iter__ = iter_then_kill
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):  # gone meanwhile
-                continue
-    return found
 
 
 def _all_exit(after: int) -> None:
