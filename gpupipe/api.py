@@ -160,12 +160,16 @@ def _sampler(
 ) -> ShardSampler:
     """The loader's order. Train: every rank takes the same number of steps (DDP needs it); eval: every sample
     exactly once, no padding. Shards at a URL are told the order, to read as it suits (and warn when it does not)."""
-    if window is not None and not isinstance(dataset, ShardImageList):
-        raise ValueError(
-            f"shuffle_window={window} shuffles groups of shards and {dataset.root} has none (an ImageFolder or a CSV "
-            "list reads each file on its own; gpupipe prepare writes shards): leave it None"
-        )
-    shards = dataset.shard_of if isinstance(dataset, ShardImageList) and window is not None else None
+    shards = None
+    if window is not None:
+        if not isinstance(dataset, ShardImageList):
+            raise ValueError(
+                f"shuffle_window={window} shuffles groups of shards and {dataset.root} has none (an ImageFolder or a "
+                "CSV list reads each file on its own; gpupipe prepare writes shards): leave it None"
+            )
+        shards = dataset.shard_of
+        if why := window_mixing(shards, dataset.labels, window, batch_size):
+            warnings.warn(f"{dataset.root}: {why}", stacklevel=3)
     rank, world_size = rank_world
     sampler = ShardSampler(
         len(dataset),
@@ -179,9 +183,6 @@ def _sampler(
         shards=shards,
         window=window,
     )
-    if isinstance(dataset, ShardImageList) and window is not None:
-        if why := window_mixing(dataset.shard_of, dataset.labels, window, batch_size):
-            warnings.warn(f"{dataset.root}: {why}", stacklevel=3)
     if isinstance(dataset, RemoteShardImageList):
         dataset.plan_reads(train, window)
     return sampler

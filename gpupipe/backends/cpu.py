@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +20,10 @@ from ..recipe import Box, Recipe
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder
+
+if TYPE_CHECKING:
+    from ..augment.feedback import WeightsClock
+    from ..data.sampler import ShardSampler
 
 
 class Sample(NamedTuple):
@@ -178,16 +182,17 @@ class _KeysWithWeights:
         return len(self.loader.sampler)
 
     def __iter__(self) -> Iterator[list[tuple]]:
-        clock, position, sampler = (
-            self.loader.weights_clock,
-            self.loader.position,
-            self.loader.sampler,
-        )  # not the loader
+        loader = self.loader  # read now, not kept by the generator (it would hold the loader while suspended)
+        clock = loader.weights_clock
         assert clock is not None  # made only for a loader that draws from CTAugment's weights
-        first = position.epoch * len(sampler) + position.batch  # the pass's start, read now
-        for g, keys in enumerate(sampler, first):
-            weights = clock.for_batch(g)
-            yield [(e, i, weights) for e, i in keys]
+        first = loader.position.epoch * len(loader.sampler) + loader.position.batch  # the pass's start, read now
+        return _with_weights(loader.sampler, clock, first)
+
+
+def _with_weights(sampler: ShardSampler, clock: WeightsClock, first: int) -> Iterator[list[tuple]]:
+    for g, keys in enumerate(sampler, first):
+        weights = clock.for_batch(g)
+        yield [(e, i, weights) for e, i in keys]
 
 
 class CpuLoader(Loader):

@@ -49,14 +49,13 @@ class BatchReader:
 
     def __init__(self, store: Store, urls: Sequence[str], ends: np.ndarray, memory_cache: int):
         self.store, self.urls, self.ends = store, urls, ends
-        self.keeps_blocks = 0 < int(ends.sum()) <= memory_cache
-        self.window: int | None = None  # the loader's shuffle_window, in shards
         self.requests = 0  # range requests this process made (tests and the bench read it)
         self.bytes_read = 0  # and the bytes they asked for
         self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self._budget = memory_cache
         self._held = 0
         self._pid = os.getpid()
+        self.set_window(None)  # keeps_blocks: whether the set fits, until a loader says its window
 
     def __getstate__(self):  # a spawned worker starts with no blocks
         return {**self.__dict__, "_blocks": OrderedDict(), "_held": 0, "requests": 0, "bytes_read": 0}
@@ -68,7 +67,7 @@ class BatchReader:
     def set_window(self, window: int | None) -> None:
         """The loader's ``shuffle_window`` (shards; None: a global shuffle, or none): keep blocks also when that many
         shards fit the budget, the largest ones, which is what the window order needs to read each block once."""
-        self.window = window
+        self.window: int | None = window  # the loader's shuffle_window, in shards
         fits = 0 < int(self.ends.sum()) <= self._budget
         self.keeps_blocks = fits or (window is not None and 0 < self.window_bytes(window) <= self._budget)
 
