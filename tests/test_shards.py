@@ -96,9 +96,9 @@ def test_an_unwritable_shard_folder_caches_the_index_in_the_user_cache(wds_shard
     ]
 
 
-def _tar(path, members: dict[str, bytes]):
+def _tar(path, members: dict[str, bytes] | list[tuple[str, bytes]]):
     with tarfile.open(path, "w") as tf:
-        for name, data in members.items():
+        for name, data in members.items() if isinstance(members, dict) else members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
@@ -115,6 +115,9 @@ def _tar(path, members: dict[str, bytes]):
         ),
         ({"a.jpg": b"x", "a.json": json.dumps({"caption": "x"}).encode()}, r"a.json: no label field"),
         ({"a.jpg": b"x", "a.cls": b"dog"}, r"a.cls: a .cls member must hold an integer"),
+        ({"a.jpg": b"x", "a.cls": b"1_0"}, r"a.cls: a .cls member must hold an integer label, got b'1_0'"),
+        ({"a.jpg": b"x", "a.cls": "\u0663".encode()}, r"a.cls: a .cls member must hold an integer"),
+        ([("a.jpg", b"x"), ("a.cls", b"1"), ("a.cls", b"2")], r"key 'a' has two .cls members \(a.cls and a.cls\)"),
         ({"a.txt": b"x"}, r"no samples"),
     ],
 )
