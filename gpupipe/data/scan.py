@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
-
 from .._files import read_regular
 from .._names import escape
 from .compact import PathList, SampleList
