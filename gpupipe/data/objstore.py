@@ -14,9 +14,9 @@ turned off unless ``storage_options`` set them), so the time to give up is known
 
 from __future__ import annotations
 
+import errno
 import os
 import random
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -192,7 +192,7 @@ def _options(url: str, given: dict[str, Any]) -> dict[str, Any]:
     options = dict(given)
     if url.startswith(("s3://", "s3a://")):
         config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # max_attempts counts retries
         options["config_kwargs"] = config
     return options
 
@@ -212,17 +212,56 @@ def _truncated(url: str, start: int, size: int) -> StorageError:
     return StorageError(f"{url} ends before its member at byte {start} of {size} bytes: truncated?")
 
 
+# Error codes of S3 and the stores that copy its API that mean "try again": throttling, a busy or failing server.
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "ProvisionedThroughputExceededException", "RequestTimeout", "RequestTimeoutException", "InternalError",
+    "ServiceUnavailable", "OperationAborted",
+}  # fmt: skip
+# s3fs turns those errors into a bare OSError whose text is the server's message ("Please reduce your request rate.",
+# no code in it) and whose errno is EBUSY (throttling, 503) or EREMOTEIO (an internal error, 500)
+_TRANSIENT_ERRNOS = (errno.EBUSY, errno.EREMOTEIO)
+
+
 def _transient(e: Exception) -> bool:
-    """Connection lost or refused, timeouts, 5xx, throttling: worth another try. Anything else is permanent."""
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return True
-    name = type(e).__name__
-    if any(k in name for k in ("Connection", "Timeout", "Throttl", "IncompleteRead", "ClientPayload")):
-        return True
-    text = str(e)
-    return isinstance(e, OSError) and bool(
-        re.search(r"\b5\d\d\b|SlowDown|Throttl|InternalError|ServiceUnavailable|Reset|temporar", text, re.I)
-    )
+    """Connection lost or refused, timeouts, 5xx, throttling: worth another try. Anything else is permanent. Told by
+    the exception's type, the HTTP status and the store's error code (on it or on the client's error it wraps), never
+    by words in its text alone."""
+    for x in _chain(e):
+        if isinstance(x, (ConnectionError, TimeoutError)):
+            return True
+        names = [c.__name__ for c in type(x).__mro__]  # aiohttp's ClientConnectorError is a ClientConnectionError
+        if any(k in n for n in names for k in ("Connection", "Timeout", "Throttl", "IncompleteRead", "ClientPayload")):
+            return True
+        status, code = _status_and_code(x)
+        if (status is not None and (status >= 500 or status in (408, 429))) or code in _TRANSIENT_CODES:
+            return True
+    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the errors it was raised from (a client library's own error under s3fs's ``OSError``)."""
+    out: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and x not in out and len(out) < 8:
+        out.append(x)
+        x = x.__cause__
+    return out
+
+
+def _status_and_code(e: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and the store's error code an exception carries: botocore's ``response`` (S3), aiohttp's
+    ``status`` (HTTP), gcsfs's ``code``, requests' ``response.status_code``."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return (status if isinstance(status, int) else None), response.get("Error", {}).get("Code")
+    status = getattr(e, "status", None)  # aiohttp's (its ``code`` is a deprecated alias)
+    if not isinstance(status, int):
+        status = getattr(e, "code", None)  # gcsfs's HttpError
+    if not isinstance(status, int):
+        status = getattr(response, "status_code", None)  # requests'
+    return (status if isinstance(status, int) and 100 <= status < 600 else None), None
 
 
 def _cause(e: BaseException) -> str:
