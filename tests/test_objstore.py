@@ -4,12 +4,14 @@ is not, and the deadline over all attempts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpupipe import Remote, StorageError
 from gpupipe.data.objstore import Store
 
-from .common_utils import HTTPFiles
+from .common_utils import BlackHole, HTTPFiles
 
 pytest.importorskip("aiohttp", reason="fsspec's HTTP file system needs aiohttp")
 
@@ -58,3 +60,33 @@ def test_a_client_error_is_not_retried(files, scheme):
     with pytest.raises(StorageError, match="bucket/obj: ") as e:
         _store(url, files.url).read(url, 2, 4)
     assert "unreachable" not in str(e.value) and files.requests == ["/bucket/obj"]
+
+
+@pytest.mark.parametrize("scheme", ["s3", "http"])
+def test_an_endpoint_that_never_answers_ends_at_the_deadline(scheme):
+    """A server that accepts and never answers held a read for ~16 minutes (6 attempts, each through the client's
+    own timeouts and retries); the deadline bounds them all, and the error states it."""
+    if scheme == "s3":
+        pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
+    hole = BlackHole()
+    url = "s3://bucket/obj" if scheme == "s3" else f"{hole.url}/bucket/obj"
+    store = _store(url, hole.url, deadline=2)
+    try:
+        for read in (lambda: store.read(url, 0, 4), lambda: store.read_many([url], [0], [4])[0]):
+            started = time.monotonic()
+            with pytest.raises(StorageError, match=r"bucket/obj: no answer within the deadline of 2 s \(1 attempt"):
+                got = read()
+                raise got if isinstance(got, Exception) else AssertionError(got)
+            assert time.monotonic() - started < 60  # 2 s and a thread's start: the bound is the point, not the time
+    finally:
+        hole.stop()
+
+
+def test_the_deadline_leaves_no_wait_past_it(files):
+    files.fail(500, INTERNAL)
+    url = f"{files.url}/bucket/obj"
+    store = Store(Remote(url, backoff=30, deadline=1), url)  # the first backoff, 15-30 s, would pass the deadline
+    with pytest.raises(StorageError, match=r"deadline of 1 s \(1 attempt\(s\); the last error: ClientResponseError"):
+        store.read(url, 0, 4)
+    with pytest.raises(ValueError, match="deadline must be > 0 seconds"):
+        Remote(url, deadline=0)
