@@ -15,6 +15,7 @@ import io
 import json
 import mmap
 import os
+import re
 import resource
 import tarfile
 from collections.abc import Callable, Sequence
@@ -399,6 +400,11 @@ def _walk_tar(path: str) -> _TarMembers:
                         )
                     images[key] = (m.name, m.offset_data, m.size)
                 else:
+                    if key in labels[ext]:
+                        raise GpupipeError(
+                            f"{path}: key {key!r} has two .{ext} members ({labels[ext][key][0]} and {m.name}): "
+                            "which one is its label?"
+                        )
                     member = tf.extractfile(m)  # a regular file (isfile above): never None
                     assert member is not None
                     labels[ext][key] = (m.name, member.read())
@@ -436,10 +442,10 @@ def _split(name: str) -> tuple[str, str]:
 def _label(path: str, member: str, data: bytes) -> int | str:
     where = f"{path}: {member}"
     if member.lower().endswith(".cls"):
-        try:
-            return int(data.strip())
-        except ValueError:
-            raise GpupipeError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}") from None
+        text = data.strip()
+        if re.fullmatch(rb"-?[0-9]+", text) is None:  # ASCII digits only: int() would read b"1_0" as 10
+            raise GpupipeError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}")
+        return int(text)
     try:
         obj = json.loads(data)
     except ValueError as e:
