@@ -100,10 +100,10 @@ class Store:
     def path(self, url: str) -> str:
         return self.fs._strip_protocol(url)
 
-    def call(self, url: str, what: Callable[[], _T]) -> _T:
+    def call(self, url: str, what: Callable[[], _T], deadline: float | None = None) -> _T:
         """``what()`` with retries on transient errors; permanent ones (no such object, access denied) at once; all of
-        it within the remote's deadline."""
-        clock = _Deadline(self.remote.deadline)
+        it within ``deadline`` seconds (the remote's by default)."""
+        clock = _Deadline(deadline or self.remote.deadline)
         last: Exception | None = None
         for attempt in range(self.remote.retries):
             try:
@@ -193,8 +193,10 @@ class Store:
         os.replace(tmp, target)
 
     def put(self, local: Path, url: str) -> None:
-        """One upload: an object appears whole or not at all (S3 PUTs are atomic)."""
-        self.call(url, lambda: self.fs.put_file(str(local), self.path(url)))
+        """One upload: an object appears whole or not at all (S3 PUTs are atomic). A large one may take longer than
+        the deadline, at 1 MiB/s."""
+        deadline = max(self.remote.deadline, local.stat().st_size / (1 << 20))
+        self.call(url, lambda: self.fs.put_file(str(local), self.path(url)), deadline)
 
     def sizes(self, url: str) -> dict[str, int]:
         """The byte size of each object directly under the folder ``url``, by name; empty when there is none."""
