@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
+from .._system import env_int
+
 
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size = _env("WORLD_SIZE", 1)
+        self.rank = _env("RANK", 0)
+        self.local_rank = _env("LOCAL_RANK", 0)
         want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
         if want_cuda:
             if not torch.cuda.is_available():
@@ -70,3 +71,8 @@ class Distributed:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _env(name: str, default: int) -> int:
+    found = env_int(name)
+    return default if found is None else found
