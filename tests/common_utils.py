@@ -122,10 +122,20 @@ def float_tiff(path):
     return path
 
 
+ORIENTED_FORMATS = ("JPEG", "PNG", "WEBP", "TIFF")  # the formats Pillow reads an EXIF orientation from
+
+
+def with_orientation(img: Image.Image, fmt: str, orientation: int) -> bytes:
+    """``img`` stored as ``fmt`` (one of ORIENTED_FORMATS) with an EXIF orientation tag."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(img, fmt, exif=exif, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
+
+
 def exif_upright(data: bytes) -> Image.Image:
     from PIL import ImageOps
 
-    return ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+    return ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")  # turned as opened, then converted
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

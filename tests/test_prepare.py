@@ -21,7 +21,7 @@ from gpupipe.cli import main
 from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
 
-from .common_utils import make_folder, photo
+from .common_utils import ORIENTED_FORMATS, exif_upright, make_folder, photo, with_orientation
 
 LOADERS = [
     pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
@@ -123,6 +123,19 @@ def test_slow_or_unusual_files_become_baseline_rgb_jpegs(case):
     ref = gpupipe.read_image(data, "pillow").float()[None]
     ref = torch.nn.functional.interpolate(ref, size=size, mode="bilinear", antialias=True)[0]
     assert (gpupipe.read_image(out.data, "pillow").float() - ref).abs().mean() < 8  # the same picture, upright
+
+
+@pytest.mark.parametrize("fmt", ORIENTED_FORMATS)
+def test_files_with_an_orientation_are_stored_upright_in_every_format(fmt):
+    """A file turned by its EXIF tag is stored as ``exif_transpose`` turns it, whatever its format (Pillow's TIFF
+    loader turns a TIFF itself: it must not be turned twice)."""
+    data = with_orientation(BASE, fmt, 6)
+    out = convert(data, "x.img", PrepareOptions())
+    assert out.reason is None and out.changes  # stored anew: baseline JPEG, no tag
+    want = np.asarray(exif_upright(data), dtype=np.float32)
+    got = np.asarray(Image.open(io.BytesIO(out.data)), dtype=np.float32)
+    assert (out.height, out.width) == want.shape[:2] == got.shape[:2] == (90, 60)
+    assert np.abs(got - want).mean() < 4
 
 
 def test_bad_files_are_reported_and_left_out(tmp_path, capsys):
