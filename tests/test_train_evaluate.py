@@ -56,13 +56,13 @@ def _checkpoint(path, config: dict, classes: list[str] | None) -> None:
     "config, classes, refusal",
     [
         ({"data_resolved": "{url}/data", "data": "{url}/data", "allow_outside_root": True}, None, "no class list"),
-        ({"model": "hf-hub:{host}/model"}, ["a", "b"], "names the model 'hf-hub:"),
+        ({"model": "hf-hub:someone/model"}, ["a", "b"], "names the model 'hf-hub:"),
         ({"model": "local-dir:/etc"}, ["a", "b"], "not a timm architecture name"),
     ],
 )
 def test_eval_fetches_nothing_a_checkpoint_names(tmp_path, server, config, classes, refusal):
     url, requests = server
-    config = {k: v.format(url=url, host=url.split("//")[1]) if isinstance(v, str) else v for k, v in config.items()}
+    config = {k: v.format(url=url) if isinstance(v, str) else v for k, v in config.items()}
     ckpt = tmp_path / "last.pt"
     _checkpoint(ckpt, config, classes)
     data = make_folder(tmp_path / "val", 2, 1)
