@@ -184,7 +184,7 @@ def _sampler(
         window=window,
     )
     if isinstance(dataset, RemoteShardImageList):
-        dataset.plan_reads(train, window)
+        dataset.plan_reads(sampler)
     return sampler
 
 
