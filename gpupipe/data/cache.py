@@ -214,6 +214,12 @@ class Pinned:
     def read(self, start: int, size: int) -> bytes:
         return b"" if self.map is None else self.map[start : start + size]
 
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self, unlock: bool = True) -> None:
         """Unpin (``unlock=False`` in a forked child: the lock is its parent's, shared through the descriptor)."""
         if self.map is not None:
@@ -282,6 +288,7 @@ class ReadAhead:
         self.shards, self.shard_of, self.ahead = shards, shard_of, ahead
         self._sampler = weakref.ref(sampler)
         self.error: Exception | None = None  # the last fetch's failure (a worker meets and reports its own)
+        self.epoch, self.done = -1, 0  # the epoch followed, and how many of its shards (in plan order) are fetched
         threading.Thread(target=self._run, name="gpupipe-read-ahead", daemon=True).start()
 
     def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -296,21 +303,20 @@ class ReadAhead:
         return shards[first].astype(np.int64), first // sampler.batch_size
 
     def _run(self) -> None:
-        epoch, done = -1, 0
         order = first = np.zeros(0, np.int64)
         while (sampler := self._sampler()) is not None:
             position = sampler.position
             del sampler  # held only while looking: the loader's end ends this thread
-            if position.epoch != epoch:
-                epoch, done = position.epoch, 0
-                order, first = self.plan(epoch)
-            reached = int(np.searchsorted(first, position.batch, side="right"))
-            if done < min(reached + self.ahead, len(order)):
+            if position.epoch != self.epoch:
+                self.epoch, self.done = position.epoch, 0
+                order, first = self.plan(self.epoch)
+            reached = int(np.searchsorted(first, position.batch, side="right"))  # shards the delivered batches used
+            if self.done < min(reached + self.ahead, len(order)):
                 try:
-                    self.shards.fetch(int(order[done]))
+                    self.shards.fetch(int(order[self.done]))
                 except Exception as e:  # the worker that needs the shard fetches it itself and reports the error
                     self.error = e
-                done += 1
+                self.done += 1
                 continue
             time.sleep(self.POLL)
 

@@ -188,6 +188,7 @@ def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
     index_url = f"{url}/{INDEX}"
 
     def columns() -> dict[str, np.ndarray]:
+        store.fs.invalidate_cache(store.path(index_url))  # a set prepared again in place: not the old ETag's info
         with store.fs.open(store.path(index_url), "rb", block_size=1 << 20) as f, np.load(f) as z:
             return {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
 
