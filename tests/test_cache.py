@@ -14,7 +14,6 @@ import pytest
 import gpupipe
 from gpupipe import Remote
 from gpupipe.data.cache import ShardCache, parse_limit
-from gpupipe.data.objstore import Store
 from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, prepare
 
@@ -84,7 +83,7 @@ def test_the_least_recently_used_shards_go_at_the_limit_never_a_pinned_one(s3, p
     sizes, n = data.cache.sizes, len(data.shard_paths)
     limit = sum(sorted(sizes)[-2:])  # two shards, whichever
     cache = ShardCache(tmp_path / "small", limit)
-    fetch = lambda s: cache.ensure(data.store, data.shard_paths[s], sizes[s], data.cache.etags[s])  # noqa: E731
+    fetch = lambda s: cache.ensure(data.store, data.shard_paths[s], sizes[s], data.cache.etags[s])
     pinned = cache.pin(data.store, data.shard_paths[0], sizes[0], data.cache.etags[0])
     for s in range(1, n):
         fetch(s)

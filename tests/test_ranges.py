@@ -99,7 +99,8 @@ def test_a_server_gone_fails_each_sample_of_a_request_with_its_url(s3, shards):
     server = S3Server(process=True)
     try:
         url, options = server.upload(shards, "gone"), {"endpoint_url": server.endpoint}
-        sets = [scan(Remote(url, storage_options=options, cache_limit=0, memory_cache=m, **FAST)) for m in (256 << 20, 0)]
+        kw = dict(storage_options=options, cache_limit=0, **FAST)
+        sets = [scan(Remote(url, memory_cache=m, **kw)) for m in (256 << 20, 0)]
     finally:
         server.stop()
     for data in sets:  # kept blocks, then coalesced ranges
