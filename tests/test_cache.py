@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import gpupipe
 from gpupipe import Remote
@@ -175,3 +176,14 @@ def test_the_next_shards_are_read_ahead(s3, prepared, proxy, tmp_path):
     assert sorted(_shard_gets(proxy, "ahead")) == sorted(f"shard-{s:06d}.tar" for s in order[:target])
     list(loader)
     assert set(_shard_gets(proxy, "ahead").values()) == {1} and len(_shard_gets(proxy, "ahead")) == len(order)
+
+
+def test_train_takes_the_cache_limit(s3, prepared, tmp_path):
+    from gpupipe.train.build import build_loaders
+    from gpupipe.train.config import load_config
+
+    url = s3.upload(prepared, "train")
+    for given, limit in (("1GB", 1 << 30), ("0", None)):
+        cfg = load_config(None, {"data": url, "cache_limit": given, "workers": 0, "batch_size": 4, "image_size": 24})
+        data = build_loaders(cfg, torch.device("cpu"))[0].dataset
+        assert (data.cache and data.cache.cache.limit) == limit

@@ -17,8 +17,8 @@ folder on ``/dev/shm`` makes it a memory cache with no other code.
 - **Bounded**: before a fetch, the least recently used shards (modification time, set on each use) are removed
   until the new one fits ``limit`` bytes; a shard a process is reading is pinned by its shared lock and never
   removed (the folder may then exceed the limit by the shards in use at once).
-- **Read ahead**: :class:`ReadAhead`, a thread of the process that iterates the loader, fetches the shards the
-  coming batches will need while the current ones train.
+- **Read ahead** (:mod:`.cached`, which also decides when a loader reads through the cache): a thread of the
+  process that iterates the loader fetches the shards the coming batches will need while the current ones train.
 """
 
 from __future__ import annotations
@@ -30,15 +30,9 @@ import mmap
 import os
 import re
 import shutil
-import threading
-import time
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
-
-import numpy as np
+from typing import Any, Protocol, TypeVar
 
 from ..errors import StorageError
 
@@ -86,43 +80,6 @@ def size_text(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB" if size < 1 << 30 else f"{size / (1 << 30):.2f} GiB"
 
 
-class Plan(NamedTuple):
-    """How a loader reads through the cache: whether at all, how many shards a process keeps pinned, how many it
-    reads ahead, and why not (a warning) when a shuffled epoch cannot use it."""
-
-    cached: bool
-    keep: int = 16
-    ahead: int = 2
-    why: str | None = None
-
-
-def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None) -> Plan:
-    """A set that fits ``limit`` is cached whole; a ``shuffle_window`` of ``K`` shards needs its ``K`` largest
-    shards to fit (refused otherwise, with the numbers); a sequential pass needs two (the current and the next);
-    a global shuffle of a set larger than the limit is read by range (each batch's samples), with a warning."""
-    total, largest = sum(sizes), sorted(sizes, reverse=True)
-    if total <= limit:
-        return Plan(True, keep=min(16, len(sizes)) or 1, ahead=window or 2)
-    if window is not None:
-        need = sum(largest[:window])
-        if need > limit:
-            raise ValueError(
-                f"cache_limit={size_text(limit)} holds fewer than shuffle_window={window} shards (the largest "
-                f"{window} hold {size_text(need)}); allow at least {size_text(2 * need)} (a group and the next, read "
-                "ahead) or take a smaller shuffle_window"
-            )
-        return Plan(True, keep=2 * window, ahead=window)
-    if not shuffled:
-        return Plan(sum(largest[:2]) <= limit, keep=2, ahead=2)
-    fit = int(np.searchsorted(np.cumsum(largest), limit / 2, side="right"))
-    return Plan(
-        False,
-        why=f"a global shuffle over {size_text(total)} of shards, more than cache_limit={size_text(limit)}, reads "
-        f"about one range request per sample: use shuffle_window={max(fit, 1)} or less (a group and the next fit), "
-        "or a larger cache_limit",
-    )
-
-
 class ShardCache:
     """The shard files in ``folder``, at most ``limit`` bytes of them (see the module's docstring)."""
 
@@ -154,7 +111,7 @@ class ShardCache:
                     pinned = Pinned(fd, path)
                     fd = -1
                     return pinned
-                _relock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # converted: dropped, then taken (no deadlock between two)
                 if not _complete(path, size) and _same(fd, path.with_name(path.name + _LOCK)):
                     self._fetch(store, url, size, path)
             finally:
@@ -230,97 +187,6 @@ class Pinned:
             os.close(self.fd)
 
 
-class CachedShards:
-    """A data set's shards through a :class:`ShardCache`: each process keeps its last ``keep`` shards pinned and
-    mapped (the current group's, with a shuffle window)."""
-
-    def __init__(
-        self, store: Store, cache: ShardCache, urls: Sequence[str], sizes: Sequence[int], etags: Sequence[str]
-    ):
-        self.store, self.cache, self.urls = store, cache, list(urls)
-        self.sizes, self.etags = [int(s) for s in sizes], list(etags)
-        self.keep = 8
-        self._pinned: OrderedDict[int, Pinned] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def __getstate__(self):  # a spawned worker pins its own
-        return {**self.__dict__, "_pinned": OrderedDict(), "_lock": None, "_pid": None}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _lock=threading.Lock())
-
-    def read(self, s: int, start: int, size: int) -> bytes:
-        return self._pinned_shard(s).read(start, size)
-
-    def fetch(self, s: int) -> None:
-        self.cache.ensure(self.store, self.urls[s], self.sizes[s], self.etags[s])
-
-    def _pinned_shard(self, s: int) -> Pinned:
-        if self._pid != os.getpid():  # a forked worker: the parent's pins are its parent's to release
-            for p in self._pinned.values():
-                p.close(unlock=False)
-            self._pinned, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
-        with self._lock:
-            found = self._pinned.get(s)
-            if found is not None:
-                self._pinned.move_to_end(s)
-                return found
-        pinned = self.cache.pin(self.store, self.urls[s], self.sizes[s], self.etags[s])
-        with self._lock:
-            if s in self._pinned:  # another thread pinned it meanwhile
-                pinned.close()
-                return self._pinned[s]
-            self._pinned[s] = pinned
-            while len(self._pinned) > self.keep:
-                self._pinned.popitem(last=False)[1].close()
-        return pinned
-
-
-class ReadAhead:
-    """A thread of the process that iterates the loader (one per rank): it follows the loader's position and
-    fetches, in the order the epoch first needs them, the next ``ahead`` shards past those the delivered batches
-    have reached, so that the workers find them on the disk. It ends with the sampler."""
-
-    POLL = 0.05  # seconds between looks at the position
-
-    def __init__(self, shards: CachedShards, sampler, shard_of: np.ndarray, ahead: int):
-        self.shards, self.shard_of, self.ahead = shards, shard_of, ahead
-        self._sampler = weakref.ref(sampler)
-        self.error: Exception | None = None  # the last fetch's failure (a worker meets and reports its own)
-        self.epoch, self.done = -1, 0  # the epoch followed, and how many of its shards (in plan order) are fetched
-        threading.Thread(target=self._run, name="gpupipe-read-ahead", daemon=True).start()
-
-    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """The epoch's shards in the order this rank first needs them, and the batch that first needs each."""
-        sampler = self._sampler()
-        if sampler is None:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        order = np.asarray(sampler.rank_indices(epoch), np.int64)
-        shards = self.shard_of[order]
-        _, first = np.unique(shards, return_index=True)
-        first = np.sort(first)
-        return shards[first].astype(np.int64), first // sampler.batch_size
-
-    def _run(self) -> None:
-        order = first = np.zeros(0, np.int64)
-        while (sampler := self._sampler()) is not None:
-            position = sampler.position
-            del sampler  # held only while looking: the loader's end ends this thread
-            if position.epoch != self.epoch:
-                self.epoch, self.done = position.epoch, 0
-                order, first = self.plan(self.epoch)
-            reached = int(np.searchsorted(first, position.batch, side="right"))  # shards the delivered batches used
-            if self.done < min(reached + self.ahead, len(order)):
-                try:
-                    self.shards.fetch(int(order[self.done]))
-                except Exception as e:  # the worker that needs the shard fetches it itself and reports the error
-                    self.error = e
-                self.done += 1
-                continue
-            time.sleep(self.POLL)
-
-
 def _lock(path: Path, how: int) -> int:
     """An open descriptor of the lock file ``path``, locked ``how``; the file a remover unlinked meanwhile is not
     the lock any more (another took its place): then the new one is taken."""
@@ -335,10 +201,6 @@ def _lock(path: Path, how: int) -> int:
         if _same(fd, path):
             return fd
         os.close(fd)
-
-
-def _relock(fd: int, how: int) -> None:
-    fcntl.flock(fd, how)
 
 
 def _same(fd: int, path: Path) -> bool:

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GpupipeError, StorageError
-from .cache import CachedShards, ReadAhead, ShardCache, cache_folder, etag_of, parse_limit, plan
+from .cache import ShardCache, cache_folder, etag_of, parse_limit
+from .cached import CachedShards, ReadAhead, plan
 from .objstore import Remote, Store
 from .ranges import BatchReader
 from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, combine_indexes, index_tar

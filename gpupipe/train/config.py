@@ -96,6 +96,12 @@ class TrainConfig:
         "build_loader (default None: a global shuffle)",
         resume="fixed",
     )
+    cache_limit: str | None = opt(
+        None,
+        "data at a URL: bytes the node's shard cache may hold (e.g. 50GB; 0: no cache folder, range reads); "
+        "default None: half the free space of its disk ($GPUPIPE_CACHE, else ~/.cache/gpupipe/shards)",
+        resume="changeable",
+    )
     image_size: int = opt(224, "training and validation image side", resume="fixed")
     device: str | None = opt(
         None,
