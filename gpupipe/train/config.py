@@ -92,7 +92,7 @@ class TrainConfig:
     shuffle_window: int | None = opt(
         None,
         "shards only: shuffle each epoch K shards at a time (the samples of K shards among themselves, each rank a "
-        "contiguous part), so shards at a URL larger than the memory cache are read in large blocks; see "
+        "contiguous part), so shards at a URL larger than the node's shard cache are fetched a group at a time; see "
         "build_loader (default None: a global shuffle)",
         resume="fixed",
     )
