@@ -4,6 +4,7 @@ used shards evicted at the limit and pinned ones kept, a limit smaller than the 
 fetched again, a fetch killed mid-way fetched again (and a truncated copy never read), the next shards read ahead."""
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -176,6 +177,8 @@ def test_the_next_shards_are_read_ahead(s3, prepared, proxy, tmp_path):
     assert sorted(_shard_gets(proxy, "ahead")) == sorted(f"shard-{s:06d}.tar" for s in order[:target])
     list(loader)
     assert set(_shard_gets(proxy, "ahead").values()) == {1} and len(_shard_gets(proxy, "ahead")) == len(order)
+    spawned = pickle.loads(pickle.dumps(loader.dataset))  # what a spawned worker gets: no thread, no pins
+    assert spawned.read_ahead is None and spawned.read(5) == loader.dataset.read(5)
 
 
 def test_train_takes_the_cache_limit(s3, prepared, tmp_path):

@@ -82,6 +82,9 @@ class RemoteShardImageList(ShardImageList):
         self.cached = self.cache is not None and plan(self.cache.sizes, self.cache.cache.limit, True, None).cached
         self.read_ahead: ReadAhead | None = None
 
+    def __getstate__(self):  # a spawned worker reads; the read ahead is its parent's
+        return {**super().__getstate__(), "read_ahead": None}
+
     def plan_reads(self, sampler) -> None:
         """Read as a loader's order (``sampler``) suits: through the cache when the set fits it, or the
         ``shuffle_window``'s shards do (a limit smaller than ``K`` shards is refused), or the pass is sequential,
