@@ -8,7 +8,9 @@ blocks in ``memory_cache``), and from the same shards on the disk.
 
 Per source and epoch (first, second): the bytes the server answered (GET bodies) over the set's shard bytes, the
 requests, and the epoch's seconds (the slower rank's; the ranks start each epoch together) with its ratio to the
-disk's. Byte and request counts do not depend on the machine's load; the seconds do (the load average is recorded).
+disk's, run just before it. The first epoch's count includes start-up (listing, index, the first shards read ahead);
+what the read ahead fetches for the next epoch as one ends falls in either. Byte and request counts do not depend on
+the machine's load; the seconds do (the load average is recorded).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def run_node(source, window: int, batch: int, proxy: CountingProxy) -> list[dict
     """Two ranks of a node, epoch by epoch, started together: per epoch the slower rank's seconds, the images, and
     what the server was asked meanwhile."""
     spec = json.dumps(source if isinstance(source, dict) else str(source))
+    requests, got = proxy.snapshot()  # the first epoch's count includes start-up (index, listing, read ahead)
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", _RANK, spec, str(r), str(window), str(batch)],
@@ -113,7 +116,6 @@ def run_node(source, window: int, batch: int, proxy: CountingProxy) -> list[dict
         for p in ranks:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         for epoch in range(2):
-            requests, got = proxy.snapshot()
             for p in ranks:
                 assert p.stdin is not None
                 p.stdin.write("go\n")
@@ -129,6 +131,7 @@ def run_node(source, window: int, batch: int, proxy: CountingProxy) -> list[dict
                     "bytes": after[1] - got,
                 }
             )
+            requests, got = after
     finally:
         for p in ranks:
             p.kill()
@@ -168,18 +171,21 @@ def main() -> None:
                 ),
             }
             for name, source in sources.items():
-                load = os.getloadavg()[0]
-                for row in run_node(source, args.shuffle_window, args.batch_size, proxy):
-                    row.update(source=name, bytes_per_set=row["bytes"] / set_bytes, load_average=load)
-                    results.append(row)
-                    print(json.dumps(row), file=sys.stderr)
+                if name == "disk":
+                    continue
+                for which, what in (("disk", sources["disk"]), (name, source)):  # the disk beside each, in turns
+                    load = os.getloadavg()[0]
+                    for row in run_node(what, args.shuffle_window, args.batch_size, proxy):
+                        row.update(source=which, pair=name, bytes_per_set=row["bytes"] / set_bytes, load_average=load)
+                        results.append(row)
+                        print(json.dumps(row), file=sys.stderr)
     finally:
         proxy.server.shutdown()
         server.kill()
         server.wait()
-    disk = {r["epoch"]: r["seconds"] for r in results if r["source"] == "disk"}
+    disk = {(r["pair"], r["epoch"]): r["seconds"] for r in results if r["source"] == "disk"}
     for r in results:
-        r["disk_vs_this"] = disk[r["epoch"]] / r["seconds"]  # >= 1: as fast as the disk
+        r["disk_vs_this"] = disk[r["pair"], r["epoch"]] / r["seconds"]  # >= 1: as fast as the disk beside it
     report = {
         "kind": "s3-cache",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -33,7 +33,7 @@ def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None) -
     a global shuffle of a set larger than the limit is read by range (each batch's samples), with a warning."""
     total, largest = sum(sizes), sorted(sizes, reverse=True)
     if total <= limit:
-        return Plan(True, keep=min(16, len(sizes)) or 1, ahead=window or 2)
+        return Plan(True, keep=16, ahead=window or 2)
     if window is not None:
         need = sum(largest[:window])
         if need > limit:
@@ -55,8 +55,8 @@ def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None) -
 
 
 class CachedShards:
-    """A data set's shards through a :class:`ShardCache`: each process keeps its last ``keep`` shards pinned and
-    mapped (the current group's, with a shuffle window)."""
+    """A data set's shards through a :class:`ShardCache`. A process keeps pinned (and mapped) the shards of the batch
+    it read last (:meth:`release`), at most ``keep`` shards, so the shards the epoch has left behind can be evicted."""
 
     def __init__(
         self, store: Store, cache: ShardCache, urls: Sequence[str], sizes: Sequence[int], etags: Sequence[str]
@@ -65,39 +65,53 @@ class CachedShards:
         self.sizes, self.etags = [int(s) for s in sizes], list(etags)
         self.keep = 8
         self._pinned: OrderedDict[int, Pinned] = OrderedDict()
+        self._busy: dict[int, int] = {}  # shard -> reads under way (another thread's): never unpinned meanwhile
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
     def __getstate__(self):  # a spawned worker pins its own
-        return {**self.__dict__, "_pinned": OrderedDict(), "_lock": None, "_pid": None}
+        return {**self.__dict__, "_pinned": OrderedDict(), "_busy": {}, "_lock": None, "_pid": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _lock=threading.Lock())
 
     def read(self, s: int, start: int, size: int) -> bytes:
-        return self._pinned_shard(s).read(start, size)
+        pinned = self._pinned_shard(s)
+        try:
+            return pinned.read(start, size)
+        finally:
+            with self._lock:
+                self._busy[s] -= 1
 
     def fetch(self, s: int) -> None:
         self.cache.ensure(self.store, self.urls[s], self.sizes[s], self.etags[s])
+
+    def release(self, keep: set[int]) -> None:
+        """Unpin every shard but those in ``keep`` (the batch just read) and those another thread is reading."""
+        with self._lock:
+            for s in [s for s in self._pinned if s not in keep and not self._busy.get(s)]:
+                self._pinned.pop(s).close()
 
     def _pinned_shard(self, s: int) -> Pinned:
         if self._pid != os.getpid():  # a forked worker: the parent's pins are its parent's to release
             for p in self._pinned.values():
                 p.close(unlock=False)
-            self._pinned, self._lock, self._pid = OrderedDict(), threading.Lock(), os.getpid()
+            self._pinned, self._busy, self._lock, self._pid = OrderedDict(), {}, threading.Lock(), os.getpid()
         with self._lock:
             found = self._pinned.get(s)
             if found is not None:
                 self._pinned.move_to_end(s)
+                self._busy[s] = self._busy.get(s, 0) + 1
                 return found
         pinned = self.cache.pin(self.store, self.urls[s], self.sizes[s], self.etags[s])
         with self._lock:
             if s in self._pinned:  # another thread pinned it meanwhile
                 pinned.close()
-                return self._pinned[s]
+                pinned = self._pinned[s]
             self._pinned[s] = pinned
-            while len(self._pinned) > self.keep:
-                self._pinned.popitem(last=False)[1].close()
+            self._busy[s] = self._busy.get(s, 0) + 1
+            for old in [k for k in self._pinned if not self._busy.get(k)][: max(0, len(self._pinned) - self.keep)]:
+                self._pinned.pop(old).close()
         return pinned
 
 

@@ -106,7 +106,10 @@ class RemoteShardImageList(ShardImageList):
     def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
         """A batch's bytes: from the cache folder, or in few concurrent range reads."""
         if self.cached:
-            return super().read_many(indices)
+            assert self.cache is not None  # cached: there is one
+            out = super().read_many(indices)
+            self.cache.release(set(self._shard[indices].tolist()))  # what the epoch left behind may be evicted
+            return out
         return self.reader.read(
             self._shard[indices].tolist(), self._offset[indices].tolist(), self._size[indices].tolist()
         )
