@@ -108,6 +108,7 @@ def run_node(source, window: int, batch: int, proxy: CountingProxy) -> list[dict
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, "LOCAL_WORLD_SIZE": "2"},  # as torchrun sets it
         )
         for r in range(2)
     ]

@@ -106,7 +106,8 @@ def test_a_limit_smaller_than_the_window_is_refused_with_the_numbers(s3, prepare
     refused = r"cache_limit=.* MiB holds fewer than shuffle_window=2 shards \(the largest 2 hold .* MiB\); allow"
     with pytest.raises(ValueError, match=refused):
         gpupipe.build_loader(source, "pillow", shuffle_window=2, num_workers=0, **KW)
-    assert gpupipe.build_loader(source, "pillow", shuffle_window=1, num_workers=0, **KW).dataset.cached
+    one = gpupipe.build_loader(source, "pillow", shuffle_window=1, num_workers=0, **KW).dataset
+    assert one.cached and one.read_ahead is None  # no room for the next group: each shard fetched when needed
     with pytest.warns(UserWarning, match=r"a global shuffle over .* more than cache_limit=.* use shuffle_window=1"):
         assert not gpupipe.build_loader(source, "pillow", num_workers=0, **KW).dataset.cached
     assert parse_limit("50GB") == 50 << 30 and parse_limit(0) == 0

@@ -27,10 +27,12 @@ class Plan(NamedTuple):
     why: str | None = None
 
 
-def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None) -> Plan:
+def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None, local_ranks: int = 1) -> Plan:
     """A set that fits ``limit`` is cached whole; a ``shuffle_window`` of ``K`` shards needs its ``K`` largest
-    shards to fit (refused otherwise, with the numbers); a sequential pass needs two (the current and the next);
-    a global shuffle of a set larger than the limit is read by range (each batch's samples), with a warning."""
+    shards to fit (refused otherwise, with the numbers), and is read ahead only when two groups per local rank fit
+    (else the next group would evict the groups in use, fetched again: each is fetched when needed instead); a
+    sequential pass needs two shards (the current and the next); a global shuffle of a set larger than the limit is
+    read by range (each batch's samples), with a warning."""
     total, largest = sum(sizes), sorted(sizes, reverse=True)
     if total <= limit:
         return Plan(True, keep=16, ahead=window or 2)
@@ -42,7 +44,7 @@ def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None) -
                 f"{window} hold {size_text(need)}); allow at least {size_text(2 * need)} (a group and the next, read "
                 "ahead) or take a smaller shuffle_window"
             )
-        return Plan(True, keep=2 * window, ahead=window)
+        return Plan(True, keep=2 * window, ahead=window if 2 * need * local_ranks <= limit else 0)
     if not shuffled:
         return Plan(sum(largest[:2]) <= limit, keep=2, ahead=2)
     fit = int(np.searchsorted(np.cumsum(largest), limit / 2, side="right"))

@@ -94,10 +94,12 @@ class RemoteShardImageList(ShardImageList):
         self.reader.set_window(sampler.window)
         why = None
         if self.cache is not None:
-            how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window)
+            ranks = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks sharing this node's cache
+            local_ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
+            how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks)
             self.cached, self.cache.keep, why = how.cached, how.keep, how.why
             if how.cached:
-                self.read_ahead = ReadAhead(self.cache, sampler, self._shard, how.ahead)
+                self.read_ahead = ReadAhead(self.cache, sampler, self._shard, how.ahead) if how.ahead else None
                 return
         if self.reader.keeps_blocks or (why is None and (why := self.reader.advice(sampler.shuffle)) is None):
             return
