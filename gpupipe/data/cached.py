@@ -90,15 +90,19 @@ class CachedShards:
 
     def release(self, keep: set[int]) -> None:
         """Unpin every shard but those in ``keep`` (the batch just read) and those another thread is reading."""
+        self._after_fork()
         with self._lock:
             for s in [s for s in self._pinned if s not in keep and not self._busy.get(s)]:
                 self._pinned.pop(s).close()
 
-    def _pinned_shard(self, s: int) -> Pinned:
+    def _after_fork(self) -> None:
         if self._pid != os.getpid():  # a forked worker: the parent's pins are its parent's to release
             for p in self._pinned.values():
                 p.close(unlock=False)
             self._pinned, self._busy, self._lock, self._pid = OrderedDict(), {}, threading.Lock(), os.getpid()
+
+    def _pinned_shard(self, s: int) -> Pinned:
+        self._after_fork()
         with self._lock:
             found = self._pinned.get(s)
             if found is not None:
