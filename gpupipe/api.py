@@ -104,10 +104,10 @@ def build_loader(
             shards in a random order (seeded by ``seed`` and the epoch), ``K`` at a time, the samples of each ``K``
             shards shuffled among themselves, and each rank a contiguous part of the epoch (as Mosaic streaming's
             and litdata's orders), so a batch touches at most ``K`` shards (``2K`` across a group's end). For shards
-            at a URL larger than ``Remote(memory_cache=)``: ``K`` shards that fit it are read in large blocks, once
-            each per worker, instead of about a request per sample. The shards must each hold a random part of the
-            set (``gpupipe prepare --order shuffled``); shards written class by class get a warning. ``None``: the
-            global shuffle. A folder or CSV list (no shards) refuses it.
+            at a URL larger than the node's shard cache (``Remote(cache_limit=)``): the group's ``K`` shards are
+            fetched once per node and the next group's read ahead, instead of about a request per sample. The shards
+            must each hold a random part of the set (``gpupipe prepare --order shuffled``); shards written class by
+            class get a warning. ``None``: the global shuffle. A folder or CSV list (no shards) refuses it.
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
@@ -184,7 +184,7 @@ def _sampler(
         window=window,
     )
     if isinstance(dataset, RemoteShardImageList):
-        dataset.plan_reads(train, window)
+        dataset.plan_reads(sampler)
     return sampler
 
 

@@ -379,3 +379,73 @@ class BlackHole:
         self.sock.close()
         for s in self.held:
             s.close()
+
+
+class CountingProxy:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (an S3 server) that counts, per request ``(method,
+    path)``, the requests and the body bytes answered: what a store is asked, seen from the server's side. A GET of a
+    path in ``stall`` answers half its body, sets ``stalled`` and waits for ``release`` (a fetch cut mid-way)."""
+
+    def __init__(self, upstream: str):
+        import collections
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        host, port = urlsplit(upstream).hostname, urlsplit(upstream).port
+        self.requests: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+        self.stall: set[str] = set()
+        self.stalled, self.release = threading.Event(), threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(host, port, timeout=60)
+                conn.request(self.command, self.path, body, dict(self.headers.items()))
+                answer = conn.getresponse()
+                data = answer.read()
+                conn.close()
+                path = self.path.split("?")[0]
+                proxy.requests[self.command, path] += 1
+                proxy.bytes[self.command, path] += len(data)
+                self.send_response(answer.status)
+                for k, v in answer.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))  # a HEAD's: the object's
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if self.command == "GET" and path in proxy.stall:
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    proxy.stalled.set()
+                    proxy.release.wait(60)
+                    self.close_connection = True
+                    return
+                self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def gets(self, prefix: str) -> dict[str, int]:
+        """GET requests per object path under ``/BUCKET/prefix/``."""
+        return {p: n for (m, p), n in self.requests.items() if m == "GET" and p.startswith(prefix)}
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,4 +1,5 @@
-"""A batch read from object storage in few requests (gpupipe/data/ranges.py), against the tests' real S3-compatible
+"""A batch read from object storage in few requests (gpupipe/data/ranges.py: the node's shard cache off,
+``cache_limit=0``), against the tests' real S3-compatible
 server: kept blocks and coalesced ranges give exactly the bytes the same shards give on disk, in the batch's order,
 with far fewer requests than samples; a fault in a block or a coalesced range still names the URL (after the retries
 for a server that is gone)."""
@@ -44,7 +45,7 @@ def url(s3, shards):
 @pytest.mark.parametrize("memory_cache", [256 << 20, 0], ids=["blocks", "coalesced"])
 def test_a_batch_is_the_disks_bytes_in_few_requests(shards, url, memory_cache, monkeypatch):
     monkeypatch.setattr(ranges, "BLOCK", 6000)  # samples across block boundaries, several blocks per shard
-    disk, remote = scan(shards), scan(Remote(url, memory_cache=memory_cache))
+    disk, remote = scan(shards), scan(Remote(url, cache_limit=0, memory_cache=memory_cache))
     assert remote.reader.keeps_blocks == (memory_cache > 0) and len(remote.shard_paths) >= 3
     batch = [int(i) for i in np.random.default_rng(0).permutation(len(disk))] + [4, 4]
     assert remote.read_many(batch) == [disk.read(i) for i in batch]
@@ -73,7 +74,7 @@ def test_a_window_reads_each_block_once_per_epoch_from_a_set_larger_than_the_cac
     kw = dict(batch_size=4, image_size=24, num_workers=0, device="cpu", seed=2, normalize=False, drop_last=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about
-        remote = gpupipe.build_loader(Remote(url, memory_cache=budget), "pillow", shuffle_window=2, **kw)
+        remote = gpupipe.build_loader(Remote(url, cache_limit=0, memory_cache=budget), "pillow", shuffle_window=2, **kw)
     disk = gpupipe.build_loader(many, "pillow", shuffle_window=2, **kw)
     reader = remote.dataset.reader
     blocks = sum(-(-int(e) // ranges.BLOCK) for e in ends)
@@ -88,17 +89,18 @@ def test_a_window_reads_each_block_once_per_epoch_from_a_set_larger_than_the_cac
             assert (reader.requests, reader.bytes_read) == (blocks, int(ends.sum()))
         assert reader.requests - before <= blocks
     with pytest.warns(UserWarning, match=rf"^{url}: a global shuffle over .* MiB of shards, more than the .* use "):
-        shuffled = gpupipe.build_loader(Remote(url, memory_cache=budget), "pillow", **kw)
+        shuffled = gpupipe.build_loader(Remote(url, cache_limit=0, memory_cache=budget), "pillow", **kw)
     assert not shuffled.dataset.reader.keeps_blocks
     with pytest.warns(UserWarning, match=r"shuffle_window=2 spans up to .* use shuffle_window=1 or less"):
-        gpupipe.build_loader(Remote(url, memory_cache=budget - 1), "pillow", shuffle_window=2, **kw)
+        gpupipe.build_loader(Remote(url, cache_limit=0, memory_cache=budget - 1), "pillow", shuffle_window=2, **kw)
 
 
 def test_a_server_gone_fails_each_sample_of_a_request_with_its_url(s3, shards):
     server = S3Server(process=True)
     try:
         url, options = server.upload(shards, "gone"), {"endpoint_url": server.endpoint}
-        sets = [scan(Remote(url, storage_options=options, memory_cache=m, **FAST)) for m in (256 << 20, 0)]
+        kw = dict(storage_options=options, cache_limit=0, **FAST)
+        sets = [scan(Remote(url, memory_cache=m, **kw)) for m in (256 << 20, 0)]
     finally:
         server.stop()
     for data in sets:  # kept blocks, then coalesced ranges
@@ -112,7 +114,7 @@ def test_a_server_gone_fails_each_sample_of_a_request_with_its_url(s3, shards):
 @pytest.mark.parametrize("memory_cache", [256 << 20, 0], ids=["blocks", "coalesced"])
 def test_a_truncated_shard_fails_its_samples_only(s3, shards, memory_cache):
     url = s3.upload(shards, f"cut-{memory_cache}")
-    data = scan(Remote(url, memory_cache=memory_cache))
+    data = scan(Remote(url, cache_limit=0, memory_cache=memory_cache))
     s3.client().pipe(f"{S3Server.BUCKET}/cut-{memory_cache}/shard-000001.tar", b"x" * 600)
     got = data.read_many(list(range(len(data))))
     cut = [i for i in range(len(data)) if data.shard_paths[int(data._shard[i])].endswith("shard-000001.tar")]

@@ -190,7 +190,8 @@ def test_a_truncated_object_is_named(s3, prepared):
     data = scan(url)
     fs = s3.client()
     fs.pipe(f"{S3Server.BUCKET}/truncated/shard-000000.tar", (prepared / "shard-000000.tar").read_bytes()[:1000])
-    with pytest.raises(StorageError, match=r"truncated/shard-000000\.tar ends before its member.*truncated\?"):
+    # cut after the loader was built: the listing it read said otherwise
+    with pytest.raises(StorageError, match=r"truncated/shard-000000\.tar: 1000 bytes .* changed .*truncated\?"):
         for i in range(len(data)):
             data.read(i)
     loader = gpupipe.build_loader(url, "pillow", train=False, **KW)

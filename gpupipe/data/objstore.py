@@ -26,6 +26,7 @@ from typing import Any, TypeVar, cast
 
 from .._deps import require
 from ..errors import StorageError
+from .cache import parse_limit
 
 _T = TypeVar("_T")
 
@@ -38,7 +39,11 @@ class Remote:
         url: a prepared folder (``s3://bucket/imagenet/train``), a shard, a glob or brace pattern, or a list of them.
         storage_options: passed to the fsspec file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
             ``client_kwargs``...); by default credentials and endpoint come from the environment and config files.
-        cache_dir: a local folder that keeps every shard once read (whole, on first use): later epochs read the disk.
+        cache_dir: the node's shard cache folder (:mod:`gpupipe.data.cache`), shared by every worker, rank and run
+            on the node: each shard is fetched whole once per node, read ahead, checked against the object's size
+            and ETag. Default: ``$GPUPIPE_CACHE``, else ``$XDG_CACHE_HOME/gpupipe/shards`` (``~/.cache/...``).
+        cache_limit: bytes the cache folder may hold (``"50GB"``, or a number), least recently used shards evicted
+            first; default half the free space of its disk (plus what it holds). 0: no cache folder (range reads).
         memory_cache: bytes of shards each process (each DataLoader worker) may keep in memory. When the data set's
             shards fit, or a train loader's ``shuffle_window`` of K shards does, they are read in 8 MiB blocks, each
             once (per epoch, with the window), and kept; otherwise a batch's samples are read by range, those of one
@@ -53,6 +58,7 @@ class Remote:
     url: str | Sequence[str]
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
+    cache_limit: int | str | None = None
     memory_cache: int = 256 << 20
     retries: int = 6
     backoff: float = 0.5
@@ -61,6 +67,7 @@ class Remote:
     def __post_init__(self):
         if self.retries < 1:
             raise ValueError(f"retries must be >= 1, got {self.retries}")
+        parse_limit(self.cache_limit)  # a bad one is refused here, once
         if self.memory_cache < 0:
             raise ValueError(f"memory_cache must be >= 0 bytes, got {self.memory_cache}")
         if self.backoff < 0:
@@ -69,7 +76,7 @@ class Remote:
             raise ValueError(f"deadline must be > 0 seconds, got {self.deadline}")
 
     def __repr__(self) -> str:  # storage_options may hold secrets: never shown
-        return f"Remote({self.url!r}, cache_dir={self.cache_dir!r})"
+        return f"Remote({self.url!r}, cache_dir={self.cache_dir!r}, cache_limit={self.cache_limit!r})"
 
 
 class Store:

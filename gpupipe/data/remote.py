@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GpupipeError, StorageError
+from .cache import ShardCache, cache_folder, etag_of, parse_limit
+from .cached import CachedShards, ReadAhead, plan
 from .objstore import Remote, Store
 from .ranges import BatchReader
 from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, combine_indexes, index_tar
@@ -64,56 +66,86 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 class RemoteShardImageList(ShardImageList):
-    """Shards at URLs, read by range a batch at a time (:class:`~.ranges.BatchReader`: few requests per batch), or
-    from the cache folder when there is one."""
+    """Shards at URLs, read through the node's shard cache (:mod:`.cache`: each fetched whole once per node, read
+    ahead), or by range a batch at a time (:class:`~.ranges.BatchReader`: few requests per batch) where the cache is
+    off or a shuffled epoch cannot use it."""
 
-    def __init__(self, store: Store, root: str, urls: list[str], *args, **kwargs):
+    def __init__(
+        self, store: Store, root: str, urls: list[str], *args, listed: dict[str, dict] | None = None, **kwargs
+    ):
         super().__init__(root, urls, *args, **kwargs)
         self.store = store
         ends = np.zeros(len(urls), np.int64)
         np.maximum.at(ends, self._shard.astype(np.intp), (self._offset + self._size).astype(np.int64))
         self.reader = BatchReader(store, urls, ends, store.remote.memory_cache)
+        self.cache = _shard_cache(store, urls, listed)  # None: no cache folder
+        self.cached = self.cache is not None and plan(self.cache.sizes, self.cache.cache.limit, True, None).cached
+        self.read_ahead: ReadAhead | None = None
 
-    def plan_reads(self, shuffled: bool, window: int | None) -> None:
-        """Read as a loader's order suits: ``window`` is its ``shuffle_window`` (shards), kept blocks when they fit
+    def __getstate__(self):  # a spawned worker reads; the read ahead is its parent's
+        return {**super().__getstate__(), "read_ahead": None}
+
+    def plan_reads(self, sampler) -> None:
+        """Read as a loader's order (``sampler``) suits: through the cache when the set fits it, or the
+        ``shuffle_window``'s shards do (a limit smaller than ``K`` shards is refused), or the pass is sequential,
+        with the coming shards read ahead; else by range, with blocks kept in memory when they fit
         (:meth:`~.ranges.BatchReader.set_window`). A shuffled epoch that will cost about a request per sample is
-        worth a warning, once, with the fix (not with a cache folder: it reads the local disk)."""
-        self.reader.set_window(window)
-        why = self.reader.advice(shuffled)
-        if why is not None and self.store.remote.cache_dir is None:
-            warnings.warn(f"{self.root}: {why}", stacklevel=4)
+        worth a warning, once, with the fix."""
+        self.reader.set_window(sampler.window)
+        why = None
+        if self.cache is not None:
+            ranks = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks sharing this node's cache
+            local_ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
+            how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks)
+            self.cached, self.cache.keep, why = how.cached, how.keep, how.why
+            if how.cached:
+                self.read_ahead = ReadAhead(self.cache, sampler, self._shard, how.ahead) if how.ahead else None
+                return
+        if self.reader.keeps_blocks or (why is None and (why := self.reader.advice(sampler.shuffle)) is None):
+            return
+        warnings.warn(f"{self.root}: {why}", stacklevel=4)
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
-        """A batch's bytes in few concurrent range reads (from the cache folder when there is one)."""
-        if self.store.remote.cache_dir is not None:
-            return super().read_many(indices)
+        """A batch's bytes: from the cache folder, or in few concurrent range reads."""
+        if self.cached:
+            assert self.cache is not None  # cached: there is one
+            out = super().read_many(indices)
+            self.cache.release(set(self._shard[indices].tolist()))  # what the epoch left behind may be evicted
+            return out
         return self.reader.read(
             self._shard[indices].tolist(), self._offset[indices].tolist(), self._size[indices].tolist()
         )
 
     def read(self, index: int) -> bytes:
-        cache = self.store.remote.cache_dir
-        if cache is None:
+        if not self.cached:
             data = self.read_many([index])[0]
             if isinstance(data, Exception):
                 raise data
             return data
+        assert self.cache is not None  # cached: there is one
         s = int(self._shard[index])
-        url, start, size = self.shard_paths[s], int(self._offset[index]), int(self._size[index])
-        local = _cached_shard(self.store, url, Path(cache))
-        with open(local, "rb") as f:
-            data = os.pread(f.fileno(), size, start)
+        start, size = int(self._offset[index]), int(self._size[index])
+        data = self.cache.read(s, start, size)
         if len(data) != size:
-            raise StorageError(f"{url} (cached as {local}) ends before its member at byte {start}: truncated?")
+            raise StorageError(f"{self.shard_paths[s]} ends before its member at byte {start}: truncated?")
         return data
 
 
-def _cached_shard(store: Store, url: str, cache: Path) -> Path:
-    local = cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{os.path.basename(url)}"
-    if not local.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        store.get(url, local)
-    return local
+def _shard_cache(store: Store, urls: list[str], listed: dict[str, dict] | None) -> CachedShards | None:
+    """The node's cache of these shards, each keyed by its object's size and ETag (from one listing of their
+    folder, or asked per object where it cannot be listed); None when ``cache_limit`` is 0."""
+    limit = parse_limit(store.remote.cache_limit)
+    if limit == 0:
+        return None
+    folder = Path(store.remote.cache_dir) if store.remote.cache_dir else cache_folder()
+    listed = listed if listed is not None else _listed(store, urls)
+    missing = [u for u in urls if u not in listed]
+    if missing:
+        with ThreadPoolExecutor(min(8, len(missing))) as pool:
+            listed = {**listed, **dict(zip(missing, pool.map(store.info, missing), strict=True))}
+    infos = [listed[u] for u in urls]
+    cache = ShardCache(folder, ShardCache.default_limit(folder) if limit is None else limit)
+    return CachedShards(store, cache, urls, [int(i.get("size") or 0) for i in infos], [etag_of(i) for i in infos])
 
 
 def scan_remote(root) -> RemoteShardImageList:
@@ -165,6 +197,7 @@ def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
     index_url = f"{url}/{INDEX}"
 
     def columns() -> dict[str, np.ndarray]:
+        store.fs.invalidate_cache(store.path(index_url))  # a set prepared again in place: not the old ETag's info
         with store.fs.open(store.path(index_url), "rb", block_size=1 << 20) as f, np.load(f) as z:
             return {k: z[k] for k in ("shard", "offset", "size", "label", "height", "width")}
 
@@ -218,6 +251,7 @@ def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteS
         labels,
         classes,
         members=np.concatenate([p["member"] for p in parts]),
+        listed=listed,
     )
 
 
@@ -241,7 +275,7 @@ def _listed(store: Store, urls: list[str]) -> dict[str, dict]:
 def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict[str, np.ndarray]:
     """The header index of a foreign shard at ``url``, cached under ``$XDG_CACHE_HOME/gpupipe/shard-index`` and
     rebuilt when the object's size or ETag (``info``, else asked) changes. Building it streams the shard once (into
-    the cache folder when there is one: the reads that follow then stay local)."""
+    the node's shard cache when there is one: the reads that follow then stay local)."""
     info = info or store.info(url)
     tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
     digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
@@ -253,8 +287,13 @@ def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict
                 return {k: z[k] for k in ("member", "offset", "size", "label")}
     except (OSError, KeyError, ValueError):
         pass  # absent, unreadable or stale: build it
-    if store.remote.cache_dir is not None:
-        index = _index_local(_cached_shard(store, url, Path(store.remote.cache_dir)), url)
+    cache = _shard_cache(store, [url], {url: info})
+    if cache is not None:
+        pinned = cache.cache.pin(store, url, cache.sizes[0], cache.etags[0])
+        try:
+            index = _index_local(pinned.path, url)
+        finally:
+            pinned.close()
     else:
         tmp = _index_cache() / f".{os.getpid()}-{os.path.basename(url)}.download"
         tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from torch import nn
 
 from ..api import build_loader
 from ..data.loader import Loader
+from ..data.objstore import Remote
+from ..data.remote import is_url
 from ..mix import Mix
 from ..recipe import Recipe
 from .checkpoint import TrainState
@@ -69,15 +71,22 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         recipe=recipe,
         allow_outside_root=cfg.allow_outside_root,
     )
-    train = partial(loader, cfg.data, train=True, shuffle_window=cfg.shuffle_window)
+    train = partial(loader, _source(cfg, cfg.data), train=True, shuffle_window=cfg.shuffle_window)
     train_loader = train()
     feedback = None
     if train_loader.ctaugment is not None:
         feedback = CTFeedback(train_loader, lambda probe_recipe: train(recipe=probe_recipe))
     if not cfg.val:
         return train_loader, None, feedback
-    val_loader = loader(cfg.val, train=False, class_to_idx=train_loader.dataset.class_to_idx)
+    val_loader = loader(_source(cfg, cfg.val), train=False, class_to_idx=train_loader.dataset.class_to_idx)
     return train_loader, val_loader, feedback
+
+
+def _source(cfg: TrainConfig, data: str):
+    """``data``, with ``--cache-limit`` when it is at a URL."""
+    if cfg.cache_limit is None or not is_url(data):
+        return data
+    return Remote(data, cache_limit=cfg.cache_limit)
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> nn.Module:

@@ -92,9 +92,15 @@ class TrainConfig:
     shuffle_window: int | None = opt(
         None,
         "shards only: shuffle each epoch K shards at a time (the samples of K shards among themselves, each rank a "
-        "contiguous part), so shards at a URL larger than the memory cache are read in large blocks; see "
+        "contiguous part), so shards at a URL larger than the node's shard cache are fetched a group at a time; see "
         "build_loader (default None: a global shuffle)",
         resume="fixed",
+    )
+    cache_limit: str | None = opt(
+        None,
+        "data at a URL: bytes the node's shard cache may hold (e.g. 50GB; 0: no cache folder, range reads); "
+        "default None: half the free space of its disk ($GPUPIPE_CACHE, else ~/.cache/gpupipe/shards)",
+        resume="changeable",
     )
     image_size: int = opt(224, "training and validation image side", resume="fixed")
     device: str | None = opt(

@@ -1,0 +1,193 @@
+"""The node's shard cache (gpupipe/data/cache.py) against the tests' real S3-compatible server, seen through a
+counting proxy (what the server is asked): one fetch per shard per node for 2 ranks x 2 workers, the least recently
+used shards evicted at the limit and pinned ones kept, a limit smaller than the window refused, a changed object
+fetched again, a fetch killed mid-way fetched again (and a truncated copy never read), the next shards read ahead."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gpupipe
+from gpupipe import Remote
+from gpupipe.data.cache import ShardCache, parse_limit
+from gpupipe.data.sources import open_source as scan
+from gpupipe.prepare import PrepareOptions, prepare
+
+from .common_utils import CountingProxy, S3Server
+
+pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
+KW = dict(batch_size=4, image_size=24, device="cpu", seed=3, normalize=False)
+
+
+@pytest.fixture(scope="module")
+def prepared(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache") / "prepared"
+    prepare(folder, out, PrepareOptions(shard_size=16 * 1024, order="shuffled"))  # 24 samples, some 8 shards
+    return out
+
+
+@pytest.fixture
+def proxy(s3):
+    p = CountingProxy(s3.endpoint)
+    yield p
+    p.stop()
+
+
+def _remote(url: str, proxy: CountingProxy, cache, **kw) -> Remote:
+    return Remote(url, storage_options={"endpoint_url": proxy.endpoint}, cache_dir=str(cache), **kw)
+
+
+def _shard_gets(proxy: CountingProxy, prefix: str) -> dict[str, int]:
+    return {os.path.basename(p): n for p, n in proxy.gets(f"/{S3Server.BUCKET}/{prefix}/shard-").items()}
+
+
+_RANK = """
+import sys
+import gpupipe
+url, endpoint, cache, rank = sys.argv[1:]
+source = gpupipe.Remote(url, storage_options={"endpoint_url": endpoint}, cache_dir=cache)
+loader = gpupipe.build_loader(source, "pillow", train=True, batch_size=4, image_size=24, num_workers=2, device="cpu",
+                              normalize=False, rank=int(rank), world_size=2, shuffle_window=2)
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    assert sum(len(y) for _, y in loader) == len(loader) * 4
+"""
+
+
+def test_two_ranks_of_two_workers_fetch_each_shard_once(s3, prepared, proxy, tmp_path):
+    """Two processes (two local ranks) of two DataLoader workers each, started together, two epochs: each shard is
+    asked of the server once, whole."""
+    url = s3.upload(prepared, "node")
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _RANK, url, proxy.endpoint, str(tmp_path / "cache"), str(r)])
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=300) for p in ranks] == [0, 0]
+    shards = sorted(prepared.glob("shard-*.tar"))
+    assert _shard_gets(proxy, "node") == {p.name: 1 for p in shards}
+    got = {os.path.basename(p): n for (m, p), n in proxy.bytes.items() if m == "GET" and "/node/shard-" in p}
+    assert got == {p.name: p.stat().st_size for p in shards}
+
+
+def _files(cache) -> dict[str, int]:
+    return {p.name.split("-", 3)[3]: p.stat().st_size for p in cache.iterdir() if p.name.endswith(".tar")}
+
+
+def test_the_least_recently_used_shards_go_at_the_limit_never_a_pinned_one(s3, prepared, tmp_path):
+    url = s3.upload(prepared, "evict")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    sizes, n = data.cache.sizes, len(data.shard_paths)
+    limit = sum(sorted(sizes)[-2:])  # two shards, whichever
+    cache = ShardCache(tmp_path / "small", limit)
+    fetch = lambda s: cache.ensure(data.store, data.shard_paths[s], sizes[s], data.cache.etags[s])
+    pinned = cache.pin(data.store, data.shard_paths[0], sizes[0], data.cache.etags[0])
+    for s in range(1, n):
+        fetch(s)
+        held = _files(tmp_path / "small")
+        assert "shard-000000.tar" in held and f"shard-{s:06d}.tar" in held  # the pinned one, the newest
+        assert sum(held.values()) <= limit
+    pinned.close()
+    fetch(1)
+    fetch(2)  # unpinned, shard 0 is the least recently used: it goes first, then the last one fetched
+    assert sorted(_files(tmp_path / "small")) == ["shard-000001.tar", "shard-000002.tar"]
+    assert cache.fetches == n + 2  # shards 1 and 2 had been evicted: fetched again
+
+
+def test_a_limit_smaller_than_the_window_is_refused_with_the_numbers(s3, prepared, tmp_path):
+    url = s3.upload(prepared, "small")
+    two = sum(sorted(scan(Remote(url, cache_dir=str(tmp_path))).cache.sizes)[-2:])
+    source = Remote(url, cache_dir=str(tmp_path), cache_limit=two - 1, memory_cache=0)  # no blocks kept either
+    refused = r"cache_limit=.* MiB holds fewer than shuffle_window=2 shards \(the largest 2 hold .* MiB\); allow"
+    with pytest.raises(ValueError, match=refused):
+        gpupipe.build_loader(source, "pillow", shuffle_window=2, num_workers=0, **KW)
+    one = gpupipe.build_loader(source, "pillow", shuffle_window=1, num_workers=0, **KW).dataset
+    assert one.cached and one.read_ahead is None  # no room for the next group: each shard fetched when needed
+    with pytest.warns(UserWarning, match=r"a global shuffle over .* more than cache_limit=.* use shuffle_window=1"):
+        assert not gpupipe.build_loader(source, "pillow", num_workers=0, **KW).dataset.cached
+    assert parse_limit("50GB") == 50 << 30 and parse_limit(0) == 0
+    with pytest.raises(ValueError, match="cache_limit: expected a size such as 50GB"):
+        Remote(url, cache_limit="lots")
+
+
+def test_a_set_prepared_again_in_place_is_read_anew(s3, prepared, unique_folder, tmp_path):
+    """The cached copies are keyed by the objects' size and ETag: a set re-written at the same URL is fetched again,
+    never read through the old copies with the new index."""
+    other = tmp_path / "other"
+    prepare(unique_folder, other, PrepareOptions(shard_size=16 * 1024))
+    url = s3.upload(prepared, "again")
+    first = scan(Remote(url, cache_dir=str(tmp_path / "cache")))
+    assert [first.read(i) for i in range(len(first))] == [scan(prepared).read(i) for i in range(len(first))]
+    s3.upload(other, "again")
+    second, disk = scan(Remote(url, cache_dir=str(tmp_path / "cache"))), scan(other)
+    assert [second.read(i) for i in range(len(second))] == [disk.read(i) for i in range(len(disk))]
+
+
+_PIN = """
+import sys
+from gpupipe.data.cache import ShardCache
+from gpupipe.data.objstore import Remote, Store
+url, endpoint, cache, size, etag = sys.argv[1:]
+store = Store(Remote(url, storage_options={"endpoint_url": endpoint}, retries=1), url)
+ShardCache(cache, 1 << 30).pin(store, url, int(size), etag)
+"""
+
+
+def test_a_fetch_killed_mid_way_is_fetched_again_and_a_truncated_copy_never_read(s3, prepared, proxy, tmp_path):
+    url = s3.upload(prepared, "killed")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard, size, etag = data.shard_paths[0], data.cache.sizes[0], data.cache.etags[0]
+    proxy.stall.add(f"/{S3Server.BUCKET}/killed/shard-000000.tar")
+    child = subprocess.Popen([sys.executable, "-c", _PIN, shard, proxy.endpoint, str(tmp_path), str(size), etag])
+    try:
+        assert proxy.stalled.wait(300), "the fetch never started"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    proxy.stall.clear()
+    cache = ShardCache(tmp_path, 1 << 30)
+    path = tmp_path / cache.name(shard, size, etag)
+    assert not path.exists()  # half a file was never put in place
+    expected = (prepared / "shard-000000.tar").read_bytes()
+    with cache.pin(data.store, shard, size, etag) as pinned:  # its lock was freed by the kill: fetched again
+        assert pinned.read(0, size) == expected
+    path.write_bytes(expected[:100])  # a copy cut short (a disk full, a crash before the data reached it)
+    with cache.pin(data.store, shard, size, etag) as pinned:
+        assert pinned.read(0, size) == expected
+    assert cache.fetches == 2 and not list(tmp_path.glob("*.part"))
+
+
+def test_the_next_shards_are_read_ahead(s3, prepared, proxy, tmp_path):
+    """Built and not yet iterated, a loader's read-ahead fetches the shards its first batch needs and the next
+    group's (``ahead`` = the window); iterating then asks the server for no shard twice."""
+    url = s3.upload(prepared, "ahead")
+    loader = gpupipe.build_loader(_remote(url, proxy, tmp_path), "pillow", shuffle_window=2, num_workers=0, **KW)
+    ahead = loader.dataset.read_ahead
+    order, first = ahead.plan(0)
+    target = min(int((first <= 0).sum()) + 2, len(order))
+    deadline = time.monotonic() + 300
+    while ahead.done < target and time.monotonic() < deadline:  # a hang guard, not a timing margin
+        time.sleep(0.05)
+    assert ahead.done == target and ahead.error is None
+    assert sum(_shard_gets(proxy, "ahead").values()) == target
+    assert sorted(_shard_gets(proxy, "ahead")) == sorted(f"shard-{s:06d}.tar" for s in order[:target])
+    list(loader)
+    assert set(_shard_gets(proxy, "ahead").values()) == {1} and len(_shard_gets(proxy, "ahead")) == len(order)
+    spawned = pickle.loads(pickle.dumps(loader.dataset))  # what a spawned worker gets: no thread, no pins
+    assert spawned.read_ahead is None and spawned.read(5) == loader.dataset.read(5)
+
+
+def test_train_takes_the_cache_limit(s3, prepared, tmp_path):
+    from gpupipe.train.build import build_loaders
+    from gpupipe.train.config import load_config
+
+    url = s3.upload(prepared, "train")
+    for given, limit in (("1GB", 1 << 30), ("0", None)):
+        cfg = load_config(None, {"data": url, "cache_limit": given, "workers": 0, "batch_size": 4, "image_size": 24})
+        data = build_loaders(cfg, torch.device("cpu"))[0].dataset
+        assert (data.cache and data.cache.cache.limit) == limit
