@@ -199,7 +199,29 @@ def imagenet_size_report(rep: dict) -> list[str]:
     return lines
 
 
+def cache_report(rep: dict) -> list[str]:
+    """bench/s3cache.py: bytes and requests asked of the store per epoch, one node of several ranks."""
+    cfg = rep["config"]
+    lines = [
+        f"{_machine_line(rep)}. {cfg['ranks']} local ranks x {cfg['workers']} workers, {cfg['backend']}, batch "
+        f"{cfg['batch_size']}, shuffle_window {cfg['shuffle_window']}; {cfg['shards']} shards of at most "
+        f"{cfg['shard_size']} MiB ({cfg['set_bytes'] / 1e6:.1f} MB).",
+        "",
+        "| source | epoch | bytes asked / set bytes | requests | disk's time / this | load average |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rep["results"]:
+        if r["source"] != "disk":
+            lines.append(
+                f"| {r['source']} | {r['epoch']} | {r['bytes_per_set']:.2f} | {r['requests']} | "
+                f"{r['disk_vs_this']:.2f} | {r['load_average']:.1f} |"
+            )
+    return lines
+
+
 def kind_of(rep: dict) -> Callable[[dict], list[str]]:
+    if rep.get("kind") == "s3-cache":
+        return cache_report
     if "contender" in str(rep.get("results", [{}])[:1]):
         return peers_report
     if "settings" in rep and "loader" in str(rep.get("results", [])[:1]):
