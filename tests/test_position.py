@@ -16,7 +16,6 @@ from gpupipe.data.position import ResumeNotice
 
 from .common_utils import CPU_LOADER_BACKENDS
 
-
 # -- resuming under another number of ranks or batch size ----------------------------------------------------------
 
 N_COLOURS = 40  # samples; 40 = 1, 2 and 4 ranks without padding
@@ -49,10 +48,8 @@ class _Ranks:
 
     def __init__(self, source, backend: str, world: int, batch: int, window: int | None, state: dict | None = None):
         kw = dict(image_size=8, num_workers=0, device="cpu", seed=2, normalize=False, drop_last=False)
-        self.loaders = [
-            gpupipe.build_loader(source, backend, batch_size=batch, rank=r, world_size=world, shuffle_window=window, **kw)
-            for r in range(world)
-        ]
+        kw |= dict(batch_size=batch, world_size=world, shuffle_window=window)
+        self.loaders = [gpupipe.build_loader(source, backend, rank=r, **kw) for r in range(world)]
         if state is not None:
             for loader in self.loaders:
                 loader.load_state_dict(state)
@@ -113,3 +110,37 @@ def test_a_state_resumes_at_the_same_sample_under_another_number_of_ranks(colour
                 assert len(said) == new_world and f"resumed at sample {12 * k} of 40" in said[0]  # one line a rank
             # the next epoch is the new layout's own
             assert resumed.state()["epoch"] == 2 and resumed.state()["samples"] == 0
+
+
+def test_a_state_of_another_order_is_refused_in_one_line(colours):
+    """Another seed, data set or shuffle window: the epoch's order differs, and the position is refused, named."""
+    kw = dict(batch_size=4, image_size=8, num_workers=0, device="cpu", normalize=False)
+    saved = gpupipe.build_loader(colours["shards"], "pillow", seed=2, shuffle_window=2, **kw)
+    next(iter(saved))
+    state = saved.state_dict()
+    cases = {
+        "seed 2 -> 3": dict(source=colours["shards"], seed=3, shuffle_window=2),
+        "shuffle_window 2 -> 3": dict(source=colours["shards"], seed=2, shuffle_window=3),
+        "data (digest": dict(source=colours["folder"], seed=2, shuffle_window=None),
+    }
+    for said, options in cases.items():
+        loader = gpupipe.build_loader(options.pop("source"), "pillow", **options, **kw)
+        with pytest.raises(ValueError, match=r"cannot resume from this loader state: .*") as e:
+            loader.load_state_dict(state)
+        assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_state_of_an_earlier_version_counts_this_loaders_batches(colours):
+    """``{"epoch", "batch"}`` alone (states saved before the position in samples): the same loader resumes there, and
+    a batch this loader does not have is refused in one line."""
+    make = lambda: gpupipe.build_loader(
+        colours["folder"], "pillow", batch_size=4, image_size=8, num_workers=0, device="cpu", normalize=False
+    )
+    straight = make()
+    straight.set_epoch(1)
+    whole = [_ids(x) for x, _ in straight]
+    resumed = make()
+    resumed.load_state_dict({"epoch": 1, "batch": 3})
+    assert [_ids(x) for x, _ in resumed] == whole[3:]
+    with pytest.raises(ValueError, match="cannot resume at epoch 1, batch 11: this loader has 10 batches an epoch"):
+        make().load_state_dict({"epoch": 1, "batch": 11})

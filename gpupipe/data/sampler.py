@@ -185,13 +185,19 @@ class ShardSampler:
         world, batch_size, drop_last = layout
         g = self.batch_size * self.world_size
         # an epoch's start is the same steps under any layout of a global order (not of a windowed one's parts)
-        if layout == self.layout and samples % g == 0 or samples == 0 and self.window is None:
+        if (layout == self.layout and samples % g == 0) or (samples == 0 and self.window is None):
             self.position.load_state_dict({"epoch": epoch, "batch": min(samples // g, self.num_batches)})
             return None
-        saved = ShardSampler(
-            self.num_samples, batch_size, shuffle=self.shuffle, seed=self.seed, world_size=world,
-            drop_last=drop_last, shards=self.shards, window=self.window,
-        )  # fmt: skip
+        saved = ShardSampler(  # the saving run's layout of this order
+            self.num_samples,
+            batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            world_size=world,
+            drop_last=drop_last,
+            shards=self.shards,
+            window=self.window,
+        )
         stream = saved.stream(epoch)
         plan = self._resplit(epoch, layout, stream, samples)
         self.position.place(plan)
