@@ -144,3 +144,15 @@ def test_a_state_of_an_earlier_version_counts_this_loaders_batches(colours):
     assert [_ids(x) for x, _ in resumed] == whole[3:]
     with pytest.raises(ValueError, match="cannot resume at epoch 1, batch 11: this loader has 10 batches an epoch"):
         make().load_state_dict({"epoch": 1, "batch": 11})
+
+
+def test_an_evaluation_loader_resumes_mid_epoch_only_with_its_own_ranks(colours):
+    """Evaluation reads each sample once, in unequal shares per rank: its position carries over only unchanged."""
+    kw = dict(batch_size=4, image_size=8, num_workers=0, device="cpu", normalize=False, train=False)
+    saved = gpupipe.build_loader(colours["folder"], "pillow", rank=0, world_size=2, **kw)
+    next(iter(saved))
+    again = gpupipe.build_loader(colours["folder"], "pillow", rank=0, world_size=2, **kw)
+    again.load_state_dict(saved.state_dict())
+    assert again.state_dict()["batch"] == 1
+    with pytest.raises(ValueError, match=r"cannot resume this evaluation loader mid-epoch: .* 2 rank"):
+        gpupipe.build_loader(colours["folder"], "pillow", **kw).load_state_dict(saved.state_dict())

@@ -193,11 +193,14 @@ class Loader:
         self._check_order(state.get("order", {}))
         layout = state["layout"]
         saved = (int(layout["world_size"]), int(layout["batch_size"]), bool(layout["drop_last"]))
-        if saved != self.sampler.layout and not self.sampler.equal_steps and int(state["samples"]) > 0:
-            raise ValueError(
-                f"cannot resume this evaluation loader mid-epoch: its state was saved with {saved[0]} rank(s) x batch "
-                f"{saved[1]}, this loader has {self.sampler.world_size} x {self.batch_size}"
-            )
+        if not self.sampler.equal_steps:  # evaluation: ranks take unequal shares, counted in their own batches
+            if saved != self.sampler.layout and int(state["batch"]) > 0:
+                raise ValueError(
+                    f"cannot resume this evaluation loader mid-epoch: its state was saved with {saved[0]} rank(s) x "
+                    f"batch {saved[1]}, this loader has {self.sampler.world_size} x {self.batch_size}"
+                )
+            self.position.load_state_dict(state)
+            return
         notice = self.sampler.resume(int(state["epoch"]), int(state["samples"]), saved)
         if notice is not None:
             warnings.warn(notice, ResumeNotice, stacklevel=2)
