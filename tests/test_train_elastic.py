@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpupipe.train.build import build_state
-from gpupipe.train.elastic import as_saved_at, continue_schedule, fit
+from gpupipe.train.elastic import as_saved_at, continue_schedule, fit, fit_world_size
 
 from .common_utils import REPO_ROOT, make_folder, train_args, train_config
 
@@ -86,3 +86,36 @@ def test_the_lr_schedule_goes_on_by_samples_seen(tmp_path):
     assert new.scheduler.last_epoch == 5
     assert new.scheduler.get_last_lr() == pytest.approx(lr)
     assert [g["lr"] for g in new.optimizer.param_groups] == pytest.approx(lr)
+
+
+def test_the_number_of_ranks_changed_is_said_in_one_line(tmp_path):
+    """Kept, not kept (the global batch changes) and unknown (a checkpoint of an earlier version, mid-epoch): each a
+    line; the user's own other batch is left to the settings' comparison."""
+    path = tmp_path / "last.pt"
+
+    def saved(config: dict, batch: int = 2) -> None:
+        torch.save({"config": config, "loader": {"epoch": 0, "batch": batch}}, path)
+
+    saved({"world_size": 1, "batch_size": 8, "accum": 1})
+    cfg, said = fit_world_size(train_config(tmp_path, tmp_path, batch_size=8), path, 2)
+    assert (cfg.batch_size, cfg.accum) == (4, 1)
+    assert said == (
+        f"{path}: saved with 1 rank(s) x batch 8 x accum 1 (global batch 8); over 2 rank(s) now: batch 4 x accum 1 "
+        "keep the global batch"
+    )
+    saved({"world_size": 1, "batch_size": 3, "accum": 1})
+    cfg, said = fit_world_size(train_config(tmp_path, tmp_path, batch_size=3), path, 2)
+    assert (cfg.batch_size, cfg.accum) == (3, 1) and said is not None and "\n" not in said
+    assert said.endswith(
+        "global batch 6: the epoch's remaining samples are re-split into steps of 6 and the LR schedule goes on by "
+        "samples seen"
+    )
+    cfg, said = fit_world_size(train_config(tmp_path, tmp_path, batch_size=3), path, 1)
+    assert said is None
+    user = train_config(tmp_path, tmp_path, batch_size=5)
+    assert fit_world_size(user, path, 2)[0] == user  # not the saved flags: compared, and refused, by the resume
+    saved({"batch_size": 3, "accum": 1})  # an earlier version's checkpoint, mid-epoch
+    cfg, said = fit_world_size(train_config(tmp_path, tmp_path, batch_size=3), path, 2)
+    assert said is not None and "records no number of ranks" in said and "epoch 0 batch 2" in said
+    saved({"batch_size": 3, "accum": 1}, batch=0)  # ... at an epoch's start: nothing to say
+    assert fit_world_size(train_config(tmp_path, tmp_path, batch_size=3), path, 2)[1] is None
