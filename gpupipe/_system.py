@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 def usable_cores() -> int:
@@ -13,10 +14,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def env_int(name: str) -> int | None:
+    """The environment variable ``name`` as a whole number >= 0 (ASCII digits), None when unset or empty; anything
+    else is a ``ValueError`` naming the variable (``LOCAL_RANK=abc`` is a launcher's mistake, not rank 0)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not re.fullmatch(r"[0-9]+", value):
+        raise ValueError(f"environment variable {name}={value!r}: expected a whole number >= 0")
+    return int(value)
+
+
 def local_rank() -> int | None:
     """This process's rank on its node under torchrun (``LOCAL_RANK``), or None outside a launcher."""
-    value = os.environ.get("LOCAL_RANK", "")
-    return int(value) if value.isdigit() else None
+    return env_int("LOCAL_RANK")
 
 
 def cores_per_rank() -> int:

@@ -39,6 +39,7 @@ from PIL import Image, JpegImagePlugin
 
 from ._files import create_exclusive, naming, read_regular, write_atomic
 from ._pool import ordered_map
+from ._runlock import LOCK_NAME, RunLock
 from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
 from .data.remote import is_url
@@ -361,6 +362,19 @@ def prepare(
     if isinstance(src, str) and os.path.isdir(src) and Path(src).resolve() in (out.resolve(), *out.resolve().parents):
         raise ValueError(f"{out}: inside the source folder {src}; write the shards elsewhere (a rescan would see them)")
     out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out, "output folder"):  # a second prepare into it would delete this one's temp shards
+        return _prepare_locked(source, src, out, options, workers, on_progress)
+
+
+def _prepare_locked(
+    source: ImageList,
+    src,
+    out: Path,
+    options: PrepareOptions,
+    workers: int,
+    on_progress: Callable[[int, int], None] | None,
+) -> Summary:
+    """:func:`prepare` into a local folder this process holds."""
     plan = _plan(source, src, options)
     if (out / META).exists():
         return _up_to_date(out, plan)
@@ -439,7 +453,7 @@ def _start_or_resume(out: Path, plan: dict) -> None:
                 f"{out}: holds an interrupted prepare of another source or with other options; "
                 "remove it or choose another folder"
             )
-    elif any(out.iterdir()):
+    elif any(p.name != LOCK_NAME for p in out.iterdir()):
         raise FileExistsError(f"{out}: not empty; prepare writes into an empty folder (or resumes its own)")
     else:
         _write_durably(out / PLAN, json.dumps(plan).encode())

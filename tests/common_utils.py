@@ -122,10 +122,20 @@ def float_tiff(path):
     return path
 
 
+ORIENTED_FORMATS = ("JPEG", "PNG", "WEBP", "TIFF")  # the formats Pillow reads an EXIF orientation from
+
+
+def with_orientation(img: Image.Image, fmt: str, orientation: int) -> bytes:
+    """``img`` stored as ``fmt`` (one of ORIENTED_FORMATS) with an EXIF orientation tag."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(img, fmt, exif=exif, **({"quality": 95} if fmt in ("JPEG", "WEBP") else {}))
+
+
 def exif_upright(data: bytes) -> Image.Image:
     from PIL import ImageOps
 
-    return ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+    return ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")  # turned as opened, then converted
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -282,3 +292,90 @@ class S3Server:
             self.process.wait()
         else:
             self.server.stop()
+
+
+class HTTPFiles:
+    """A real HTTP server on 127.0.0.1 (a thread of this process) that serves the files under ``root`` with range
+    requests, as a static web server does, and as S3 does for a path-style GET (``/bucket/key``). ``fail(status,
+    body)`` queues answers given before any file (a 500, a 503 SlowDown); ``requests`` lists the paths asked."""
+
+    def __init__(self, root: Path):
+        import http.server
+        import threading
+
+        self.root, self.requests, self.faults = Path(root), [], []
+        files = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                files._answer(self, body=True)
+
+            def do_HEAD(self):
+                files._answer(self, body=False)
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, status: int, body: bytes = b"") -> None:
+        self.faults.append((status, body))
+
+    def _answer(self, h, body: bool) -> None:
+        path = h.path.split("?")[0]
+        self.requests.append(path)
+        status, data, headers = self._reply(path, h.headers.get("Range"))
+        h.send_response(status)
+        for k, v in {**headers, "Content-Length": str(len(data))}.items():
+            h.send_header(k, v)
+        h.end_headers()
+        if body:
+            h.wfile.write(data)
+
+    def _reply(self, path: str, ranged: str | None) -> tuple[int, bytes, dict[str, str]]:
+        if self.faults:
+            status, text = self.faults.pop(0)
+            return status, text, {"Content-Type": "application/xml"}
+        file = self.root / path.lstrip("/")
+        if not file.is_file():
+            return 404, b"", {}
+        data = file.read_bytes()
+        if ranged is None:
+            return 200, data, {"Accept-Ranges": "bytes"}
+        start, _, end = ranged.removeprefix("bytes=").partition("-")
+        first, last = int(start), min(int(end) if end else len(data) - 1, len(data) - 1)
+        return 206, data[first : last + 1], {"Content-Range": f"bytes {first}-{last}/{len(data)}"}
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class BlackHole:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (nor closes it): an endpoint that
+    hangs, as a stuck proxy or a half-dead server does."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:  # closed
+                return
+
+    def stop(self) -> None:
+        self.sock.close()
+        for s in self.held:
+            s.close()

@@ -12,8 +12,10 @@ import gpupipe
 from gpupipe.recipe import Box
 
 from .common_utils import (
+    CPU_LOADER_BACKENDS,
     DECODERS,
     INVALID,
+    ORIENTED_FORMATS,
     READERS,
     VALID,
     exif_upright,
@@ -21,6 +23,7 @@ from .common_utils import (
     jpeg_bytes,
     jpeg_with_orientation,
     photo,
+    with_orientation,
 )
 
 
@@ -46,6 +49,44 @@ def test_exif_orientation_is_applied_everywhere(base, backend, orientation):
     ).permute(2, 0, 1)
     assert img.shape == upright.shape
     assert (img.float() - upright.float()).abs().mean() < 3
+
+
+def _exif_transposed(data: bytes) -> torch.Tensor:
+    """PIL's own answer (``ImageOps.exif_transpose``) as a (3, H, W) tensor."""
+    return torch.from_numpy(np.asarray(exif_upright(data)).copy()).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("fmt", ORIENTED_FORMATS)
+@pytest.mark.parametrize("orientation", [3, 6, 7])
+def test_orientation_is_applied_once_in_every_format(base, backend, fmt, orientation):
+    """Every format Pillow carries an EXIF orientation in comes out as ``exif_transpose`` turns it: once (Pillow's
+    TIFF loader turns a TIFF itself, so turning it again leaves it on its side)."""
+    data = with_orientation(base, fmt, orientation)
+    img, want = gpupipe.read_image(data, backend), _exif_transposed(data)
+    assert img.shape == want.shape
+    assert (img.float() - want.float()).abs().mean() < 3
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_loaders_turn_oriented_files_as_exif_transpose(tmp_path, base, backend):
+    """A loader's eval crops of files stored turned (EXIF 6) in each format are those of the upright pictures."""
+    stored, upright = tmp_path / "stored" / "c", tmp_path / "upright" / "c"
+    stored.mkdir(parents=True)
+    upright.mkdir(parents=True)
+    ramps = np.asarray(base).copy()  # red grows to the right, green downwards: any wrong turn shows
+    ramps[..., 0] = np.linspace(0, 255, ramps.shape[1])[None, :]
+    ramps[..., 1] = np.linspace(0, 255, ramps.shape[0])[:, None]
+    for i, fmt in enumerate(ORIENTED_FORMATS):
+        data = with_orientation(Image.fromarray(ramps), fmt, 6)
+        (stored / f"{i}.{fmt.lower()}").write_bytes(data)
+        Image.fromarray(_exif_transposed(data).permute(1, 2, 0).numpy()).save(upright / f"{i}.png")
+
+    def batch(root, name):
+        kw = {"batch_size": 4, "train": False, "image_size": 32, "num_workers": 0, "normalize": False}
+        return next(iter(gpupipe.build_loader(root.parent, name, **kw)))[0].float()
+
+    assert (batch(stored, backend) - batch(upright, "pillow")).abs().mean() < 3
 
 
 @pytest.mark.parametrize("backend", READERS)

@@ -298,3 +298,44 @@ def test_loader_pixel_limit_from_the_header(tmp_path, backend):
     batches = list(loader)
     assert [len(y) for _, y in batches] == [4, 4, 1]
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]
+
+
+def _in_a_small_dev_shm() -> list[str] | None:
+    """The command prefix that runs a command with a 1 MB ``/dev/shm`` of its own (a mount namespace: ``unshare -m``
+    as root, ``unshare -rm`` with user namespaces), or None where this machine cannot make one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return None
+    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"'
+    for unshare in (["unshare", "-m"], ["unshare", "-rm"]):
+        prefix = [*unshare, "sh", "-c", mount]
+        if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    return None
+
+
+def test_a_small_dev_shm_is_named_with_the_fix(folder):
+    """1 MB of /dev/shm: torch's worker error ("Caught RuntimeError in DataLoader worker process 0") hid the cause on
+    the last line of a traceback; now one line names it and the fix."""
+    import subprocess
+    import sys
+
+    prefix = _in_a_small_dev_shm()
+    if prefix is None:
+        pytest.skip("cannot make a mount namespace here (unshare -m needs root or user namespaces)")
+    script = (  # as gpupipe train reads batches: WorkerLost is what its loop saves a checkpoint on
+        "import sys, gpupipe\n"
+        "from gpupipe.train.stop import next_batch\n"
+        "loader = gpupipe.build_loader(sys.argv[1], 'pillow', batch_size=8, image_size=224, num_workers=2, "
+        "device='cpu')\n"
+        "it = iter(loader)\n"
+        "try:\n    while True:\n        next_batch(it, 300)\n"
+        "except gpupipe.GpupipeError as e:\n    sys.exit(f'{type(e).__name__}: {e}')\n"
+    )
+    run = subprocess.run([*prefix, sys.executable, "-c", script, str(folder)], capture_output=True, text=True)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert last.startswith("WorkerLost: ") and "unable to allocate shared memory" in last and "No space left" in last
+    assert "--shm-size" in last and "--ipc=host" in last and "fewer workers" in last

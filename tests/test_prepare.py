@@ -3,6 +3,7 @@ and left out, and an interrupted run that resumes to the same bytes."""
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,15 @@ from gpupipe.cli import main
 from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
 
-from .common_utils import make_folder, photo
+from .common_utils import (
+    ORIENTED_FORMATS,
+    REPO_ROOT,
+    exif_upright,
+    gpupipe_cli,
+    make_folder,
+    photo,
+    with_orientation,
+)
 
 LOADERS = [
     pytest.param(b, marks=pytest.mark.skipif(b not in gpupipe.available_backends(), reason=f"no {b}"))
@@ -125,6 +134,19 @@ def test_slow_or_unusual_files_become_baseline_rgb_jpegs(case):
     assert (gpupipe.read_image(out.data, "pillow").float() - ref).abs().mean() < 8  # the same picture, upright
 
 
+@pytest.mark.parametrize("fmt", ORIENTED_FORMATS)
+def test_files_with_an_orientation_are_stored_upright_in_every_format(fmt):
+    """A file turned by its EXIF tag is stored as ``exif_transpose`` turns it, whatever its format (Pillow's TIFF
+    loader turns a TIFF itself: it must not be turned twice)."""
+    data = with_orientation(BASE, fmt, 6)
+    out = convert(data, "x.img", PrepareOptions())
+    assert out.reason is None and out.changes  # stored anew: baseline JPEG, no tag
+    want = np.asarray(exif_upright(data), dtype=np.float32)
+    got = np.asarray(Image.open(io.BytesIO(out.data)), dtype=np.float32)
+    assert (out.height, out.width) == want.shape[:2] == got.shape[:2] == (90, 60)
+    assert np.abs(got - want).mean() < 4
+
+
 def test_bad_files_are_reported_and_left_out(tmp_path, capsys):
     src = make_folder(tmp_path / "src", 2, 3)
     good = (src / "c00" / "000.jpg").read_bytes()
@@ -181,6 +203,48 @@ def test_an_interrupted_prepare_resumes_to_the_same_result(folder, tmp_path, pre
     assert 0 < summary.resumed_at < 24
     assert _files(out) == _files(prepared)  # byte for byte what an uninterrupted run writes
     assert prepare(folder, out, SMALL).up_to_date
+
+
+_PAUSED_RUN = """
+import sys, time
+import gpupipe.prepare as p
+
+add = p._ShardWriter.add
+def add_then_wait(self, *args):
+    add(self, *args)
+    print("writing", flush=True)
+    time.sleep(120)
+p._ShardWriter.add = add_then_wait
+p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}))
+"""
+
+
+@pytest.mark.slow  # two processes
+def test_a_second_prepare_into_the_same_folder_is_refused_naming_the_first(folder, tmp_path, prepared):
+    """Two ``gpupipe prepare`` into one folder: the second is one line naming the first (it used to delete the first's
+    temp shard from under it); once the first is gone, the folder resumes to the same bytes."""
+    out = tmp_path / "out"
+    script = textwrap.dedent(_PAUSED_RUN).format(shard_size=SMALL.shard_size)
+    first = subprocess.Popen(
+        [sys.executable, "-c", script, str(folder), str(out)], stdout=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "writing\n"
+        temp = list(out.glob(".shard-*.tar.tmp"))
+        second = gpupipe_cli("prepare", folder, out, "--shard-size", "16KB", "--workers", "1")
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        assert lines[0].startswith(f"error: {out}: in use by another run (pid {first.pid} on "), lines
+        assert temp and all(t.exists() for t in temp)  # the first's work is untouched
+    finally:
+        first.kill()
+        first.wait()
+    prepare(folder, out, SMALL)  # the first shard was cut short: written again
+    assert _files(out) == _files(prepared)
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
 def test_shuffled_order_spreads_the_classes_over_the_shards_and_resumes(folder, tmp_path):

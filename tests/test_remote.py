@@ -4,6 +4,7 @@ for prepared and for foreign (webdataset-written) shards; and the faults a store
 truncated object, a missing one, a refused one (403)."""
 
 import io
+import re
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
 
-from .common_utils import CPU_LOADER_BACKENDS, S3Server, assert_resume_is_exact, photo, two_rank_epochs
+from .common_utils import CPU_LOADER_BACKENDS, HTTPFiles, S3Server, assert_resume_is_exact, photo, two_rank_epochs
 
 wds = pytest.importorskip("webdataset")
 KW = dict(batch_size=4, image_size=24, num_workers=2, drop_last=False, device="cpu", seed=3, normalize=False)
@@ -206,6 +207,34 @@ def test_access_denied_is_named_without_retrying(s3, prepared_url):
         assert time.monotonic() - started < 5
     finally:
         s3.set_auth(enforced=False)
+
+
+@pytest.fixture()
+def web(prepared, tmp_path):
+    """The prepared folder on a plain HTTP server (``/data``), a file beside it that is none of its own."""
+    import shutil
+
+    shutil.copytree(prepared, tmp_path / "data")
+    shutil.copy(prepared / "shard-000000.tar", tmp_path / "secret.tar")
+    server = HTTPFiles(tmp_path)
+    yield server, tmp_path / "data"
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    "name", ["../secret.tar", "a/../../secret.tar", "/secret.tar", "http://127.0.0.1:1/x.tar", "%2e%2e/secret.tar"]
+)
+def test_a_prepared_folder_at_a_url_names_only_its_own_shards(prepared, web, name):
+    import json
+
+    server, data = web
+    assert len(scan(f"{server.url}/data")) == len(scan(prepared))  # the folder as written reads over HTTP
+    meta = json.loads((data / "gpupipe.json").read_text())
+    meta["shards"][0] = name
+    (data / "gpupipe.json").write_text(json.dumps(meta))
+    with pytest.raises(GpupipeError, match=rf"data/gpupipe\.json: shard {re.escape(repr(name))} lies outside"):
+        scan(f"{server.url}/data")
+    assert not any("secret" in r or "x.tar" in r for r in server.requests)
 
 
 def test_brace_notation():

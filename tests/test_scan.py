@@ -56,7 +56,7 @@ def test_csv_headers_as_users_write_them(tmp_path, folder, header):
     assert [label for _, label in data.samples] == [1, 0] and data.classes == ["0", "1"]
 
 
-@pytest.mark.parametrize("bad", ["dog", "1.0"])
+@pytest.mark.parametrize("bad", ["dog", "1.0", "--1", "\u00b2", "\u0663"])  # \u00b2: ², \u0663: an Arabic-Indic 3
 def test_csv_mixed_labels_are_an_error_naming_the_line(tmp_path, folder, bad):
     import shutil
 
@@ -68,6 +68,17 @@ def test_csv_mixed_labels_are_an_error_naming_the_line(tmp_path, folder, bad):
     lst.write_text(f"imgs/c00/000.jpg,{bad}\nimgs/c01/000.jpg,2\n")  # a real file: data, not a header
     with pytest.raises(ValueError, match=r"list.csv:2: label '2' is not a class name"):
         scan(lst)
+
+
+@pytest.mark.parametrize("first", ["imgs/gone.jpeg2000", "gone.tif"])
+def test_csv_first_row_naming_a_missing_file_is_data_not_a_header(tmp_path, folder, first):
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"{first},1\nimgs/c00/000.jpg,0\n")
+    data = scan(lst)
+    assert len(data.samples) == 2 and data.missing == [f"{lst}:1: {first}"]
 
 
 def test_held_out_set_uses_the_training_classes(tmp_path):

@@ -96,9 +96,9 @@ def test_an_unwritable_shard_folder_caches_the_index_in_the_user_cache(wds_shard
     ]
 
 
-def _tar(path, members: dict[str, bytes]):
+def _tar(path, members: dict[str, bytes] | list[tuple[str, bytes]]):
     with tarfile.open(path, "w") as tf:
-        for name, data in members.items():
+        for name, data in members.items() if isinstance(members, dict) else members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
@@ -115,6 +115,9 @@ def _tar(path, members: dict[str, bytes]):
         ),
         ({"a.jpg": b"x", "a.json": json.dumps({"caption": "x"}).encode()}, r"a.json: no label field"),
         ({"a.jpg": b"x", "a.cls": b"dog"}, r"a.cls: a .cls member must hold an integer"),
+        ({"a.jpg": b"x", "a.cls": b"1_0"}, r"a.cls: a .cls member must hold an integer label, got b'1_0'"),
+        ({"a.jpg": b"x", "a.cls": "\u0663".encode()}, r"a.cls: a .cls member must hold an integer"),
+        ([("a.jpg", b"x"), ("a.cls", b"1"), ("a.cls", b"2")], r"key 'a' has two .cls members \(a.cls and a.cls\)"),
         ({"a.txt": b"x"}, r"no samples"),
     ],
 )
@@ -258,3 +261,38 @@ def test_dali_reads_no_sample_before_training_and_only_what_it_schedules(wds_sha
     assert reads == [] and len(loader.dataset) >= 12
     images, _ = next(iter(loader))
     assert images.shape[0] == 2 and 2 <= len(reads) <= 6 < len(loader.dataset)  # this batch and two ahead at most
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+
+
+def test_many_shards_stay_within_the_open_file_limit_and_name_it_when_out(tmp_path):
+    """240 shards under ``ulimit -n 128`` (2 workers) lost a worker: each shard map holds a file descriptor, and 256 of
+    them were kept. Now a quarter of the limit, least recently used first to go; and a process out of files says so,
+    with ``on_error="skip"`` too (it is no bad sample)."""
+    import resource
+
+    buf = io.BytesIO()
+    photo(np.random.default_rng(0), 16, 16).save(buf, "JPEG")
+    jpeg = buf.getvalue()
+    for i in range(120):
+        _tar(tmp_path / f"s{i:03d}.tar", {"a.jpg": jpeg, "a.cls": b"0"})
+    data, fresh = scan(str(tmp_path / "*.tar")), scan(str(tmp_path / "*.tar"))
+    loader = gpupipe.build_loader(
+        str(tmp_path / "*.tar"), "pillow", batch_size=4, image_size=16, num_workers=0, device="cpu", on_error="skip"
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_fds() + 60, hard))  # room for 60 more: 120 maps did not fit
+        assert all(data.read(i) == jpeg for i in range(len(data)))
+        assert 1 <= len(data._maps) <= (_fds() + 60) // 4
+        lowest_free = os.dup(0)
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # not one more (the limit is on numbers)
+        with pytest.raises(OSError, match=r"Too many open files \(.*ulimit -n is \d+\)"):
+            fresh.read(0)
+        with pytest.raises(GpupipeError, match=r"s\d+\.tar:a\.jpg: .*Too many open files.*raise the limit"):
+            next(iter(loader))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -56,3 +56,20 @@ def test_each_field_carries_its_help_resume_rule_and_choices(tmp_path):
         load_config(str(f))
     with pytest.raises(ValueError, match="on_error must be one of raise, skip"):
         TrainConfig(on_error="ignore")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--log-every", "0"], "log_every must be >= 1, got 0"),
+        (["--lr", "nan"], "lr must be a number, got nan"),
+        (["--lr", "inf"], "lr must be a finite number >= 0, got inf"),
+        (["--momentum", "nan"], "momentum must be a number, got nan"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_up_front(tmp_path, capsys, flags, said):
+    from gpupipe.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), *flags, "--print-config"]) != 0
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

@@ -118,3 +118,26 @@ def test_eval_gives_the_accuracy_training_reported(data, tmp_path):
     assert r.stdout.startswith(f"{val}: val_acc {reported['val_acc']:.4f}")
     err = _one_error_line(_run(sys.executable, "-m", "gpupipe", "eval", "--checkpoint", val, "--data", val).stderr)
     assert str(val) in err
+
+
+def test_a_validation_with_nothing_decodable_keeps_the_epoch_and_is_one_line(data, tmp_path):
+    """A --val set whose every file is skipped (--on-error skip): the epoch trained before it is saved, and the empty
+    validation is one line, in training and in ``gpupipe eval`` (it was a ZeroDivisionError and no checkpoint)."""
+    import sys
+
+    val = tmp_path / "val"
+    (val / "c00").mkdir(parents=True)
+    for i in range(3):
+        (val / "c00" / f"{i}.jpg").write_bytes(b"not an image" * 10)
+    out = tmp_path / "run"
+    r = _run(*train_cli(data, out, epochs=2, val=val, on_error="skip"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    err = r.stderr.splitlines()[-1]
+    assert err.startswith(f"error: {val}: no image to evaluate on: all 3 were skipped as undecodable, e.g. "), err
+    saved = checkpoint.load(out / "checkpoints" / "last.pt")
+    assert saved["loader"]["epoch"] == 1 and saved["step"] == 8  # the trained epoch is kept
+    ckpt = out / "checkpoints" / "last.pt"
+    cmd = [sys.executable, "-m", "gpupipe", "eval", "--checkpoint", ckpt, "--data", val, "--device", "cpu"]
+    r = _run(*cmd, "--on-error", "skip")  # a warning first: the held-out set lacks 3 of the classes
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"error: {val}: no image to evaluate on: all 3 were skipped"), r.stderr

@@ -158,6 +158,29 @@ def test_a_second_run_on_the_same_out_is_refused_naming_the_first(data, tmp_path
     assert r.returncode == 0, r.stderr  # the dead run's lock is in nobody's way
 
 
+def test_a_sigkilled_run_resumes_at_once_while_its_workers_linger(data, tmp_path):
+    """SIGKILL (an OOM kill, a preemption) leaves the DataLoader workers alive a few seconds, holding every descriptor
+    the run had open: the folder is free all the same, and ``--resume`` goes on at once."""
+    out = tmp_path / "run"
+    cmd = _cmd(data, out, "--epochs", "1", "--workers", "1", "--save-every", "1")
+    proc = _start(cmd)
+    _wait_for(proc, "epoch 0  3/8")
+    workers = _children(proc.pid)
+    assert workers
+    for w in workers:  # stopped: orphans that linger for as long as the test needs, not for up to 5 s
+        os.kill(w, signal.SIGSTOP)
+    try:
+        proc.kill()
+        proc.wait()
+        r = _run([*cmd, "--resume"])
+        assert r.returncode == 0, r.stderr
+        assert all(os.path.exists(f"/proc/{w}") for w in workers)  # the orphans were there throughout
+    finally:
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+
+
 def test_a_damaged_checkpoint_is_refused_and_the_previous_good_one_resumes(data, tmp_path):
     """The probe: 64 bytes flipped in the middle of last.pt resumed with exit 0 and changed weights."""
     out = tmp_path / "run"

@@ -104,3 +104,21 @@ def test_forked_workers_ignore_ctrl_c():
 def test_resume_command_repeats_the_command_with_resume(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/x/gpupipe", "train", "--out", "my run", "--resume", "--epochs", "3"])
     assert resume_command("my run") == "gpupipe train --out 'my run' --epochs 3 --resume"
+
+
+def test_a_stall_at_the_open_file_limit_is_named_as_such():
+    """Under a low ``ulimit -n`` a loader stalled (a worker could not hand over its batch's file descriptor) and the
+    run blamed "a hung read (a network file system?)"; a process at its limit is now named."""
+    import resource
+
+    def stalled():
+        time.sleep(30)
+        yield None
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
+        with pytest.raises(LoaderStalled, match=r"no batch .* for 0.5 s .*: too many open files \(ulimit -n is \d+"):
+            next_batch(stalled(), 0.5)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -3,6 +3,7 @@ to RGB, and the one-pass crop + resize that turns a decoded image into the recip
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -94,7 +95,7 @@ def probe(data: bytes, path: str, backend: str, max_pixels: int) -> Header:
         raise DecodeError(path, backend, f"image has no pixels ({width}x{height})")
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
         raise DecodeError(path, backend, reason)
-    return Header(img, width, height, _orientation(img.getexif), img.format == "JPEG")
+    return Header(img, width, height, orientation_to_apply(img), img.format == "JPEG")
 
 
 def _unreadable(e: Exception) -> str:
@@ -124,6 +125,26 @@ def _orientation(read_exif: Callable[[], Image.Exif]) -> int:
     return orientation if orientation in _ORIENT else 1
 
 
+def orientation_to_apply(img: Image.Image) -> int:
+    """The EXIF orientation still to apply to ``img`` once loaded: 1 where Pillow turns the image itself (a TIFF, on
+    Pillow versions whose TIFF loader applies the tag; its size is then upright already, before the load)."""
+    if img.format == "TIFF" and _pillow_turns_tiff():
+        return 1
+    return _orientation(img.getexif)
+
+
+@functools.cache
+def _pillow_turns_tiff() -> bool:
+    """Whether this Pillow applies a TIFF's orientation itself (recent versions do; older ones leave it to the
+    caller, as for JPEG, PNG and WebP): asked of a 2 x 1 TIFF whose tag turns it."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.new("L", (2, 1)).save(buf, "TIFF", exif=exif)
+    with Image.open(buf) as img:
+        return img.size == (1, 2)
+
+
 # What DALI's image decoders take (as PIL names the format); the rest (GIF, ICO, float TIFF...) Pillow decodes.
 PIPELINE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "TIFF", "WEBP", "PPM", "JPEG2000"})
 PILLOW_ONLY_MODES = frozenset({"F", "I"})  # 32-bit pixels: one rule on every backend, Pillow's
@@ -151,7 +172,7 @@ def header_entry(src: str | bytes, max_pixels: int) -> HeaderCheck:
                 width, height = img.size
                 if (reason := float_image_reason(img.mode)) is not None:
                     return HeaderCheck(problem=reason)
-                orientation = _orientation(img.getexif)
+                orientation = orientation_to_apply(img)
                 pillow_only = img.format not in PIPELINE_FORMATS or img.mode in PILLOW_ONLY_MODES
     except Image.DecompressionBombError:
         return HeaderCheck(problem="more pixels than PIL allows (decompression bomb)")

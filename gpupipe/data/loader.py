@@ -3,7 +3,10 @@ with one policy for bad files (raise in the main process, or skip, refill and re
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
+import resource
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -261,12 +264,13 @@ class Loader:
         return _rebatch(self._checked(source), sizes, pad=self.train)
 
     def _checked(self, source: Iterator[Batch]) -> Iterator[Batch]:
-        for b in source:
+        for b in _resources_named(source):
             self.fallbacks += b.fallbacks
             if b.failure is not None:
                 raise b.failure
             if b.errors:
                 _raise_storage_errors(b.errors)  # the store failing is no bad sample: never skipped
+                _raise_shortages(b.errors)  # nor is a process out of open files
                 if self.on_error == "raise":
                     path, reason = b.errors[0]
                     raise DecodeError(path, self.backend, reason)
@@ -281,6 +285,51 @@ def _raise_storage_errors(errors: list[tuple[str, str]]) -> None:
     for _, reason in errors:
         if reason.startswith(prefix):
             raise StorageError(reason[len(prefix) :])
+
+
+class WorkerResourceError(GpupipeError):
+    """A data loader worker, or the process it hands batches to, ran out of a system resource (shared memory, open
+    files); the message names it and the fix."""
+
+
+def shortage(text: str) -> str | None:
+    """What ran out, in words with the fix, when a failure's text (a DataLoader worker's traceback included) says
+    that the process lacked shared memory or file descriptors; None for any other failure."""
+    if os.strerror(errno.EMFILE) in text or os.strerror(errno.ENFILE) in text:
+        return (
+            f"too many open files (ulimit -n is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} in this process): "
+            "raise the limit (ulimit -n 65536; docker run --ulimit nofile=65536), or use fewer workers "
+            "(num_workers, --workers)"
+        )
+    if "unable to allocate shared memory" in text or ("No space left on device" in text and "/torch_" in text):
+        return (
+            "no shared memory left for the batches: /dev/shm is full or too small (a container's default is 64 MB); "
+            "give it more (docker run --shm-size=8g, or --ipc=host), or use fewer workers (num_workers, --workers) "
+            "or a smaller prefetch_factor"
+        )
+    return None
+
+
+def _resources_named(source: Iterator[Batch]) -> Iterator[Batch]:
+    """The batches; a worker's failure for want of shared memory or open files is raised as one line naming the cause
+    and the fix (torch's names the worker, its traceback, and the cause only on the last line of that)."""
+    try:
+        yield from source
+    except RuntimeError as e:
+        why = shortage(str(e))
+        if why is None:
+            raise
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise WorkerResourceError(f"{lines[0].rstrip('. ')}: {lines[-1]}: {why}") from None
+
+
+def _raise_shortages(errors: list[tuple[str, str]]) -> None:
+    """A sample that could not be read because the process is out of open files is no bad sample: raised whatever
+    ``on_error`` says."""
+    for path, reason in errors:
+        why = shortage(reason)
+        if why is not None:
+            raise WorkerResourceError(f"{path}: {reason}: {why}")
 
 
 def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[Batch]:

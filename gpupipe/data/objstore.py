@@ -14,9 +14,10 @@ turned off unless ``storage_options`` set them), so the time to give up is known
 
 from __future__ import annotations
 
+import errno
 import os
 import random
-import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ class Remote:
             shard less than 256 KiB apart in one request (:mod:`gpupipe.data.ranges`). 0: never keep.
         retries: attempts per read on transient errors (connection lost, 5xx, throttling) before a StorageError.
         backoff: the first wait in seconds; it doubles per attempt (with jitter), capped at 30 s.
+        deadline: seconds one read may take, its attempts and waits included, before a StorageError that says so (an
+            endpoint that accepts a connection and never answers would otherwise hold it through the client's own
+            timeouts and retries, each attempt). A shard copied whole into ``cache_dir`` is one read.
     """
 
     url: str | Sequence[str]
@@ -52,6 +56,7 @@ class Remote:
     memory_cache: int = 256 << 20
     retries: int = 6
     backoff: float = 0.5
+    deadline: float = 300.0
 
     def __post_init__(self):
         if self.retries < 1:
@@ -60,6 +65,8 @@ class Remote:
             raise ValueError(f"memory_cache must be >= 0 bytes, got {self.memory_cache}")
         if self.backoff < 0:
             raise ValueError(f"backoff must be >= 0, got {self.backoff}")
+        if not 0 < self.deadline < float("inf"):
+            raise ValueError(f"deadline must be > 0 seconds, got {self.deadline}")
 
     def __repr__(self) -> str:  # storage_options may hold secrets: never shown
         return f"Remote({self.url!r}, cache_dir={self.cache_dir!r})"
@@ -93,59 +100,78 @@ class Store:
     def path(self, url: str) -> str:
         return self.fs._strip_protocol(url)
 
-    def call(self, url: str, what: Callable[[], _T]) -> _T:
-        """``what()`` with retries on transient errors; permanent ones (no such object, access denied) at once."""
-        started = time.monotonic()
+    def call(self, url: str, what: Callable[[], _T], deadline: float | None = None) -> _T:
+        """``what()`` with retries on transient errors; permanent ones (no such object, access denied) at once; all of
+        it within ``deadline`` seconds (the remote's by default)."""
+        clock = _Deadline(deadline or self.remote.deadline)
+        last: Exception | None = None
         for attempt in range(self.remote.retries):
             try:
-                return what()
+                return _within(what, clock.left())
+            except _Late:
+                raise clock.missed(url, attempt + 1, last) from None
             except Exception as e:
                 permanent = _permanent(url, e)
                 if permanent is not None:
                     raise permanent from None
                 last = e
-            self._wait(attempt)
-        raise self._gave_up(url, started, last)
+            if not self._wait(attempt, clock):
+                raise clock.missed(url, attempt + 1, last)
+        raise self._gave_up(url, clock.started, last)
 
-    def _wait(self, attempt: int) -> None:
+    def _wait(self, attempt: int, clock: _Deadline) -> bool:
+        """The backoff before the next attempt, within the deadline; False when the deadline leaves no time for it."""
         if attempt + 1 < self.remote.retries:
-            delay = min(30.0, self.remote.backoff * 2**attempt)
-            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(30.0, self.remote.backoff * 2**attempt) * random.uniform(0.5, 1.0)
+            if delay >= clock.left():
+                return False
+            time.sleep(delay)
+        return True
 
-    def _gave_up(self, url: str, started: float, last: Exception) -> StorageError:
+    def _gave_up(self, url: str, started: float, last: Exception | None) -> StorageError:
         return StorageError(
             f"{url}: unreachable after {self.remote.retries} attempts over {time.monotonic() - started:.1f} s "
-            f"({_cause(last)})"
+            f"({_cause(last) if last is not None else '?'})"
         )
 
     def read_many(self, urls: list[str], starts: list[int], sizes: list[int]) -> list[bytes | Exception]:
         """Several range reads at once (a batch: concurrent requests, one round trip's latency for all), each its
-        bytes or its :class:`StorageError`; the ones that fail transiently are retried together."""
+        bytes or its :class:`StorageError`; the ones that fail transiently are retried together, all within the
+        remote's deadline."""
         out: list[bytes | Exception | None] = [None] * len(urls)
-        pending, started = list(range(len(urls))), time.monotonic()
+        pending, clock = list(range(len(urls))), _Deadline(self.remote.deadline)
+        last: Exception | None = None
+        late = False
         for attempt in range(self.remote.retries):
-            got = self.fs.cat_ranges(
-                [self.path(urls[k]) for k in pending],
-                [starts[k] for k in pending],
-                [starts[k] + sizes[k] for k in pending],
-                on_error="return",
-            )
+            try:
+                got = _within(self._ranges(urls, starts, sizes, pending), clock.left())
+            except _Late:
+                late = True
+                break
             retry = []
             for k, r in zip(pending, got, strict=True):
-                if isinstance(r, Exception):
-                    out[k] = _permanent(urls[k], r)
-                    if out[k] is None:
-                        retry.append(k)
-                        last = r
-                else:
-                    out[k] = r if len(r) == sizes[k] else _truncated(urls[k], starts[k], sizes[k])
+                out[k] = _checked(urls[k], starts[k], sizes[k], r)
+                if out[k] is None:
+                    retry.append(k)
+                    last = cast(Exception, r)
             pending = retry
             if not pending:
                 break
-            self._wait(attempt)
+            if not self._wait(attempt, clock):
+                late = True
+                break
         for k in pending:
-            out[k] = self._gave_up(urls[k], started, last)
+            out[k] = clock.missed(urls[k], attempt + 1, last) if late else self._gave_up(urls[k], clock.started, last)
         return cast(list[bytes | Exception], out)
+
+    def _ranges(self, urls: list[str], starts: list[int], sizes: list[int], which: list[int]) -> Callable[[], list]:
+        """The one request of an attempt of :meth:`read_many` (each range its bytes or its exception)."""
+        paths, first, end = (
+            [self.path(urls[k]) for k in which],
+            [starts[k] for k in which],
+            [starts[k] + sizes[k] for k in which],
+        )
+        return lambda: self.fs.cat_ranges(paths, first, end, on_error="return")
 
     def read(self, url: str, start: int, size: int) -> bytes:
         """``size`` bytes at ``start``: a range read; a short answer means the object is shorter than its index."""
@@ -167,8 +193,10 @@ class Store:
         os.replace(tmp, target)
 
     def put(self, local: Path, url: str) -> None:
-        """One upload: an object appears whole or not at all (S3 PUTs are atomic)."""
-        self.call(url, lambda: self.fs.put_file(str(local), self.path(url)))
+        """One upload: an object appears whole or not at all (S3 PUTs are atomic). A large one may take longer than
+        the deadline, at 1 MiB/s."""
+        deadline = max(self.remote.deadline, local.stat().st_size / (1 << 20))
+        self.call(url, lambda: self.fs.put_file(str(local), self.path(url)), deadline)
 
     def sizes(self, url: str) -> dict[str, int]:
         """The byte size of each object directly under the folder ``url``, by name; empty when there is none."""
@@ -187,12 +215,59 @@ class Store:
         return sorted(self.fs.unstrip_protocol(p) for p in self.call(pattern, lambda: self.fs.glob(self.path(pattern))))
 
 
+class _Deadline:
+    """The time one read has left, its attempts and waits included."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.started = seconds, time.monotonic()
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.started)
+
+    def missed(self, url: str, attempts: int, last: Exception | None) -> StorageError:
+        cause = f"; the last error: {_cause(last)}" if last is not None else ""
+        return StorageError(
+            f"{url}: no answer within the deadline of {self.seconds:g} s ({attempts} attempt(s){cause}); "
+            "Remote(deadline=) sets it"
+        )
+
+
+class _Late(Exception):
+    """A call still running when its deadline came."""
+
+
+def _within(what: Callable[[], _T], seconds: float) -> _T:
+    """``what()`` in a thread of its own, waited for at most ``seconds`` (then :class:`_Late`): a client call that
+    never returns cannot hold the caller past the deadline. The thread is left to end by itself, when the client's
+    own timeouts end the call."""
+    if seconds <= 0:
+        raise _Late
+    done = threading.Event()
+    value: list[_T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            value.append(what())
+        except BaseException as e:  # handed to the caller
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gpupipe-store-call", daemon=True).start()
+    if not done.wait(seconds):
+        raise _Late
+    if error:
+        raise error[0]
+    return value[0]
+
+
 def _options(url: str, given: dict[str, Any]) -> dict[str, Any]:
     """The user's options; for S3, botocore's own retries off (ours are the one layer) unless they were set."""
     options = dict(given)
     if url.startswith(("s3://", "s3a://")):
         config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # max_attempts counts retries
         options["config_kwargs"] = config
     return options
 
@@ -208,21 +283,67 @@ def _permanent(url: str, e: Exception) -> StorageError | None:
     return None if _transient(e) else StorageError(f"{url}: {_cause(e)}")
 
 
+def _checked(url: str, start: int, size: int, got: bytes | Exception) -> bytes | Exception | None:
+    """One range of a batch: its bytes, or the error to report for it; None when it is worth another try."""
+    if isinstance(got, Exception):
+        return _permanent(url, got)
+    return got if len(got) == size else _truncated(url, start, size)
+
+
 def _truncated(url: str, start: int, size: int) -> StorageError:
     return StorageError(f"{url} ends before its member at byte {start} of {size} bytes: truncated?")
 
 
+# Error codes of S3 and the stores that copy its API that mean "try again": throttling, a busy or failing server.
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "ProvisionedThroughputExceededException", "RequestTimeout", "RequestTimeoutException", "InternalError",
+    "ServiceUnavailable", "OperationAborted",
+}  # fmt: skip
+# s3fs turns those errors into a bare OSError whose text is the server's message ("Please reduce your request rate.",
+# no code in it) and whose errno is EBUSY (throttling, 503) or EREMOTEIO (an internal error, 500)
+_TRANSIENT_ERRNOS = (errno.EBUSY, errno.EREMOTEIO)
+
+
 def _transient(e: Exception) -> bool:
-    """Connection lost or refused, timeouts, 5xx, throttling: worth another try. Anything else is permanent."""
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return True
-    name = type(e).__name__
-    if any(k in name for k in ("Connection", "Timeout", "Throttl", "IncompleteRead", "ClientPayload")):
-        return True
-    text = str(e)
-    return isinstance(e, OSError) and bool(
-        re.search(r"\b5\d\d\b|SlowDown|Throttl|InternalError|ServiceUnavailable|Reset|temporar", text, re.I)
-    )
+    """Connection lost or refused, timeouts, 5xx, throttling: worth another try. Anything else is permanent. Told by
+    the exception's type, the HTTP status and the store's error code (on it or on the client's error it wraps), never
+    by words in its text alone."""
+    for x in _chain(e):
+        if isinstance(x, (ConnectionError, TimeoutError)):
+            return True
+        names = [c.__name__ for c in type(x).__mro__]  # aiohttp's ClientConnectorError is a ClientConnectionError
+        if any(k in n for n in names for k in ("Connection", "Timeout", "Throttl", "IncompleteRead", "ClientPayload")):
+            return True
+        status, code = _status_and_code(x)
+        if (status is not None and (status >= 500 or status in (408, 429))) or code in _TRANSIENT_CODES:
+            return True
+    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the errors it was raised from (a client library's own error under s3fs's ``OSError``)."""
+    out: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and x not in out and len(out) < 8:
+        out.append(x)
+        x = x.__cause__
+    return out
+
+
+def _status_and_code(e: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and the store's error code an exception carries: botocore's ``response`` (S3), aiohttp's
+    ``status`` (HTTP), gcsfs's ``code``, requests' ``response.status_code``."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return (status if isinstance(status, int) else None), response.get("Error", {}).get("Code")
+    status = getattr(e, "status", None)  # aiohttp's (its ``code`` is a deprecated alias)
+    if not isinstance(status, int):
+        status = getattr(e, "code", None)  # gcsfs's HttpError
+    if not isinstance(status, int):
+        status = getattr(response, "status_code", None)  # requests'
+    return (status if isinstance(status, int) and 100 <= status < 600 else None), None
 
 
 def _cause(e: BaseException) -> str:

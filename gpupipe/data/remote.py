@@ -161,6 +161,7 @@ def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
             f"{url}/{META}: format {meta.get('format')!r} version {meta.get('version')!r}; this gpupipe reads "
             f"{FORMAT!r} version {VERSION}: prepare the data again"
         )
+    shards = _confined(url, meta.get("shards"))
     index_url = f"{url}/{INDEX}"
 
     def columns() -> dict[str, np.ndarray]:
@@ -171,7 +172,7 @@ def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
     return RemoteShardImageList(
         store,
         url,
-        [f"{url}/{n}" for n in meta["shards"]],
+        shards,
         cols["shard"],
         cols["offset"],
         cols["size"],
@@ -180,6 +181,24 @@ def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
         heights=cols["height"],
         widths=cols["width"],
     )
+
+
+def _confined(url: str, names) -> list[str]:
+    """A prepared folder's shard URLs, each inside the folder: a name that climbs out (``..``), is absolute or a URL
+    of its own, or holds what a URL reads otherwise (``?``, ``#``, ``%``, ``\\``) is refused, as on a local disk (an
+    HTTP client would fetch ``folder/../x.tar`` as ``x.tar``, outside it)."""
+    if not isinstance(names, list):
+        raise GpupipeError(f"{url}/{META}: 'shards' must be a list of file names, got {type(names).__name__}")
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or any(part in ("", ".", "..") for part in name.split("/"))
+            or re.search(r"[?#%\\]|^[a-zA-Z][a-zA-Z0-9+.-]*:", name)
+        ):
+            raise GpupipeError(
+                f"{url}/{META}: shard {name!r} lies outside {url}; a prepared folder names its own shards"
+            )
+    return [f"{url}/{n}" for n in names]
 
 
 def load_tars_remote(store: Store, urls: list[str], threads: int = 8) -> RemoteShardImageList:

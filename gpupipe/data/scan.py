@@ -6,13 +6,12 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
-
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .._files import read_regular
 from .._names import escape
@@ -106,7 +105,8 @@ _HEADER_WORDS = {"path", "file", "filename", "filepath", "file_path", "image", "
 
 
 def _is_int(label: str) -> bool:
-    return label.lstrip("-").isdigit()
+    """An integer as a CSV writes one: ASCII digits, maybe a minus (``str.isdigit`` takes ``²`` and ``٣`` too)."""
+    return re.fullmatch(r"-?[0-9]+", label) is not None
 
 
 class _Row(NamedTuple):
@@ -117,8 +117,8 @@ class _Row(NamedTuple):
 
 def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] | None = None) -> ImageList:
     """Rows ``path,label``; labels are all integers (class indices) or all names. The first row is a header when its
-    first column is a usual header word (``path``, ``image``...), or names no file and either has no image extension
-    or is the only row whose label is not an integer."""
+    first column is a usual header word (``path``, ``image``...), or names no file and either has no file extension
+    (a column title, not a missing image) or is the only row whose label is not an integer."""
     base = path.parent.resolve()
     rows = _without_header(_csv_rows(path), base)
     if not rows:
@@ -167,7 +167,7 @@ def _without_header(rows: list[_Row], base: Path) -> list[_Row]:
     a_file = (base / first.path).is_file()
     name = first.path.lower()
     if name in _HEADER_WORDS or (
-        not a_file and (not name.endswith(IMG_EXTENSIONS) or (others_int and not _is_int(first.label)))
+        not a_file and (not os.path.splitext(name)[1] or (others_int and not _is_int(first.label)))
     ):
         return rows[1:]
     return rows

@@ -8,12 +8,15 @@ keeps the global per-epoch shuffle, the sharding over ranks and mid-epoch resume
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import io
 import json
 import mmap
 import os
+import re
+import resource
 import tarfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,7 +38,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 LABEL_FIELDS = ("label", "cls")  # where a ``key.json`` holds the label
 _INDEX_SUFFIX = ".gpupipe-index.npz"  # the header index of a foreign shard, cached next to it
 _INDEX_VERSION = 1
-_MAX_OPEN = 256  # shard maps kept open per process: each holds a file descriptor
+_MAX_OPEN = 256  # shard maps kept open per process at most: each holds a file descriptor (see _open_limit)
 
 
 class _Samples(SampleList):
@@ -111,9 +114,10 @@ class ShardImageList(ImageList):
             self._close()
             self._pid = os.getpid()
         s = int(self._shard[index])
-        mm = self._maps.get(s)
+        mm = self._maps.pop(s, None)
         if mm is None:
             mm = self._open(s)
+        self._maps[s] = mm  # last: the maps are kept in order of use, the least recently used first to go
         start = int(self._offset[index])
         size = int(self._size[index])
         data = (
@@ -128,15 +132,20 @@ class ShardImageList(ImageList):
     def _open(self, s: int) -> mmap.mmap | BinaryIO:
         """The shard's map; its open file (read with ``pread``) where the file system refuses ``mmap``, as some
         FUSE mounts of object storage do."""
-        if len(self._maps) >= _MAX_OPEN:  # dropped, not closed: a thread may still be slicing it (freed with it)
-            self._maps.pop(next(iter(self._maps)))
-        f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
+        while self._maps and len(self._maps) >= _open_limit():  # dropped, not closed: a thread may still be slicing
+            self._maps.pop(next(iter(self._maps)))  # it (then freed with it)
         try:
-            self._maps[s] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise OSError(e.errno, f"{e.strerror} ({_open_files()})", self.shard_paths[s]) from None
+            raise
+        try:
+            mm: mmap.mmap | BinaryIO = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             f.close()
         except (OSError, ValueError):
-            self._maps[s] = f
-        return self._maps[s]
+            mm = f
+        return mm
 
     def _close(self) -> None:
         for mm in self._maps.values():
@@ -145,6 +154,22 @@ class ShardImageList(ImageList):
 
     def __getstate__(self):  # spawned workers open their own maps
         return {**self.__dict__, "_maps": {}, "_pid": None}
+
+
+def _open_limit() -> int:
+    """Shard maps one process keeps open: a quarter of its open-file limit (``ulimit -n``), the rest left to its
+    DataLoader pipes, shared-memory batches and the files of other sources, and at most ``_MAX_OPEN``."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return _MAX_OPEN if soft == resource.RLIM_INFINITY else max(1, min(_MAX_OPEN, soft // 4))
+
+
+def _open_files() -> str:
+    """This process's open files beside its limit, in words."""
+    limit = f"ulimit -n is {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    try:
+        return f"this process has {len(os.listdir('/proc/self/fd')) - 1} files open, {limit}"
+    except OSError:  # out of them: not even the listing opens
+        return limit
 
 
 def is_shard_source(root) -> bool:
@@ -375,6 +400,11 @@ def _walk_tar(path: str) -> _TarMembers:
                         )
                     images[key] = (m.name, m.offset_data, m.size)
                 else:
+                    if key in labels[ext]:
+                        raise GpupipeError(
+                            f"{path}: key {key!r} has two .{ext} members ({labels[ext][key][0]} and {m.name}): "
+                            "which one is its label?"
+                        )
                     member = tf.extractfile(m)  # a regular file (isfile above): never None
                     assert member is not None
                     labels[ext][key] = (m.name, member.read())
@@ -412,10 +442,10 @@ def _split(name: str) -> tuple[str, str]:
 def _label(path: str, member: str, data: bytes) -> int | str:
     where = f"{path}: {member}"
     if member.lower().endswith(".cls"):
-        try:
-            return int(data.strip())
-        except ValueError:
-            raise GpupipeError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}") from None
+        text = data.strip()
+        if re.fullmatch(rb"-?[0-9]+", text) is None:  # ASCII digits only: int() would read b"1_0" as 10
+            raise GpupipeError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}")
+        return int(text)
     try:
         obj = json.loads(data)
     except ValueError as e:

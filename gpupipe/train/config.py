@@ -7,6 +7,7 @@ unknown key), not a hand-written one.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
@@ -132,9 +133,15 @@ class TrainConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(choice_error(name, getattr(self, name)))
-        for name in ("epochs", "batch_size", "accum", "image_size", "keep_checkpoints"):
+        for name in ("epochs", "batch_size", "accum", "image_size", "keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for f in fields(self):  # a NaN compares false with every bound below: refused here, by name
+            value = getattr(self, f.name)
+            if isinstance(value, float) and math.isnan(value):
+                raise ValueError(f"{f.name} must be a number, got nan")
+        if not 0 <= self.lr < math.inf:
+            raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"clip must be > 0, got {self.clip}")
         if self.loader_timeout_s < 0:

@@ -3,17 +3,47 @@
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
+from .._system import env_int
+
+_LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and SLURM wrappers) set together
+
+
+def ranks_from_env() -> tuple[int, int, int]:
+    """(world size, rank, local rank) from torchrun's variables; (1, 0, 0) without them. A value that is not a whole
+    number, or a set that cannot come from one launch (a ``RANK`` without ``WORLD_SIZE``, a rank outside the world),
+    is a ``ValueError`` naming the variables: a stray ``RANK=1`` would otherwise train as a rank that saves nothing."""
+    world, rank, local = (env_int(name) for name in _LAUNCH_VARS)
+    problem = _inconsistency(world, rank, local)
+    if problem is not None:
+        shown = ", ".join(f"{k}={v}" for k, v in zip(_LAUNCH_VARS, (world, rank, local), strict=True) if v is not None)
+        raise ValueError(
+            f"inconsistent distributed environment ({shown}): {problem}; launch with torchrun, which sets "
+            f"{', '.join(_LAUNCH_VARS)} together, or unset them to train as one process"
+        )
+    return world or 1, rank or 0, local or 0
+
+
+def _inconsistency(world: int | None, rank: int | None, local: int | None) -> str | None:
+    if world is None:
+        return f"{'RANK' if rank else 'LOCAL_RANK'} without WORLD_SIZE" if rank or local else None
+    if world < 1:
+        return "WORLD_SIZE must be at least 1"
+    if world > 1 and rank is None:
+        return f"WORLD_SIZE {world} without RANK"
+    if rank is not None and rank >= world:
+        return f"RANK {rank} is not below WORLD_SIZE {world}"
+    if local is not None and local > (rank or 0):
+        return f"LOCAL_RANK {local} above RANK {rank or 0}"
+    return None
+
 
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size, self.rank, self.local_rank = ranks_from_env()
         want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
         if want_cuda:
             if not torch.cuda.is_available():

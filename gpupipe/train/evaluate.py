@@ -24,6 +24,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="an undecodable file (default raise)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("--allow-outside-root", action="store_true", help=ALLOW_OUTSIDE_ROOT_HELP)
+    p.add_argument(
+        "--classes-from",
+        help="the training data, whose classes label --data: only for an older checkpoint that records no class list",
+    )
 
 
 def run_eval(args) -> int:
@@ -38,13 +42,18 @@ def run_eval(args) -> int:
 
     saved = checkpoint.load_for_resume(args.checkpoint)  # a broken or foreign file: one line naming it
     config = saved.get("config", {})
+    # The checkpoint's config is data, never an instruction: nothing it names is fetched, read or trusted.
     if not (classes := saved.get("classes")):  # an older checkpoint: the classes of the data it trained on
-        trusted = args.allow_outside_root or bool(config.get("allow_outside_root"))
-        classes = open_source(config.get("data_resolved") or config["data"], allow_outside_root=trusted).classes
+        if args.classes_from is None:
+            raise ValueError(
+                f"{args.checkpoint}: records no class list (an older checkpoint): pass --classes-from with the data "
+                "it was trained on, to label --data as it was labelled"
+            )
+        classes = open_source(args.classes_from, allow_outside_root=args.allow_outside_root).classes
     weights = saved["model_ema"] if args.ema else saved["model"]
     if args.ema and "model_ema" not in saved:
         raise ValueError(f"{args.checkpoint}: --ema, but the run kept no EMA weights (it ran without --model-ema)")
-    model = timm.create_model(config["model"], pretrained=False, num_classes=len(classes))
+    model = timm.create_model(_model_name(config, args.checkpoint), pretrained=False, num_classes=len(classes))
     model.load_state_dict(weights)
     loader = build_loader(
         args.data,
@@ -74,3 +83,17 @@ def run_eval(args) -> int:
             f"{args.checkpoint})"
         )
     return 0
+
+
+def _model_name(config: dict, path) -> str:
+    """The checkpoint's model: a timm architecture by its registered name only. A location (``hf-hub:...``,
+    ``local-dir:...``) would have ``timm.create_model`` fetch or read what the checkpoint names."""
+    import timm
+
+    name = config.get("model")
+    if not isinstance(name, str) or ":" in name or not timm.is_model(name):
+        raise ValueError(
+            f"{path}: names the model {name!r}, not a timm architecture name; eval builds only those (it fetches "
+            "nothing a checkpoint names)"
+        )
+    return name

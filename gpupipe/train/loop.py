@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..data.loader import Loader
+from ..errors import GpupipeError
 from ..mix import Mix
 from .build import build_criterion, build_loaders, build_model, build_state, check_model_name
 from .checkpoint import TrainState
@@ -247,14 +248,14 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     resumes at the next epoch's start."""
     metrics = epoch_metrics(epoch, meter, run.dist)
     run.dist.average_buffers(run.state.model)  # BatchNorm statistics agree on every rank before evaluation, saving
+    run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
+    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)  # kept if validation fails
     metrics.update(validate(run.run_model, run.state.ema, run.val_loader, run.state.precision, run.dist))
     metrics["lr"] = run.state.scheduler.get_last_lr()[0]
     metrics["skipped"] = len(run.train_loader.skipped)
     metrics["fallbacks"] = run.train_loader.fallbacks
     skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
-    run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
-    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
     if stop_requested(run.stop, run.dist):  # asked during the epoch's last step or its validation: saved just now
         raise stopped(run.stop, f"epoch {epoch + 1}, batch 0 (optimizer step {run.state.step})", run.cfg.out)
     return metrics
@@ -282,9 +283,12 @@ def validate(run_model: nn.Module, ema, loader: Loader | None, precision: Precis
     """``val_loss`` and ``val_acc`` of the model, and of its EMA (``ema_val_...``); {} without validation data."""
     if loader is None:
         return {}
-    metrics = evaluate(run_model, loader, precision, dist)
-    if ema is not None:
-        metrics.update({f"ema_{k}": v for k, v in evaluate(ema.module, loader, precision, dist).items()})
+    with torch.random.fork_rng(devices=[dist.device] if dist.device.type == "cuda" else []):
+        # the draws it makes (its DataLoader's seed) are not the training's: a run resumed from the checkpoint saved
+        # before validation goes on with the same random state as the straight run
+        metrics = evaluate(run_model, loader, precision, dist)
+        if ema is not None:
+            metrics.update({f"ema_{k}": v for k, v in evaluate(ema.module, loader, precision, dist).items()})
     return metrics
 
 
@@ -300,6 +304,12 @@ def evaluate(model: nn.Module, loader: Loader, precision: Precision, dist: Distr
             correct += (logits.argmax(1) == labels).sum().item()
             count += len(labels)
     loss_sum, correct, count = dist.all_reduce_sum([loss_sum, correct, count])
+    if count == 0:  # every file skipped (--on-error skip): no metric, rather than a division by zero
+        example = f", e.g. {loader.skipped[0][0]}: {loader.skipped[0][1]}" if loader.skipped else ""
+        raise GpupipeError(
+            f"{loader.dataset.root}: no image to evaluate on: all {len(loader.dataset)} were skipped as undecodable"
+            f"{example}"
+        )
     return {"val_loss": loss_sum / count, "val_acc": correct / count}
 
 

@@ -52,6 +52,7 @@ def resume_state(cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: L
     saved = checkpoint.load_for_resume(ckpt_path)
     world = loader.sampler.world_size  # another number of ranks: the batch and accum it fitted (elastic.py)
     changed = check_resumable(elastic.as_saved_at(saved.get("config", {}), world), cfg, ckpt_path)
+    check_classes(saved.get("classes"), list(loader.dataset.classes), ckpt_path)
     checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
     elastic.continue_schedule(state, saved.get("config", {}), cfg, world)
     with elastic.quiet_resume_notices():  # fit_world_size's line says it
@@ -91,6 +92,27 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
             "pass --allow-config-change to resume with the new ones"
         )
     return changeable
+
+
+def check_classes(saved: list[str] | None, now: list[str], path: Path) -> None:
+    """The data's classes must be the checkpoint's, in the same order: the model's outputs are their labels. A class
+    added, removed or renamed since is a ``ValueError`` saying which (a checkpoint that kept no list is not checked)."""
+    if saved is None or list(saved) == now:
+        return
+    added, removed = [c for c in now if c not in saved], [c for c in saved if c not in now]
+    what = "; ".join(
+        part
+        for part in (
+            f"added {', '.join(map(repr, added))}" if added else "",
+            f"gone {', '.join(map(repr, removed))}" if removed else "",
+        )
+        if part
+    )
+    raise ValueError(
+        f"{path}: the data's classes changed since this checkpoint ({what or 'same names, another order'}; "
+        f"{len(saved)} then, {len(now)} now): its labels would mean other classes; restore the class folders, "
+        "or start a new run in another --out"
+    )
 
 
 def save_checkpoint(

@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import resource
 import shlex
 import signal
 import sys
@@ -25,6 +27,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from .._runlock import RunLock
+from ..data.loader import WorkerResourceError, shortage
 from ..errors import GpupipeError
 from .distributed import Distributed
 
@@ -120,17 +123,33 @@ def next_batch(batches: Iterator, timeout_s: float) -> Any:
         raise LoaderStalled(
             f"no batch from the data loader for {timeout_s:g} s (--loader-timeout-s): {_workers_state()}"
         ) from None
+    except WorkerResourceError as e:  # out of shared memory or open files: named, and the run saves as for a loss
+        raise WorkerLost(str(e)) from None
     except RuntimeError as e:
         if "DataLoader worker" not in str(e):
             raise
         raise WorkerLost(f"{str(e).splitlines()[0].rstrip('. ')} (killed, or out of memory?)") from None
     except (ConnectionError, EOFError):  # a worker died in the middle of sending a batch: its pipe broke
         dead = ", ".join(str(pid) for pid, state in _child_states().items() if state == "Z") or "?"
-        raise WorkerLost(f"DataLoader worker (pid(s) {dead}) exited unexpectedly (killed, or out of memory?)") from None
+        why = _out_of_files() or "killed, or out of memory?"
+        raise WorkerLost(f"DataLoader worker (pid(s) {dead}) exited unexpectedly ({why})") from None
     finally:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+
+
+def _out_of_files() -> str | None:
+    """The shortage in words when this process or a worker holds as many files as its limit allows (a batch handed
+    over in shared memory takes a file descriptor on each side): then a broken pipe or a stall is that."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    for pid in [os.getpid(), *_children(os.getpid())]:
+        try:
+            if len(os.listdir(f"/proc/{pid}/fd")) >= limit - 4:
+                return shortage(os.strerror(errno.EMFILE))
+        except OSError:
+            continue
+    return None
 
 
 def _raise_alarm(signum: int, frame: FrameType | None) -> None:
@@ -149,6 +168,9 @@ def _workers_state() -> str:
             f"worker pid {', '.join(map(str, halted))} is stopped (SIGSTOP, or a debugger), and was ended so that "
             "the run can exit; raise --loader-timeout-s if the data is slow to read"
         )
+    out_of_files = _out_of_files()
+    if out_of_files is not None:
+        return out_of_files
     if states:
         return (
             f"workers pid {', '.join(map(str, states))} are alive but deliver nothing: a hung read (a network file "

@@ -1,0 +1,66 @@
+"""gpupipe/train/distributed.py: the launcher's variables read, or refused in one line naming them (a value that is no
+number, a set no launch could make)."""
+
+import pytest
+
+from gpupipe.train.distributed import Distributed, ranks_from_env
+
+from .common_utils import gpupipe_cli, make_folder, train_args
+
+
+@pytest.mark.parametrize(
+    "env, ranks",
+    [
+        ({}, (1, 0, 0)),
+        ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, (2, 1, 1)),
+        ({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}, (4, 3, 1)),  # a second node
+        ({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}, (1, 0, 0)),
+        ({"LOCAL_RANK": "0"}, (1, 0, 0)),
+    ],
+)
+def test_ranks_as_torchrun_sets_them(monkeypatch, env, ranks):
+    _set(monkeypatch, env)
+    assert ranks_from_env() == ranks
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"RANK": "1"}, "RANK without WORLD_SIZE"),
+        ({"LOCAL_RANK": "1"}, "LOCAL_RANK without WORLD_SIZE"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE 2 without RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK 2 is not below WORLD_SIZE 2"),
+        ({"WORLD_SIZE": "1", "RANK": "1"}, "RANK 1 is not below WORLD_SIZE 1"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE must be at least 1"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "1"}, "LOCAL_RANK 1 above RANK 0"),
+    ],
+)
+def test_inconsistent_variables_are_refused_by_name(monkeypatch, env, named):
+    _set(monkeypatch, env)
+    with pytest.raises(ValueError, match="torchrun") as e:
+        ranks_from_env()
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def _set(monkeypatch, env: dict) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("name", ["LOCAL_RANK", "RANK", "WORLD_SIZE"])
+def test_a_launcher_variable_that_is_no_number_is_named(monkeypatch, name):
+    monkeypatch.setenv(name, "abc")
+    with pytest.raises(ValueError, match=f"environment variable {name}='abc': expected a whole number >= 0"):
+        Distributed("cpu")
+
+
+def test_a_stray_rank_is_one_line_before_anything_is_written(tmp_path):
+    """``RANK=1`` left in a shell, no ``WORLD_SIZE``: not a run as rank 1 that trains, saves nothing and exits 0."""
+    data, out = make_folder(tmp_path / "data", 2, 2), tmp_path / "run"
+    run = gpupipe_cli("train", *train_args(data, out, epochs=1), env={"RANK": "1"})
+    assert run.returncode != 0
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "RANK=1" in lines[0] and "without WORLD_SIZE" in lines[0], run.stderr
+    assert not out.exists()
