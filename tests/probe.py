@@ -9,6 +9,7 @@ final parameters (``OUT/probe-rank{R}.pt``).
     python tests/probe.py rank-exits RANK K -- <gpupipe train arguments>  # that rank exits after K train batches
     python tests/probe.py worker-dies RANK K -- <gpupipe train arguments>  # that rank's loader worker is SIGKILLed
     torchrun ... tests/probe.py all-exit K -- <gpupipe train arguments>  # every rank exits after K train batches
+    torchrun ... tests/probe.py seen TAG K -- <gpupipe train arguments>  # OUT/seen-TAG-rankR.pt: the train batches
 """
 
 from __future__ import annotations
@@ -123,8 +124,36 @@ def _all_exit(after: int) -> None:
     ShardSampler.__iter__ = iter_then_exit
 
 
+def _seen(tag: str, after: int, out: str):
+    """This rank's train batches as ``(epoch, index)`` keys, saved to ``OUT/seen-TAG-rankR.pt`` by the function
+    returned; with ``after`` > 0, every rank saves them and exits (status 3, no clean-up) when its train sampler is
+    asked for batch ``after + 1`` of the run, as a job that a scheduler stops."""
+    batches: list = []
+    path = f"{out}/seen-{tag}-rank{os.environ.get('RANK', '0')}.pt"
+
+    def iter_recording(self):
+        for keys in _sampler_iter(self):
+            if self.shuffle:
+                if after and len(batches) == after:
+                    torch.save(batches, path)
+                    os._exit(3)
+                batches.append(keys)
+            yield keys
+
+    ShardSampler.__iter__ = iter_recording
+    return lambda: torch.save(batches, path)
+
+
 def main() -> None:
     mode = sys.argv[1]
+    if mode == "seen":
+        from gpupipe.cli import main as cli_main
+
+        args = sys.argv[sys.argv.index("--") + 1 :]
+        save = _seen(sys.argv[2], int(sys.argv[3]), args[args.index("--out") + 1])
+        code = cli_main(args)
+        save()
+        sys.exit(code)
     if mode == "all-exit":
         _all_exit(int(sys.argv[2]))
         from gpupipe.cli import main as cli_main

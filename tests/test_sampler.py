@@ -60,3 +60,48 @@ def test_bad_arguments_are_errors():
         ShardSampler(10, 2, shuffle=False, rank=2, world_size=2)
     with pytest.raises(ValueError, match="no samples"):
         ShardSampler(0, 2, shuffle=False)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_position_in_samples_carries_over_to_other_layouts(window, drop_last):
+    """At each step of a run of 1, 2 or 4 ranks (batch 12 / ranks, or 3), resumed by 1, 2 or 4 ranks: the steps left
+    are this layout's batches to the epoch's end on every rank; with the same global batch the saving run's very
+    steps (the last one up to padding), else the rest of its stream in order, cut (drop_last) or padded to equal
+    shares."""
+    import numpy as np
+
+    shards = np.arange(37) // 5 if window else None
+
+    def ranks(world: int, batch: int) -> list[ShardSampler]:
+        kw = dict(shuffle=True, seed=3, world_size=world, drop_last=drop_last, window=window, shards=shards)
+        return [ShardSampler(37, batch, rank=r, **kw) for r in range(world)]
+
+    def steps(samplers: list[ShardSampler]) -> list[list[int]]:
+        batches = [s.batches(1, s.position.batch) for s in samplers]
+        return [[i for b in step for i in b] for step in zip(*batches, strict=True)]
+
+    layouts = [(1, 12), (2, 6), (4, 3), (2, 3), (1, 3)]
+    for world, batch in layouts:
+        saving = ranks(world, batch)
+        whole, stream = steps(saving), saving[0].stream(1)
+        assert [i for s in whole for i in s] == stream
+        for k in range(1, len(whole) + 1):
+            samples = saving[0].samples_at(1, k)
+            for new_world, new_batch in layouts:
+                resumed = ranks(new_world, new_batch)
+                for s in resumed:
+                    s.resume(1, samples, saving[0].layout)
+                rest = steps(resumed)
+                assert {s.position.batch for s in resumed} == {resumed[0].num_batches - len(rest)}
+                g = new_world * new_batch
+                if g == world * batch:
+                    assert [sorted(s) for s in rest[:-1]] == [sorted(s) for s in whole[k:-1]]
+                    assert len(rest) == len(whole) - k
+                left = stream[samples:]
+                expected = [left[j : j + g] for j in range(0, len(left), g)]
+                if drop_last:
+                    expected = [s for s in expected if len(s) == g]
+                assert [sorted(s) for s in rest[:-1]] == [sorted(s) for s in expected[:-1]]
+                if rest:  # the last step: padded from the rest's start to equal shares
+                    assert set(expected[-1]) <= set(rest[-1]) <= set(left) and len(rest[-1]) % new_world == 0

@@ -128,7 +128,8 @@ class DaliLoader(Loader):
         """The batches scheduled ahead at the end of the last pass, when this pass is the one they were for (the
         next epoch, from its start) and their files are unchanged since they were read; else nothing (dropped)."""
         ahead, self._ahead = self._ahead, deque()
-        if not (ahead and ahead[0].epoch == epoch and start_batch == 0 and all(map(self._unchanged, ahead))):
+        planned = start_batch == 0 and self.sampler.resplit(epoch) is None  # the epoch's own start, not a re-split
+        if not (ahead and ahead[0].epoch == epoch and planned and all(map(self._unchanged, ahead))):
             ahead = deque()
         keep = sum(w.scheduled for w in ahead)
         self._drain(keep)

@@ -4,12 +4,16 @@ with one policy for bad files (raise in the main process, or skip, refill and re
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import resource
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._options import OnError
@@ -18,7 +22,7 @@ from ..augment.feedback import LoaderFeedback, WeightsClock, lag_for
 from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from .device import DeviceStage, Layout
-from .position import Pass
+from .position import Pass, ResumeNotice
 from .sampler import ShardSampler
 from .scan import ImageList
 
@@ -156,18 +160,78 @@ class Loader:
         self.position.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        """``{"epoch", "batch"}``: the position after the batches delivered so far (never those prefetched); after a
-        full pass, the start of the next epoch. ``load_state_dict`` on a loader built alike resumes there. With
-        CTAugment, also its weights and the snapshots the next batches draw from (``"ctaugment"``)."""
-        state: dict = self.position.state_dict()
+        """The position after the batches delivered so far (never those prefetched); after a full pass, the start of
+        the next epoch (:meth:`position_at`). ``load_state_dict`` resumes there, on a loader built alike or under
+        another number of ranks or batch size. With CTAugment, also its weights and the snapshots the next batches
+        draw from (``"ctaugment"``)."""
+        state = self.position_at(self.position.epoch, self.position.batch)
         if self._feedback is not None and self._feedback.clock is not None:
             state["ctaugment"] = self._feedback.state_dict()
         return state
 
+    def position_at(self, epoch: int, batch: int) -> dict:
+        """The state of the position after ``batch`` batches of ``epoch``: ``epoch`` and ``batch`` (this loader's
+        count), ``samples`` (of the epoch's stream, :mod:`.sampler`), the ``layout`` that stream is dealt by, and
+        what the ``order`` depends on (seed, the data's sample count and label digest, shuffle window)."""
+        world, batch_size, drop_last = self.sampler.stream_layout(epoch)
+        return {
+            "epoch": epoch,
+            "batch": batch,
+            "samples": self.sampler.samples_at(epoch, batch),
+            "layout": {"world_size": world, "batch_size": batch_size, "drop_last": drop_last},
+            "order": dict(self._order),
+        }
+
     def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state`` (from :meth:`state_dict`). Under another number of ranks or batch size, at the same
+        sample of the epoch: the same global batch takes exactly the saving run's next steps, another re-splits the
+        epoch's rest (a :class:`~gpupipe.data.position.ResumeNotice` says so). Another data set, seed or window is
+        a ``ValueError`` naming it. A state of only ``{"epoch", "batch"}`` (earlier versions) counts this loader's
+        batches: load it with the ranks and batch size it was saved with."""
         if self._feedback is not None and "ctaugment" in state:
             self._feedback.load_state_dict(state["ctaugment"])
-        self.position.load_state_dict(state)
+        if "samples" not in state:
+            self.position.load_state_dict(state)
+            return
+        self._check_order(state.get("order", {}))
+        layout = state["layout"]
+        saved = (int(layout["world_size"]), int(layout["batch_size"]), bool(layout["drop_last"]))
+        if not self.sampler.equal_steps:  # evaluation: ranks take unequal shares, counted in their own batches
+            if saved != self.sampler.layout and int(state["batch"]) > 0:
+                raise ValueError(
+                    f"cannot resume this evaluation loader mid-epoch: its state was saved with {saved[0]} rank(s) x "
+                    f"batch {saved[1]}, this loader has {self.sampler.world_size} x {self.batch_size}"
+                )
+            self.position.load_state_dict(state)
+            return
+        notice = self.sampler.resume(int(state["epoch"]), int(state["samples"]), saved)
+        if notice is not None:
+            warnings.warn(notice, ResumeNotice, stacklevel=2)
+
+    @cached_property
+    def _order(self) -> dict:
+        """What the epochs' order depends on besides the epoch: compared by ``load_state_dict``."""
+        digest = hashlib.sha256(np.asarray(self.dataset.targets, np.int64).tobytes())
+        if self.sampler.window is not None and self.sampler.shards is not None:
+            digest.update(np.asarray(self.sampler.shards, np.int64).tobytes())
+        return {
+            "seed": self.sampler.seed,
+            "num_samples": self.sampler.num_samples,
+            "shuffle": self.sampler.shuffle,
+            "window": self.sampler.window,
+            "digest": digest.hexdigest()[:16],
+        }
+
+    def _check_order(self, saved: dict) -> None:
+        """A one-line ``ValueError`` naming what differs, where the state's order is not this loader's."""
+        names = {"seed": "seed", "num_samples": "samples", "shuffle": "shuffle", "window": "shuffle_window"}
+        names["digest"] = "data (digest of the labels and shards)"
+        diff = [f"{names[k]} {saved[k]!r} -> {v!r}" for k, v in self._order.items() if k in saved and saved[k] != v]
+        if diff:
+            raise ValueError(
+                f"cannot resume from this loader state: {'; '.join(diff)}: the epoch's order differs, so its position "
+                "does not carry over (build the loader as it was, or start the epoch anew)"
+            )
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
         return Pass(self.position, self._pass)

@@ -12,7 +12,10 @@ batch it hands to the caller adds one, and its end moves on to the next epoch. B
 The calls frameworks make, in whatever order they make them:
 
 - ``state_dict()``: ``{"epoch", "batch"}``, the position after the batches delivered (torchdata's
-  ``StatefulDataLoader`` semantics). After a whole pass: ``{"epoch": e + 1, "batch": 0}``.
+  ``StatefulDataLoader`` semantics). After a whole pass: ``{"epoch": e + 1, "batch": 0}``. The loader adds the same
+  position in samples of the epoch and what the order depends on (``Loader.state_dict``), so that another number of
+  ranks or another batch size resumes at the same sample: then the epoch's remaining samples are re-split into this
+  loader's batches (a :class:`Resplit`), numbered so that the epoch still ends at batch ``num_batches``.
 - ``load_state_dict(state)``: the next pass starts there, including an iterator made but not yet started.
 - ``set_epoch(e)``, the loader's or its sampler's (Lightning calls ``loader.sampler.set_epoch``): when no pass is under
   way and the position is already in epoch ``e`` (just loaded, or where the loader moved on to) it is kept; otherwise
@@ -24,11 +27,33 @@ The calls frameworks make, in whatever order they make them:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..errors import GpupipeError
 
 T = TypeVar("T")
+
+
+class ResumeNotice(UserWarning):
+    """A loader state was loaded under another global batch: the epoch goes on from the first sample not yet
+    consumed, in batches of another size (said in one line)."""
+
+
+@dataclass(frozen=True)
+class Resplit:
+    """The rest of an epoch resumed from a state of another layout (ranks, batch size): the samples the saving layout
+    had not consumed (``start`` of its ``total``, in the order its steps take them), re-split into this rank's
+    ``batches``, which are the epoch's batches ``first`` to the last; ``sizes`` holds each step's samples over all
+    ranks. Made by the sampler, kept by the position for that ``epoch`` only."""
+
+    epoch: int
+    layout: tuple[int, int, bool]  # (world_size, batch_size, drop_last) of the run whose order this epoch follows
+    start: int
+    total: int
+    first: int
+    batches: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
 
 
 class Position:
@@ -40,6 +65,7 @@ class Position:
         self.batch = 0  # batches of ``epoch`` delivered to the caller
         self._newest: object | None = None  # the latest iterator made: only it may start
         self._running: object | None = None  # the iterator delivering this epoch's batches now, if any
+        self.resplit: Resplit | None = None  # how this epoch's rest is dealt, when resumed from another layout
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch": self.batch}
@@ -51,19 +77,24 @@ class Position:
                 f"cannot resume at epoch {epoch}, batch {batch}: this loader has {self.num_batches} batches an epoch"
                 " (was the state saved with another batch size, data set or number of ranks?)"
             )
-        self.epoch, self.batch, self._running = epoch, batch, None
+        self.epoch, self.batch, self._running, self.resplit = epoch, batch, None, None
+
+    def place(self, resplit: Resplit) -> None:
+        """Resume ``resplit.epoch`` at its first re-split batch."""
+        self.load_state_dict({"epoch": resplit.epoch, "batch": resplit.first})
+        self.resplit = resplit
 
     def set_epoch(self, epoch: int) -> None:
         if self._running is None and epoch == self.epoch:
             return  # already there: a loaded position is kept
-        self.epoch, self.batch, self._running = epoch, 0, None
+        self.epoch, self.batch, self._running, self.resplit = epoch, 0, None, None
 
     # -- what a Pass does -------------------------------------------------------------------------------------------
 
     def begin(self, token: object) -> None:
         """``iter()``: ``token`` is the newest iterator. A pass still under way is given up: on to the next epoch."""
         if self._running is not None:
-            self.epoch, self.batch, self._running = self.epoch + 1, 0, None
+            self.epoch, self.batch, self._running, self.resplit = self.epoch + 1, 0, None, None
         self._newest = token
 
     def start(self, token: object) -> tuple[int, int]:
@@ -91,7 +122,7 @@ class Position:
     def finish(self, token: object) -> None:
         """``token`` delivered its epoch's last batch: the next pass is the next epoch, from its start."""
         if token is self._running:
-            self.epoch, self.batch, self._running = self.epoch + 1, 0, None
+            self.epoch, self.batch, self._running, self.resplit = self.epoch + 1, 0, None, None
 
 
 class Pass(Generic[T]):

@@ -27,6 +27,7 @@ from .build import build_criterion, build_loaders, build_model, build_state, che
 from .checkpoint import TrainState
 from .config import TrainConfig, to_yaml
 from .distributed import Distributed
+from .elastic import fit_world_size
 from .feedback import CTFeedback
 from .logging import Meter, RunLogger
 from .nonfinite import LossWatch
@@ -68,6 +69,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         stop = guard_run(cfg.out, dist, teardown)  # the process group closed, --out locked, signals: stop requests
         ckpt_path = checkpoint_path(cfg)
         resume = resuming(cfg, Path(cfg.out), ckpt_path)  # the checkpoint to resume; refuses to overwrite a run first
+        # another number of ranks than the checkpoint's: the per-rank batch or --accum that keep its global batch
+        cfg, ranks_note = fit_world_size(cfg, resume, dist.world_size) if resume else (cfg, None)
         if model is None:
             check_model_name(cfg.model)
         torch.manual_seed(cfg.seed)
@@ -109,6 +112,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         if resume:
             where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
             logger.note(f"resumed from {where} of {resume}")
+        if ranks_note:
+            logger.note(ranks_note)
 
         return run_epochs(run, start["epoch"], meter)
 
@@ -212,7 +217,7 @@ def next_or_save(run: Run, batches: Iterator, epoch: int, boundary: int, meter: 
 def save_at(run: Run, epoch: int, batch: int, meter: Meter, *, alone: bool = False) -> str:
     """A checkpoint that resumes at ``batch`` of ``epoch``; where, in words. ``alone``: see :func:`save_checkpoint`."""
     meter.sync()
-    position = {**run.train_loader.state_dict(), "epoch": epoch, "batch": batch}  # the loader's, at that batch
+    position = {**run.train_loader.state_dict(), **run.train_loader.position_at(epoch, batch)}  # at that batch
     save_checkpoint(run.state, position, meter, run.cfg, run.dist, alone=alone)
     return f"epoch {epoch}, batch {batch} (optimizer step {run.state.step})"
 

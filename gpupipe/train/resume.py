@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..data.loader import Loader
-from . import checkpoint
+from . import checkpoint, elastic
 from .checkpoint import TrainState
 from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig, to_yaml
 from .distributed import Distributed
@@ -50,10 +50,13 @@ def resume_state(cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: L
     """Restores ``state`` and ``loader`` from the checkpoint; returns the resumed epoch's sums so far and the
     settings changed since (``check_resumable``)."""
     saved = checkpoint.load_for_resume(ckpt_path)
-    changed = check_resumable(saved.get("config", {}), cfg, ckpt_path)
+    world = loader.sampler.world_size  # another number of ranks: the batch and accum it fitted (elastic.py)
+    changed = check_resumable(elastic.as_saved_at(saved.get("config", {}), world), cfg, ckpt_path)
     check_classes(saved.get("classes"), list(loader.dataset.classes), ckpt_path)
     checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
-    loader.load_state_dict(saved["loader"])
+    elastic.continue_schedule(state, saved.get("config", {}), cfg, world)
+    with elastic.quiet_resume_notices():  # fit_world_size's line says it
+        loader.load_state_dict(saved["loader"])  # the same sample of the epoch, whatever the number of ranks
     return Meter(**saved["running"]), changed
 
 
@@ -121,6 +124,7 @@ def save_checkpoint(
     the last optimizer step). Writers take the folder's save lock, so two never rotate the kept files at once."""
     if dist.is_main or alone:
         config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
+        config["world_size"] = dist.world_size  # with batch_size and accum: the global batch (elastic.py)
         running = meter.state_dict()
         with _save_lock(checkpoint_path(cfg).parent):
             checkpoint.save(
