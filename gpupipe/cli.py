@@ -92,9 +92,10 @@ def _cmd_bench(args) -> int:
         batch_size=args.batch_size,
         seconds=args.seconds,
         repeats=args.repeats,
-        image_size=args.image_size,
+        image_size=args.image_size[0],
+        image_sizes=args.image_size if len(args.image_size) > 1 else [],
         model=args.model,
-        recipes=policy_recipes(args.image_size, args.aa, args.color_jitter, args.reprob),
+        recipes=policy_recipes(args.image_size[0], args.aa, args.color_jitter, args.reprob),
     )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
@@ -145,7 +146,7 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "batch_size": cfg.batch_size,
         "seconds": cfg.seconds,
         "repeats": cfg.repeats,
-        "image_size": cfg.image_size,
+        "image_size": cfg.image_sizes or cfg.image_size,
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
     }
@@ -253,6 +254,11 @@ def _at_least(low: float, kind: type = int, strict: bool = False):
 _positive_int, _non_negative_int, _positive_float = _at_least(1), _at_least(0), _at_least(0, float, strict=True)
 
 
+def _positive_ints(text: str) -> list[int]:
+    """An argparse type: ``160,192,224``, each >= 1."""
+    return [_positive_int(part) for part in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core."
@@ -320,7 +326,13 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
-    p.add_argument("--image-size", type=_positive_int, default=224, help="(default 224)")
+    p.add_argument(
+        "--image-size",
+        type=_positive_ints,
+        default=[224],
+        help="output side, or several (160,192,224: a row per size, timed in the same rounds, to see what a "
+        "resolution schedule buys) (default 224)",
+    )
     p.add_argument(
         "--seconds",
         type=_positive_float,

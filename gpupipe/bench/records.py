@@ -25,6 +25,7 @@ class Config:
     seconds: float = 6.0
     repeats: int = 3
     image_size: int = 224
+    image_sizes: list[int] = field(default_factory=list)  # several: train, eval, floor and augment at each (a row each)
     model: str | None = None
     dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
     recipes: dict[str, Recipe] = field(default_factory=dict)  # the augment pipeline's policies: one job per label

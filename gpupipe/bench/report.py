@@ -37,6 +37,7 @@ def _cell(v, spec: str, suffix: str = "") -> str:
 _COLUMNS: list[tuple[str, Literal["left", "right"], Callable[[dict], str]]] = [
     ("pipeline", "left", lambda r: r["pipeline"] + (f": {r['policy']}" if r.get("policy") else "")),
     ("backend", "left", lambda r: r["backend"]),
+    ("size", "right", lambda r: _cell(r.get("image_size"), "d", " px")),  # with several --image-size
     ("img/s", "right", lambda r: _cell(r["images_per_s"], ",.0f")),
     ("spread", "right", lambda r: f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}"),
     ("MP/s", "right", lambda r: _cell(r["megapixels_per_s"], ",.1f")),
