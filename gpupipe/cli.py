@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from rich.console import Console
@@ -149,6 +150,7 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "image_size": cfg.image_sizes or cfg.image_size,
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
     }
     rep = report.report(results, machine_info(), settings)
     report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
