@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
-from ._options import ALLOW_OUTSIDE_ROOT_HELP
+from ._options import ALLOW_OUTSIDE_ROOT_HELP, positive_ints
 from ._version import __version__
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
@@ -93,8 +92,7 @@ def _cmd_bench(args) -> int:
         batch_size=args.batch_size,
         seconds=args.seconds,
         repeats=args.repeats,
-        image_size=args.image_size[0],
-        image_sizes=args.image_size if len(args.image_size) > 1 else [],
+        image_sizes=args.image_size,  # image_size: the first
         model=args.model,
         recipes=policy_recipes(args.image_size[0], args.aa, args.color_jitter, args.reprob),
     )
@@ -147,10 +145,9 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "batch_size": cfg.batch_size,
         "seconds": cfg.seconds,
         "repeats": cfg.repeats,
-        "image_size": cfg.image_sizes or cfg.image_size,
+        "image_size": cfg.image_sizes if len(cfg.image_sizes) > 1 else cfg.image_size,
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
     }
     rep = report.report(results, machine_info(), settings)
     report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
@@ -256,11 +253,6 @@ def _at_least(low: float, kind: type = int, strict: bool = False):
 _positive_int, _non_negative_int, _positive_float = _at_least(1), _at_least(0), _at_least(0, float, strict=True)
 
 
-def _positive_ints(text: str) -> list[int]:
-    """An argparse type: ``160,192,224``, each >= 1."""
-    return [_positive_int(part) for part in text.split(",")]
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core."
@@ -328,13 +320,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
-    p.add_argument(
-        "--image-size",
-        type=_positive_ints,
-        default=[224],
-        help="output side, or several (160,192,224: a row per size, timed in the same rounds, to see what a "
-        "resolution schedule buys) (default 224)",
-    )
+    p.add_argument("--image-size", type=positive_ints, default=[224], help="224, or 160,192,224: rows per size")
     p.add_argument(
         "--seconds",
         type=_positive_float,

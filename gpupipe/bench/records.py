@@ -31,6 +31,10 @@ class Config:
     recipes: dict[str, Recipe] = field(default_factory=dict)  # the augment pipeline's policies: one job per label
     skipped: set[str] = field(default_factory=set)  # filled by the run: unreadable files the loaders left out
 
+    def __post_init__(self) -> None:
+        if self.image_sizes:  # the first is the one size of what times a single size (decode jobs, end to end)
+            self.image_size = self.image_sizes[0]
+
 
 @dataclass
 class Result:

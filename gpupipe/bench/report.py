@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,7 @@ def report(results: list, machine: dict, config: dict) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "config": config,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
         "results": [r.as_dict() for r in results],
     }
 

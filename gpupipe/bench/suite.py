@@ -257,7 +257,8 @@ def _plan(cfg: Config) -> list[_Job]:
     for pipeline in cfg.pipelines:
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
-        sizes: list[int | None] = [None] if pipeline == "decode" or not cfg.image_sizes else [*cfg.image_sizes]
+        several = len(cfg.image_sizes) > 1 and pipeline != "decode"
+        sizes: list[int | None] = [*cfg.image_sizes] if several else [None]
         for size in sizes:
             jobs += [job._replace(size=size) for job in _pipeline_jobs(_sized(cfg, size), pipeline, reference)]
     return jobs
@@ -279,7 +280,7 @@ def _sized(cfg: Config, size: int | None) -> Config:
     if size is None:
         return cfg
     recipes = {label: dataclasses.replace(r, size=size) for label, r in cfg.recipes.items()}
-    return dataclasses.replace(cfg, image_size=size, recipes=recipes)
+    return dataclasses.replace(cfg, image_size=size, image_sizes=[], recipes=recipes)
 
 
 def _backend_jobs(cfg: Config, backend: str, pipeline: str) -> list[_Job]:
