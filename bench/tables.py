@@ -61,7 +61,8 @@ def bench_report(rep: dict) -> list[str]:
         ratio = f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else ""
         floor = f"{r['vs_floor']:.0%}" if r.get("vs_floor") else ""
         spread = f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}"
-        lines.append(f"| {r['pipeline']} | {r['backend']} | {r['images_per_s']:,.0f} | {spread} | {ratio} | {floor} |")
+        pipeline = r["pipeline"] + (f" {r['image_size']} px" if r.get("image_size") else "")  # --image-size A,B
+        lines.append(f"| {pipeline} | {r['backend']} | {r['images_per_s']:,.0f} | {spread} | {ratio} | {floor} |")
     return lines
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .backends import available_backends
     from .data.objstore import Remote
     from .mix import Mix
-    from .recipe import Recipe
+    from .recipe import Recipe, ResolutionSchedule
 
 _LAZY = {
     "build_loader": ".api",
@@ -25,6 +25,7 @@ _LAZY = {
     "Remote": ".data.objstore",
     "Mix": ".mix",
     "Recipe": ".recipe",
+    "ResolutionSchedule": ".recipe",
 }
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "Mix",
     "Recipe",
     "Remote",
+    "ResolutionSchedule",
     "StorageError",
     "TransformError",
     "__version__",

@@ -3,6 +3,7 @@ builds its parser from them without importing torch (``gpupipe --version`` stays
 
 from __future__ import annotations
 
+import argparse
 from typing import Literal
 
 OnError = Literal["raise", "skip"]  # an unreadable sample: stop naming it, or leave it out and count it
@@ -13,3 +14,14 @@ ALLOW_OUTSIDE_ROOT_HELP = (
     "trust the data set to name files outside it: a CSV list's relative paths leaving its folder, links out of an "
     "ImageFolder or to folders in it (absolute CSV paths are always fine)"
 )
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: one size or several, ``160,192,224``, each an integer >= 1."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return sizes

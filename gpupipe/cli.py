@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
-from ._options import ALLOW_OUTSIDE_ROOT_HELP
+from ._options import ALLOW_OUTSIDE_ROOT_HELP, positive_ints
 from ._version import __version__
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
@@ -92,9 +92,9 @@ def _cmd_bench(args) -> int:
         batch_size=args.batch_size,
         seconds=args.seconds,
         repeats=args.repeats,
-        image_size=args.image_size,
+        image_sizes=args.image_size,  # image_size: the first
         model=args.model,
-        recipes=policy_recipes(args.image_size, args.aa, args.color_jitter, args.reprob),
+        recipes=policy_recipes(args.image_size[0], args.aa, args.color_jitter, args.reprob),
     )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
@@ -145,7 +145,7 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "batch_size": cfg.batch_size,
         "seconds": cfg.seconds,
         "repeats": cfg.repeats,
-        "image_size": cfg.image_size,
+        "image_size": cfg.image_sizes if len(cfg.image_sizes) > 1 else cfg.image_size,
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
     }
@@ -320,7 +320,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
-    p.add_argument("--image-size", type=_positive_int, default=224, help="(default 224)")
+    p.add_argument("--image-size", type=positive_ints, default=[224], help="224, or 160,192,224: rows per size")
     p.add_argument(
         "--seconds",
         type=_positive_float,

@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -35,6 +36,53 @@ class Box:
 
 
 @dataclass(frozen=True)
+class ResolutionSchedule:
+    """A train image side that changes with the epoch (progressive resizing, FFCV's ``get_resolution``): ``start``
+    up to epoch ``start_epoch``, ``end`` from epoch ``end_epoch`` on, linear in between, rounded down to a multiple
+    of ``step`` and kept within ``start``..``end``, so the two ends are used exactly whatever the step. Epochs count
+    from 0, as ``loader.set_epoch`` does. A plain per-epoch list in ``Recipe(size=[...])`` is the other way to say
+    it (its last size for the epochs after it)."""
+
+    start: int
+    end: int
+    start_epoch: int = 0
+    end_epoch: int = 0
+    step: int = 32
+
+    def __post_init__(self):
+        if min(self.start, self.end) < 1:
+            raise ValueError(f"ResolutionSchedule sizes must be >= 1, got start={self.start}, end={self.end}")
+        if self.step < 1:
+            raise ValueError(f"ResolutionSchedule step must be >= 1, got {self.step}")
+        if not 0 <= self.start_epoch <= self.end_epoch:
+            raise ValueError(
+                f"ResolutionSchedule needs 0 <= start_epoch <= end_epoch, got {self.start_epoch}, {self.end_epoch}"
+            )
+
+    def at(self, epoch: int) -> int:
+        """The side in ``epoch``."""
+        if epoch <= self.start_epoch:
+            return self.start
+        if epoch >= self.end_epoch:
+            return self.end
+        linear = self.start + (self.end - self.start) * (epoch - self.start_epoch) / (self.end_epoch - self.start_epoch)
+        lo, hi = sorted((self.start, self.end))
+        return min(hi, max(lo, int(linear // self.step) * self.step))
+
+
+Size = int | ResolutionSchedule | tuple[int, ...]
+
+
+def size_at(size: Size, epoch: int) -> int:
+    """The train side of ``size`` (a side, a :class:`ResolutionSchedule` or a per-epoch tuple) in ``epoch``."""
+    if isinstance(size, ResolutionSchedule):
+        return size.at(epoch)
+    if isinstance(size, tuple):
+        return size[min(epoch, len(size) - 1)]
+    return size
+
+
+@dataclass(frozen=True)
 class Recipe:
     """train: RandomResizedCrop(size, scale, ratio) + horizontal flip; eval: resize shorter side to
     ``round(size / crop_pct)`` + centre crop. Normalisation (mean/std) happens on the device.
@@ -43,9 +91,15 @@ class Recipe:
     :mod:`gpupipe.augment`): ``auto_augment`` (``"rand-m9-mstd0.5-inc1"``, ``"original"``, ``"trivialaugment"``,
     ``"ctaugment-d0.99-t0.8-n2"`` with its feedback, see :mod:`gpupipe.augment.ctaugment`),
     ``color_jitter`` (0.4: brightness = contrast = saturation = 0.4), random erasing (``re_prob``, ``re_mode``
-    ``"pixel"``/``"rand"``/``"const"``, up to ``re_count`` boxes)."""
+    ``"pixel"``/``"rand"``/``"const"``, up to ``re_count`` boxes).
 
-    size: int = 224
+    ``size`` may change with the epoch: a :class:`ResolutionSchedule` or a per-epoch list (progressive resizing);
+    a loader then delivers epoch ``e``'s batches at ``train_size(e)`` without rebuilding anything, each crop box the
+    same as at any other size. Eval loaders use ``eval_size``; its default is ``size``, or a schedule's last size
+    (FixRes: evaluating above the train size after RandomResizedCrop often pays; set it, e.g. ``224`` after ``192``).
+    """
+
+    size: int | ResolutionSchedule | Sequence[int] = 224
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip_p: float = 0.5
@@ -57,10 +111,17 @@ class Recipe:
     re_prob: float = 0.0
     re_mode: EraseMode = "pixel"
     re_count: int = 1
+    eval_size: int | None = None
 
     def __post_init__(self):
-        if self.size < 1:
+        if not isinstance(self.size, (int, ResolutionSchedule)):  # a per-epoch list: kept as a tuple (hashable)
+            object.__setattr__(self, "size", tuple(int(s) for s in self.size))
+            if not self.size:
+                raise ValueError("a per-epoch size list needs at least one size")
+        if (min(self.size) if isinstance(self.size, tuple) else self.train_size(0)) < 1:
             raise ValueError(f"image_size must be >= 1, got {self.size}")
+        if self.eval_size is not None and self.eval_size < 1:
+            raise ValueError(f"eval_size must be >= 1, got {self.eval_size}")
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {self.scale}")
         if not 0 < self.ratio[0] <= self.ratio[1]:
@@ -72,9 +133,26 @@ class Recipe:
         parse_color_jitter(self.color_jitter)
         check_erasing(self.re_prob, self.re_mode, self.re_count)
 
+    def train_size(self, epoch: int) -> int:
+        """The side of epoch ``epoch``'s train images."""
+        return size_at(cast(Size, self.size), epoch)
+
+    @property
+    def eval_side(self) -> int:
+        """The side of eval images: ``eval_size``, else ``size`` (a schedule's or list's last size)."""
+        if self.eval_size is not None:
+            return self.eval_size
+        if isinstance(self.size, ResolutionSchedule):
+            return self.size.end
+        return self.size[-1] if isinstance(self.size, tuple) else cast(int, self.size)
+
+    def side(self, train: bool, epoch: int) -> int:
+        """The side a loader delivers in ``epoch``: the train size of that epoch, or the eval side."""
+        return self.train_size(epoch) if train else self.eval_side
+
     @property
     def resize_size(self) -> int:
-        return round(self.size / self.crop_pct)
+        return round(self.eval_side / self.crop_pct)
 
     def train_draws(self, seed: int, epoch: int | Sequence[int], indices) -> np.ndarray:
         """(n, DRAWS) float64: what the train crops of samples ``indices`` in ``epoch`` are made from, for the whole
@@ -162,15 +240,16 @@ class Recipe:
         """(resized_h, resized_w, top, left) of torchvision ``Resize`` + ``CenterCrop(size)``."""
         rh, rw = self.eval_resize(height, width)
         # CenterCrop pads images smaller than the crop; resize_size >= size makes that impossible here.
-        top = round((rh - self.size) / 2.0)
-        left = round((rw - self.size) / 2.0)
+        top = round((rh - self.eval_side) / 2.0)
+        left = round((rw - self.eval_side) / 2.0)
         return rh, rw, top, left
 
     def eval_box(self, height: int, width: int) -> Box:
         """The eval crop expressed in source pixels, so one resize (with a box) does resize + crop."""
         rh, rw, top, left = self.eval_offsets(height, width)
         sy, sx = height / rh, width / rw
-        return Box(top * sy, left * sx, self.size * sy, self.size * sx, False)
+        side = self.eval_side
+        return Box(top * sy, left * sx, side * sy, side * sx, False)
 
 
 ATTEMPTS = 10  # RandomResizedCrop's tries before its centre-crop fallback

@@ -3,6 +3,7 @@ dataset order; a bad file is named or skipped; a file gone between epochs and a 
 on pillow. Parametrised over every decoding backend that delivers on the CPU (the registry says which)."""
 
 import io
+import multiprocessing
 import os
 
 import numpy as np
@@ -147,3 +148,55 @@ def test_gpu_error_batches_and_devices(first_bad, backend):
     assert [os.path.basename(p) for p, _ in loader.skipped] == ["000_truncated.jpg"]
     img = gpupipe.read_image(next(first_bad.rglob("001.jpg")), backend, device="cuda:0")
     assert img.device == torch.device("cuda", 0)
+
+
+def _child_pids() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+def _epoch(loader, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    loader.set_epoch(epoch)
+    return list(loader)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_a_resolution_schedule_changes_the_size_per_epoch_in_the_same_workers(unique_folder, backend):
+    """Each epoch's batches at its scheduled size, from the same worker processes (and DALI pipeline) throughout."""
+    before = _child_pids()
+    kw = {**KW, "image_size": None, "recipe": gpupipe.Recipe(size=[16, 24, 16])}
+    loader = gpupipe.build_loader(unique_folder, backend, batch_size=4, **kw)
+    sizes, workers, pipes = [], [], []
+    for epoch in range(3):
+        sizes.append({tuple(x.shape[-2:]) for x, _ in _epoch(loader, epoch)})
+        workers.append(_child_pids() - before)
+        pipes.append(getattr(loader, "_pipe", None))
+    assert sizes == [{(16, 16)}, {(24, 24)}, {(16, 16)}]
+    assert workers[0] and workers[0] == workers[1] == workers[2]  # persistent: no worker pool made again
+    assert pipes[0] is pipes[1] is pipes[2] and getattr(loader, "pipelines_built", 1) == 1  # DALI's: never rebuilt
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_a_scheduled_epoch_is_that_size_s_epoch_and_resumes_mid_epoch(unique_folder, backend):
+    """The crops are functions of (seed, epoch, index): epoch 1 of [16, 24] is epoch 1 at a fixed 24, and a loader
+    resumed at its batch 1 delivers the rest of it."""
+    kw = {**KW, "image_size": None, "batch_size": 4, "seed": 3}
+    fixed = _epoch(gpupipe.build_loader(unique_folder, backend, recipe=gpupipe.Recipe(24), **kw), 1)
+    scheduled = gpupipe.build_loader(unique_folder, backend, recipe=gpupipe.Recipe(size=[16, 24]), **kw)
+    assert [x.shape[-1] for x, _ in _epoch(scheduled, 0)] == [16] * len(fixed)
+    straight = _epoch(scheduled, 1)
+    resumed = gpupipe.build_loader(unique_folder, backend, recipe=gpupipe.Recipe(size=[16, 24]), **kw)
+    resumed.load_state_dict({"epoch": 1, "batch": 1})
+    for got in (straight, [*straight[:1], *resumed]):
+        assert len(got) == len(fixed)
+        for (x, y), (fx, fy) in zip(got, fixed, strict=True):
+            assert torch.equal(x, fx) and torch.equal(y, fy)
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_eval_runs_at_its_own_size(unique_folder, backend):
+    """eval_size, whatever the train schedule: the same batches as a recipe of that size."""
+    kw = {**KW, "image_size": None, "batch_size": 4, "train": False}
+    recipe = gpupipe.Recipe(size=gpupipe.ResolutionSchedule(16, 24, 0, 2, step=8), eval_size=20)
+    got = list(gpupipe.build_loader(unique_folder, backend, recipe=recipe, **kw))
+    same = list(gpupipe.build_loader(unique_folder, backend, recipe=gpupipe.Recipe(20), **kw))
+    assert all(torch.equal(x, sx) for (x, _), (sx, _) in zip(got, same, strict=True)) and got[0][0].shape[-1] == 20

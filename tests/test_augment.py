@@ -260,3 +260,12 @@ def test_bench_reports_each_policys_cost_beside_the_others(tmp_path, folder, mon
         assert r["cost_ms_per_image"] == pytest.approx(want)
     out = capsys.readouterr().out
     assert "augment: ctaugment" in out and f"augment: {RA}" in out and "ms/img vs train" in out
+
+
+def test_a_scheduled_epoch_draws_its_erasing_boxes_for_its_own_side():
+    """Erasing boxes follow the epoch's image side (a resolution schedule), not the first epoch's."""
+    policy, n = Policy(Recipe(size=[64, 16], re_prob=1.0)), 200
+    for side in (64, 16):
+        (erase,) = policy.plan(0, np.ones(n, np.int64), np.arange(n), size=side)
+        top, left, h, w = erase.args[erase.code >= 0, :4].T
+        assert (top + h <= side).all() and (left + w <= side).all() and (h > side / 4).any()

@@ -23,6 +23,8 @@ from .common_utils import (
         (["--seconds", "0"], "--seconds: must be > 0"),
         (["--seconds", "-1"], "--seconds: must be > 0"),
         (["--workers", "-2"], "--workers: must be >= 0"),
+        (["--image-size", "160,0"], "--image-size: must be >= 1"),
+        (["--image-size", "160,x"], "--image-size: expected integers separated by commas"),
     ],
 )
 def test_bench_rejects_bad_numbers(args, message, capsys):
@@ -198,3 +200,20 @@ def test_bench_data_takes_shards_and_urls(tmp_path, folder, s3, monkeypatch, cap
         assert main(["bench", "--data", str(data), *args, "--json", str(tmp_path / "r.json")]) == 0
         rows = json.loads((tmp_path / "r.json").read_text())["results"]
         assert {r["backend"] for r in rows} == {"baseline", "pillow"} and all(r["images_per_s"] > 0 for r in rows)
+
+
+def test_several_image_sizes_give_a_row_each_timed_in_the_same_rounds(folder, tmp_path, capsys, monkeypatch):
+    """--image-size 16,24: train, floor and eval at each size, each against the baseline at its own size; decode
+    (full size) once; a size column in the table."""
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
+    j = tmp_path / "r.json"
+    args = ["bench", "--data", str(folder), "--device", "cpu", "--workers", "0", "--backends", "pillow"]
+    args += ["--pipelines", "decode,floor,train,eval", "--seconds", "0.2", "--repeats", "1", "--batch-size", "4"]
+    assert main([*args, "--image-size", "16,24", "--json", str(j)]) == 0
+    rep = json.loads(j.read_text())
+    got = sorted((r["backend"], r["pipeline"], r.get("image_size")) for r in rep["results"])
+    sized = [(b, p, s) for b in ("baseline", "pillow") for p in ("eval", "floor", "train") for s in (16, 24)]
+    assert got == sorted([("pillow", "decode", None), *(t for t in sized if t[:2] != ("baseline", "floor"))])
+    assert all(r["vs_baseline"] > 0 for r in rep["results"] if r["pipeline"] in ("train", "eval"))
+    assert all("vs_floor" in r for r in rep["results"] if (r["backend"], r["pipeline"]) == ("pillow", "train"))
+    assert rep["config"]["image_size"] == [16, 24] and "16 px" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """gpupipe/backends/nvjpeg.py off the GPU: the workers' records and the batch assembly, with torchvision's CPU
 decode standing in for nvJPEG. The real decode runs in the gpu tests (test_api, test_loader, test_shards)."""
 
+import multiprocessing
 import types
 
 import numpy as np
@@ -16,7 +17,7 @@ from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError
 from gpupipe.recipe import Recipe
 
-from .common_utils import encoded, jpeg_bytes, jpeg_with_orientation, photo
+from .common_utils import encoded, jpeg_bytes, jpeg_with_orientation, make_folder, photo
 
 
 def _cpu_decode(data):
@@ -180,3 +181,21 @@ def test_the_whole_loader_crops_as_pillow_does(turned, train):
         # resampling differs (roi_align vs Pillow's filter; the JPEG decoders' upsampling), the boxes do not: a box
         # off by a few pixels, or a wrong turn, costs tens of levels
         assert (x - ref_x).abs().mean(dim=(1, 2, 3)).max() < 4
+
+
+@pytest.mark.gpu
+def test_a_resolution_schedule_gives_each_epoch_its_size_from_the_same_workers(tmp_path):
+    """nvjpeg: epoch 1 of [16, 24] is epoch 1 at a fixed 24, from the same worker processes as epoch 0."""
+    root = make_folder(tmp_path / "d", 3, 4)
+    kw = dict(batch_size=4, num_workers=1, device="cuda", normalize=False, seed=2)
+    fixed = gpupipe.build_loader(root, "nvjpeg", recipe=Recipe(24), **kw)
+    fixed.set_epoch(1)
+    want = list(fixed)
+    before = {p.pid for p in multiprocessing.active_children()}
+    loader = gpupipe.build_loader(root, "nvjpeg", recipe=Recipe(size=[16, 24]), **kw)
+    assert {x.shape[-1] for x, _ in loader} == {16}
+    workers = {p.pid for p in multiprocessing.active_children()} - before
+    loader.set_epoch(1)
+    got = list(loader)
+    assert workers and workers == {p.pid for p in multiprocessing.active_children()} - before
+    assert all(torch.equal(x, wx) and torch.equal(y, wy) for (x, y), (wx, wy) in zip(got, want, strict=True))

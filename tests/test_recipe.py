@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from gpupipe.recipe import Box, Recipe, dct_scale, key_uniforms
+from gpupipe.recipe import Box, Recipe, ResolutionSchedule, dct_scale, key_uniforms
 
 
 def test_train_box_statistics_match_random_resized_crop():
@@ -77,3 +77,53 @@ def test_dct_scale_keeps_output_resolution():
 def test_bad_recipe_values():
     with pytest.raises(ValueError, match="scale"):
         Recipe(scale=(0.5, 0.1))
+
+
+def test_a_resolution_schedule_follows_ffcv_rounded_down_to_the_step():
+    """FFCV's get_resolution: the start size up to start_epoch, the end size from end_epoch, linear in between;
+    here rounded down to the step, and the ends exact even off the step."""
+    ramp = ResolutionSchedule(start=160, end=224, start_epoch=1, end_epoch=5, step=32)
+    assert [ramp.at(e) for e in range(7)] == [160, 160, 160, 192, 192, 224, 224]  # 176 -> 160, 208 -> 192
+    ffcv = ResolutionSchedule(start=160, end=192, start_epoch=2, end_epoch=13, step=32)
+    assert [ffcv.at(e) for e in (0, 2, 12, 13, 40)] == [160, 160, 160, 192, 192]
+    odd = ResolutionSchedule(start=150, end=250, start_epoch=0, end_epoch=20, step=32)
+    assert [odd.at(e) for e in (0, 1, 2, 10, 19, 20)] == [150, 150, 160, 192, 224, 250]  # 155 -> 128, kept >= 150
+    down = ResolutionSchedule(start=224, end=160, start_epoch=0, end_epoch=2, step=32)
+    assert [down.at(e) for e in range(3)] == [224, 192, 160]
+
+
+def test_a_recipe_size_may_be_a_schedule_or_a_list_and_eval_has_its_own():
+    listed = Recipe(size=[16, 24, 32])
+    assert listed.size == (16, 24, 32) and [listed.train_size(e) for e in range(5)] == [16, 24, 32, 32, 32]
+    assert listed.eval_side == 32 and listed.resize_size == round(32 / 0.875)  # the last size, by default
+    ramp = Recipe(size=ResolutionSchedule(160, 192, 0, 4), eval_size=224)
+    assert ramp.side(True, 0) == 160 and ramp.side(True, 4) == 192 and ramp.side(False, 0) == 224
+    assert ramp.eval_box(300, 400) == Recipe(224).eval_box(300, 400)
+    assert Recipe(size=ResolutionSchedule(160, 192, 0, 4)).eval_side == 192
+    assert Recipe(224, eval_size=256).eval_offsets(300, 400) == Recipe(256).eval_offsets(300, 400)
+    assert hash(listed) == hash(Recipe(size=(16, 24, 32)))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ResolutionSchedule(0, 192), "sizes must be >= 1"),
+        (lambda: ResolutionSchedule(160, 192, step=0), "step must be >= 1"),
+        (lambda: ResolutionSchedule(160, 192, 5, 2), "start_epoch <= end_epoch"),
+        (lambda: Recipe(size=[]), "at least one size"),
+        (lambda: Recipe(size=[32, 0]), "image_size must be >= 1"),
+        (lambda: Recipe(32, eval_size=0), "eval_size must be >= 1"),
+    ],
+)
+def test_a_bad_schedule_is_one_line(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_the_crop_boxes_do_not_depend_on_the_size():
+    """A schedule changes the output side only: each sample's box is a function of (seed, epoch, index)."""
+    small, large = Recipe(size=[16, 16]), Recipe(224)
+    assert (
+        small.plan_boxes(True, 3, 1, range(50), [300] * 50, [400] * 50)
+        == large.plan_boxes(True, 3, 1, range(50), [300] * 50, [400] * 50)
+    ).all()

@@ -48,3 +48,10 @@ def test_normalised_train_batches_and_resume(folder):
     assert x.dtype == torch.float32 and x.shape == (4, 3, 16, 16) and y.dtype == torch.int64
     assert -3 < float(x.min()) < -1.5 and 1.5 < float(x.max()) < 3  # ImageNet mean/std applied on the device
     assert_resume_is_exact(lambda: _loader(folder), epoch=1, batch=2)
+
+
+def test_a_resolution_schedule_gives_each_epoch_its_size(folder):
+    loader = _loader(folder, image_size=None, recipe=gpupipe.Recipe(size=[16, 24]))
+    for epoch, side in ((0, 16), (1, 24), (2, 24), (0, 16)):
+        loader.set_epoch(epoch)
+        assert {tuple(x.shape[-2:]) for x, _ in loader} == {(side, side)}

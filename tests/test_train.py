@@ -1,5 +1,6 @@
 """The training core on the CPU: accumulation, precision, resume after a kill, DDP through torchrun."""
 
+import json
 import os
 import signal
 import subprocess
@@ -321,3 +322,32 @@ def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "m"), "--model", "resnt18"]) == 2
     err = _one_error_line(capsys.readouterr().err)
     assert "unknown --model 'resnt18'" in err and "resnet18" in err
+
+
+class _Sides(Tiny):
+    """Tiny, noting the side of each batch it sees, in training and in evaluation."""
+
+    def __init__(self):
+        super().__init__()
+        self.sides: dict[bool, list[int]] = {True: [], False: []}
+
+    def forward(self, x):
+        self.sides[self.training].append(x.shape[-1])
+        return super().forward(x)
+
+
+def test_a_resolution_schedule_trains_each_epoch_at_its_size_and_resumes_mid_epoch(data, tmp_path):
+    """--res-start/--res-end: epoch 0 at 16 px, epoch 1 at 32, validation at --eval-size, the size in metrics.jsonl;
+    resumed from a checkpoint in the middle of epoch 1, the run ends with the straight run's weights."""
+    kw = dict(res_start=16, res_end=32, res_end_epoch=1, res_step=8, eval_size=40, val=str(data), save_every=3)
+    straight = _Sides()
+    train(_cfg(data, tmp_path / "a", keep_checkpoints=3, **kw), model=straight)
+    assert straight.sides[True] == [16] * 4 + [32] * 4 and set(straight.sides[False]) == {40}
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["image_size"] for line in lines] == [16, 32]
+    mid = tmp_path / "a" / "checkpoints" / "step-00000006.pt"  # epoch 1, batch 2
+    resumed = _Sides()
+    train(_cfg(data, tmp_path / "b", resume_from=str(mid), **kw), model=resumed)
+    assert resumed.sides[True] == [32] * 2
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -73,3 +73,28 @@ def test_values_that_would_fail_later_are_refused_up_front(tmp_path, capsys, fla
     assert main(["train", "--out", str(tmp_path / "run"), *flags, "--print-config"]) != 0
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err
+
+
+def test_the_resolution_schedule_flags(capsys):
+    """--res-start/--res-end/--res-start-epoch/--res-end-epoch/--eval-size in --help; sizes on the step are used
+    exactly; the ends default to --image-size and the last epoch; bad values are one line."""
+    from gpupipe.cli import main
+    from gpupipe.recipe import ResolutionSchedule
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--res-start RES_START", "--res-end RES_END", "--res-start-epoch", "--res-end-epoch", "--eval-size"):
+        assert flag in text
+    cfg = load_config(None, {"res_start": 160, "res_end": 192, "res_start_epoch": 2, "res_end_epoch": 13})
+    assert cfg.train_size() == ResolutionSchedule(160, 192, 2, 13, 32)
+    assert [cfg.train_size().at(e) for e in (0, 2, 12, 13)] == [160, 160, 160, 192]  # type: ignore[union-attr]
+    assert TrainConfig(res_start=128, epochs=5).train_size() == ResolutionSchedule(128, 224, 0, 4, 32)
+    assert TrainConfig(image_size=192).train_size() == 192
+    for bad, match in (
+        ({"res_start": 0}, "res_start must be >= 1"),
+        ({"res_start_epoch": 3, "res_end_epoch": 1}, "res_end_epoch >= res_start_epoch"),
+        ({"eval_size": -1}, "eval_size must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad)

@@ -226,17 +226,18 @@ class CTAugment:
         return "\n".join(lines)
 
     # ---- drawing ----------------------------------------------------------------------------------------------
-    def draw(self, rng: random.Random, weights: CTWeights | None = None) -> list[Op]:
+    def draw(self, rng: random.Random, weights: CTWeights | None = None, size: int | None = None) -> list[Op]:
         """The ops of one image from the sample's stream (the interface every policy has); ``weights``: the batch's
-        snapshot (default: the current rates)."""
-        return list(self._choose(rng, weights).ops)
+        snapshot (default: the current rates); ``size``: the image's side, when not ``self.size`` (an epoch of a
+        resolution schedule)."""
+        return list(self._choose(rng, weights, size).ops)
 
     def choose(self, seed: int, epoch: int, index: int, weights: CTWeights | None = None) -> CTDraw:
         """Sample ``(seed, epoch, index)``'s record and ops, as the recipe's policy draws them (CTAugment comes first
         in the sample's stream)."""
         return self._choose(random.Random(f"{seed}/{epoch}/{index}/aug"), weights)
 
-    def _choose(self, rng: random.Random, weights: CTWeights | None) -> CTDraw:
+    def _choose(self, rng: random.Random, weights: CTWeights | None, size: int | None = None) -> CTDraw:
         w = None if self.probe else weights or self.weights()
         record: list[CTLayer] = []
         ops: list[Op] = []
@@ -248,7 +249,7 @@ class CTAugment:
                 u = rng.random()
                 levels.append(u if w is None else (w.pick(_OFFSETS[k][j], rng.random()) + u) / n)
             record.append((name, tuple(levels)))
-            op = _to_op(name, levels, rng, self.size)
+            op = _to_op(name, levels, rng, size or self.size)
             if op is not None:
                 ops.append(op)
         return CTDraw(tuple(record), tuple(ops))

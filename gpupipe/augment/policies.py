@@ -138,15 +138,20 @@ class RandAugment:
         self.translate_const = int(size * 0.45)
         self.table = level_table(self.names, self.translate_const)
         self.arity = tuple(int(a) for a in self.table[:, 7])
+        self._tables = {size: self.table}  # per image side: the translations scale with it
 
-    def columns(self, keys: np.ndarray) -> list[Column]:
+    def columns(self, keys: np.ndarray, size: int | None = None) -> list[Column]:
         """The batch's ``n`` op positions: op (with replacement, as timm), kept with probability ``p``, magnitude
-        and sign coin, five uniforms per position from each sample's own stream."""
+        and sign coin, five uniforms per position from each sample's own stream; ``size``: the images' side, when not
+        the one it was made for (an epoch of a resolution schedule)."""
+        if size is not None and size not in self._tables:
+            self._tables[size] = level_table(self.names, int(size * 0.45))
+        table = self.table if size is None else self._tables[size]
         u = uniforms(keys, STREAM_AUTO_AUGMENT, 5 * self.n).reshape(len(keys), self.n, 5)
         choice = np.minimum((u[..., 0] * len(self.names)).astype(np.int64), len(self.names) - 1)
         kept = u[..., 1] <= self.p if self.p < 1.0 else np.ones(choice.shape, bool)
         level = self.magnitude.draw_many(self.m, u[..., 2], u[..., 3])
-        args = level_values(self.table[choice], level, u[..., 4] > 0.5)
+        args = level_values(table[choice], level, u[..., 4] > 0.5)
         code = np.where(kept, choice, -1)
         return [Column(self.names, self.arity, code[:, k], args[:, k, None]) for k in range(self.n)]
 
@@ -159,12 +164,13 @@ class AutoAugment:
         self.table = AA_ORIGINAL if config.variant == "original" else AA_ORIGINALR
         self.translate_const = int(size * 0.45)
 
-    def draw(self, rng: random.Random) -> list[Op]:
+    def draw(self, rng: random.Random, size: int | None = None) -> list[Op]:
         ops = []
+        translate = self.translate_const if size is None else int(size * 0.45)
         for name, prob, m in self.table[rng.randrange(len(self.table))]:
             if prob < 1.0 and rng.random() > prob:
                 continue
-            ops.append(Op(name, level_args(name, self.magnitude.draw(m, rng), rng, self.translate_const)))
+            ops.append(Op(name, level_args(name, self.magnitude.draw(m, rng), rng, translate)))
         return ops
 
 
@@ -246,10 +252,10 @@ class RandomErasing:
     def __init__(self, prob: float, count: int, size: int):
         self.prob, self.count, self.size = prob, count, size
 
-    def columns(self, keys: np.ndarray) -> list[Column]:
-        """``count`` positions of boxes (top, left, h, w, noise seed); -1 where a sample erases nothing there (not
-        drawn, fewer boxes, or no attempt fitted)."""
-        n, size, count = len(keys), self.size, self.count
+    def columns(self, keys: np.ndarray, size: int | None = None) -> list[Column]:
+        """``count`` positions of boxes (top, left, h, w, noise seed) in images of side ``size`` (default: the one it
+        was made for); -1 where a sample erases nothing there (not drawn, fewer boxes, or no attempt fitted)."""
+        n, size, count = len(keys), size or self.size, self.count
         u = uniforms(keys, STREAM_ERASING, 2 + count * 23)
         on = u[:, 0] <= self.prob
         boxes = np.ones(n, np.int64) if count == 1 else 1 + np.minimum((u[:, 1] * count).astype(np.int64), count - 1)
@@ -291,13 +297,13 @@ class Policy:
     ``re_prob``/``re_mode``/``re_count``."""
 
     def __init__(self, recipe):
-        self.size: int = recipe.size
+        self.size: int = recipe.train_size(0)  # the first epoch's; ``plan`` takes another epoch's side
         setting = parse_auto_augment(recipe.auto_augment)
         jitter = parse_color_jitter(recipe.color_jitter)
         erase_mode = check_erasing(recipe.re_prob, recipe.re_mode, recipe.re_count)
-        self.auto_augment = _auto_augment(setting, recipe.size)
+        self.auto_augment = _auto_augment(setting, self.size)
         self.jitter = ColorJitter(jitter) if jitter is not None else None
-        self.erasing = RandomErasing(recipe.re_prob, recipe.re_count, recipe.size) if recipe.re_prob > 0 else None
+        self.erasing = RandomErasing(recipe.re_prob, recipe.re_count, self.size) if recipe.re_prob > 0 else None
         self.drawers: tuple[Drawer, ...] = tuple(
             d for d in (self.auto_augment, self.jitter, self.erasing) if d is not None
         )
@@ -315,11 +321,14 @@ class Policy:
     def active(self) -> bool:
         return bool(self.drawers)
 
-    def plan(self, seed: int, epochs, indices, weights: CTWeights | None = None) -> list[Column]:
+    def plan(
+        self, seed: int, epochs, indices, weights: CTWeights | None = None, size: int | None = None
+    ) -> list[Column]:
         """The ops of the samples ``(seed, epochs[i], indices[i])`` as columns. RandAugment and erasing draw the
         whole batch at once from each sample's counter-based streams; the other drawers from the sample's own
         ``random.Random(f"{seed}/{epoch}/{index}/aug")`` (``weights``: CTAugment's snapshot the batch draws
-        from)."""
+        from). ``size``: the images' side, when not the first epoch's (translations, erasing and cutout boxes scale
+        with it)."""
         epochs, indices = np.asarray(epochs, np.int64), np.asarray(indices, np.int64)
         columns: list[Column] = []
         rngs: list[random.Random] | None = None
@@ -327,14 +336,16 @@ class Policy:
         for drawer in self.drawers:
             if isinstance(drawer, (RandAugment, RandomErasing)):
                 keys = sample_keys(seed, epochs, indices) if keys is None else keys
-                columns += drawer.columns(keys)
+                columns += drawer.columns(keys, size)
                 continue
             if rngs is None:
                 rngs = [
                     random.Random(f"{seed}/{e}/{i}/aug") for e, i in zip(epochs.tolist(), indices.tolist(), strict=True)
                 ]
             if isinstance(drawer, CTAugment):
-                columns += from_records([tuple(drawer.draw(rng, weights)) for rng in rngs])
+                columns += from_records([tuple(drawer.draw(rng, weights, size)) for rng in rngs])
+            elif isinstance(drawer, AutoAugment):
+                columns += from_records([tuple(drawer.draw(rng, size)) for rng in rngs])
             else:
                 columns += from_records([tuple(drawer.draw(rng)) for rng in rngs])
         return columns

@@ -59,7 +59,8 @@ class SampleAugment:
         """One (3,H,W) uint8 image: the policy and the per-image transforms (the decode workers' call); ``weights``:
         CTAugment's snapshot for the sample's batch."""
         if self.policy is not None:
-            image = self.policy.apply_plan(image[None], self.policy.plan(self.seed, [epoch], [index], weights))[0]
+            columns = self.policy.plan(self.seed, [epoch], [index], weights, image.shape[-1])  # the epoch's side
+            image = self.policy.apply_plan(image[None], columns)[0]
         if self.per_image is not None:
             image = self._user(image, epoch, index)
         return image
@@ -88,7 +89,8 @@ class SampleAugment:
         pairs = keys.numpy()
         steps = None
         if self.policy is not None:
-            steps = self.policy.prepare(self.policy.plan(self.seed, pairs[:, 0], pairs[:, 1], weights), pack, hw)
+            size = None if hw is None else int(hw[-1])  # square: the epoch's side (a resolution schedule's)
+            steps = self.policy.prepare(self.policy.plan(self.seed, pairs[:, 0], pairs[:, 1], weights, size), pack, hw)
         return BatchJob(pairs, steps)
 
     def run(self, images: torch.Tensor, job: BatchJob | None, pack: HostPack | None) -> torch.Tensor:

@@ -55,7 +55,8 @@ class _SampleDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, key: tuple) -> Sample:
         path, label = self.dataset.samples[key[1]]
-        image = np.empty((self.recipe.size, self.recipe.size, 3), dtype=np.uint8)
+        size = self.recipe.side(self.train, key[0])  # the epoch's size (a resolution schedule's)
+        image = np.empty((size, size, 3), dtype=np.uint8)
         error, fell_back = self._into(key, self.dataset.read_many([key[1]])[0], image)
         if error is not None:
             return Sample(path, label, None, error, key=(key[0], key[1]))
@@ -65,7 +66,7 @@ class _SampleDataset(torch.utils.data.Dataset):
         """A batch (the DataLoader's fetcher calls this): its bytes read together, concurrently where the storage
         can (object storage: one round trip's latency for the batch), then each image made into its slot."""
         data = self.dataset.read_many([key[1] for key in keys])
-        size = self.recipe.size
+        size = self.recipe.side(self.train, keys[0][0])  # a batch is one epoch's: one size
         images = _batch_buffer(len(keys), size)
         labels: list[int] = []
         good: list[tuple[int, int]] = []
@@ -153,7 +154,7 @@ class _Collate:
 
     def _stack(self, items: list[Sample]) -> Batch:
         good = [it for it in items if it.image is not None]
-        images = _batch_buffer(len(good), self.size)
+        images = _batch_buffer(len(good), np.asarray(good[0].image).shape[-1] if good else self.size)
         for slot, it in zip(images, good, strict=True):
             torch.as_tensor(slot).copy_(torch.from_numpy(np.asarray(it.image)).permute(1, 2, 0))
         labels = torch.tensor([it.label for it in good], dtype=torch.int64)
@@ -242,7 +243,7 @@ class CpuLoader(Loader):
             and (augment is None or augment.batch_transforms is None)
         )  # those see uint8 on the device
         return _Collate(
-            self.recipe.size,
+            self.recipe.side(self.train, 0),  # the size of a batch with no good sample (else the images')
             (self.stage.mean, self.stage.inv_std) if in_workers else None,
             keys=augment is not None and self._data.augment is None,
         )

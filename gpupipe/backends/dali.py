@@ -100,7 +100,7 @@ class DaliLoader(Loader):
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
         pipe.feed_input("enc", work.batch())
-        pipe.feed_input("meta", work.rows)  # one (n, 5) array: the whole batch at once
+        pipe.feed_input("meta", work.rows)  # one (n, 6) array: the whole batch at once
         pipe.schedule_run()
         self._scheduled += 1
         work.scheduled = True
@@ -179,7 +179,7 @@ class DaliLoader(Loader):
         for pos, data in zip(work.dali, work.samples(), strict=True):  # only DALI refuses these: Pillow decodes them
             path = self.dataset.samples[work.indices[pos]][0]
             plan = self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
-            decode_on_cpu(self._check, self.recipe.size, work, pos, path, data.tobytes(), plan)
+            decode_on_cpu(self._check, self.recipe.side(self.train, work.epoch), work, pos, path, data.tobytes(), plan)
         work.dali, work.data, work.rows = [], [], None
         return None
 
@@ -188,7 +188,8 @@ class DaliLoader(Loader):
         device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # where DALI outputs
         if not work.cpu:
             positions = work.dali
-            images = decoded if decoded is not None else empty_batch(self.recipe.size, device).images
+            size = self.recipe.side(self.train, work.epoch)
+            images = decoded if decoded is not None else empty_batch(size, device).images
         else:
             parts = {pos: decoded[k] for k, pos in enumerate(work.dali)} if decoded is not None else {}
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})

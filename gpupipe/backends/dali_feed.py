@@ -3,7 +3,7 @@
 DALI decodes what it is fed; before this module the training thread read every file, judged every header and drew
 every crop (11-18 ms of its CPU per 256-image batch). Now DataLoader workers do all of it per batch (:class:`Feed`):
 each returns one :class:`Work` holding the batch's encoded bytes as **one** uint8 tensor (shared memory, not
-pickled; zero-padded rows when the batch is all JPEG), the crop rows as one (n, 5) int64 array and the samples
+pickled; zero-padded rows when the batch is all JPEG), the crop rows as one (n, 6) int64 array and the samples
 Pillow had to take. The training thread feeds the two arrays as they are (``no_copy``: DALI reads them in place).
 
 Nothing is read before training: each sample's size, EXIF orientation, pixel limit and format are judged from the
@@ -40,7 +40,7 @@ class Work:
     dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
     encoded: torch.Tensor | None = None  # uint8: the DALI samples' bytes (see ``Feed._encoded``), shared memory
     lengths: np.ndarray | None = None  # int64 (len(dali),): each sample's byte count
-    rows: np.ndarray | None = None  # int64 (len(dali), 5 or 4): crop or eval-resize rows, one per DALI sample
+    rows: np.ndarray | None = None  # int64 (len(dali), 6 or 4): crop or eval-resize rows, one per DALI sample
     cpu: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (3, S, S) decoded by Pillow
     errors: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: int = 0
@@ -109,7 +109,7 @@ class Feed(torch.utils.data.Dataset):
                 rows.append(taken[1])
         work.lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
         work.encoded = _encoded(chunks, work.lengths) if chunks else None
-        work.rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), 5 if self.train else 4)
+        work.rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), 6 if self.train else 4)
         return work
 
     def _sample(
@@ -133,12 +133,13 @@ class Feed(torch.utils.data.Dataset):
             except DecodeError as e:
                 work.errors.append((path, e.reason))
                 return None
+        size = self.recipe.side(self.train, work.epoch)  # the epoch's (a resolution schedule's)
         if pillow_only:
-            decode_on_cpu(self.check, self.recipe.size, work, pos, path, data, plan)
+            decode_on_cpu(self.check, size, work, pos, path, data, plan)
             return None
-        if self.train:
+        if self.train:  # the size goes with the crop: the pipeline resizes to it, and is never rebuilt for another
             box = plan(height, width)
-            return data, (box.top, box.left, box.height, box.width, int(box.flip))
+            return data, (box.top, box.left, box.height, box.width, int(box.flip), size)
         return data, self.recipe.eval_offsets(height, width)
 
     def _judge(self, i: int, data: bytes) -> HeaderCheck:

@@ -24,8 +24,9 @@ def build_pipeline(
     normalize: bool = False,
 ):
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
-    train ``[top, left, height, width, flip]`` (the crop, decoded alone, then resized to S x S), eval
-    ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop). Output (N, 3, S, S) uint8, or
+    train ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
+    input, so one pipeline serves every epoch of a resolution schedule), eval ``[resized_h, resized_w, top, left]``
+    (torchvision's Resize + CenterCrop to the recipe's eval side). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
     same pass, in DALI's threads, instead of a separate step after)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
@@ -45,9 +46,9 @@ def build_pipeline(
         enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
         if train:
-            images, mirror = _train_crop(enc, meta, recipe.size, decode_kw)
+            images, mirror = _train_crop(enc, meta, decode_kw)
         else:
-            images, mirror = _eval_crop(enc, meta, recipe.size, decode_kw), 0
+            images, mirror = _eval_crop(enc, meta, recipe.eval_side, decode_kw), 0
         if normalize:
             return fn.crop_mirror_normalize(
                 images,
@@ -64,8 +65,9 @@ def build_pipeline(
     return p
 
 
-def _train_crop(enc, meta, size: int, decode_kw: dict):
-    """The train crop: ``meta`` = ``[top, left, height, width, flip]``; the window decoded alone, resized to S x S."""
+def _train_crop(enc, meta, decode_kw: dict):
+    """The train crop: ``meta`` = ``[top, left, height, width, flip, S]``; the window decoded alone, resized to
+    S x S."""
     from nvidia.dali import fn, types
 
     images = fn.decoders.image_slice(
@@ -78,6 +80,7 @@ def _train_crop(enc, meta, size: int, decode_kw: dict):
         normalized_shape=False,
         **decode_kw,
     )
+    size = fn.cast(meta[5], dtype=types.FLOAT)
     images = fn.resize(images, resize_x=size, resize_y=size, antialias=True, interp_type=types.INTERP_LINEAR)
     return images, fn.cast(meta[4], dtype=types.INT32)
 

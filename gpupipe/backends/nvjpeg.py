@@ -202,7 +202,7 @@ class NvjpegLoader(Loader):
     def _batch(self, epoch: int, work: _Work, decode: Decode) -> Batch:
         """A worker's batch: decoded in one call, then cropped, resized, turned upright and flipped on the GPU in a
         few batched ops. No tensor op per image on this thread (except for what nvJPEG or the worker refused)."""
-        device, size = self.stage.device, self.recipe.size
+        device, size = self.stage.device, self.recipe.side(self._data.train, epoch)  # the epoch's (a schedule's)
         errors = list(work.errors)
         images, upright, fallbacks = self._images(work, decode, errors)
         rows, rois, steps, shapes = work.rows, work.rois, work.steps, work.rows[:, 3:5]

@@ -226,9 +226,9 @@ def _line(r: dict) -> str:
 
 
 def from_cli(args, data: str) -> int:
-    """``gpupipe bench --host-budget``: at ``--image-size`` and 32 px, ``--batch-size``, on CUDA with ``--device cuda``,
-    else with the GPU side on the meta device."""
-    argv = [data, "--sizes", str(args.image_size), "32", "--batch", str(args.batch_size)]
+    """``gpupipe bench --host-budget``: at each ``--image-size`` and 32 px, ``--batch-size``, on CUDA with ``--device
+    cuda``, else with the GPU side on the meta device."""
+    argv = [data, "--sizes", *map(str, args.image_size), "32", "--batch", str(args.batch_size)]
     argv += ["--device", "cuda" if args.device == "cuda" else "meta"]
     argv += ["--workers", str(args.workers)] if args.workers is not None else []
     argv += ["--backends", *args.backends.split(",")] if args.backends else []

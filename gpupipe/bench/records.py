@@ -25,10 +25,15 @@ class Config:
     seconds: float = 6.0
     repeats: int = 3
     image_size: int = 224
+    image_sizes: list[int] = field(default_factory=list)  # several: train, eval, floor and augment at each (a row each)
     model: str | None = None
     dali_reference: bool = True  # time DALI's own pipeline beside the dali backend (train, eval)
     recipes: dict[str, Recipe] = field(default_factory=dict)  # the augment pipeline's policies: one job per label
     skipped: set[str] = field(default_factory=set)  # filled by the run: unreadable files the loaders left out
+
+    def __post_init__(self) -> None:
+        if self.image_sizes:  # the first is the one size of what times a single size (decode jobs, end to end)
+            self.image_size = self.image_sizes[0]
 
 
 @dataclass

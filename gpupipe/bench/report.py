@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,7 @@ def report(results: list, machine: dict, config: dict) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "config": config,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
         "results": [r.as_dict() for r in results],
     }
 
@@ -37,6 +39,7 @@ def _cell(v, spec: str, suffix: str = "") -> str:
 _COLUMNS: list[tuple[str, Literal["left", "right"], Callable[[dict], str]]] = [
     ("pipeline", "left", lambda r: r["pipeline"] + (f": {r['policy']}" if r.get("policy") else "")),
     ("backend", "left", lambda r: r["backend"]),
+    ("size", "right", lambda r: _cell(r.get("image_size"), "d", " px")),  # with several --image-size
     ("img/s", "right", lambda r: _cell(r["images_per_s"], ",.0f")),
     ("spread", "right", lambda r: f"{r['spread'][0]:,.0f}–{r['spread'][1]:,.0f}"),
     ("MP/s", "right", lambda r: _cell(r["megapixels_per_s"], ",.1f")),

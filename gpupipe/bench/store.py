@@ -38,6 +38,7 @@ def save_latest(report: dict, data_root: str, device: torch.device) -> Path:
     rows = load_rows(path)
     for r in report["results"]:
         key = f"{r['backend']}|{r['pipeline']}" + (f"|{r['policy']}" if r.get("policy") else "")
+        key += f"|{r['image_size']}px" if r.get("image_size") else ""
         rows[key] = {**r, "date": report["date"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

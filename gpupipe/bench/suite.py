@@ -6,6 +6,7 @@ also given as a ratio to the baseline measured in the same run, so they hold on 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -189,7 +190,7 @@ class _DecodeOnly(torch.utils.data.Dataset):
         try:
             data = self.dataset.read(i)
             if self.recipe is not None:
-                self.decoder.decode_for_crop(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.size)
+                self.decoder.decode_for_crop(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.train_size(0))
                 return 1
             img = self.decoder.decode(data, path)
         except (DecodeError, OSError):
@@ -244,23 +245,42 @@ class _Job(NamedTuple):
     pipeline: str
     make: Callable[[], Iterator[int]]  # starts the job: an endless stream of batch sizes
     policy: str | None = None  # augment: the label of the policies it trains with
+    size: int | None = None  # its output side, when the config names several (``image_sizes``)
 
 
 def _plan(cfg: Config) -> list[_Job]:
-    """The jobs in the config's order: per pipeline, the baseline (train, eval), then each backend that has that
-    pipeline, with DALI's own reference pipeline beside the dali backend."""
+    """The jobs in the config's order: per pipeline (and per size, with several ``image_sizes``; decode has none),
+    the baseline (train, eval), then each backend that has that pipeline, with DALI's own reference pipeline beside
+    the dali backend."""
     jobs = []
     reference = cfg.dali_reference and open_source(cfg.data).reads_files  # DALI's file reader: no tar members
     for pipeline in cfg.pipelines:
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r}; valid: {', '.join(PIPELINES)}")
-        if pipeline in ("train", "eval"):
-            jobs.append(_Job("baseline", pipeline, partial(baseline_counts, cfg, pipeline == "train")))
-        for b in cfg.backends:
-            jobs += _backend_jobs(cfg, b, pipeline)
-            if b == "dali" and pipeline in ("train", "eval") and reference:
-                jobs.append(_Job("dali-reference", pipeline, partial(_reference_counts, cfg, pipeline == "train")))
+        several = len(cfg.image_sizes) > 1 and pipeline != "decode"
+        sizes: list[int | None] = [*cfg.image_sizes] if several else [None]
+        for size in sizes:
+            jobs += [job._replace(size=size) for job in _pipeline_jobs(_sized(cfg, size), pipeline, reference)]
     return jobs
+
+
+def _pipeline_jobs(cfg: Config, pipeline: str, reference: bool) -> list[_Job]:
+    jobs = []
+    if pipeline in ("train", "eval"):
+        jobs.append(_Job("baseline", pipeline, partial(baseline_counts, cfg, pipeline == "train")))
+    for b in cfg.backends:
+        jobs += _backend_jobs(cfg, b, pipeline)
+        if b == "dali" and pipeline in ("train", "eval") and reference:
+            jobs.append(_Job("dali-reference", pipeline, partial(_reference_counts, cfg, pipeline == "train")))
+    return jobs
+
+
+def _sized(cfg: Config, size: int | None) -> Config:
+    """The config at one of its ``image_sizes`` (its recipes too); the same ``skipped`` set."""
+    if size is None:
+        return cfg
+    recipes = {label: dataclasses.replace(r, size=size) for label, r in cfg.recipes.items()}
+    return dataclasses.replace(cfg, image_size=size, image_sizes=[], recipes=recipes)
 
 
 def _backend_jobs(cfg: Config, backend: str, pipeline: str) -> list[_Job]:
@@ -356,23 +376,24 @@ def _result(cfg: Config, job: _Job, rates: list[float], mp: float, gpu_util: flo
         rate * mp,
         per_worker,
         gpu_util=gpu_util,
-        extra={} if job.policy is None else {"policy": job.policy},
+        extra={k: v for k, v in (("policy", job.policy), ("image_size", job.size)) if v is not None},
     )
 
 
 def _add_ratios(results: list[Result]) -> None:
     """Each figure against the baseline of its pipeline, each train figure against its backend's floor, and each
     augment figure's policy cost: its ms per image over its backend's plain train (``cost_ms_per_image``)."""
-    base = {r.pipeline: r.images_per_s for r in results if r.backend == "baseline"}
-    floor = {r.backend: r.images_per_s for r in results if r.pipeline == "floor"}
-    train = {r.backend: r.images_per_s for r in results if r.pipeline == "train"}
+    size = lambda r: r.extra.get("image_size")  # with several sizes, each compared at its own
+    base = {(r.pipeline, size(r)): r.images_per_s for r in results if r.backend == "baseline"}
+    floor = {(r.backend, size(r)): r.images_per_s for r in results if r.pipeline == "floor"}
+    train = {(r.backend, size(r)): r.images_per_s for r in results if r.pipeline == "train"}
     for r in results:
-        if r.pipeline in base:
-            r.vs_baseline = r.images_per_s / base[r.pipeline]
-        if r.pipeline == "train" and r.backend in floor:
-            r.extra["vs_floor"] = r.images_per_s / floor[r.backend]
-        if r.pipeline == "augment" and train.get(r.backend) and r.images_per_s > 0:
-            r.extra["cost_ms_per_image"] = 1000 / r.images_per_s - 1000 / train[r.backend]
+        if (r.pipeline, size(r)) in base:
+            r.vs_baseline = r.images_per_s / base[r.pipeline, size(r)]
+        if r.pipeline == "train" and (r.backend, size(r)) in floor:
+            r.extra["vs_floor"] = r.images_per_s / floor[r.backend, size(r)]
+        if r.pipeline == "augment" and train.get((r.backend, size(r))) and r.images_per_s > 0:
+            r.extra["cost_ms_per_image"] = 1000 / r.images_per_s - 1000 / train[r.backend, size(r)]
 
 
 def default_workers() -> int:

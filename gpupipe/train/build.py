@@ -51,7 +51,8 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
     labelled with the training classes whatever its folder holds, and with ``--aa ctaugment...`` its feedback (a
     probe loader over the training data)."""
     recipe = Recipe(
-        cfg.image_size,
+        cfg.train_size(),  # --image-size, or the resolution schedule --res-start .. --res-end
+        eval_size=cfg.eval_size or cfg.image_size,
         auto_augment=cfg.aa,
         color_jitter=cfg.color_jitter,
         re_prob=cfg.reprob,
@@ -62,7 +63,6 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         build_loader,
         backend=cfg.backend,
         batch_size=cfg.batch_size,
-        image_size=cfg.image_size,
         device=device,
         num_workers=cfg.workers,
         seed=cfg.seed,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
 from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError
+from ..recipe import ResolutionSchedule
 from .precision import PrecisionName
 
 OptimizerName = Literal["sgd", "adamw"]
@@ -102,7 +103,33 @@ class TrainConfig:
         "default None: half the free space of its disk ($GPUPIPE_CACHE, else ~/.cache/gpupipe/shards)",
         resume="changeable",
     )
-    image_size: int = opt(224, "training and validation image side", resume="fixed")
+    image_size: int = opt(
+        224, "training and validation image side (see --res-start, --res-end, --eval-size)", resume="fixed"
+    )
+    # progressive resizing (FFCV's ResNet recipes): the train side grows with the epoch, no loader rebuilt
+    res_start: int | None = opt(
+        None,
+        "resolution schedule: the train image side up to --res-start-epoch, then linear to --res-end, rounded down to "
+        "a multiple of --res-step (default None: --image-size; the schedule is on when this or --res-end is set)",
+        resume="changeable",
+    )
+    res_end: int | None = opt(
+        None,
+        "resolution schedule: the train image side from --res-end-epoch on (default None: --image-size)",
+        resume="changeable",
+    )
+    res_start_epoch: int = opt(
+        0, "resolution schedule: the last epoch at --res-start (epochs count from 0)", resume="changeable"
+    )
+    res_end_epoch: int | None = opt(
+        None, "resolution schedule: the first epoch at --res-end (default None: the last epoch)", resume="changeable"
+    )
+    res_step: int = opt(
+        32, "resolution schedule: the sizes between the two ends are multiples of this", resume="changeable"
+    )
+    eval_size: int | None = opt(
+        None, "validation image side, e.g. above the last train side (FixRes) (default None: --image-size)"
+    )
     device: str | None = opt(
         None,
         "cpu or cuda (default None: cuda when available); under torchrun each rank takes its LOCAL_RANK GPU",
@@ -152,6 +179,26 @@ class TrainConfig:
             raise ValueError(f"clip must be > 0, got {self.clip}")
         if self.loader_timeout_s < 0:
             raise ValueError(f"loader_timeout_s must be >= 0 (0: no timeout), got {self.loader_timeout_s}")
+        self._check_resolution()
+
+    def _check_resolution(self) -> None:
+        for name in ("res_start", "res_end", "eval_size", "res_step"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        end = self.res_end_epoch
+        if self.res_start_epoch < 0 or (end is not None and end < self.res_start_epoch):
+            raise ValueError(
+                f"res_start_epoch must be >= 0 and res_end_epoch >= res_start_epoch, got {self.res_start_epoch}, {end}"
+            )
+
+    def train_size(self) -> int | ResolutionSchedule:
+        """The train image side: ``image_size``, or the schedule from ``res_start`` to ``res_end`` when either is set
+        (``res_end_epoch``: the last epoch by default)."""
+        if self.res_start is None and self.res_end is None:
+            return self.image_size
+        last = max(self.epochs - 1, self.res_start_epoch) if self.res_end_epoch is None else self.res_end_epoch
+        start, end = self.res_start or self.image_size, self.res_end or self.image_size
+        return ResolutionSchedule(start, end, self.res_start_epoch, last, self.res_step)
 
 
 def _resume_keys(rule: ResumeRule) -> tuple[str, ...]:

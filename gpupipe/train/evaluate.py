@@ -55,12 +55,13 @@ def run_eval(args) -> int:
         raise ValueError(f"{args.checkpoint}: --ema, but the run kept no EMA weights (it ran without --model-ema)")
     model = timm.create_model(_model_name(config, args.checkpoint), pretrained=False, num_classes=len(classes))
     model.load_state_dict(weights)
+    side = config.get("eval_size") or config["image_size"]  # the run's validation side
     loader = build_loader(
         args.data,
         args.backend,
         batch_size=args.batch_size,
         train=False,
-        image_size=config["image_size"],
+        image_size=side,
         device=args.device,
         num_workers=args.workers,
         on_error=args.on_error,
@@ -79,7 +80,7 @@ def run_eval(args) -> int:
     else:
         print(
             f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-            f"({metrics['images']} images, {config['model']} at {config['image_size']} px, epoch {saved['epoch']} of "
+            f"({metrics['images']} images, {config['model']} at {side} px, epoch {saved['epoch']} of "
             f"{args.checkpoint})"
         )
     return 0

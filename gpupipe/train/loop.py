@@ -75,7 +75,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             check_model_name(cfg.model)
         torch.manual_seed(cfg.seed)
         if dist.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest conv kernels once
+            # the fastest conv kernels, picked once per input shape: a resolution schedule's new size (and the eval
+            # size) costs one search, in the first steps at that size, then runs as fast as a fixed size
+            torch.backends.cudnn.benchmark = True
 
         # Data: every rank reads its own shard, and every rank takes the same number of steps.
         train_loader, val_loader, feedback = build_loaders(cfg, dist.device)
@@ -142,8 +144,20 @@ def startup_line(run: Run) -> str:
         f"training {cfg.model} ({init}) on {len(data)} samples{val}, {len(data.classes)} classes: backend "
         f"{run.train_loader.backend}, device {run.dist.device} ({torch.get_num_threads()} torch threads), "
         f"{run.steps_per_epoch} steps per epoch x {cfg.epochs} epochs, batch {cfg.batch_size}{ranks} x accum "
-        f"{cfg.accum}"
+        f"{cfg.accum}, images {sizes_line(run.train_loader.recipe, cfg.epochs)}"
     )
+
+
+def sizes_line(recipe, epochs: int) -> str:
+    """The train image side(s) over the run and the eval side, in words: ``160 px (epochs 0-5), 192 px (6-9); eval
+    224 px``."""
+    sides = [recipe.train_size(e) for e in range(epochs)]
+    runs = [(side, first) for first, side in enumerate(sides) if first == 0 or sides[first - 1] != side]
+    ends = [first - 1 for _, first in runs[1:]] + [epochs - 1]
+    words = [
+        f"{side} px" + (f" (epochs {a}-{b})" if len(runs) > 1 else "") for (side, a), b in zip(runs, ends, strict=True)
+    ]
+    return f"{', '.join(words)}; eval {recipe.eval_side} px"
 
 
 def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
@@ -254,6 +268,7 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     metrics["lr"] = run.state.scheduler.get_last_lr()[0]
     metrics["skipped"] = len(run.train_loader.skipped)
     metrics["fallbacks"] = run.train_loader.fallbacks
+    metrics["image_size"] = run.train_loader.recipe.train_size(epoch)  # the epoch's, under a resolution schedule
     skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
     if stop_requested(run.stop, run.dist):  # asked during the epoch's last step or its validation: saved just now
