@@ -19,8 +19,9 @@ step() { echo "== $*"; }
 if [ -d "$OUT" ]; then run -v "$OUT:/out" --entrypoint rm "$IMAGE" -rf /out/data /out/run; fi
 mkdir -p "$OUT/data" "$OUT/run"
 chmod a+rwx "$OUT/data" "$OUT/run"
-run -v "$OUT/data:/out" "$IMAGE" sample-data /out/sample >/dev/null
-run -v "$OUT/data:/out" "$IMAGE" sample-data /out/sample-val --split val >/dev/null
+# a tenth of the embedded set's images (10 classes): a short run
+run -v "$OUT/data:/out" "$IMAGE" sample-data /out/sample --per-class 6 >/dev/null
+run -v "$OUT/data:/out" "$IMAGE" sample-data /out/sample-val --split val --per-class 2 >/dev/null
 gp() { run -v "$OUT/data:/data:ro" -v "$OUT/run:/out" "$IMAGE" "$@"; }
 
 user=$(run --entrypoint id "$IMAGE" -un)
@@ -28,20 +29,20 @@ user=$(run --entrypoint id "$IMAGE" -un)
 step "the image check, as $user"
 run --entrypoint python "$IMAGE" /opt/check_image.py
 step "gpupipe info"
-gp info | tee "$OUT/run/info.txt"
+gp info 2>&1 | tee "$OUT/run/info.txt"
 grep -q "nvjpeg.*CUDA" "$OUT/run/info.txt" || { echo "error: info does not say why nvjpeg is unavailable" >&2; exit 1; }
 
 step "gpupipe bench --device cpu"
 gp bench --data /data/sample --device cpu --pipelines decode,train --image-size 96 --batch-size 32 --workers 2 \
   --seconds 1 --repeats 1 --json /out/bench.json
 
-train=(train --data /data/sample --val /data/sample-val --model resnet10t --image-size 64 --batch-size 32 --lr 0.2
+train=(train --data /data/sample --val /data/sample-val --model resnet10t --image-size 64 --batch-size 16 --lr 0.2
   --workers 1 --device cpu --out /out/train)
 step "gpupipe train: two epochs"
 gp "${train[@]}" --epochs 2
 test -s "$OUT/run/train/checkpoints/last.pt" || { echo "error: no checkpoint in $OUT/run/train" >&2; exit 1; }
 step "gpupipe train --resume: a third epoch from the checkpoint"
-gp "${train[@]}" --epochs 3 --resume --allow-config-change | tee "$OUT/run/resume.txt"
+gp "${train[@]}" --epochs 3 --resume --allow-config-change 2>&1 | tee "$OUT/run/resume.txt"
 grep -q "resumed from" "$OUT/run/resume.txt" || { echo "error: the run did not say it resumed" >&2; exit 1; }
 epochs=$(wc -l <"$OUT/run/train/metrics.jsonl")
 [ "$epochs" = 3 ] || { echo "error: metrics.jsonl has $epochs epochs, not 3" >&2; exit 1; }

@@ -19,11 +19,15 @@ EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 
 
 def _arg(name: str) -> str:
-    return re.search(rf"^ARG {name}=(\S+)$", DOCKERFILE, re.M).group(1)
+    m = re.search(rf"^ARG {name}=(\S+)$", DOCKERFILE, re.M)
+    assert m, f"docker/Dockerfile has no ARG {name}=..."
+    return m.group(1)
 
 
 def _stage(name: str) -> str:
-    return re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.M | re.S).group(1)
+    m = re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.M | re.S)
+    assert m, f"docker/Dockerfile has no stage {name}"
+    return m.group(1)
 
 
 def _dep(name: str, group: list[str]) -> Requirement:
@@ -83,9 +87,9 @@ def _engine() -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(3 * 3600)
 def test_image_builds_and_runs_info_bench_train_resume(tmp_path):
-    """`make docker-test`: the build (about 6 GB of wheels) and a run inside it as its user, on the CPU."""
+    """`make docker-test`: the build (3.4 GB of wheels) and a run inside it as its user, on the CPU."""
     if os.environ.get("GPUPIPE_DOCKER") != "1":
-        pytest.skip("set GPUPIPE_DOCKER=1 to build the image and run it (a 6 GB download; see README: Docker image)")
+        pytest.skip("set GPUPIPE_DOCKER=1 to build the image and run it (3.4 GB of wheels; 40 min the first time)")
     if (why := _engine()) is not None:
         pytest.skip(why)
     env = {**os.environ, "OUT": str(tmp_path)}
