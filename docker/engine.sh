@@ -42,11 +42,13 @@ has_image() {
 # The Debian base: BASE when the engine has it or can pull it, else one made from Debian's own packages with
 # mmdebstrap (no registry needed) and imported as localhost/debian-base:SUITE. Prints the image to build FROM.
 resolve_base() {
-  local base=$1 suite
-  if has_image "$base" || "${ENGINE[@]}" pull -q "$base" >/dev/null 2>&1; then
-    echo "$base"
-    return
-  fi
+  local base=$1 suite name
+  for name in "$base" "docker.io/library/$base"; do  # podman may not resolve a short name
+    if has_image "$name" || "${ENGINE[@]}" pull -q "$name" >/dev/null 2>&1; then
+      echo "$name"
+      return
+    fi
+  done
   suite=$(sed -E 's/.*:([a-z]+).*/\1/' <<<"$base")
   if has_image "localhost/debian-base:$suite"; then
     echo "localhost/debian-base:$suite"

@@ -15,8 +15,10 @@ probe_run_flags "$IMAGE"
 run() { "${ENGINE[@]}" run --rm "${RUN_FLAGS[@]}" --shm-size 1g "$@"; }
 step() { echo "== $*"; }
 
-# the image's user writes there; a previous run's files (the image user's) are removed by the image
-if [ -d "$OUT" ]; then run -v "$OUT:/out" --entrypoint rm "$IMAGE" -rf /out/data /out/run; fi
+# the image's user writes there; a previous run's files (the image user's) are removed from inside the image
+if [ -e "$OUT/data" ] || [ -e "$OUT/run" ]; then
+  run --user 0 -v "$OUT:/out" --entrypoint rm "$IMAGE" -rf /out/data /out/run
+fi
 mkdir -p "$OUT/data" "$OUT/run"
 chmod a+rwx "$OUT/data" "$OUT/run"
 # a tenth of the embedded set's images (10 classes): a short run
