@@ -6,7 +6,7 @@ DATA   ?= data/sample
 VAL    ?= $(DATA)-val
 EXTRAS ?= all,dev
 
-.PHONY: setup system-deps demo test lint bench-cpu clean
+.PHONY: setup system-deps demo test lint bench-cpu clean docker docker-test
 
 # System packages, installed when run as root: TurboJPEG's C library (the turbojpeg backend loads it at run time)
 # and libjpeg-turbo's tools (the tests make an arithmetic-coded JPEG with jpegtran).
@@ -56,6 +56,15 @@ test: setup lint
 
 bench-cpu: setup $(DATA)/.complete
 	bash bench/run_cpu.sh
+
+# The CUDA image (docker/Dockerfile) with docker, else podman (installed when root; a Debian base made with
+# mmdebstrap where no registry answers), then run on the CPU as its user: info, bench, train and resume.
+IMAGE ?= gpupipe
+docker:
+	IMAGE=$(IMAGE) bash docker/build.sh
+
+docker-test: docker
+	IMAGE=$(IMAGE) bash docker/test.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
