@@ -151,7 +151,7 @@ def test_the_policies_send_their_arguments_in_the_same_pack(policy):
         assert syncs == [] and copies <= 2
 
 
-@pytest.mark.parametrize("backend", ["pillow", "dali", "nvjpeg"])
+@pytest.mark.parametrize("backend", ["pillow", "dali", "nvjpeg", "synthetic"])
 def test_a_backend_batch_costs_at_most_two_copies_and_no_sync(folder, backend):
     """Each backend's loader as built for CUDA, its device side on the meta device (nvjpeg's decode: the host-budget
     benchmark's stand-in, empty tensors of the decoded shapes)."""
