@@ -321,3 +321,24 @@ def test_config_and_model_mistakes_are_one_line_errors(data, tmp_path, capsys):
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "m"), "--model", "resnt18"]) == 2
     err = _one_error_line(capsys.readouterr().err)
     assert "unknown --model 'resnt18'" in err and "resnet18" in err
+
+
+@pytest.mark.parametrize(
+    "precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("fp16", marks=pytest.mark.slow)]
+)
+def test_a_ddp_training_step_makes_the_host_wait_for_nothing(data, tmp_path, precision):
+    """Two gloo ranks, the sync counter of tests/test_sync.py on every micro-batch (the CPU is the device): no host
+    sync and no collective beyond DDP's gradient all-reduce in fp32/bf16, one sync an optimizer step in fp16 (its
+    scaler's decision to step). Progress lines, checkpoints, the stop check (every STOP_EVERY steps) and the epoch's
+    end are not per step."""
+    out = tmp_path / "run"
+    _torchrun("count", "--", "train", *train_args(data, out, precision=precision, log_every=1000, accum=2))
+    per_epoch = 32 // 2 // 4  # micro-batches per rank; an optimizer step on every 2nd
+    for rank in (0, 1):
+        steps = torch.load(out / f"count-rank{rank}.pt", weights_only=True)["steps"]
+        assert len(steps) == 2 * per_epoch
+        inside = {i: s for i, s in enumerate(steps) if (i + 1) % per_epoch}  # the epoch's end falls to its last
+        print(f"rank {rank} {precision}, (syncs, collectives) per micro-batch:", [tuple(map(len, s)) for s in steps])
+        assert all(collectives == [] for _, collectives in inside.values()), inside
+        scaler = {i: ["_local_scalar_dense"] if precision == "fp16" and i % 2 else [] for i in inside}
+        assert {i: syncs for i, (syncs, _) in inside.items()} == scaler, inside

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from inspect import signature
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,14 @@ class Distributed:
         if not self.enabled:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # broadcast_buffers=False: DDP would otherwise broadcast rank 0's buffers (BatchNorm's running statistics)
+        # before every forward, a collective per step that training does not read (train-mode BatchNorm uses the
+        # batch's statistics); the loop averages them over ranks before evaluating and saving (average_buffers).
+        ddp = torch.nn.parallel.DistributedDataParallel
+        # torch >= 2.14 names it forward_sync_buffers (and warns for broadcast_buffers, which leaves buffers out of the
+        # start's sync too: they are equal then, from the same init or checkpoint)
+        keyword = "forward_sync_buffers" if "forward_sync_buffers" in signature(ddp).parameters else "broadcast_buffers"
+        return ddp(model, device_ids=device_ids, **{keyword: False})
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum a few scalars over ranks (metrics); a no-op on one process."""
