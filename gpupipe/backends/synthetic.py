@@ -30,6 +30,7 @@ class SyntheticLoader(Loader):
             # device labels with a host index would be a blocking copy every step)
             yield Batch(self._images[: len(idx)], self._labels[index], "NCHW", keys=keys)
 
+
 SPEC = BackendSpec(
     "synthetic",
     "random uint8 batches made on the device, no I/O: the compute ceiling",
