@@ -134,3 +134,25 @@ def test_the_next_epoch_is_scheduled_before_this_one_ends(photos):
     for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(5), strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     assert loader.pipelines_built == 1
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_outputs_are_handed_to_torchs_current_stream(photos, device):
+    """DALI's outputs are bound to torch's current stream on CUDA (without one, ``share_outputs`` makes the host wait
+    for DALI's stream every batch), to none on the CPU; the images are the same either way."""
+    loader = gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device=device)
+    streams = []
+    it = iter(loader)
+    first = next(it)[0]
+    pipe = loader._pipe
+    share = pipe.share_outputs
+
+    def spy(cuda_stream=None):
+        streams.append(cuda_stream)
+        return share(cuda_stream=cuda_stream)
+
+    pipe.share_outputs = spy
+    images, _ = next(it)
+    want = torch.cuda.current_stream(images.device) if images.is_cuda else None
+    assert streams and all(s == want for s in streams)
+    assert images.shape == first.shape and images.device.type == torch.device(device).type

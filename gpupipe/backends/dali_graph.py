@@ -13,6 +13,12 @@ def dali_device_id(device: torch.device) -> int | None:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+def consumer_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream DALI's outputs are handed to: torch's current one on ``device`` (CUDA), ``None`` elsewhere (a CPU
+    pipeline's outputs are host memory)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
 def build_pipeline(
     recipe,
     *,
