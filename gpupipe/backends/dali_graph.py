@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from .._system import resolve_device
+
 
 def dali_device_id(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    return torch.cuda.current_device() if device.index is None else device.index
+    return resolve_device(device).index  # the one rule: a bare "cuda" is this rank's GPU, as the loader's
 
 
 def consumer_stream(device: torch.device) -> torch.cuda.Stream | None:

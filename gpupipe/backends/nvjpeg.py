@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .._system import resolve_device
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..data.upload import Reaper
 from ..errors import DecodeError
@@ -286,9 +287,7 @@ def read_nvjpeg(data: bytes, path: str, max_pixels: int | None, device: torch.de
     """``read_image(backend="nvjpeg")``: decoded on CUDA (``device``, or the current CUDA device when ``device`` is
     the CPU) on a stream of its own, returned on ``device``; what nvJPEG cannot take is decoded by Pillow."""
     header = probe(data, path, "nvjpeg", max_pixels or default_max_pixels())  # the pixel limit, before any decode
-    gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    if gpu.index is None:
-        gpu = torch.device("cuda", torch.cuda.current_device())
+    gpu = resolve_device(device if device.type == "cuda" else "cuda")
     if not nvjpeg_can_decode(data, header):
         return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
     if gpu not in _READ_STREAMS:

@@ -9,20 +9,20 @@ from inspect import signature
 import torch
 import torch.distributed as dist
 
+from .._system import resolve_device
+
 
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        # the one rule (gpupipe's loaders use it too): --device cuda:N is honoured, and a rank that sees only its own
+        # GPU (CUDA_VISIBLE_DEVICES per rank) uses GPU 0, not GPU LOCAL_RANK, which it does not have
+        self.device = resolve_device(device)
+        want_cuda = self.device.type == "cuda"
         if want_cuda:
-            if not torch.cuda.is_available():
-                raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
+            torch.cuda.set_device(self.device)  # what code that asks for the current device finds
         if self.enabled and not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if want_cuda else "gloo",
