@@ -163,7 +163,8 @@ def _batched_jpeg_decode(device: torch.device) -> Callable[..., Any]:
             codec_decode(_tiny_jpeg(), mode="RGB", device=device)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            warnings.warn(f"nvjpeg: torchcodec cannot decode on {device} ({first}); using torchvision's decoder")
+            why = f"nvjpeg: torchcodec cannot decode on {device} ({first}); using torchvision's decoder"
+            warnings.warn(why, stacklevel=3)  # the caller of the loader's first batch
             return _CHOSEN[device]
         _CHOSEN[device] = lambda data, device: codec_decode(data, mode="RGB", device=device)
     return _CHOSEN[device]
