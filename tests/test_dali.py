@@ -10,7 +10,7 @@ from PIL import Image
 
 import gpupipe
 
-from .common_utils import assert_resume_is_exact, cpu_and_cuda, photo
+from .common_utils import assert_resume_is_exact, cpu_and_cuda, decode_tolerance, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -48,7 +48,8 @@ def test_dali_uses_the_recipes_boxes(photos, device, train):
         (x, y), (rx, ry) = _all(dali), _all(pillow)
         assert torch.equal(y, ry)
         per_image = (x - rx).abs().mean(dim=(1, 2, 3))
-        assert per_image.max() <= 2.0, per_image  # same crop and flip; only interpolation differs
+        # same crop and flip; only interpolation differs (and on CUDA, the JPEG decode: GPU_DECODE_SLACK)
+        assert per_image.max() <= decode_tolerance(device, 2.0), per_image
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

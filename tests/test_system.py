@@ -64,3 +64,14 @@ def test_one_device_rule_for_loaders_and_training(monkeypatch):
     _gpus(monkeypatch, 0)
     with pytest.raises(ValueError, match="torch sees no CUDA device"):
         resolve_device("cuda")
+
+
+def test_devices_compare_by_type_and_index(monkeypatch):
+    """tests' same_device: ``cuda`` is the current GPU (accelerate's ``cuda`` and a batch's ``cuda:0`` are the same)."""
+    import torch
+
+    from .common_utils import same_device
+
+    _gpus(monkeypatch, 2, current=1)
+    assert same_device("cuda", "cuda:1") and not same_device("cuda", "cuda:0") and same_device("cuda:0", "cuda:0")
+    assert not same_device("cuda:0", "cpu") and same_device(torch.device("cpu"), "cpu")
