@@ -198,3 +198,16 @@ def test_bench_data_takes_shards_and_urls(tmp_path, folder, s3, monkeypatch, cap
         assert main(["bench", "--data", str(data), *args, "--json", str(tmp_path / "r.json")]) == 0
         rows = json.loads((tmp_path / "r.json").read_text())["results"]
         assert {r["backend"] for r in rows} == {"baseline", "pillow"} and all(r["images_per_s"] > 0 for r in rows)
+
+
+def test_a_backend_that_cannot_run_is_a_row_saying_why_and_the_rest_are_measured(folder, tmp_path, capsys):
+    if "nvjpeg" in gpupipe.available_backends():
+        pytest.skip("CUDA is here")
+    args = ["--device", "cpu", "--workers", "0", "--backends", "nvjpeg,pillow", "--pipelines", "eval"]
+    args += ["--seconds", "0.2", "--repeats", "1", "--batch-size", "4", "--image-size", "32"]
+    assert main(["bench", "--data", str(folder), *args, "--json", str(tmp_path / "r.json")]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert {r["backend"] for r in rep["results"]} == {"baseline", "pillow"}
+    assert "CUDA" in rep["unavailable"]["nvjpeg"]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nvjpeg │ unavailable: needs a CUDA GPU" in out or "nvjpeg unavailable" in out, out
