@@ -157,3 +157,21 @@ def test_outputs_are_handed_to_torchs_current_stream(photos, device):
     want = torch.cuda.current_stream(images.device) if images.is_cuda else None
     assert streams and all(s == want for s in streams)
     assert images.shape == first.shape and images.device.type == torch.device(device).type
+
+
+def test_the_feed_sends_batches_by_name_not_by_file_descriptor(photos, monkeypatch):
+    """Receiving a shared-memory file descriptor costs the training thread a connection to the worker's resource
+    sharer (with its authentication handshake) every batch; the feed's workers share by name instead."""
+    from torch.multiprocessing import reductions
+
+    received, real = [], reductions.rebuild_storage_fd
+
+    def rebuild_storage_fd(*args):  # pickled by name, as the real one (the forked workers hold it too)
+        received.append(1)
+        return real(*args)
+
+    rebuild_storage_fd.__module__, rebuild_storage_fd.__qualname__ = real.__module__, real.__qualname__
+    monkeypatch.setattr(reductions, "rebuild_storage_fd", rebuild_storage_fd)
+    loader = gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    batches = [x for x, _ in loader]
+    assert len(batches) == 5 and received == []
