@@ -108,8 +108,7 @@ def _cmd_bench(args) -> int:
 
 def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str]]:
     """The backends to measure: those asked for (``--backends a,b``) that can run here, or every one that runs on
-    ``device`` here; and those asked for that cannot, with the reason (each printed): their rows say so, the rest
-    are measured."""
+    ``device`` here; and those asked for that cannot, with the reason (printed; their rows say so)."""
     from .backends import available_backends, check_name, get, names, unavailable_reason
 
     avail = available_backends()
@@ -128,13 +127,11 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
         if b in avail and device.type not in get(b).devices
     }
     for b, why in unusable.items():
-        console.print(f"[red]{b}[/]: {escape(why or '')}" + ("" if len(unusable) == len(backends) else ": not measured"))
+        console.print(f"[red]{b}[/]: {escape(why or '')}{'' if len(unusable) == len(backends) else ': not measured'}")
     return [b for b in backends if b not in unusable], {b: why or "unavailable" for b, why in unusable.items()}
 
 
-def _bench_outputs(
-    cfg, results: list, json_path: str | None, plot_path: str | None, unavailable: dict[str, str] | None = None
-) -> None:
+def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None, unavailable: dict) -> None:
     """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
     import torch
 

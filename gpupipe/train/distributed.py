@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 from inspect import signature
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,8 @@ class Distributed:
         # torch >= 2.14 names it forward_sync_buffers (and warns for broadcast_buffers, which leaves buffers out of the
         # start's sync too: they are equal then, from the same init or checkpoint)
         keyword = "forward_sync_buffers" if "forward_sync_buffers" in signature(ddp).parameters else "broadcast_buffers"
-        return ddp(model, device_ids=device_ids, **{keyword: False})
+        no_sync: dict[str, Any] = {keyword: False}
+        return ddp(model, device_ids=device_ids, **no_sync)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum a few scalars over ranks (metrics); a no-op on one process."""

@@ -295,8 +295,8 @@ def evaluate(model: nn.Module, loader: Loader, precision: Precision, dist: Distr
             sums[1] += (logits.argmax(1) == labels).sum()
             count += len(labels)
     loss_sum, correct = sums.tolist()  # the one host sync of the evaluation
-    loss_sum, correct, count = dist.all_reduce_sum([loss_sum, correct, count])
-    return {"val_loss": loss_sum / count, "val_acc": correct / count}
+    loss_sum, correct, total = dist.all_reduce_sum([loss_sum, correct, count])
+    return {"val_loss": loss_sum / total, "val_acc": correct / total}
 
 
 def epoch_metrics(epoch: int, meter: Meter, dist: Distributed) -> dict:
