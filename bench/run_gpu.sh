@@ -2,10 +2,12 @@
 # On a GPU machine (after the DALI bundle is installed: ../shared/device/README.md), everything in two 10-minute calls:
 #   bash bench/run_gpu.sh 1     the GPU tests (incl. tests/test_sync.py: ten batches of every GPU backend under
 #                               torch.cuda.set_sync_debug_mode("error")) and the host budget on CUDA
-#   bash bench/run_gpu.sh 2     dali and nvjpeg train/eval at 224, dali with RandAugment + erasing, resnet50 end to end
+#   bash bench/run_gpu.sh 2     dali, nvjpeg and synthetic train/eval at 224, dali and nvjpeg with RandAugment + erasing
+#                               on the device stage, resnet50 end to end (each backend's step rate vs synthetic's)
 # or one part by name: tests | host | decode | train | eval | augment | e2e (no argument: every part, in order).
-# A failing part (the tests, say) does not stop the others; the exit status is then 1. torchcodec need not be carried:
-# without it the nvjpeg backend decodes with torchvision's decoder.
+# A failing part (the tests, say) does not stop the others; the exit status is then 1. A backend that cannot run there
+# (DALI not carried) is a row saying why, and the rest are measured. torchcodec need not be carried: without it (or
+# without its CUDA build) the nvjpeg backend decodes with torchvision's decoder.
 # Writes JSON (and the tests' log) to ${OUT:-bench/results}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +26,9 @@ part() {
             --json "$OUTDIR/gpu-host-budget-${stamp}.json" ;;
     decode | train | eval)
       $PYTHON "${bench[@]}" --pipelines "$1" --json "$OUTDIR/gpu-$1-${stamp}.json" --plot "$OUTDIR/gpu-$1-${stamp}.png" ;;
-    quick) $PYTHON "${bench[@]}" --backends dali,nvjpeg --pipelines train,eval --seconds 4 --repeats 2 \
+    quick) $PYTHON "${bench[@]}" --backends dali,nvjpeg,synthetic --pipelines train,eval --seconds 4 --repeats 2 \
              --json "$OUTDIR/gpu-train-eval-${stamp}.json" ;;
-    augment) $PYTHON "${bench[@]}" --backends dali --pipelines train --aa rand-m9-mstd0.5-inc1 --reprob 0.25 \
+    augment) $PYTHON "${bench[@]}" --backends dali,nvjpeg --pipelines train --aa rand-m9-mstd0.5-inc1 --reprob 0.25 \
                --seconds 4 --repeats 2 --json "$OUTDIR/gpu-augment-${stamp}.json" ;;
     e2e) $PYTHON "${bench[@]}" --pipelines train --model resnet50 --seconds 20 \
            --json "$OUTDIR/gpu-e2e-resnet50-${stamp}.json" ;;

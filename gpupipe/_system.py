@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def usable_cores() -> int:
@@ -35,3 +39,26 @@ def cores_per_rank() -> int:
     decode workers and DALI threads, so 8 ranks do not start 8 times the node's cores."""
     ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
     return max(1, usable_cores() // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The one rule for where a process's batches and model go: ``None`` is CUDA when torch sees a GPU, else the CPU;
+    ``cuda:N`` is GPU N of those this process sees; bare ``cuda`` is this rank's GPU under torchrun (``LOCAL_RANK``)
+    when the process sees every GPU of the node, else (``CUDA_VISIBLE_DEVICES`` per rank, as SLURM sets it) the
+    current one. Fixed once, so the loader, the model, DDP and collectives all use the same index."""
+    import torch  # defer: this module is read by light ones
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} was asked for, but torch sees no CUDA device")
+    count = torch.cuda.device_count()
+    if device.index is None:
+        rank = local_rank()
+        return torch.device("cuda", rank if rank is not None and rank < count else torch.cuda.current_device())
+    if device.index >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ValueError(f"device={str(device)!r}: this process sees {count} CUDA device(s){seen}, numbered from 0")
+    return device

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ._system import cores_per_rank, local_rank, usable_cores
+from ._system import cores_per_rank, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, require_backend
@@ -39,15 +39,7 @@ def _check_missing(dataset: ImageList, on_error: str) -> None:
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
-    if device.type == "cuda" and device.index is None:
-        # fixed now, once: under torchrun this rank's GPU (LOCAL_RANK), else the current one at build time
-        rank = local_rank()
-        index = rank if rank is not None and rank < torch.cuda.device_count() else torch.cuda.current_device()
-        device = torch.device("cuda", index)
-    return device
+    return resolve_device(device)  # the one rule (train, DDP and the CLI use it too)
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -77,8 +77,8 @@ def _cmd_bench(args) -> int:
 
         return host_budget.from_cli(args, data)
     device = _resolve_device(args.device)
-    backends = _bench_backends(args.backends, device)
-    if backends is None:
+    backends, unavailable = _bench_backends(args.backends, device)
+    if not backends:
         return 2
     pipelines = args.pipelines.split(",")
     if (args.aa or args.color_jitter or args.reprob) and "augment" not in pipelines:
@@ -102,18 +102,18 @@ def _cmd_bench(args) -> int:
         results = suite.run(cfg, progress=progress)
     if not results:
         raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
-    _bench_outputs(cfg, results, args.json, args.plot)
+    _bench_outputs(cfg, results, args.json, args.plot, unavailable)
     return 0
 
 
-def _bench_backends(asked: str | None, device) -> list[str] | None:
-    """The backends to measure: those asked for (``--backends a,b``), or every one that runs on ``device`` here.
-    None, with each reason printed, when one asked for cannot run."""
+def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str]]:
+    """The backends to measure: those asked for (``--backends a,b``) that can run here, or every one that runs on
+    ``device`` here; and those asked for that cannot, with the reason (printed; their rows say so)."""
     from .backends import available_backends, check_name, get, names, unavailable_reason
 
     avail = available_backends()
     if not asked:
-        return [b for b in names() if b in avail and device.type in get(b).devices]
+        return [b for b in names() if b in avail and device.type in get(b).devices], {}
     backends = [check_name(b) for b in asked.split(",")]
     if "auto" in backends:
         raise ValueError(
@@ -127,11 +127,11 @@ def _bench_backends(asked: str | None, device) -> list[str] | None:
         if b in avail and device.type not in get(b).devices
     }
     for b, why in unusable.items():
-        console.print(f"[red]{b}[/]: {escape(why or '')}")
-    return None if unusable else backends
+        console.print(f"[red]{b}[/]: {escape(why or '')}{'' if len(unusable) == len(backends) else ': not measured'}")
+    return [b for b in backends if b not in unusable], {b: why or "unavailable" for b, why in unusable.items()}
 
 
-def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None) -> None:
+def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None, unavailable: dict) -> None:
     """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
     import torch
 
@@ -149,7 +149,7 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
     }
-    rep = report.report(results, machine_info(), settings)
+    rep = report.report(results, machine_info(), settings, unavailable)
     report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
     store.save_latest(rep, cfg.data, cfg.device)
     if json_path:

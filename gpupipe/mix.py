@@ -7,6 +7,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .data.upload import HostPack
+
 
 def soft_targets(
     labels: torch.Tensor, num_classes: int, lam: float | torch.Tensor = 1.0, smoothing: float = 0.0
@@ -125,4 +127,7 @@ class Mix:
                 out[i, :, yl:yh, xl:xh] = partner[i, :, yl:yh, xl:xh]
             else:
                 out[i] = x[i] * lam[i] + partner[i] * (1 - lam[i])
-        return out, torch.tensor(lam, device=x.device, dtype=x.dtype).unsqueeze(1)
+        pack = HostPack()  # one non-blocking copy from pinned memory: torch.tensor(lam, device=) would block the host
+        slot = pack.add(lam, torch.float32)
+        pack.send(x.device)
+        return out, pack.get(slot).to(x.dtype).unsqueeze(1)

@@ -41,6 +41,30 @@ def cpu_and_cuda():
     return ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 
 
+# Mean |pixel difference| (in 1/255) that a GPU JPEG decode may add to a comparison with Pillow's: nvJPEG (and DALI's
+# "mixed" decoder, which runs it or the hardware decoder) computes the IDCT and upsamples chroma its own way, not as
+# libjpeg's default (accurate integer IDCT, "fancy" triangular upsampling). libjpeg-turbo's fast IDCT and plain
+# chroma replication (TJFLAG_FASTDCT | TJFLAG_FASTUPSAMPLE) differ from Pillow by 1.15 on average and at most 1.48
+# on these tests' photo-like JPEGs (make_folder's and test_dali's, at full size): the CPU tolerance plus this.
+GPU_DECODE_SLACK = 1.5
+
+
+def decode_tolerance(device, cpu: float) -> float:
+    """``cpu`` (the bound set with CPU decoders) on the CPU; on CUDA, that plus :data:`GPU_DECODE_SLACK`."""
+    return cpu + (GPU_DECODE_SLACK if torch.device(device).type == "cuda" else 0.0)
+
+
+def same_device(a, b) -> bool:
+    """Devices compared by type and index, a bare ``cuda`` being the current GPU (``cuda`` vs ``cuda:0``: the same)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return a.index == b.index or None in (a.index, b.index)
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def photo(rng: np.random.Generator, h: int, w: int) -> Image.Image:
     """A smooth, photo-like image (JPEG-friendly), distinct per rng."""
     y, x = np.mgrid[0:h, 0:w].astype(np.float32)

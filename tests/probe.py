@@ -10,6 +10,7 @@ final parameters (``OUT/probe-rank{R}.pt``).
     python tests/probe.py worker-dies RANK K -- <gpupipe train arguments>  # that rank's loader worker is SIGKILLed
     torchrun ... tests/probe.py all-exit K -- <gpupipe train arguments>  # every rank exits after K train batches
     torchrun ... tests/probe.py seen TAG K -- <gpupipe train arguments>  # OUT/seen-TAG-rankR.pt: the train batches
+    torchrun ... tests/probe.py count -- <gpupipe train arguments>  # host syncs and collectives per micro-batch
 """
 
 from __future__ import annotations
@@ -144,6 +145,36 @@ def _seen(tag: str, after: int, out: str):
     return lambda: torch.save(batches, path)
 
 
+def _count(args: list[str]) -> None:
+    """``gpupipe train`` under the sync counter of tests/test_sync.py (on the CPU, the training device): what each
+    micro-batch made the host wait for, and the collectives it called beyond DDP's gradient all-reduce, from one
+    training forward to the next (an epoch's end falls to its last micro-batch), in ``OUT/count-rank{R}.pt``."""
+    try:
+        from .test_sync import CopyAndSyncCounter
+    except ImportError:
+        from test_sync import CopyAndSyncCounter  # type: ignore[no-redef]
+    from gpupipe.cli import main as cli_main
+
+    counter, steps = CopyAndSyncCounter(torch.device("cpu")), []
+
+    def boundary(module, inputs):
+        if module.training:
+            steps.append((counter.syncs, counter.collectives))
+            counter.syncs, counter.collectives = [], []
+
+    class CountingDDP(nn.parallel.DistributedDataParallel):
+        def __init__(self, module, *a, **k):
+            super().__init__(module, *a, **k)
+            self.register_forward_pre_hook(boundary)
+
+    nn.parallel.DistributedDataParallel = CountingDDP
+    with counter.counting():
+        cli_main(args)
+    steps.append((counter.syncs, counter.collectives))
+    out = args[args.index("--out") + 1]
+    torch.save({"steps": steps[1:]}, f"{out}/count-rank{os.environ['RANK']}.pt")
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "seen":
@@ -154,6 +185,9 @@ def main() -> None:
         code = cli_main(args)
         save()
         sys.exit(code)
+    if mode == "count":
+        _count(sys.argv[sys.argv.index("--") + 1 :])
+        return
     if mode == "all-exit":
         _all_exit(int(sys.argv[2]))
         from gpupipe.cli import main as cli_main

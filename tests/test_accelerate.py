@@ -15,7 +15,7 @@ import torch
 
 import gpupipe
 
-from .common_utils import CPU_LOADER_BACKENDS, REPO_ROOT, make_folder
+from .common_utils import CPU_LOADER_BACKENDS, REPO_ROOT, make_folder, same_device
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -108,7 +108,7 @@ def test_fp16_autocast_on_the_device_stage_batches(data):
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 14 * 14, SAMPLES))
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         for images, labels in loader:
-            assert images.device == accelerator.device and images.dtype == torch.float32
+            assert same_device(images.device, accelerator.device) and images.dtype == torch.float32  # cuda:0, cuda
             loss = torch.nn.functional.cross_entropy(model(images), labels)
             accelerator.backward(loss)
             optimizer.step()

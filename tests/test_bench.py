@@ -217,3 +217,16 @@ def test_several_image_sizes_give_a_row_each_timed_in_the_same_rounds(folder, tm
     assert all(r["vs_baseline"] > 0 for r in rep["results"] if r["pipeline"] in ("train", "eval"))
     assert all("vs_floor" in r for r in rep["results"] if (r["backend"], r["pipeline"]) == ("pillow", "train"))
     assert rep["config"]["image_size"] == [16, 24] and "16 px" in capsys.readouterr().out
+
+
+def test_a_backend_that_cannot_run_is_a_row_saying_why_and_the_rest_are_measured(folder, tmp_path, capsys):
+    if "nvjpeg" in gpupipe.available_backends():
+        pytest.skip("CUDA is here")
+    args = ["--device", "cpu", "--workers", "0", "--backends", "nvjpeg,pillow", "--pipelines", "eval"]
+    args += ["--seconds", "0.2", "--repeats", "1", "--batch-size", "4", "--image-size", "32"]
+    assert main(["bench", "--data", str(folder), *args, "--json", str(tmp_path / "r.json")]) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert {r["backend"] for r in rep["results"]} == {"baseline", "pillow"}
+    assert "CUDA" in rep["unavailable"]["nvjpeg"]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nvjpeg │ unavailable: needs a CUDA GPU" in out or "nvjpeg unavailable" in out, out

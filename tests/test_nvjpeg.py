@@ -3,6 +3,7 @@ decode standing in for nvJPEG. The real decode runs in the gpu tests (test_api, 
 
 import multiprocessing
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -199,3 +200,48 @@ def test_a_resolution_schedule_gives_each_epoch_its_size_from_the_same_workers(t
     got = list(loader)
     assert workers and workers == {p.pid for p in multiprocessing.active_children()} - before
     assert all(torch.equal(x, wx) and torch.equal(y, wy) for (x, y), (wx, wy) in zip(got, want, strict=True))
+
+
+def test_a_truncated_jpeg_is_judged_by_pillow_not_sent_to_nvjpeg(tmp_path):
+    """nvJPEG may decode a truncated baseline JPEG into grey rows without an error: without its end-of-image marker a
+    file goes to Pillow in the worker, which refuses it (the file named), as the dali feed does."""
+    d = tmp_path / "c00"
+    d.mkdir()
+    whole = jpeg_bytes(photo(np.random.default_rng(1), 64, 64), quality=95)
+    (d / "whole.jpg").write_bytes(whole)
+    (d / "cut.jpg").write_bytes(whole[: len(whole) * 2 // 3])
+    (d / "tail.jpg").write_bytes(whole + b"\0" * 100)  # bytes after the marker: still whole
+    data = _BytesDataset(scan(tmp_path), Recipe(16), False, 0, 10**8)
+    items = {data[(0, i)].path.rsplit("/", 1)[-1]: data[(0, i)] for i in range(3)}
+    assert items["whole.jpg"].data is not None and not items["whole.jpg"].decoded_on_cpu
+    assert items["tail.jpg"].data is not None and not items["tail.jpg"].decoded_on_cpu
+    assert items["cut.jpg"].data is None and items["cut.jpg"].error
+
+
+def test_padding_is_one_float_batch():
+    """The padded batch roi_align reads is float32 from the start: on CUDA torch's to_padded_tensor has a kernel for
+    float types only (uint8 falls to a pad and a copy per image)."""
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in [(5, 7), (9, 4), (6, 6)]]
+    out = gpu_crop.padded(images, np.array([(5, 7), (9, 4), (6, 6)]))
+    assert out.dtype == torch.float32 and out.shape == (3, 3, 9, 7)
+    for img, pad in zip(images, out, strict=True):
+        h, w = img.shape[1:]
+        assert torch.equal(pad[:, :h, :w], img.float()) and pad[:, h:].eq(0).all() and pad[:, :, w:].eq(0).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine where torchcodec cannot decode on CUDA")
+def test_a_torchcodec_that_cannot_decode_on_the_device_is_passed_over_once(monkeypatch):
+    """Decided once per device, with one warning naming torchcodec: not a failure every batch, each then retried
+    image by image by Pillow on the training thread (only ``fallbacks`` would have told)."""
+    pytest.importorskip("torchcodec")
+    from gpupipe.backends import nvjpeg
+
+    monkeypatch.setattr(nvjpeg, "_CHOSEN", {})
+    cuda = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match=r"nvjpeg: torchcodec cannot decode on cuda:0 \(.*\); using torchvision's"):
+        chosen = nvjpeg._batched_jpeg_decode(cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert nvjpeg._batched_jpeg_decode(cuda) is chosen  # no second try, no second warning
+    cpu = nvjpeg._batched_jpeg_decode(torch.device("cpu"))  # where torchcodec works, it is chosen
+    assert cpu(nvjpeg._tiny_jpeg(), torch.device("cpu")).shape == (3, 8, 8)

@@ -21,6 +21,7 @@ from .common_utils import (
     CPU_LOADER_BACKENDS,
     GPU_DECODERS,
     assert_resume_is_exact,
+    decode_tolerance,
     photo,
     two_rank_epochs,
 )
@@ -242,7 +243,7 @@ def test_gpu_backends_read_shards(unique_folder, unique_prepared, backend):
 
     x, y = run(unique_prepared, backend, "cuda")
     ref_x, ref_y = run(unique_folder, "pillow", "cpu")
-    assert torch.equal(y, ref_y) and (x - ref_x).abs().mean() <= 1.0
+    assert torch.equal(y, ref_y) and (x - ref_x).abs().mean() <= decode_tolerance("cuda", 1.0)
 
 
 @pytest.mark.parametrize("source", ["webdataset", "folder"])

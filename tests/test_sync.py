@@ -6,6 +6,10 @@ were decoded on the host, and one pack of labels and augmentation arguments) and
 GPU (``.item()``, ``nonzero``, boolean-mask indexing, blocking copies). ``torch.tensor(..., device=)`` builds its
 tensor below the dispatcher, so it is counted by a wrapper. On a GPU (``gpu`` tests) ten batches of every GPU backend
 run under ``torch.cuda.set_sync_debug_mode("error")``.
+
+The counter also sees what makes the host wait without a dispatched op (``Tensor.tolist``) and the collectives called
+through ``torch.distributed`` (DDP's own gradient all-reduce runs in its C++ reducer, unseen): with it two gloo ranks
+count a whole DDP training step (``tests/probe.py count``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,20 @@ from gpupipe.data.loader import Batch
 from gpupipe.recipe import Recipe
 
 META = torch.device("meta")
+_CPU = torch.device("cpu")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "_broadcast_coalesced",
+    "reduce",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+)
 _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "unique", "_unique2", "item"}
 POLICIES = {
     "rand-m9 + erasing": dict(auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25),
@@ -40,19 +58,24 @@ class CopyAndSyncCounter(TorchDispatchMode):
 
     def __init__(self, device: torch.device = META):
         super().__init__()
-        self.device, self.copies, self.syncs = device, 0, []
+        self.device, self.copies, self.syncs, self.collectives = device, 0, [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         on_device = any(t.device == self.device for t in tensors)  # on the CPU, .item() and masks wait for nothing
+        host = self.device.type == "cpu"  # the CPU standing in for the device (gloo DDP): no copy is told apart
         if name in _SYNC_OPS and on_device:
             self.syncs.append(name)
         elif name in ("index", "index_put", "index_put_") and on_device and _has_bool_index(args):
             self.syncs.append(f"{name} with a boolean mask")
+        elif host:
+            pass
         elif name == "_to_copy" and tensors[0].device.type == "cpu" and _on_device(kwargs.get("device"), self.device):
             self._copy(kwargs.get("non_blocking", False), name)
+        elif name == "_to_copy" and tensors[0].device == self.device and _on_device(kwargs.get("device"), _CPU):
+            self.syncs.append(f"{name} to the host")  # the host reads what the device computed: it waits for it
         elif name == "copy_" and tensors[0].device == self.device and tensors[1].device.type == "cpu":
             self._copy(bool(args[2]) if len(args) > 2 else kwargs.get("non_blocking", False), name)
         return func(*args, **kwargs)
@@ -64,23 +87,43 @@ class CopyAndSyncCounter(TorchDispatchMode):
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[CopyAndSyncCounter]:
-        """The mode, plus ``torch.tensor``/``torch.as_tensor`` onto the device counted as a blocking copy each."""
-        originals = torch.tensor, torch.as_tensor
+        """The mode, plus ``torch.tensor``/``torch.as_tensor`` onto the device counted as a blocking copy each,
+        ``Tensor.tolist`` of a device tensor as a sync and each ``torch.distributed`` collective in ``collectives``."""
+        with contextlib.ExitStack() as undo:
+            for module, name, wrapper in self._wrappers():
+                original = getattr(module, name)
+                setattr(module, name, wrapper(original))
+                undo.callback(setattr, module, name, original)
+            with self:
+                yield self
 
-        def wrap(fn):
-            def made_on_device(*a, **k):
+    def _wrappers(self):
+        def made_on_device(fn):
+            def wrapped(*a, **k):
                 if _on_device(k.get("device"), self.device):
                     self._copy(False, fn.__name__)
                 return fn(*a, **k)
 
-            return made_on_device
+            return wrapped
 
-        torch.tensor, torch.as_tensor = wrap(torch.tensor), wrap(torch.as_tensor)
-        try:
-            with self:
-                yield self
-        finally:
-            torch.tensor, torch.as_tensor = originals
+        def read_back(fn):
+            def wrapped(t, *a, **k):
+                if t.device == self.device and t.device.type == "cpu":  # elsewhere it dispatches a copy to the host
+                    self.syncs.append("tolist")
+                return fn(t, *a, **k)
+
+            return wrapped
+
+        def collective(fn):
+            def wrapped(*a, **k):
+                self.collectives.append(fn.__name__)
+                return fn(*a, **k)
+
+            return wrapped
+
+        yield from ((torch, name, made_on_device) for name in ("tensor", "as_tensor"))
+        yield torch.Tensor, "tolist", read_back
+        yield from ((torch.distributed, name, collective) for name in _COLLECTIVES)
 
 
 def _on_device(device, target: torch.device) -> bool:
@@ -122,12 +165,35 @@ def test_the_counter_sees_copies_and_syncs():
         torch.ones(3).to(META)
         torch.ones(3).to(META, non_blocking=True)
         x[torch.ones(4, dtype=torch.bool)] = 0.0
-        with contextlib.suppress(RuntimeError):
-            x.sum().item()  # meta tensors have no value; the call is still seen
+        for read in (x.cpu, x.tolist, x.sum().item):  # meta tensors have no value; the calls are still seen
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                read()
     assert counter.copies == 3
-    assert counter.syncs == ["blocking tensor", "blocking _to_copy", "index_put_ with a boolean mask"] + (
-        ["_local_scalar_dense"] if len(counter.syncs) == 4 else []
-    )
+    assert counter.syncs[:5] == [
+        "blocking tensor",
+        "blocking _to_copy",
+        "index_put_ with a boolean mask",
+        "_to_copy to the host",
+        "_to_copy to the host",  # tolist
+    ]
+    assert counter.syncs[5:] in ([], ["_local_scalar_dense"])
+    assert counter.collectives == []
+
+
+def test_the_counter_sees_collectives():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        counter = CopyAndSyncCounter(_CPU)
+        with counter.counting():
+            dist.all_reduce(torch.ones(2))
+            dist.barrier()
+            torch.ones(2).tolist()
+    finally:
+        dist.destroy_process_group()
+    assert counter.collectives == ["all_reduce", "barrier"] and counter.syncs == ["tolist"]
+    assert dist.all_reduce.__name__ == "all_reduce"  # put back
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -151,7 +217,7 @@ def test_the_policies_send_their_arguments_in_the_same_pack(policy):
         assert syncs == [] and copies <= 2
 
 
-@pytest.mark.parametrize("backend", ["pillow", "dali", "nvjpeg"])
+@pytest.mark.parametrize("backend", ["pillow", "dali", "nvjpeg", "synthetic"])
 def test_a_backend_batch_costs_at_most_two_copies_and_no_sync(folder, backend):
     """Each backend's loader as built for CUDA, its device side on the meta device (nvjpeg's decode: the host-budget
     benchmark's stand-in, empty tensors of the decoded shapes)."""
@@ -165,6 +231,18 @@ def test_a_backend_batch_costs_at_most_two_copies_and_no_sync(folder, backend):
             images, labels = next(it)
         assert images.device == META and labels.device == META and images.shape == (6, 3, 32, 32)
         assert counter.syncs == [] and counter.copies <= 2
+
+
+@pytest.mark.parametrize("mode", ["batch", "elem"])
+@pytest.mark.parametrize("alphas", [(1.0, 0.0), (1.0, 1.0)])
+def test_mix_costs_at_most_one_nonblocking_copy(mode, alphas):
+    from gpupipe.mix import Mix
+
+    mix = Mix(*alphas, mode=mode, num_classes=10, seed=0)
+    images, labels = torch.empty(8, 3, 32, 32, device=META), torch.empty(8, dtype=torch.int64, device=META)
+    with CopyAndSyncCounter().counting() as counter:
+        mix(images, labels)
+    assert counter.syncs == [] and counter.copies == (mode == "elem")  # elem: its lambdas, one pack
 
 
 @pytest.mark.gpu

@@ -28,3 +28,61 @@ def test_a_rank_that_is_no_number_is_an_error_naming_its_variable(monkeypatch):
             local_rank()
     monkeypatch.setenv("LOCAL_RANK", "")
     assert local_rank() is None
+
+
+def _gpus(monkeypatch, count: int, current: int = 0, visible: str | None = None) -> list:
+    """torch.cuda as a process that sees ``count`` GPUs (no GPU can run here: its counts are stood in for); what
+    set_device was given."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    set_to: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    return set_to
+
+
+def test_one_device_rule_for_loaders_and_training(monkeypatch):
+    """``cuda:N`` is honoured; bare ``cuda`` is LOCAL_RANK's GPU when the rank sees the node's GPUs, the current one
+    when it sees only its own (CUDA_VISIBLE_DEVICES per rank, as SLURM sets it); an index it does not see is one
+    line naming the device. gpupipe train's Distributed follows the same rule as build_loader."""
+    import pytest
+    import torch
+
+    from gpupipe._system import resolve_device
+    from gpupipe.backends.dali_graph import dali_device_id
+    from gpupipe.train.distributed import Distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    _gpus(monkeypatch, 4)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:3") == torch.device("cuda", 3) and dali_device_id(torch.device("cuda")) == 1
+    set_to = _gpus(monkeypatch, 1, visible="5")  # each rank sees only its own GPU
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    dist = Distributed("cuda")
+    assert dist.device == torch.device("cuda", 0) and set_to == [torch.device("cuda", 0)]  # was cuda:1: no such GPU
+    with pytest.raises(ValueError, match=r"device='cuda:1': this process sees 1 CUDA device\(s\) \(CUDA_VISIBLE_"):
+        Distributed("cuda:1")
+    set_to = _gpus(monkeypatch, 4)
+    assert Distributed("cuda:2").device == torch.device("cuda", 2) and set_to == [torch.device("cuda", 2)]
+    assert resolve_device("cpu") == torch.device("cpu")
+    _gpus(monkeypatch, 0)
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        resolve_device("cuda")
+
+
+def test_devices_compare_by_type_and_index(monkeypatch):
+    """tests' same_device: ``cuda`` is the current GPU (accelerate's ``cuda`` and a batch's ``cuda:0`` are the same)."""
+    import torch
+
+    from .common_utils import same_device
+
+    _gpus(monkeypatch, 2, current=1)
+    assert same_device("cuda", "cuda:1") and not same_device("cuda", "cuda:0") and same_device("cuda:0", "cuda:0")
+    assert not same_device("cuda:0", "cpu") and same_device(torch.device("cpu"), "cpu")

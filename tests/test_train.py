@@ -351,3 +351,24 @@ def test_a_resolution_schedule_trains_each_epoch_at_its_size_and_resumes_mid_epo
     assert resumed.sides[True] == [32] * 2
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("fp16", marks=pytest.mark.slow)]
+)
+def test_a_ddp_training_step_makes_the_host_wait_for_nothing(data, tmp_path, precision):
+    """Two gloo ranks, the sync counter of tests/test_sync.py on every micro-batch (the CPU is the device): no host
+    sync and no collective beyond DDP's gradient all-reduce in fp32/bf16, one sync an optimizer step in fp16 (its
+    scaler's decision to step). Progress lines, checkpoints, the stop check (every STOP_EVERY steps) and the epoch's
+    end are not per step."""
+    out = tmp_path / "run"
+    _torchrun("count", "--", "train", *train_args(data, out, precision=precision, log_every=1000, accum=2))
+    per_epoch = 32 // 2 // 4  # micro-batches per rank; an optimizer step on every 2nd
+    for rank in (0, 1):
+        steps = torch.load(out / f"count-rank{rank}.pt", weights_only=True)["steps"]
+        assert len(steps) == 2 * per_epoch
+        inside = {i: s for i, s in enumerate(steps) if (i + 1) % per_epoch}  # the epoch's end falls to its last
+        print(f"rank {rank} {precision}, (syncs, collectives) per micro-batch:", [tuple(map(len, s)) for s in steps])
+        assert all(collectives == [] for _, collectives in inside.values()), inside
+        scaler = {i: ["_local_scalar_dense"] if precision == "fp16" and i % 2 else [] for i in inside}
+        assert {i: syncs for i, (syncs, _) in inside.items()} == scaler, inside

@@ -11,11 +11,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gpupipe.train.stop import (
+    STOP_EVERY,
     LoaderStalled,
     StopSignals,
     WorkerLost,
     next_batch,
     resume_command,
+    stop_requested,
     worker_errors_in_next,
 )
 
@@ -122,3 +124,40 @@ def test_a_stall_at_the_open_file_limit_is_named_as_such():
             next_batch(stalled(), 0.5)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _rank_checks_stop(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: rank 1 is signalled after optimizer step 3; which steps end with a stop, and how many
+    all-reduces that took."""
+    import torch.distributed as dist
+
+    from gpupipe.train.distributed import Distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    ranks, stop, reduces, stopped_at = Distributed("cpu", timeout_s=60), StopSignals(announce=lambda text: None), [], []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: reduces.append(1) or real(*a, **k)
+    for step in range(1, 3 * STOP_EVERY):
+        if rank == 1 and step == 4:
+            stop.signum = signal.SIGTERM
+        if stop_requested(stop, ranks, step):
+            stopped_at.append(step)
+            break
+    ranks.close()
+    torch.save({"stopped_at": stopped_at, "all_reduces": len(reduces)}, f"{out}/rank{rank}.pt")
+
+
+def test_ddp_ranks_agree_on_a_stop_without_a_collective_every_step(tmp_path):
+    """A SIGTERM to one rank stops both at the same step, the first multiple of STOP_EVERY after it; until then the
+    ranks made one all-reduce every STOP_EVERY steps, not one a step."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_checks_stop, args=(port, str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [g["stopped_at"] for g in got] == [[STOP_EVERY], [STOP_EVERY]]
+    assert [g["all_reduces"] for g in got] == [1, 1]

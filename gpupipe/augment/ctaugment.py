@@ -309,7 +309,7 @@ def encode_records(records: Sequence[CTRecord], depth: int) -> torch.Tensor:
 def _gather(codes: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's (codes, scores), concatenated in rank order (ranks may hold different counts)."""
     dist = torch.distributed
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = _collective_device()
     world = dist.get_world_size()
     n = torch.tensor([len(codes)], device=dev)
     sizes = [torch.zeros_like(n) for _ in range(world)]
@@ -323,6 +323,17 @@ def _gather(codes: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, to
     dist.all_gather(parts, padded.to(dev))
     allrows = torch.cat([p.cpu()[: int(s)] for p, s in zip(parts, sizes, strict=True)])
     return allrows[:, :-1].contiguous(), allrows[:, -1].contiguous().view(torch.float64)
+
+
+def _collective_device() -> torch.device:
+    """Where this rank's tensors for a collective go: the CPU under gloo; under NCCL the GPU its process group is bound
+    to (``init_process_group(device_id=...)``, as ``gpupipe train`` does), else the current one. Never a fixed
+    ``cuda:0``: in library use without ``set_device`` every rank would gather on the same GPU."""
+    dist = torch.distributed
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def proximity(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..data.sampler import ShardSampler
 from ..errors import DecodeError
 from .dali_feed import Feed, FeedStream, Request, Work, decode_on_cpu, file_stamp
-from .dali_graph import build_pipeline, dali_device_id, to_torch
+from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec
@@ -106,10 +106,14 @@ class DaliLoader(Loader):
         work.scheduled = True
 
     def _fetch(self) -> torch.Tensor:
-        """The oldest scheduled batch, copied out; its buffers go back to DALI at once, so the next scheduled batch
-        can finish while this one is delivered (``outputs()`` would hold them until the next call)."""
+        """The oldest scheduled batch; its buffers go back to DALI at once, so the next scheduled batch can finish
+        while this one is delivered (``outputs()`` would hold them until the next call). On CUDA the outputs are bound
+        to torch's current stream: without a stream DALI makes the host wait for its own stream every batch
+        (``share_outputs``: "None means that the outputs are synchronized with the host"); with one, the consumer's
+        stream waits for DALI's on the GPU, and the dynamic executor keeps the buffers until that stream is done with
+        them (the torch tensor holds a reference)."""
         self._scheduled -= 1
-        (out,) = self._pipe.share_outputs()
+        (out,) = self._pipe.share_outputs(cuda_stream=consumer_stream(self.stage.device))
         try:
             return to_torch(out, self.stage.device)
         finally:

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import torch
 
+from .._system import resolve_device
+
 
 def dali_device_id(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    return torch.cuda.current_device() if device.index is None else device.index
+    return resolve_device(device).index  # the one rule: a bare "cuda" is this rank's GPU, as the loader's
+
+
+def consumer_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream DALI's outputs are handed to: torch's current one on ``device`` (CUDA), ``None`` elsewhere (a CPU
+    pipeline's outputs are host memory)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 def build_pipeline(

@@ -57,14 +57,15 @@ def chunks(shapes: np.ndarray) -> Iterator[tuple[int, int]]:
 
 
 def padded(images: list[torch.Tensor], shapes: np.ndarray) -> torch.Tensor:
-    """(N,3,Hmax,Wmax) uint8, each image (of ``shapes``: its height, width) at the top left, from one nested-tensor
-    copy (not a copy per image)."""
+    """(N,3,Hmax,Wmax) float32, each image (of ``shapes``: its height, width) at the top left: one batched cast of the
+    nested tensor's buffer, then one padding kernel. (torch's CUDA ``to_padded_tensor`` has a kernel for float,
+    double and half only: on uint8 it falls to a pad and a copy per image; roi_align reads float anyway.)"""
     device = images[0].device
     if device.type not in ("cpu", "cuda"):  # no nested tensors there (the meta device: the benchmark's stand-in)
-        return torch.zeros(len(images), 3, *shapes.max(0).tolist(), dtype=torch.uint8, device=device)
+        return torch.zeros(len(images), 3, *shapes.max(0).tolist(), dtype=torch.float32, device=device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
-        return torch.nested.as_nested_tensor(images).to_padded_tensor(0)
+        return torch.nested.as_nested_tensor(images).float().to_padded_tensor(0.0)
 
 
 def crop_resize_flip(
@@ -89,7 +90,7 @@ def crop_resize_flip(
         mirror = _column_orders(device, size).index_select(0, flags[:, 2]).view(-1, 1, 1, size)
     out = None if len(spans) == 1 else torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
     for lo, hi in spans:
-        resized = roi_align(padded(images[lo:hi], shapes[lo:hi]).float(), on_device[lo:hi], size, 1.0, -1, True)
+        resized = roi_align(padded(images[lo:hi], shapes[lo:hi]), on_device[lo:hi], size, 1.0, -1, True)
         # a convex mix of uint8 values stays within [0, 255]: adding 0.5 and truncating rounds it
         chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], flags[lo:hi])
         dest = None if out is None else out[lo:hi]

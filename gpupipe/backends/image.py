@@ -343,6 +343,16 @@ def is_jpeg(data: bytes) -> bool:
     return data[:3] == _JPEG_MAGIC
 
 
+_EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
+
+
+def ends_whole(data: bytes) -> bool:
+    """Whether a JPEG's last ``_EOI_TAIL`` bytes hold its end-of-image marker. nvJPEG (the hardware decoder too) may
+    decode a truncated baseline JPEG into grey rows without an error: one without the marker goes to Pillow, which
+    decides (as the dali feed does)."""
+    return data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) >= 0
+
+
 ARITHMETIC_SOF = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})  # start-of-frame markers of arithmetic coding
 
 

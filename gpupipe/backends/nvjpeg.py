@@ -10,18 +10,29 @@ cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from .._system import resolve_device
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
 from .gpu_crop import crop_resize_flip, stored_rois
-from .image import ARITHMETIC_SOF, ORIENT_STEPS, chw_tensor, default_max_pixels, is_jpeg, jpeg_sof, probe
+from .image import (
+    ARITHMETIC_SOF,
+    ORIENT_STEPS,
+    chw_tensor,
+    default_max_pixels,
+    ends_whole,
+    is_jpeg,
+    jpeg_sof,
+    probe,
+)
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
@@ -63,7 +74,7 @@ class _BytesDataset(torch.utils.data.Dataset):
         try:
             data = self.dataset.read(index)
             header = probe(data, path, "nvjpeg", self.max_pixels)
-            if nvjpeg_can_decode(data, header):
+            if nvjpeg_can_decode(data, header) and ends_whole(data):
                 w, h = header.image.size
                 raw = np.frombuffer(data, np.uint8)
                 return _Item(
@@ -130,18 +141,43 @@ def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
 Decode = Callable[[Any], Any]
 
 
-def _batched_jpeg_decode() -> Callable[..., Any]:
-    """``decode(data, device)``: torchcodec's ``decode_jpeg`` (>= 0.16: batched on CUDA), else torchvision's (deprecated
-    since torchvision 0.29, the fallback where torchcodec is missing or does not load against this torch)."""
-    try:
-        from torchcodec.decoders import decode_jpeg as codec_decode  # defer: loads torchcodec's C++ ops
+_CHOSEN: dict[torch.device, Callable[..., Any]] = {}  # the batched decode for each device, chosen once
 
-        return lambda data, device: codec_decode(data, mode="RGB", device=device)
-    except (ImportError, OSError, RuntimeError):
+
+def _batched_jpeg_decode(device: torch.device) -> Callable[..., Any]:
+    """``decode(data, device)``: torchcodec's ``decode_jpeg`` (>= 0.16: batched on CUDA) when it decodes on
+    ``device``, else torchvision's (deprecated since torchvision 0.29). Decided once per device, on first use, by
+    decoding a tiny JPEG: a torchcodec that imports but was built without CUDA (or against another CUDA) would fail
+    every batch, each then retried image by image and decoded by Pillow on the training thread; it is passed over
+    with one warning instead."""
+    if device not in _CHOSEN:
         from torchvision.io import ImageReadMode
         from torchvision.io import decode_jpeg as tv_decode
 
-        return lambda data, device: tv_decode(data, mode=ImageReadMode.RGB, device=device)
+        _CHOSEN[device] = lambda data, device: tv_decode(data, mode=ImageReadMode.RGB, device=device)
+        try:
+            from torchcodec.decoders import decode_jpeg as codec_decode  # defer: loads torchcodec's C++ ops
+        except (ImportError, OSError, RuntimeError):
+            return _CHOSEN[device]
+        try:
+            codec_decode(_tiny_jpeg(), mode="RGB", device=device)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = f"nvjpeg: torchcodec cannot decode on {device} ({first}); using torchvision's decoder"
+            warnings.warn(why, stacklevel=3)  # the caller of the loader's first batch
+            return _CHOSEN[device]
+        _CHOSEN[device] = lambda data, device: codec_decode(data, mode="RGB", device=device)
+    return _CHOSEN[device]
+
+
+def _tiny_jpeg() -> torch.Tensor:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 64, 32)).save(out, "JPEG")
+    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
 
 
 def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode:
@@ -151,7 +187,7 @@ def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode
     wait for it (pytorch/vision#9606): called on a stream of their own, they only ever reuse blocks they wrote
     themselves; the current stream then waits for it, and the outputs are recorded as used there.
     """
-    decode_jpeg = _batched_jpeg_decode()
+    decode_jpeg = _batched_jpeg_decode(device)
 
     def decode(data):
         with torch.cuda.stream(stream):
@@ -286,10 +322,8 @@ def read_nvjpeg(data: bytes, path: str, max_pixels: int | None, device: torch.de
     """``read_image(backend="nvjpeg")``: decoded on CUDA (``device``, or the current CUDA device when ``device`` is
     the CPU) on a stream of its own, returned on ``device``; what nvJPEG cannot take is decoded by Pillow."""
     header = probe(data, path, "nvjpeg", max_pixels or default_max_pixels())  # the pixel limit, before any decode
-    gpu = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    if gpu.index is None:
-        gpu = torch.device("cuda", torch.cuda.current_device())
-    if not nvjpeg_can_decode(data, header):
+    gpu = resolve_device(device if device.type == "cuda" else "cuda")
+    if not nvjpeg_can_decode(data, header) or not ends_whole(data):  # Pillow decides about a truncated one
         return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
     if gpu not in _READ_STREAMS:
         _READ_STREAMS[gpu] = torch.cuda.Stream(gpu)

@@ -15,19 +15,24 @@ class SyntheticLoader(Loader):
 
     def __init__(self, parts: LoaderParts):
         super().__init__(parts)
-        self._images: dict[int, torch.Tensor] = {}  # per side (one, unless the recipe's size follows a schedule)
+        # made once per side (one, unless the recipe's size follows a schedule): the point is to cost nothing per
+        # step. Drawn on the CPU (the same images on every device, and the meta device has no generator), copied once.
+        self._images: dict[int, torch.Tensor] = {}
         self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        device, size = self.stage.device, self.recipe.side(self.train, epoch)
-        if size not in self._images:  # made once per size: the point is to cost nothing per step
-            g = torch.Generator(device=device).manual_seed(self.seed)
+        size = self.recipe.side(self.train, epoch)
+        if size not in self._images:
+            g = torch.Generator().manual_seed(self.seed)
             shape = (self.sampler.batch_size, 3, size, size)
-            self._images[size] = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
-        images, labels = self._images[size], self._labels.to(device)
+            self._images[size] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(self.stage.device)
+        images = self._images[size]
         for idx in self.sampler.batches(epoch, start_batch):
-            keys = torch.tensor([(epoch, i) for i in idx], dtype=torch.int64)  # the device stage augments from these
-            yield Batch(images[: len(idx)], labels[torch.tensor(idx, device=device)], "NCHW", keys=keys)
+            index = torch.tensor(idx, dtype=torch.int64)
+            keys = torch.stack([torch.full_like(index, epoch), index], 1)  # the device stage augments from these
+            # labels stay on the host: the device stage sends them in its one non-blocking pack per batch (indexing
+            # device labels with a host index would be a blocking copy every step)
+            yield Batch(images[: len(idx)], self._labels[index], "NCHW", keys=keys)
 
 
 SPEC = BackendSpec(

@@ -203,7 +203,10 @@ def run(
 
 
 def _row(root: str, device: str, size: int, backend: str, batch: int, med: float, top: float) -> dict:
+    from ..info import machine_info  # the CPU model beside every figure: thread time depends on it
+
     return {
+        "cpu": machine_info()["cpu"],
         "data": root,
         "device": device,
         "size": size,
@@ -221,7 +224,7 @@ def _line(r: dict) -> str:
         excluded = f"  (decode stand-in, left out: {r['stand_in_ms_excluded']:.2f} ms)"
     return (
         f"{Path(r['data']).name:>18} {r['size']:>4}px {r['backend']:>28} {r['ms_per_batch']:8.2f} ms/batch "
-        f"(max {r['ms_max']:.2f})  one-core ceiling {r['one_core_img_s']} img/s{excluded}"
+        f"(max {r['ms_max']:.2f})  one-core ceiling {r['one_core_img_s']} img/s{excluded}  [{r['cpu']}]"
     )
 
 

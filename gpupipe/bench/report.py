@@ -13,14 +13,18 @@ from rich.console import Console
 from rich.table import Table
 
 
-def report(results: list, machine: dict, config: dict) -> dict:
-    return {
+def report(results: list, machine: dict, config: dict, unavailable: dict[str, str] | None = None) -> dict:
+    """The run as one record; ``unavailable``: backends asked for that could not run here, with the reason."""
+    rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "config": config,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
         "results": [r.as_dict() for r in results],
     }
+    if unavailable:
+        rep["unavailable"] = dict(unavailable)
+    return rep
 
 
 # Rows that are not backends, each explained under the table and in the chart's legend.
@@ -70,6 +74,8 @@ def print_table(rep: dict, console: Console | None = None) -> None:
         table.add_column(_COLUMNS[i][0], justify=_COLUMNS[i][1])
     for row in cells:
         table.add_row(*(row[i] for i in shown))
+    for backend, why in rep.get("unavailable", {}).items():  # asked for, not measured: the row says why
+        table.add_row("-", backend, f"unavailable: {why}", *[""] * (len(shown) - 3))
     console.print(table)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+from inspect import signature
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._system import env_int
+from .._system import env_int, resolve_device
 
 _LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # what torchrun (and SLURM wrappers) set together
 
@@ -44,14 +46,12 @@ def _inconsistency(world: int | None, rank: int | None, local: int | None) -> st
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
         self.world_size, self.rank, self.local_rank = ranks_from_env()
-        want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        # the one rule (gpupipe's loaders use it too): --device cuda:N is honoured, and a rank that sees only its own
+        # GPU (CUDA_VISIBLE_DEVICES per rank) uses GPU 0, not GPU LOCAL_RANK, which it does not have
+        self.device = resolve_device(device)
+        want_cuda = self.device.type == "cuda"
         if want_cuda:
-            if not torch.cuda.is_available():
-                raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
+            torch.cuda.set_device(self.device)  # what code that asks for the current device finds
         if self.enabled and not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if want_cuda else "gloo",
@@ -73,7 +73,15 @@ class Distributed:
         if not self.enabled:
             return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # broadcast_buffers=False: DDP would otherwise broadcast rank 0's buffers (BatchNorm's running statistics)
+        # before every forward, a collective per step that training does not read (train-mode BatchNorm uses the
+        # batch's statistics); the loop averages them over ranks before evaluating and saving (average_buffers).
+        ddp = torch.nn.parallel.DistributedDataParallel
+        # torch >= 2.14 names it forward_sync_buffers (and warns for broadcast_buffers, which leaves buffers out of the
+        # start's sync too: they are equal then, from the same init or checkpoint)
+        keyword = "forward_sync_buffers" if "forward_sync_buffers" in signature(ddp).parameters else "broadcast_buffers"
+        no_sync: dict[str, Any] = {keyword: False}
+        return ddp(model, device_ids=device_ids, **no_sync)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum a few scalars over ranks (metrics); a no-op on one process."""

@@ -202,7 +202,7 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
 def step_boundary(run: Run, watch: LossWatch, epoch: int, batch: int, meter: Meter) -> None:
     """After an optimizer step inside the epoch: a stop request (SIGINT/SIGTERM) saves and ends the run; every
     ``--save-every`` steps a checkpoint. Neither saves weights made from a NaN/inf loss (``watch``)."""
-    stopping = stop_requested(run.stop, run.dist)
+    stopping = stop_requested(run.stop, run.dist, run.state.step)
     saving = bool(run.cfg.save_every) and run.state.step % run.cfg.save_every == 0
     if stopping or saving:
         meter.sync()
@@ -309,23 +309,24 @@ def validate(run_model: nn.Module, ema, loader: Loader | None, precision: Precis
 
 def evaluate(model: nn.Module, loader: Loader, precision: Precision, dist: Distributed) -> dict:
     model.eval()
-    loss_sum = correct = count = 0.0
+    sums, count = torch.zeros(2, dtype=torch.float64, device=loader.device), 0  # loss, correct: on the device
     criterion = nn.CrossEntropyLoss(reduction="sum")
     with torch.inference_mode():
         for images, labels in loader:
             with precision.autocast():
                 logits = model(images)
-            loss_sum += criterion(logits.float(), labels).item()
-            correct += (logits.argmax(1) == labels).sum().item()
+            sums[0] += criterion(logits.float(), labels)
+            sums[1] += (logits.argmax(1) == labels).sum()
             count += len(labels)
-    loss_sum, correct, count = dist.all_reduce_sum([loss_sum, correct, count])
-    if count == 0:  # every file skipped (--on-error skip): no metric, rather than a division by zero
+    loss_sum, correct = sums.tolist()  # the one host sync of the evaluation
+    loss_sum, correct, total = dist.all_reduce_sum([loss_sum, correct, count])
+    if total == 0:  # every file skipped (--on-error skip): no metric, rather than a division by zero
         example = f", e.g. {loader.skipped[0][0]}: {loader.skipped[0][1]}" if loader.skipped else ""
         raise GpupipeError(
             f"{loader.dataset.root}: no image to evaluate on: all {len(loader.dataset)} were skipped as undecodable"
             f"{example}"
         )
-    return {"val_loss": loss_sum / count, "val_acc": correct / count}
+    return {"val_loss": loss_sum / total, "val_acc": correct / total}
 
 
 def epoch_metrics(epoch: int, meter: Meter, dist: Distributed) -> dict:

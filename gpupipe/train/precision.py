@@ -34,7 +34,6 @@ class Precision:
         self.clip = clip
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        self._scale = self.scaler.get_scale()  # the scale after the last update (no sync: not on the device yet)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
@@ -48,19 +47,24 @@ class Precision:
         """Unscale and clip the gradients, step the optimizer, update the scale; whether the step was taken.
 
         Only fp16's scaler skips steps: when the gradients hold inf or NaN it lowers its scale and leaves the
-        weights alone. Telling that costs one host sync (reading the new scale), in fp16 only; fp32 and bf16 always
-        step and never sync here.
+        weights alone. Telling that costs one host sync, the scaler's own (it reads its inf check to decide), in fp16
+        only: whether it called the optimizer is seen by a step hook, not by reading the scale back. fp32 and bf16
+        always step and never sync here.
         """
         if self.clip is not None:
             self.scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(_parameters(optimizer), self.clip)
-        self.scaler.step(optimizer)
         if not self.scaler.is_enabled():
+            self.scaler.step(optimizer)
             return True
-        before = self._scale
+        stepped: list[bool] = []
+        hook = optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+        try:
+            self.scaler.step(optimizer)
+        finally:
+            hook.remove()
         self.scaler.update()
-        self._scale = self.scaler.get_scale()  # the one sync: a skipped step lowered the scale, a taken one did not
-        return self._scale >= before
+        return bool(stepped)
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (empty without fp16)."""
@@ -70,7 +74,6 @@ class Precision:
         # a checkpoint of an fp32 or bf16 run has no scale to restore: an fp16 resume starts a fresh scaler
         if state or not self.scaler.is_enabled():
             self.scaler.load_state_dict(state)
-        self._scale = self.scaler.get_scale()  # the loaded scale (no sync before the first step)
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
