@@ -235,16 +235,15 @@ class CpuLoader(Loader):
         idle), and by the workers, in parallel, once they take every core."""
         workers = self.parts.workers
         augment = self.stage.augment
+        # what the device stage still does on uint8: the per-sample part the workers left (CTAugment's probe
+        # batches, or a CUDA device) and the batch-wise transforms; then the batch must reach it as uint8
+        per_sample_left = augment is not None and self._data.augment is None
+        stage_augments = per_sample_left or (augment is not None and augment.batch_transforms is not None)
         in_workers = (
-            self.stage.device.type == "cpu"
-            and self.stage.normalize
-            and workers >= usable_cores()
-            and (augment is None or augment.batch_transforms is None)
-        )  # those see uint8 on the device
+            self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores() and not stage_augments
+        )
         return _Collate(
-            self.recipe.size,
-            (self.stage.mean, self.stage.inv_std) if in_workers else None,
-            keys=augment is not None and self._data.augment is None,
+            self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None, keys=per_sample_left
         )
 
 
