@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from torchvision import transforms as T
+from torchvision.transforms import v2
 
 import gpupipe
 
@@ -50,6 +51,26 @@ def test_a_transform_that_works_is_unchanged(folder):
     )
     images, _ = next(iter(loader))
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
+
+
+_BAD_OUTPUTS = {
+    "float": (v2.ToDtype(torch.float32, scale=True), r"returned torch\.float32 images, not uint8.*leave ToDtype"),
+    "shape": (lambda x: x[..., :10, :10], r"returned shape \((\d+, )?3, 10, 10\) for \((\d+, )?3, 32, 32\)"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["image", "batch"])
+@pytest.mark.parametrize("output", list(_BAD_OUTPUTS))
+def test_a_transform_returning_float_or_another_shape_is_a_transform_error(folder, backend, mode, output):
+    """On every backend, per image and per batch, whatever on_error says: never garbage pixels, never a skipped file."""
+    tf, message = _BAD_OUTPUTS[output]
+    loader = gpupipe.build_loader(
+        folder, backend, batch_size=4, image_size=32, device="cpu", transforms=tf, transforms_mode=mode, on_error="skip"
+    )
+    with pytest.raises(gpupipe.TransformError, match=message):
+        next(iter(loader))
+    assert loader.skipped == []
 
 
 @pytest.mark.parametrize("size", [0, -1])
