@@ -22,7 +22,7 @@ from .data.shards import ShardImageList
 from .data.sources import Source, open_source
 from .recipe import Recipe
 
-__all__ = ["build_loader", "read_image", "usable_cores"]
+__all__ = ["as_device", "build_loader", "read_image", "usable_cores"]
 
 
 def _check_missing(dataset: ImageList, on_error: str) -> None:
@@ -38,8 +38,17 @@ def _check_missing(dataset: ImageList, on_error: str) -> None:
     warnings.warn(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}", stacklevel=3)
 
 
+def as_device(device: str | int | torch.device) -> torch.device:
+    """``torch.device(device)``, or one line naming the argument and its valid values (torch's error lists every
+    device type it was built to know)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got {device!r}") from None
+
+
 def _resolve_device(device: str | torch.device | None) -> torch.device:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
+    device = as_device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
     if device.type == "cuda" and device.index is None:
@@ -192,6 +201,9 @@ def _check(
     on_error: str, batch_size: int, num_workers: int | None, recipe: Recipe | None, image_size: int | None
 ) -> None:
     """The arguments that are wrong whatever the data and the backend."""
+    _whole("batch_size", batch_size, optional=False)
+    _whole("num_workers", num_workers)
+    _whole("image_size", image_size)
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if batch_size < 1:
@@ -200,6 +212,14 @@ def _check(
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if recipe is not None and image_size is not None and image_size != recipe.size:
         raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+
+
+def _whole(name: str, value: object, optional: bool = True) -> None:
+    """A whole-number argument (``True`` is no size, ``"224"`` or ``2.5`` no count): one line naming it otherwise."""
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    valid = "a whole number" + (" or None" if optional else "")
+    raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
 
 
 def _dataloader_settings(
@@ -240,6 +260,7 @@ def read_image(
     ``backend`` is any decoding backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA)
     or ``dali`` (a one-image DALI pipeline, on ``device``: slow to start, for checks rather than loops).
     """
+    target = None if device is None else as_device(device)  # checked before the file is read
     spec = require_backend(check_name(backend)) if backend != "auto" else None
     if spec is None or spec.read is None:
         raise ValueError(f"read_image needs a decoding backend, not {backend!r}")
@@ -249,4 +270,4 @@ def read_image(
         path = os.fspath(src)
         with open(path, "rb") as f:
             data = f.read()
-    return spec.read(data, path, max_pixels, torch.device("cpu") if device is None else torch.device(device))
+    return spec.read(data, path, max_pixels, torch.device("cpu") if target is None else target)

@@ -73,6 +73,25 @@ def test_a_transform_returning_float_or_another_shape_is_a_transform_error(folde
     assert loader.skipped == []
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"device": "gpu"}, r"device must be 'cpu', 'cuda' or 'cuda:N' \(or a torch.device\), got 'gpu'"),
+        ({"image_size": "224"}, r"image_size must be a whole number or None, got '224' \(str\)"),
+        ({"batch_size": 2.5}, r"batch_size must be a whole number, got 2.5 \(float\)"),
+        ({"num_workers": "2"}, r"num_workers must be a whole number or None, got '2' \(str\)"),
+    ],
+)
+def test_an_argument_of_the_wrong_type_or_an_unknown_device_is_one_line(folder, given, message):
+    with pytest.raises(ValueError, match=message):
+        gpupipe.build_loader(folder, "pillow", **given)
+
+
+def test_read_image_names_an_unknown_device(folder):
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda'"):
+        gpupipe.read_image(next(folder.rglob("*.jpg")), device="gpu")
+
+
 @pytest.mark.parametrize("size", [0, -1])
 def test_image_size_zero_is_an_error_not_224(folder, size):
     with pytest.raises(ValueError, match=f"image_size must be >= 1, got {size}"):

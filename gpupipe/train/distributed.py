@@ -8,13 +8,15 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..api import as_device
+
 
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        want_cuda = torch.cuda.is_available() if device is None else as_device(device).type == "cuda"
         if want_cuda:
             if not torch.cuda.is_available():
                 raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
