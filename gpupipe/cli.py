@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
-from ._options import ALLOW_OUTSIDE_ROOT_HELP
+from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS
+from ._parser import Parser
 from ._version import __version__
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
@@ -254,9 +255,7 @@ _positive_int, _non_negative_int, _positive_float = _at_least(1), _at_least(0), 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core."
-    )
+    parser = Parser(prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core.")
     parser.add_argument("--version", action="version", version=f"gpupipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -344,9 +343,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_prepare_parser(sub) -> None:
-    from .prepare import PrepareOptions  # its defaults are the CLI's
-
-    defaults = PrepareOptions()
+    defaults = PREPARE_DEFAULTS  # PrepareOptions', without importing prepare (and torch) to print --help
     p = sub.add_parser(
         "prepare",
         help="convert a data set to tar shards (WebDataset layout) with an index, for fast "

@@ -38,6 +38,7 @@ import numpy as np
 from PIL import Image, JpegImagePlugin
 
 from ._files import create_exclusive, naming, read_regular, write_atomic
+from ._options import PREPARE_DEFAULTS
 from ._pool import ordered_map
 from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
@@ -64,10 +65,10 @@ class PrepareOptions:
     what ``build_loader(shuffle_window=K)`` needs to mix classes in a batch. The set's sample numbers follow it."""
 
     max_side: int | None = None
-    quality: int = 90
-    shard_size: int = 512 * 2**20
-    subsampling: Literal["keep", "420"] = "keep"
-    order: Literal["source", "shuffled"] = "source"
+    quality: int = PREPARE_DEFAULTS.quality
+    shard_size: int = PREPARE_DEFAULTS.shard_size
+    subsampling: Literal["keep", "420"] = PREPARE_DEFAULTS.subsampling
+    order: Literal["source", "shuffled"] = PREPARE_DEFAULTS.order
 
     def __post_init__(self):
         if self.max_side is not None and self.max_side < 1:

@@ -59,7 +59,6 @@ def test_a_python_tag_in_a_yaml_config_is_one_line_and_never_run(tmp_path, capsy
     assert "python/object/apply:os.mkdir" in line and not planted.exists()
 
 
-
 def test_an_unknown_device_is_one_line_naming_the_valid_ones(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(TRACEBACK_ENV, raising=False)
     assert main(["train", "--data", str(tmp_path), "--device", "gpu", "--out", str(tmp_path / "run")]) == 2

@@ -240,7 +240,10 @@ class CpuLoader(Loader):
         per_sample_left = augment is not None and self._data.augment is None
         stage_augments = per_sample_left or (augment is not None and augment.batch_transforms is not None)
         in_workers = (
-            self.stage.device.type == "cpu" and self.stage.normalize and workers >= usable_cores() and not stage_augments
+            self.stage.device.type == "cpu"
+            and self.stage.normalize
+            and workers >= usable_cores()
+            and not stage_augments
         )
         return _Collate(
             self.recipe.size, (self.stage.mean, self.stage.inv_std) if in_workers else None, keys=per_sample_left

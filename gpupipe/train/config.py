@@ -11,8 +11,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
-from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError
-from .precision import PrecisionName
+from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError, PrecisionName
 
 OptimizerName = Literal["sgd", "adamw"]
 # What a resume compares with the checkpoint's config. "fixed" keys decide the checkpoint's shapes or the data order;
