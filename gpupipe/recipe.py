@@ -34,6 +34,17 @@ class Box:
         return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx, self.flip)
 
 
+class DefaultSize(int):
+    """224, the side of a recipe built without one: it then takes ``build_loader``'s ``image_size`` when that is
+    given (equal to 224 in every other respect: comparisons, hashing, checkpoints)."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+DEFAULT_SIZE = DefaultSize(224)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """train: RandomResizedCrop(size, scale, ratio) + horizontal flip; eval: resize shorter side to
@@ -45,7 +56,7 @@ class Recipe:
     ``color_jitter`` (0.4: brightness = contrast = saturation = 0.4), random erasing (``re_prob``, ``re_mode``
     ``"pixel"``/``"rand"``/``"const"``, up to ``re_count`` boxes)."""
 
-    size: int = 224
+    size: int = DEFAULT_SIZE  # not given: build_loader's image_size, else 224
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip_p: float = 0.5

@@ -127,3 +127,12 @@ def test_a_missing_file_in_a_csv_is_named_before_iteration(tmp_path, folder):
             lst, "pillow", batch_size=3, train=False, image_size=32, device="cpu", num_workers=0, on_error="skip"
         )
     assert sum(len(y) for _, y in loader) == 2 and [os.path.basename(p) for p, _ in loader.skipped] == ["b.jpg"]
+
+
+def test_a_recipe_without_a_size_takes_the_loaders_and_one_with_another_is_refused(folder):
+    kw = dict(batch_size=2, device="cpu", num_workers=0, normalize=False)
+    loader = gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(auto_augment="original"), **kw)
+    assert next(iter(loader))[0].shape[-2:] == (40, 40) and loader.recipe.auto_augment == "original"
+    assert next(iter(gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(), **kw)))[0].shape[-1] == 224
+    with pytest.raises(ValueError, match="image_size=40 and recipe.size=224 disagree"):
+        gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(224), **kw)
