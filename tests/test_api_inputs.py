@@ -134,5 +134,5 @@ def test_a_recipe_without_a_size_takes_the_loaders_and_one_with_another_is_refus
     loader = gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(auto_augment="original"), **kw)
     assert next(iter(loader))[0].shape[-2:] == (40, 40) and loader.recipe.auto_augment == "original"
     assert next(iter(gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(), **kw)))[0].shape[-1] == 224
-    with pytest.raises(ValueError, match="image_size=40 and recipe.size=224 disagree"):
+    with pytest.raises(ValueError, match=r"image_size=40 and recipe\.size=224 disagree"):
         gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(224), **kw)
