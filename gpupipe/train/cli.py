@@ -52,11 +52,17 @@ def run_train(args) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from ..errors import DecodeError, GpupipeError
     from .loop import train
     from .stop import Stopped
 
     try:
         train(cfg)
+    except DecodeError as e:  # the first unreadable file stopped the run: say how to go on
+        raise GpupipeError(
+            f"{e}; to go on: --on-error skip leaves such files out (listed in {cfg.out}/skipped.txt), "
+            f"and `gpupipe check {cfg.data}` lists every unreadable file"
+        ) from e
     except Stopped as e:  # a signal: the checkpoint is saved; the line says how to resume
         print(e, file=sys.stderr, flush=True)
         return e.exit_code
