@@ -424,7 +424,7 @@ def _up_to_date(out: Path | str, plan: dict, meta: dict | None = None) -> Summar
     meta = meta or json.loads((Path(out) / META).read_text())
     if {k: meta.get(k) for k in plan} != plan:
         raise FileExistsError(
-            f"{out}: holds a data set prepared from another source or with other options; "
+            f"{out}: holds a data set prepared with other settings ({_differ(meta, plan)}); "
             "remove it or choose another folder"
         )
     return Summary(
@@ -432,12 +432,28 @@ def _up_to_date(out: Path | str, plan: dict, meta: dict | None = None) -> Summar
     )
 
 
+def _differ(held: dict, plan: dict) -> str:
+    """The settings of ``plan`` that ``held`` (a folder's) has otherwise, as ``--option held -> asked``."""
+    out = []
+    for key, asked in plan.items():
+        was = held.get(key)
+        if was == asked:
+            continue
+        if key == "options" and isinstance(was, dict):
+            default = asdict(PrepareOptions())  # a plan leaves out an option at its default (order)
+            old, new = {**default, **was}, {**default, **asked}
+            out += [f"--{o.replace('_', '-')} {old[o]} -> {new[o]}" for o in new if old.get(o) != new[o]]
+        else:
+            out.append("the source's files changed" if key == "fingerprint" else f"{key} {was} -> {asked}")
+    return "; ".join(out)
+
+
 def _start_or_resume(out: Path, plan: dict) -> None:
     """Write the plan into an empty ``out``; in a folder that holds one, go on only when it is this plan."""
     if (out / PLAN).exists():
-        if json.loads((out / PLAN).read_text()) != plan:
+        if (held := json.loads((out / PLAN).read_text())) != plan:
             raise FileExistsError(
-                f"{out}: holds an interrupted prepare of another source or with other options; "
+                f"{out}: holds an interrupted prepare with other settings ({_differ(held, plan)}); "
                 "remove it or choose another folder"
             )
     elif any(out.iterdir()):
