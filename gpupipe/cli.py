@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from rich.console import Console
@@ -379,13 +380,15 @@ def _show_logs() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # before the parser: its choices import torch
-        print(f"gpupipe {__version__}")
-        return 0
     args = build_parser().parse_args(argv)
     _show_logs()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader gone is caught, rather than at the interpreter's exit
+        return code
+    except BrokenPipeError:  # the reader left (`gpupipe info --json | head`): nothing to say, nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet too
+        return 141  # 128 + SIGPIPE, as a shell reports a command the pipe ended
     except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:
         if show_traceback():
             raise

@@ -141,3 +141,10 @@ def test_a_mistyped_flag_names_the_close_one_and_no_prefix_is_taken():
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def test_a_reader_that_leaves_early_gets_no_error(tmp_path):
+    """``gpupipe info --json | head``: the pipe closed before the report is written is no error to print."""
+    cmd = f"{sys.executable} -m gpupipe info --json | true; echo $? ${{PIPESTATUS[0]}}"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.stderr == "" and r.stdout.split()[-1] == "141"
