@@ -34,6 +34,7 @@ def _check_missing(dataset: ImageList, on_error: str) -> None:
     rows = "; ".join(dataset.missing[:3]) + (
         f" and {len(dataset.missing) - 3} more" if len(dataset.missing) > 3 else ""
     )
+    rows += f" (relative paths are read from the list's folder, {dataset.root})"
     if on_error == "raise":
         raise FileNotFoundError(f"{len(dataset.missing)} file(s) in the list do not exist: {rows}")
     warnings.warn(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}", stacklevel=3)

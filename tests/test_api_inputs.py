@@ -120,8 +120,9 @@ def test_a_missing_file_in_a_csv_is_named_before_iteration(tmp_path, folder):
     (tmp_path / "a.jpg").write_bytes((folder / "c00" / "000.jpg").read_bytes())
     lst = tmp_path / "list.csv"
     lst.write_text("a.jpg,0\nb.jpg,1\na.jpg,1\n")
-    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) in the list do not exist: .*list.csv:2: b.jpg"):
+    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) in the list do not exist: .*list.csv:2: b.jpg") as e:
         gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)  # at build time, not mid-epoch
+    assert f"(relative paths are read from the list's folder, {tmp_path})" in str(e.value)
     with pytest.warns(UserWarning, match=r"list.csv:2: b.jpg"):
         loader = gpupipe.build_loader(
             lst, "pillow", batch_size=3, train=False, image_size=32, device="cpu", num_workers=0, on_error="skip"
