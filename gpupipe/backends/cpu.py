@@ -13,7 +13,7 @@ import torch
 
 from .._system import usable_cores
 from ..data.device import normalize_on_cpu
-from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
+from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts, start_workers
 from ..data.scan import ImageList
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
@@ -228,7 +228,7 @@ class CpuLoader(Loader):
             )
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        return iter(self._dataloader)
+        return start_workers(self._dataloader)
 
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
