@@ -70,6 +70,7 @@ def main() -> None:
         accelerator.load_state(args.out)  # model, optimizer, RNG states and the loader's position
 
     fit(args, accelerator, loader, model, optimizer)
+    accelerator.print(f"done: {len(loader.dataset)} images, at {loader.state_dict()} ({loader.backend})")
     # Every rank's collectives done, then Accelerate destroys its process group: a gloo group, or a gloo work still
     # in flight, left to interpreter shutdown can abort the process ("terminate called without an active exception")
     accelerator.wait_for_everyone()

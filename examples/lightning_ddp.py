@@ -109,6 +109,9 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Classifier(num_classes, args.record), datamodule=data, ckpt_path=args.ckpt)
+    if trainer.is_global_zero:
+        metrics = "  ".join(f"{k} {float(v):.4f}" for k, v in trainer.callback_metrics.items())
+        print(f"done: {metrics}; checkpoints every 2 steps in {args.out}", flush=True)
     # Lightning destroys only NCCL process groups at exit; a gloo group, or a gloo work still in flight, left to
     # interpreter shutdown can abort the process ("terminate called without an active exception") after a run that
     # went well: every rank's collectives done (the barrier waits for them), then the group destroyed

@@ -4,11 +4,26 @@ builds its parser from them without importing torch (``gpupipe --version`` stays
 from __future__ import annotations
 
 import argparse
-from typing import Literal
+from typing import Literal, NamedTuple
 
 OnError = Literal["raise", "skip"]  # an unreadable sample: stop naming it, or leave it out and count it
 EraseMode = Literal["pixel", "rand", "const"]  # random erasing's fill: per-pixel noise, one colour per box, zeros
 ERASE_MODES: tuple[EraseMode, ...] = ("pixel", "rand", "const")
+
+PrecisionName = Literal["fp32", "bf16", "fp16"]  # gpupipe train --precision
+BUILTIN_BACKENDS = ("pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic")  # the registry's, in order
+
+
+class PrepareDefaults(NamedTuple):
+    """``gpupipe prepare``'s defaults (``PrepareOptions``'), here so that the CLI states them without importing it."""
+
+    quality: int = 90
+    shard_size: int = 512 * 2**20
+    subsampling: Literal["keep", "420"] = "keep"
+    order: Literal["source", "shuffled"] = "source"
+
+
+PREPARE_DEFAULTS = PrepareDefaults()
 
 ALLOW_OUTSIDE_ROOT_HELP = (
     "trust the data set to name files outside it: a CSV list's relative paths leaving its folder, links out of an "

@@ -41,6 +41,17 @@ def cores_per_rank() -> int:
     return max(1, usable_cores() // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
 
 
+def as_device(device: str | int | torch.device) -> torch.device:
+    """``torch.device(device)``, or one line naming the argument and its valid values (torch's error lists every
+    device type it was built to know)."""
+    import torch  # defer: this module is read by light ones
+
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got {device!r}") from None
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The one rule for where a process's batches and model go: ``None`` is CUDA when torch sees a GPU, else the CPU;
     ``cuda:N`` is GPU N of those this process sees; bare ``cuda`` is this rank's GPU under torchrun (``LOCAL_RANK``)
@@ -48,7 +59,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     current one. Fixed once, so the loader, the model, DDP and collectives all use the same index."""
     import torch  # defer: this module is read by light ones
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
+    device = as_device(("cuda" if torch.cuda.is_available() else "cpu") if device is None else device)
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ._system import cores_per_rank, resolve_device, usable_cores
+from ._system import as_device, cores_per_rank, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, require_backend
@@ -20,9 +21,9 @@ from .data.sampler import ShardSampler, window_mixing
 from .data.scan import ImageList
 from .data.shards import ShardImageList
 from .data.sources import Source, open_source
-from .recipe import Recipe
+from .recipe import DefaultSize, Recipe
 
-__all__ = ["build_loader", "read_image", "usable_cores"]
+__all__ = ["as_device", "build_loader", "read_image", "usable_cores"]
 
 
 def _check_missing(dataset: ImageList, on_error: str) -> None:
@@ -33,6 +34,7 @@ def _check_missing(dataset: ImageList, on_error: str) -> None:
     rows = "; ".join(dataset.missing[:3]) + (
         f" and {len(dataset.missing) - 3} more" if len(dataset.missing) > 3 else ""
     )
+    rows += f" (relative paths are read from the list's folder, {dataset.root})"
     if on_error == "raise":
         raise FileNotFoundError(f"{len(dataset.missing)} file(s) in the list do not exist: {rows}")
     warnings.warn(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}", stacklevel=3)
@@ -87,7 +89,7 @@ def build_loader(
         backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``
             (the fastest in the latest ``gpupipe bench`` result for this machine and data, else a stated rule).
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).
-        image_size: the output side ``S``; ``None``: ``recipe.size``, or 224 without a recipe.
+        image_size: the output side ``S``; ``None``: ``recipe.size`` (224 unless the recipe was given a size).
         device: where batches are delivered; ``None`` picks CUDA when available.
         num_workers: decode workers (or DALI threads); ``None``: the usable cores shared among the node's ranks.
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
@@ -103,9 +105,9 @@ def build_loader(
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
-        recipe: the recipe's scale, ratio, crop_pct, mean, std and size (an ``image_size`` that differs from
-            ``recipe.size`` is an error), or its augmentation policies (``auto_augment``, ``color_jitter``,
-            ``re_prob``; train loaders only).
+        recipe: the recipe's scale, ratio, crop_pct, mean, std and size (a recipe built without a size takes
+            ``image_size``; a size that differs from ``image_size`` is an error), or its augmentation policies
+            (``auto_augment``, ``color_jitter``, ``re_prob``; train loaders only).
         transforms: a callable, a list of them or a ``Compose`` (e.g. torchvision v2 transforms), given uint8
             (3,S,S) images before normalization, for every backend.
         transforms_mode: ``"image"``: each image on its own (independent, per-sample reproducible draws; a Python
@@ -131,7 +133,9 @@ def build_loader(
         raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
     workers = cores_per_rank() if num_workers is None else num_workers
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
-    recipe = recipe or Recipe(224 if image_size is None else image_size)  # 0 or less: Recipe's one-line error
+    recipe = recipe or Recipe()
+    if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it
+        recipe = dataclasses.replace(recipe, size=image_size)  # 0 or less: Recipe's one-line error
     rank, world_size = _resolve_rank(rank, world_size)
     drop_last = train if drop_last is None else drop_last
     sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)
@@ -184,6 +188,9 @@ def _check(
     on_error: str, batch_size: int, num_workers: int | None, recipe: Recipe | None, image_size: int | None
 ) -> None:
     """The arguments that are wrong whatever the data and the backend."""
+    _whole("batch_size", batch_size, optional=False)
+    _whole("num_workers", num_workers)
+    _whole("image_size", image_size)
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if batch_size < 1:
@@ -191,7 +198,16 @@ def _check(
     if num_workers is not None and num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if recipe is not None and image_size is not None and image_size != recipe.size:
-        raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+        if not isinstance(recipe.size, DefaultSize):  # both set: which one was meant is not ours to guess
+            raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+
+
+def _whole(name: str, value: object, optional: bool = True) -> None:
+    """A whole-number argument (``True`` is no size, ``"224"`` or ``2.5`` no count): one line naming it otherwise."""
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    valid = "a whole number" + (" or None" if optional else "")
+    raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
 
 
 def _dataloader_settings(
@@ -232,6 +248,7 @@ def read_image(
     ``backend`` is any decoding backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA)
     or ``dali`` (a one-image DALI pipeline, on ``device``: slow to start, for checks rather than loops).
     """
+    target = None if device is None else as_device(device)  # checked before the file is read
     spec = require_backend(check_name(backend)) if backend != "auto" else None
     if spec is None or spec.read is None:
         raise ValueError(f"read_image needs a decoding backend, not {backend!r}")
@@ -241,4 +258,4 @@ def read_image(
         path = os.fspath(src)
         with open(path, "rb") as f:
             data = f.read()
-    return spec.read(data, path, max_pixels, torch.device("cpu") if device is None else torch.device(device))
+    return spec.read(data, path, max_pixels, torch.device("cpu") if target is None else target)

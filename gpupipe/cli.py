@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
-from ._options import ALLOW_OUTSIDE_ROOT_HELP, positive_ints
+from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, positive_ints
+from ._parser import Parser
 from ._version import __version__
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
@@ -254,9 +256,7 @@ _positive_int, _non_negative_int, _positive_float = _at_least(1), _at_least(0), 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core."
-    )
+    parser = Parser(prog="gpupipe", description="Feed the GPU: image loading backends, benchmarks and a training core.")
     parser.add_argument("--version", action="version", version=f"gpupipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -344,9 +344,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_prepare_parser(sub) -> None:
-    from .prepare import PrepareOptions  # its defaults are the CLI's
-
-    defaults = PrepareOptions()
+    defaults = PREPARE_DEFAULTS  # PrepareOptions', without importing prepare (and torch) to print --help
     p = sub.add_parser(
         "prepare",
         help="convert a data set to tar shards (WebDataset layout) with an index, for fast "
@@ -382,13 +380,15 @@ def _show_logs() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # before the parser: its choices import torch
-        print(f"gpupipe {__version__}")
-        return 0
     args = build_parser().parse_args(argv)
     _show_logs()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader gone is caught, rather than at the interpreter's exit
+        return code
+    except BrokenPipeError:  # the reader left (`gpupipe info --json | head`): nothing to say, nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet too
+        return 141  # 128 + SIGPIPE, as a shell reports a command the pipe ended
     except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:
         if show_traceback():
             raise

@@ -38,6 +38,7 @@ import numpy as np
 from PIL import Image, JpegImagePlugin
 
 from ._files import create_exclusive, naming, read_regular, write_atomic
+from ._options import PREPARE_DEFAULTS
 from ._pool import ordered_map
 from ._runlock import LOCK_NAME, RunLock
 from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
@@ -65,10 +66,10 @@ class PrepareOptions:
     what ``build_loader(shuffle_window=K)`` needs to mix classes in a batch. The set's sample numbers follow it."""
 
     max_side: int | None = None
-    quality: int = 90
-    shard_size: int = 512 * 2**20
-    subsampling: Literal["keep", "420"] = "keep"
-    order: Literal["source", "shuffled"] = "source"
+    quality: int = PREPARE_DEFAULTS.quality
+    shard_size: int = PREPARE_DEFAULTS.shard_size
+    subsampling: Literal["keep", "420"] = PREPARE_DEFAULTS.subsampling
+    order: Literal["source", "shuffled"] = PREPARE_DEFAULTS.order
 
     def __post_init__(self):
         if self.max_side is not None and self.max_side < 1:
@@ -437,7 +438,7 @@ def _up_to_date(out: Path | str, plan: dict, meta: dict | None = None) -> Summar
     meta = meta or json.loads((Path(out) / META).read_text())
     if {k: meta.get(k) for k in plan} != plan:
         raise FileExistsError(
-            f"{out}: holds a data set prepared from another source or with other options; "
+            f"{out}: holds a data set prepared with other settings ({_differ(meta, plan)}); "
             "remove it or choose another folder"
         )
     return Summary(
@@ -445,12 +446,28 @@ def _up_to_date(out: Path | str, plan: dict, meta: dict | None = None) -> Summar
     )
 
 
+def _differ(held: dict, plan: dict) -> str:
+    """The settings of ``plan`` that ``held`` (a folder's) has otherwise, as ``--option held -> asked``."""
+    out = []
+    for key, asked in plan.items():
+        was = held.get(key)
+        if was == asked:
+            continue
+        if key == "options" and isinstance(was, dict):
+            default = asdict(PrepareOptions())  # a plan leaves out an option at its default (order)
+            old, new = {**default, **was}, {**default, **asked}
+            out += [f"--{o.replace('_', '-')} {old[o]} -> {new[o]}" for o in new if old.get(o) != new[o]]
+        else:
+            out.append("the source's files changed" if key == "fingerprint" else f"{key} {was} -> {asked}")
+    return "; ".join(out)
+
+
 def _start_or_resume(out: Path, plan: dict) -> None:
     """Write the plan into an empty ``out``; in a folder that holds one, go on only when it is this plan."""
     if (out / PLAN).exists():
-        if json.loads((out / PLAN).read_text()) != plan:
+        if (held := json.loads((out / PLAN).read_text())) != plan:
             raise FileExistsError(
-                f"{out}: holds an interrupted prepare of another source or with other options; "
+                f"{out}: holds an interrupted prepare with other settings ({_differ(held, plan)}); "
                 "remove it or choose another folder"
             )
     elif any(p.name != LOCK_NAME for p in out.iterdir()):

@@ -35,6 +35,17 @@ class Box:
         return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx, self.flip)
 
 
+class DefaultSize(int):
+    """224, the side of a recipe built without one: it then takes ``build_loader``'s ``image_size`` when that is
+    given (equal to 224 in every other respect: comparisons, hashing, checkpoints)."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+DEFAULT_SIZE = DefaultSize(224)
+
+
 @dataclass(frozen=True)
 class ResolutionSchedule:
     """A train image side that changes with the epoch (progressive resizing, FFCV's ``get_resolution``): ``start``
@@ -99,7 +110,7 @@ class Recipe:
     (FixRes: evaluating above the train size after RandomResizedCrop often pays; set it, e.g. ``224`` after ``192``).
     """
 
-    size: int | ResolutionSchedule | Sequence[int] = 224
+    size: int | ResolutionSchedule | Sequence[int] = DEFAULT_SIZE  # not given: build_loader's image_size, else 224
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip_p: float = 0.5

@@ -43,6 +43,7 @@ def _torchrun(data, out, record, backend, *flags):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([*cmd, *flags], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("done: 48 images") == 1, r.stdout  # the main process says how it ended
     ranks = [[json.loads(line) for line in open(record / f"rank{rank}.jsonl")] for rank in range(2)]
     return ranks, (record / "weights.txt").read_text()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gpupipe
+from gpupipe._system import usable_cores
 
 from .common_utils import (
     CPU_LOADER_BACKENDS,
@@ -19,7 +20,7 @@ from .common_utils import (
     photo,
 )
 
-KW = dict(image_size=32, num_workers=1, device="cpu", normalize=False)
+KW = dict(image_size=32, device="cpu", normalize=False)  # the default workers: every usable core (2 in CI)
 
 
 def _labels(batches) -> list[int]:
@@ -200,3 +201,32 @@ def test_eval_runs_at_its_own_size(unique_folder, backend):
     got = list(gpupipe.build_loader(unique_folder, backend, recipe=recipe, **kw))
     same = list(gpupipe.build_loader(unique_folder, backend, recipe=gpupipe.Recipe(20), **kw))
     assert all(torch.equal(x, sx) for (x, _), (sx, _) in zip(got, same, strict=True)) and got[0][0].shape[-1] == 20
+
+
+_AUGMENT_PATHS = {  # what the device stage may still do on uint8 after the workers: each must see uint8
+    "plain": {},
+    "ctaugment": {"recipe": gpupipe.Recipe(32, auto_augment="ctaugment")},
+    "ctaugment-probe": {"recipe": gpupipe.Recipe(32, auto_augment="ctaugment-probe")},
+    "rand+batch-transforms": {
+        "recipe": gpupipe.Recipe(32, auto_augment="rand-m9-mstd0.5-inc1"),
+        "transforms": lambda x: x.flip(-2),
+        "transforms_mode": "batch",
+    },
+}
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+@pytest.mark.parametrize("path", list(_AUGMENT_PATHS))
+def test_every_worker_count_gives_the_same_normalised_batches(unique_folder, backend, path):
+    """Normalised, as users read it, at 0 workers, 1, and every usable core (the default: there the CPU workers may
+    normalise, and whatever the device stage still does must get uint8)."""
+    kw = {**_AUGMENT_PATHS[path], "image_size": None, "device": "cpu", "batch_size": 4, "seed": 1}
+    got = {}
+    for workers in sorted({0, 1, usable_cores()}):
+        loader = gpupipe.build_loader(unique_folder, backend, num_workers=workers, **kw)
+        got[workers] = [next(it) for it in [iter(loader)] for _ in range(2)]
+    ref = got.pop(0)
+    for workers, batches in got.items():
+        for (x, y), (rx, ry) in zip(batches, ref, strict=True):
+            assert x.dtype == torch.float32 and torch.equal(y, ry), workers
+            torch.testing.assert_close(x, rx, msg=f"{workers} workers")

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from torchvision import transforms as T
+from torchvision.transforms import v2
 
 import gpupipe
 
@@ -52,6 +53,45 @@ def test_a_transform_that_works_is_unchanged(folder):
     assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
 
 
+_BAD_OUTPUTS = {
+    "float": (v2.ToDtype(torch.float32, scale=True), r"returned torch\.float32 images, not uint8.*leave ToDtype"),
+    "shape": (lambda x: x[..., :10, :10], r"returned shape \((\d+, )?3, 10, 10\) for \((\d+, )?3, 32, 32\)"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["image", "batch"])
+@pytest.mark.parametrize("output", list(_BAD_OUTPUTS))
+def test_a_transform_returning_float_or_another_shape_is_a_transform_error(folder, backend, mode, output):
+    """On every backend, per image and per batch, whatever on_error says: never garbage pixels, never a skipped file."""
+    tf, message = _BAD_OUTPUTS[output]
+    loader = gpupipe.build_loader(
+        folder, backend, batch_size=4, image_size=32, device="cpu", transforms=tf, transforms_mode=mode, on_error="skip"
+    )
+    with pytest.raises(gpupipe.TransformError, match=message):
+        next(iter(loader))
+    assert loader.skipped == []
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"device": "gpu"}, r"device must be 'cpu', 'cuda' or 'cuda:N' \(or a torch.device\), got 'gpu'"),
+        ({"image_size": "224"}, r"image_size must be a whole number or None, got '224' \(str\)"),
+        ({"batch_size": 2.5}, r"batch_size must be a whole number, got 2.5 \(float\)"),
+        ({"num_workers": "2"}, r"num_workers must be a whole number or None, got '2' \(str\)"),
+    ],
+)
+def test_an_argument_of_the_wrong_type_or_an_unknown_device_is_one_line(folder, given, message):
+    with pytest.raises(ValueError, match=message):
+        gpupipe.build_loader(folder, "pillow", **given)
+
+
+def test_read_image_names_an_unknown_device(folder):
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda'"):
+        gpupipe.read_image(next(folder.rglob("*.jpg")), device="gpu")
+
+
 @pytest.mark.parametrize("size", [0, -1])
 def test_image_size_zero_is_an_error_not_224(folder, size):
     with pytest.raises(ValueError, match=f"image_size must be >= 1, got {size}"):
@@ -80,10 +120,20 @@ def test_a_missing_file_in_a_csv_is_named_before_iteration(tmp_path, folder):
     (tmp_path / "a.jpg").write_bytes((folder / "c00" / "000.jpg").read_bytes())
     lst = tmp_path / "list.csv"
     lst.write_text("a.jpg,0\nb.jpg,1\na.jpg,1\n")
-    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) in the list do not exist: .*list.csv:2: b.jpg"):
+    with pytest.raises(FileNotFoundError, match=r"1 file\(s\) in the list do not exist: .*list.csv:2: b.jpg") as e:
         gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)  # at build time, not mid-epoch
+    assert f"(relative paths are read from the list's folder, {tmp_path})" in str(e.value)
     with pytest.warns(UserWarning, match=r"list.csv:2: b.jpg"):
         loader = gpupipe.build_loader(
             lst, "pillow", batch_size=3, train=False, image_size=32, device="cpu", num_workers=0, on_error="skip"
         )
     assert sum(len(y) for _, y in loader) == 2 and [os.path.basename(p) for p, _ in loader.skipped] == ["b.jpg"]
+
+
+def test_a_recipe_without_a_size_takes_the_loaders_and_one_with_another_is_refused(folder):
+    kw = dict(batch_size=2, device="cpu", num_workers=0, normalize=False)
+    loader = gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(auto_augment="original"), **kw)
+    assert next(iter(loader))[0].shape[-2:] == (40, 40) and loader.recipe.auto_augment == "original"
+    assert next(iter(gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(), **kw)))[0].shape[-1] == 224
+    with pytest.raises(ValueError, match=r"image_size=40 and recipe\.size=224 disagree"):
+        gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(224), **kw)

@@ -1,7 +1,12 @@
 """The command line (gpupipe/cli.py): info, sample-data; bench in test_bench.py, train in test_train*.py."""
 
 import json
+import os
+import subprocess
+import sys
 import typing
+
+import pytest
 
 import gpupipe
 from gpupipe.cli import main
@@ -95,3 +100,51 @@ def test_no_install_command_asks_the_index_for_gpupipe():
     ]
     bad = [f"{f.name}: {m.group(0)}" for f in files for m in index_install.finditer(f.read_text())]
     assert not bad
+
+
+_HEAVY = ("torch", "torchvision", "numpy", "PIL", "timm", "nvidia.dali", "omegaconf")
+_IMPORTED_BY = """
+import sys, time
+from gpupipe.cli import main
+start = time.perf_counter()
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(time.perf_counter() - start, *sorted({m.split(".")[0] for m in sys.modules}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["train", "--help"], ["eval", "--help"], ["prepare", "--help"], ["train", "--batchsize", "8"]]
+)
+def test_help_and_argument_errors_import_nothing_heavy(args):
+    """--help and a mistyped flag answer before any heavy import (torch alone takes seconds on a busy machine): a
+    structural check, with a wall bound far above the ~0.1 s they take."""
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_BY, *args], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    seconds, *modules = result.stderr.splitlines()[-1].split()
+    assert not set(modules) & {m.split(".")[0] for m in _HEAVY}, result.stderr
+    assert float(seconds) < 5
+
+
+def test_a_mistyped_flag_names_the_close_one_and_no_prefix_is_taken():
+    typo = gpupipe_cli("train", "--batchsize", "8")
+    assert typo.returncode == 2
+    assert "gpupipe train: error: unrecognized arguments: --batchsize 8 (--batchsize: did you mean --batch-size?)" in (
+        typo.stderr
+    )
+    prefix = gpupipe_cli("train", "--epoch", "2", "--print-config")
+    assert prefix.returncode == 2 and "--epoch: did you mean --epochs?" in prefix.stderr
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def test_a_reader_that_leaves_early_gets_no_error(tmp_path):
+    """``gpupipe info --json | head``: the pipe closed before the report is written is no error to print."""
+    cmd = f"{sys.executable} -m gpupipe info --json | true; echo $? ${{PIPESTATUS[0]}}"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.stderr == "" and r.stdout.split()[-1] == "141"

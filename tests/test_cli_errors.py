@@ -57,3 +57,11 @@ def test_a_python_tag_in_a_yaml_config_is_one_line_and_never_run(tmp_path, capsy
     (line,) = _lines(capsys.readouterr().err)
     assert line.startswith(f"error: {config}:2: could not determine a constructor for the tag")
     assert "python/object/apply:os.mkdir" in line and not planted.exists()
+
+
+def test_an_unknown_device_is_one_line_naming_the_valid_ones(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    assert main(["train", "--data", str(tmp_path), "--device", "gpu", "--out", str(tmp_path / "run")]) == 2
+    (line,) = _lines(capsys.readouterr().err)
+    assert line == "error: device must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got 'gpu'"
+    assert not (tmp_path / "run").exists()

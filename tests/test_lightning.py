@@ -32,6 +32,7 @@ def _fit(data, out, record, backend, *extra):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     r = subprocess.run([*cmd, "--backend", backend, *extra], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("done: ") == 1 and "val_loss" in r.stdout, r.stdout  # rank 0 says how it ended
     return [[json.loads(line) for line in open(record / f"rank{rank}.jsonl")] for rank in range(2)]
 
 

@@ -340,3 +340,31 @@ def test_a_small_dev_shm_is_named_with_the_fix(folder):
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert last.startswith("WorkerLost: ") and "unable to allocate shared memory" in last and "No space left" in last
     assert "--shm-size" in last and "--ipc=host" in last and "fewer workers" in last
+
+
+_CAUGHT_THEN_ANOTHER = """
+import gc, sys
+import gpupipe
+def bad(x):
+    raise RuntimeError("boom")
+kw = dict(batch_size=4, image_size=32, device="cpu", num_workers=2)
+loader = gpupipe.build_loader(sys.argv[1], transforms=bad, transforms_mode="batch", **kw)
+try:
+    next(iter(loader))
+except gpupipe.TransformError:
+    print("caught")
+loader = gpupipe.build_loader(sys.argv[1], transforms=lambda x: (gc.collect(), x)[1], **kw)  # the workers collect
+print(len(list(loader)) == len(loader))
+"""
+
+
+def test_a_caught_transform_error_leaves_no_iterator_for_the_next_workers_to_stop(folder):
+    """A user's script: the failed loader's DataLoader iterator is left in a reference cycle (the error's
+    traceback); a worker of the next loader that collects garbage must not run its ``__del__`` ("Exception ignored
+    ... AssertionError: can only test a child process")."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _CAUGHT_THEN_ANOTHER, str(folder)], capture_output=True, text=True)
+    assert r.stdout.split() == ["caught", "True"], r.stderr
+    assert "Exception ignored" not in r.stderr, r.stderr

@@ -197,7 +197,7 @@ def test_an_interrupted_prepare_resumes_to_the_same_result(folder, tmp_path, pre
     # a shard that looks complete but is not (a torn write) must be written again, not kept
     last = out / complete[-1]
     last.write_bytes(last.read_bytes()[:-512])
-    with pytest.raises(FileExistsError, match="other options"):
+    with pytest.raises(FileExistsError, match=rf"other settings \(--shard-size {SMALL.shard_size} -> "):
         prepare(folder, out, PrepareOptions(shard_size=SMALL.shard_size * 2))
     summary = prepare(folder, out, SMALL)
     assert 0 < summary.resumed_at < 24
@@ -272,7 +272,7 @@ def test_shuffled_order_spreads_the_classes_over_the_shards_and_resumes(folder, 
     assert _files(out) == _files(tmp_path / "straight")
     meta = json.loads((out / "gpupipe.json").read_text())
     assert meta["options"]["order"] == "shuffled"
-    with pytest.raises(FileExistsError, match="other options"):
+    with pytest.raises(FileExistsError, match=r"other settings \(--order shuffled -> source\)"):
         prepare(folder, out, SMALL)  # the same folder in the source's order: another set
 
 

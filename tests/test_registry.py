@@ -91,9 +91,10 @@ def test_a_name_is_registered_once_unless_overridden(toy):
 def test_backend_name_literal_lists_the_registry():
     import typing
 
+    from gpupipe._options import BUILTIN_BACKENDS  # the CLI's choices, known without importing the backends
     from gpupipe.backends import BackendName
 
-    assert typing.get_args(BackendName) == ("auto", *backends.names())
+    assert typing.get_args(BackendName) == ("auto", *backends.names()) == ("auto", *BUILTIN_BACKENDS)
 
 
 @pytest.mark.parametrize(

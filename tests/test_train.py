@@ -119,11 +119,22 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     assert "resumed from epoch 1, batch 0 (optimizer step 8)" in r.stderr and "epochs 1 -> 2" in r.stderr
     kept = list(out.glob("config.before-step-*.yaml"))
     assert len(kept) == 1 and kept[0].read_text() == first_config and "epochs: 2" in (out / "config.yaml").read_text()
-    other = tmp_path / "other"  # a run that saved no checkpoint: its config.yaml is not overwritten
-    other.mkdir()
-    (other / "config.yaml").write_text("epochs: 5\n")
-    err = _one_error_line(_run(*train_cli(data, other)).stderr)
-    assert "config.yaml holds another run's config" in err
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_corrected_retry(data, tmp_path):
+    """The first unreadable file stops the run with how to go on; the retry with --on-error skip starts in the same
+    folder (nothing was saved to lose), keeping the failed run's config beside its own."""
+    bad = make_folder(tmp_path / "data", 2, 4)
+    (bad / "c00" / "000_broken.jpg").write_bytes(b"not a jpeg")  # 9 samples in batches of 3: every one is read
+    out = tmp_path / "run"
+    err = _run(*train_cli(bad, out, epochs=1, batch_size=3)).stderr.splitlines()[-1]  # after the start-up line
+    assert "000_broken.jpg" in err and "--on-error skip" in err and f"gpupipe check {bad}" in err
+    assert not (out / "checkpoints" / "last.pt").exists()
+    retry = _run(*train_cli(bad, out, epochs=1, batch_size=3, on_error="skip"))
+    assert retry.returncode == 0, retry.stderr
+    assert "saved no checkpoint (on_error raise -> skip)" in retry.stderr
+    assert "on_error: raise" in (out / "config.unfinished.yaml").read_text()
+    assert "on_error: skip" in (out / "config.yaml").read_text()
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage", "truncated"])

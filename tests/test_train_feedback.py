@@ -28,7 +28,8 @@ def test_probe_recipe_keeps_the_settings():
 
 
 def test_training_moves_the_weights_and_checkpoints_them(data, tmp_path):
-    cfg = train_config(data, tmp_path / "run", aa="ctaugment-d0.9", epochs=1, batch_size=4)
+    # the default workers (every usable core): where the CPU workers normalise, and the probe batches must not see it
+    cfg = train_config(data, tmp_path / "run", aa="ctaugment-d0.9", epochs=1, batch_size=4, workers=None)
     train(cfg)
     saved = checkpoint.load(tmp_path / "run" / "checkpoints" / "last.pt")
     state = saved["loader"]["ctaugment"]

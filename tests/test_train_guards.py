@@ -116,6 +116,7 @@ def test_eval_gives_the_accuracy_training_reported(data, tmp_path):
     assert abs(got["val_loss"] - reported["val_loss"]) < 1e-4
     r = _run(sys.executable, "-m", "gpupipe", "eval", "--checkpoint", ckpt, "--data", val, "--device", "cpu")
     assert r.stdout.startswith(f"{val}: val_acc {reported['val_acc']:.4f}")
+    assert f"after epoch {reported['epoch']} of" in r.stdout  # the training log's numbering (epoch 0 here)
     err = _one_error_line(_run(sys.executable, "-m", "gpupipe", "eval", "--checkpoint", val, "--data", val).stderr)
     assert str(val) in err
 

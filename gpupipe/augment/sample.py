@@ -104,9 +104,10 @@ class SampleAugment:
                 images = torch.stack([self._user(img, e, i) for img, (e, i) in zip(images, pairs, strict=True)])
         if self.batch_transforms is not None:
             try:
-                images = self.batch_transforms(images)
+                out = self.batch_transforms(images)
             except Exception as e:
                 raise _transform_error("a batch", self.batch_transforms, e) from e
+            images = _checked(out, images, "a batch", self.batch_transforms)
         return images
 
     def to_device(self, device: torch.device) -> None:
@@ -118,10 +119,33 @@ class SampleAugment:
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the training's
             torch.default_generator.manual_seed(_hash_key(self.seed, epoch, index))
             assert self.per_image is not None  # called only when there are per-image transforms
+            where = f"sample {index} (epoch {epoch})"
             try:
-                return self.per_image(image)
+                out = self.per_image(image)
             except Exception as e:
-                raise _transform_error(f"sample {index} (epoch {epoch})", self.per_image, e) from e
+                raise _transform_error(where, self.per_image, e) from e
+        return _checked(out, image, where, self.per_image)
+
+
+def _checked(out: object, given: torch.Tensor, where: str, transform: Callable) -> torch.Tensor:
+    """The user's transform's output, when it is what the loader goes on with: a uint8 tensor of the input's shape
+    (the loader converts and normalises, and stacks the images into batches of the recipe's size); a
+    :class:`TransformError` naming what it returned and the fix otherwise, on every backend alike."""
+    if not isinstance(out, torch.Tensor):
+        why = f"returned {type(out).__name__}, not a uint8 tensor"
+    elif out.dtype != torch.uint8:
+        why = (
+            f"returned {out.dtype} images, not uint8: the loader converts to float32 and normalises itself "
+            "(normalize=True), so leave ToDtype and Normalize out of transforms="
+        )
+    elif out.shape != given.shape:
+        why = (
+            f"returned shape {tuple(out.shape)} for {tuple(given.shape)}: transforms must keep the shape (set the "
+            "size with image_size= or the recipe)"
+        )
+    else:
+        return out
+    raise TransformError(where, _name(transform), why)
 
 
 def _transform_error(where: str, transform: Callable, e: Exception) -> TransformError:
@@ -135,8 +159,12 @@ def _transform_error(where: str, transform: Callable, e: Exception) -> Transform
         if any(owner is m for m in members):
             culprit = owner
         tb = tb.tb_next
-    name = repr(culprit)
-    return TransformError(where, name if len(name) <= 80 else type(culprit).__name__, f"{type(e).__name__}: {e}")
+    return TransformError(where, _name(culprit), f"{type(e).__name__}: {e}")
+
+
+def _name(transform: object) -> str:
+    name = repr(transform)
+    return name if len(name) <= 80 else type(transform).__name__
 
 
 def _hash_key(seed: int, epoch: int, index: int) -> int:

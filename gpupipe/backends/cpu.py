@@ -13,7 +13,7 @@ import torch
 
 from .._system import usable_cores
 from ..data.device import normalize_on_cpu
-from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
+from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts, start_workers
 from ..data.scan import ImageList
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
@@ -229,23 +229,27 @@ class CpuLoader(Loader):
             )
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        return iter(self._dataloader)
+        return start_workers(self._dataloader)
 
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
         idle), and by the workers, in parallel, once they take every core."""
         workers = self.parts.workers
         augment = self.stage.augment
+        # what the device stage still does on uint8: the per-sample part the workers left (CTAugment's probe
+        # batches, or a CUDA device) and the batch-wise transforms; then the batch must reach it as uint8
+        per_sample_left = augment is not None and self._data.augment is None
+        stage_augments = per_sample_left or (augment is not None and augment.batch_transforms is not None)
         in_workers = (
             self.stage.device.type == "cpu"
             and self.stage.normalize
             and workers >= usable_cores()
-            and (augment is None or augment.batch_transforms is None)
-        )  # those see uint8 on the device
+            and not stage_augments
+        )
         return _Collate(
             self.recipe.side(self.train, 0),  # the size of a batch with no good sample (else the images')
             (self.stage.mean, self.stage.inv_std) if in_workers else None,
-            keys=augment is not None and self._data.augment is None,
+            keys=per_sample_left,
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..data.loader import start_workers
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
@@ -211,7 +212,7 @@ class FeedStream:
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Work]:
         self._requests.current = requests
-        yield from self._loader
+        yield from start_workers(self._loader)
 
 
 def _share_by_name(worker_id: int) -> None:

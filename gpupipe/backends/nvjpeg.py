@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._system import resolve_device
-from ..data.loader import Batch, Loader, LoaderParts, empty_batch
+from ..data.loader import Batch, Loader, LoaderParts, empty_batch, start_workers
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
@@ -229,7 +229,7 @@ class NvjpegLoader(Loader):
             )
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        for work in self._dataloader:
+        for work in start_workers(self._dataloader):
             batch = self._batch(epoch, work, decode)
             self._reaper.drop(work)  # its shared-memory buffer, unmapped off this thread
             del work

@@ -25,14 +25,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field, so the defaults live in one place; every default here is None ("not given"),
     so only the flags given override the YAML file. Booleans also have a --no- form, to undo a YAML ``true``. Help
     text and choices come from the fields (their metadata and ``Literal`` types)."""
-    from ..backends import names
+    from .._options import BUILTIN_BACKENDS  # not the registry: --help answers without importing torch
     from .config import HELP, HINTS, TrainConfig
 
     aliases = {"label_smoothing": ["--smoothing"]}  # timm's name
     for f in fields(TrainConfig):
         flags = ["--" + f.name.replace("_", "-"), *aliases.get(f.name, [])]
         tp, choices = _flag_type(HINTS[f.name])
-        choices = ("auto", *names()) if f.name == "backend" else choices
+        choices = ("auto", *BUILTIN_BACKENDS) if f.name == "backend" else choices
         help = HELP[f.name] if "(default" in HELP[f.name] else f"{HELP[f.name]} (default {f.default})"
         help = help.replace("%", "%%")
         if tp is bool:
@@ -52,11 +52,17 @@ def run_train(args) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from ..errors import DecodeError, GpupipeError
     from .loop import train
     from .stop import Stopped
 
     try:
         train(cfg)
+    except DecodeError as e:  # the first unreadable file stopped the run: say how to go on
+        raise GpupipeError(
+            f"{e}; to go on: --on-error skip leaves such files out (listed in {cfg.out}/skipped.txt), "
+            f"and `gpupipe check {cfg.data}` lists every unreadable file"
+        ) from e
     except Stopped as e:  # a signal: the checkpoint is saved; the line says how to resume
         print(e, file=sys.stderr, flush=True)
         return e.exit_code

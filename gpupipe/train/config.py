@@ -12,9 +12,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
-from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError
+from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError, PrecisionName
 from ..recipe import ResolutionSchedule
-from .precision import PrecisionName
 
 OptimizerName = Literal["sgd", "adamw"]
 # What a resume compares with the checkpoint's config. "fixed" keys decide the checkpoint's shapes or the data order;

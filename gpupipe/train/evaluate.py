@@ -80,7 +80,7 @@ def run_eval(args) -> int:
     else:
         print(
             f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-            f"({metrics['images']} images, {config['model']} at {side} px, epoch {saved['epoch']} of "
+            f"({metrics['images']} images, {config['model']} at {side} px, {_when(saved)} of "
             f"{args.checkpoint})"
         )
     return 0
@@ -98,3 +98,11 @@ def _model_name(config: dict, path) -> str:
             "nothing a checkpoint names)"
         )
     return name
+
+
+def _when(saved: dict) -> str:
+    """Where the checkpoint was saved, in the numbers the training log uses (epochs from 0)."""
+    position = saved.get("loader", {"epoch": saved["epoch"], "batch": 0})
+    if position["batch"] == 0 and position["epoch"] > 0:  # saved at an epoch's end: the next one's start
+        return f"after epoch {position['epoch'] - 1}"
+    return f"epoch {position['epoch']}, batch {position['batch']}"

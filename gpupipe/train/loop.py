@@ -290,8 +290,20 @@ def write_config(out: Path, cfg: TrainConfig, resume: bool, changed: list[str], 
     if changed and config_file.exists():  # keep the settings the run was started with
         kept = config_file.rename(out / f"config.before-step-{step}.yaml")
         logger.note(f"settings changed: {'; '.join(changed)} (the previous config is kept in {kept})")
+    elif not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
+        # a run that stopped before its first checkpoint (a bad file, a typo): this one is its retry
+        differ = _line_diff(config_file.read_text(), to_yaml(cfg))
+        kept = config_file.rename(out / "config.unfinished.yaml")
+        logger.note(f"{out} held a run that saved no checkpoint ({differ}); starting afresh, its config kept in {kept}")
     if not resume or changed or not config_file.exists():
         config_file.write_text(to_yaml(cfg))
+
+
+def _line_diff(old: str, new: str) -> str:
+    """The settings two configs (YAML, one ``key: value`` a line) differ in, as ``key old -> new``."""
+    a = dict(line.split(": ", 1) for line in old.splitlines() if ": " in line)
+    b = dict(line.split(": ", 1) for line in new.splitlines() if ": " in line)
+    return "; ".join(f"{k} {a.get(k, '-')} -> {b.get(k, '-')}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k))
 
 
 def validate(run_model: nn.Module, ema, loader: Loader | None, precision: Precision, dist: Distributed) -> dict:

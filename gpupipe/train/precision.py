@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-PrecisionName = Literal["fp32", "bf16", "fp16"]
+from .._options import PrecisionName
+
 _DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -16,15 +16,15 @@ from pathlib import Path
 from ..data.loader import Loader
 from . import checkpoint, elastic
 from .checkpoint import TrainState
-from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig, to_yaml
+from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig
 from .distributed import Distributed
 from .logging import Meter
 
 
 def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> Path | None:
     """The checkpoint this run resumes from (``--resume-from``'s, or ``out``'s last), or None for a new run. Refuses,
-    before any data is read, to overwrite a run, to resume one that saved no checkpoint, or to overwrite another
-    run's config."""
+    before any data is read, to overwrite a run or to resume one that saved no checkpoint. (A run that saved none
+    holds nothing to lose: a new run in its folder keeps its config beside, see ``loop.write_config``.)"""
     if cfg.resume_from is not None:
         if not Path(cfg.resume_from).is_file():
             raise FileNotFoundError(f"--resume-from {cfg.resume_from}: no such checkpoint file")
@@ -36,12 +36,6 @@ def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> Path | None:
         raise FileNotFoundError(
             f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
             "new run (--resume-or-start starts one when there is nothing to resume)"
-        )
-    config_file = out / "config.yaml"
-    if not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
-        raise FileExistsError(
-            f"{config_file} holds another run's config (it saved no checkpoint): choose another "
-            "--out, or delete that folder"
         )
     return ckpt_path if resume else None
 
