@@ -91,7 +91,7 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         criterion, mix = build_criterion(cfg, num_classes)
 
         # Resume: everything that decides the rest of the run, the loader's position included.
-        meter, changed = resume_state(cfg, resume, state, train_loader) if resume else (Meter(), [])
+        meter, changed, data_note = resume_state(cfg, resume, state, train_loader) if resume else (Meter(), [], None)
         start = train_loader.state_dict()  # epoch 0, batch 0 on a new run
 
         # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.
@@ -114,8 +114,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         if resume:
             where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
             logger.note(f"resumed from {where} of {resume}")
-        if ranks_note:
-            logger.note(ranks_note)
+        for note in (ranks_note, data_note):
+            if note:
+                logger.note(note)
 
         return run_epochs(run, start["epoch"], meter)
 

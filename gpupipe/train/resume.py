@@ -40,18 +40,40 @@ def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> Path | None:
     return ckpt_path if resume else None
 
 
-def resume_state(cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: Loader) -> tuple[Meter, list[str]]:
-    """Restores ``state`` and ``loader`` from the checkpoint; returns the resumed epoch's sums so far and the
-    settings changed since (``check_resumable``)."""
+def resume_state(
+    cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: Loader
+) -> tuple[Meter, list[str], str | None]:
+    """Restores ``state`` and ``loader`` from the checkpoint; returns the resumed epoch's sums so far, the settings
+    changed since (``check_resumable``) and a notice when files were added or removed since (``on_changed_data``)."""
     saved = checkpoint.load_for_resume(ckpt_path)
     world = loader.sampler.world_size  # another number of ranks: the batch and accum it fitted (elastic.py)
     changed = check_resumable(elastic.as_saved_at(saved.get("config", {}), world), cfg, ckpt_path)
     check_classes(saved.get("classes"), list(loader.dataset.classes), ckpt_path)
     checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
     elastic.continue_schedule(state, saved.get("config", {}), cfg, world)
+    position, notice = on_changed_data(saved["loader"], loader, ckpt_path)
     with elastic.quiet_resume_notices():  # fit_world_size's line says it
-        loader.load_state_dict(saved["loader"])  # the same sample of the epoch, whatever the number of ranks
-    return Meter(**saved["running"]), changed
+        loader.load_state_dict(position)  # the same sample of the epoch, whatever the number of ranks
+    running = saved["running"] if position is saved["loader"] else {}
+    return Meter(**running), changed, notice
+
+
+def on_changed_data(position: dict, loader: Loader, path: Path) -> tuple[dict, str | None]:
+    """The loader position to resume at, and a one-line notice when the data's files changed since the checkpoint
+    (its classes are checked before: ``check_classes``). The epoch's order follows from its samples, so the
+    checkpoint's place in it does not carry over to another set: the interrupted epoch starts again from its first
+    batch, over the files there are now."""
+    saved, now = position.get("order") or {}, loader.state_dict().get("order") or {}
+    changed = [k for k in ("num_samples", "digest") if k in saved and k in now and saved[k] != now[k]]
+    if not changed:
+        return position, None
+    epoch = int(position["epoch"])
+    count = f"{saved['num_samples']} samples then, {now['num_samples']} now"
+    notice = (
+        f"{path}: the data changed since this checkpoint ({count}; the classes are the same): epoch {epoch} "
+        "starts again from its first batch over the files there are now"
+    )
+    return {**{k: v for k, v in position.items() if k == "ctaugment"}, "epoch": epoch, "batch": 0}, notice
 
 
 def _paths_resolved(saved: dict, cfg: TrainConfig) -> tuple[dict, dict]:
