@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -29,7 +30,8 @@ def report(results: list, machine: dict, config: dict, unavailable: dict[str, st
 
 # Rows that are not backends, each explained under the table and in the chart's legend.
 NOT_BACKENDS = {
-    "baseline": "torchvision ImageFolder + Pillow + transforms, the same workers",
+    "baseline": "torchvision's Pillow loader + transforms on the same samples (its ImageFolder for a folder; shards, "
+    "URLs and CSV lists read by gpupipe's reader), the same workers",
     "dali-reference": "DALI's own pipeline as its documentation writes it (files read by DALI): a yardstick for the "
     "dali backend, not a backend",
 }
@@ -58,7 +60,8 @@ _COLUMNS: list[tuple[str, Literal["left", "right"], Callable[[dict], str]]] = [
 
 
 def print_table(rep: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    # piped or redirected, rich would wrap at 80 columns: a file gets the table's own width
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     m = rep["machine"]
     cfg = rep["config"]
     title = (
