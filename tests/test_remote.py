@@ -187,7 +187,7 @@ def test_a_missing_object_is_named(s3, prepared):
 
 def test_a_missing_bucket_is_named_as_such(s3, prepared):
     s3.upload(prepared, "somewhere")  # the server is up and answers for its own bucket
-    with pytest.raises(StorageError, match="no such bucket 'no-such-bucket-here' at this endpoint .create it first"):
+    with pytest.raises(StorageError, match=r"no such bucket 'no-such-bucket-here' at this endpoint \(create it first"):
         scan("s3://no-such-bucket-here/train/shard-000000.tar")
 
 

@@ -284,7 +284,9 @@ def _permanent(url: str, e: Exception) -> StorageError | None:
     if isinstance(e, FileNotFoundError):
         if any(_status_and_code(x)[1] == "NoSuchBucket" for x in _chain(e)):
             bucket = url.split("://", 1)[-1].split("/", 1)[0]
-            return StorageError(f"{url}: no such bucket {bucket!r} at this endpoint (create it first, or check the URL)")
+            return StorageError(
+                f"{url}: no such bucket {bucket!r} at this endpoint (create it first, or check the URL)"
+            )
         return StorageError(f"{url}: no such object")
     if isinstance(e, PermissionError):
         return StorageError(f"{url}: access denied ({_cause(e)}); check the credentials")
