@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError, PrecisionName
-from ..recipe import ResolutionSchedule
+
+if TYPE_CHECKING:  # the recipe imports numpy and torch: --help and argument errors must not wait for them
+    from ..recipe import ResolutionSchedule
 
 OptimizerName = Literal["sgd", "adamw"]
 # What a resume compares with the checkpoint's config. "fixed" keys decide the checkpoint's shapes or the data order;
@@ -197,6 +199,8 @@ class TrainConfig:
             return self.image_size
         last = max(self.epochs - 1, self.res_start_epoch) if self.res_end_epoch is None else self.res_end_epoch
         start, end = self.res_start or self.image_size, self.res_end or self.image_size
+        from ..recipe import ResolutionSchedule
+
         return ResolutionSchedule(start, end, self.res_start_epoch, last, self.res_step)
 
 
