@@ -68,7 +68,7 @@ def test_the_read_image_example_runs(demo):
 
 
 def test_the_policy_example_runs(demo):
-    code = _block("recipe = gpupipe.Recipe(")
+    code = _block('recipe = gpupipe.Recipe(auto_augment="rand-m9-mstd0.5-inc1"')
     if "turbojpeg" not in gpupipe.available_backends():
         code = code.replace('"turbojpeg"', '"pillow"')
     scope = {"gpupipe": gpupipe}

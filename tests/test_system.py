@@ -59,7 +59,9 @@ def test_one_device_rule_for_loaders_and_training(monkeypatch):
     from gpupipe.train.distributed import Distributed
 
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: None)  # NCCL: the device is the point
     _gpus(monkeypatch, 4)
     assert resolve_device("cuda") == torch.device("cuda", 1)
     assert resolve_device("cuda:3") == torch.device("cuda", 3) and dali_device_id(torch.device("cuda")) == 1

@@ -80,4 +80,4 @@ def test_an_older_checkpoint_takes_its_classes_from_the_data_the_user_names(tmp_
     data = make_folder(tmp_path / "val", 2, 1)
     r = gpupipe_cli("eval", "--checkpoint", ckpt, "--data", data, "--classes-from", data, "--workers", "0")
     assert r.returncode == 0, r.stderr
-    assert "(2 images, test_resnet at 32 px, epoch 1 of " in r.stdout
+    assert "(2 images, test_resnet at 32 px, after epoch 0 of " in r.stdout

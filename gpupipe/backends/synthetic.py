@@ -17,16 +17,20 @@ class SyntheticLoader(Loader):
         super().__init__(parts)
         # made once per side (one, unless the recipe's size follows a schedule): the point is to cost nothing per
         # step. Drawn on the CPU (the same images on every device, and the meta device has no generator), copied once.
+        # (a schedule's later sides: one copy when the side first changes, never per step)
         self._images: dict[int, torch.Tensor] = {}
         self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
+        self._made(self.recipe.side(self.train, 0))
 
-    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        size = self.recipe.side(self.train, epoch)
+    def _made(self, size: int) -> torch.Tensor:
         if size not in self._images:
             g = torch.Generator().manual_seed(self.seed)
             shape = (self.sampler.batch_size, 3, size, size)
             self._images[size] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(self.stage.device)
-        images = self._images[size]
+        return self._images[size]
+
+    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        images = self._made(self.recipe.side(self.train, epoch))
         for idx in self.sampler.batches(epoch, start_batch):
             index = torch.tensor(idx, dtype=torch.int64)
             keys = torch.stack([torch.full_like(index, epoch), index], 1)  # the device stage augments from these
