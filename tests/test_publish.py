@@ -40,7 +40,7 @@ def test_prepare_writes_to_s3_what_it_writes_to_a_disk(s3, folder, local):
     assert _objects(s3, "cli-prepared") == _files(local)
     assert list(scan(url).samples) == list(scan(local).samples)
     assert prepare(folder, url, SMALL).up_to_date
-    with pytest.raises(FileExistsError, match="another source or with other options"):
+    with pytest.raises(FileExistsError, match=r"prepared with other settings \(--shard-size 16384 -> 32768\)"):
         prepare(folder, url, PrepareOptions(shard_size=SMALL.shard_size * 2))
 
 

@@ -35,9 +35,19 @@ class TrainState:
     classes: list[str] | None = None  # the training set's class names, by label: what `gpupipe eval` labels with
 
 
-def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, config: dict, keep: int = 2) -> None:
+def save(
+    path: str | Path,
+    state: TrainState,
+    *,
+    loader: dict,
+    running: dict,
+    config: dict,
+    keep: int = 2,
+    rank_buffers: list[dict] | None = None,
+) -> None:
     """Write a training checkpoint: ``state``, where the ``loader`` is (``{"epoch", "batch"}``), the epoch's
-    ``running`` sums, the run's ``config`` and the RNG states; the newest ``keep`` are kept (:func:`save_atomic`)."""
+    ``running`` sums, the run's ``config``, the RNG states and, under DDP, each rank's buffers (``rank_buffers``:
+    :func:`restore_rank_buffers`); the newest ``keep`` are kept (:func:`save_atomic`)."""
     save_atomic(
         {
             "model": state.model.state_dict(),
@@ -52,6 +62,7 @@ def save(path: str | Path, state: TrainState, *, loader: dict, running: dict, co
             "config": config,
             **({"classes": state.classes} if state.classes is not None else {}),
             **({"model_ema": state.ema.module.state_dict()} if state.ema is not None else {}),
+            **({"rank_buffers": rank_buffers} if rank_buffers is not None else {}),
         },
         path,
         keep,
@@ -69,6 +80,18 @@ def restore(saved: dict, state: TrainState) -> None:
     state.step = saved["step"]
     if state.ema is not None:
         state.ema.module.load_state_dict(saved["model_ema"])
+
+
+def restore_rank_buffers(saved: dict, model: torch.nn.Module, rank: int, world_size: int) -> None:
+    """This rank's own buffers (BatchNorm's running statistics), when the checkpoint kept every rank's and the run
+    has as many ranks; otherwise the model keeps the saved ones (rank 0's, or the average at an epoch's end)."""
+    per_rank = saved.get("rank_buffers")
+    if per_rank is None or len(per_rank) != world_size:
+        return
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in per_rank[rank]:
+                b.copy_(per_rank[rank][name])
 
 
 class CheckpointError(GpupipeError, ValueError):

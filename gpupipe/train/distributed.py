@@ -101,6 +101,21 @@ class Distributed:
                 dist.all_reduce(b)
                 b.div_(self.world_size)
 
+    def gather_buffers(self, module: torch.nn.Module) -> list[dict[str, torch.Tensor]] | None:
+        """Every rank's floating-point buffers, on the CPU (BatchNorm's running statistics are each rank's own between
+        two ``average_buffers``): a mid-epoch checkpoint keeps them all, so that each rank resumes with its own, as the
+        straight run goes on. A collective; None on one process."""
+        if not self.enabled:
+            return None
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world_size)]
+        for name, b in module.named_buffers():
+            if b.is_floating_point():
+                parts = [torch.empty_like(b) for _ in range(self.world_size)]
+                dist.all_gather(parts, b.contiguous())
+                for rank, part in enumerate(parts):
+                    out[rank][name] = part.cpu()
+        return out
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

@@ -50,6 +50,7 @@ def resume_state(
     changed = check_resumable(elastic.as_saved_at(saved.get("config", {}), world), cfg, ckpt_path)
     check_classes(saved.get("classes"), list(loader.dataset.classes), ckpt_path)
     checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
+    checkpoint.restore_rank_buffers(saved, state.model, loader.sampler.rank, world)  # DDP: each rank its own
     elastic.continue_schedule(state, saved.get("config", {}), cfg, world)
     position, notice = on_changed_data(saved["loader"], loader, ckpt_path)
     with elastic.quiet_resume_notices():  # fit_world_size's line says it
@@ -138,13 +139,20 @@ def save_checkpoint(
     holds the same weights: rank 0 writes, the others wait for it. ``alone``: this rank writes, with no collective
     (under DDP, a rank whose loader failed while the others wait for it in an all-reduce: its weights are theirs, as of
     the last optimizer step). Writers take the folder's save lock, so two never rotate the kept files at once."""
+    rank_buffers = None if alone else dist.gather_buffers(state.model)  # a collective: every rank, or none
     if dist.is_main or alone:
         config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
         config["world_size"] = dist.world_size  # with batch_size and accum: the global batch (elastic.py)
         running = meter.state_dict()
         with _save_lock(checkpoint_path(cfg).parent):
             checkpoint.save(
-                checkpoint_path(cfg), state, loader=position, running=running, config=config, keep=cfg.keep_checkpoints
+                checkpoint_path(cfg),
+                state,
+                loader=position,
+                running=running,
+                config=config,
+                keep=cfg.keep_checkpoints,
+                rank_buffers=rank_buffers,
             )
     if not alone:
         dist.barrier()
