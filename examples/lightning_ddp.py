@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--plain", action="store_true", help="a plain LightningDataModule instead of gpupipe's")
     p.add_argument("--record", help="a folder: each rank's batches, one JSON line each")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept, the newest (-1: every one)")
     args = p.parse_args()
 
     options = dict(batch_size=args.batch_size, image_size=args.image_size, num_workers=args.workers)
@@ -103,7 +104,10 @@ def main() -> None:
         strategy="ddp",
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
-        callbacks=[ModelCheckpoint(args.out, "{epoch}-{step}", every_n_train_steps=2, save_top_k=-1)],
+        # a checkpoint every 2 optimizer steps (mid-epoch ones too), the newest --keep of them kept
+        callbacks=[
+            ModelCheckpoint(args.out, "{epoch}-{step}", "step", every_n_train_steps=2, save_top_k=args.keep, mode="max")
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -111,7 +115,8 @@ def main() -> None:
     trainer.fit(Classifier(num_classes, args.record), datamodule=data, ckpt_path=args.ckpt)
     if trainer.is_global_zero:
         metrics = "  ".join(f"{k} {float(v):.4f}" for k, v in trainer.callback_metrics.items())
-        print(f"done: {metrics}; checkpoints every 2 steps in {args.out}", flush=True)
+        kept = "every one" if args.keep < 0 else f"the newest {args.keep}"
+        print(f"done: {metrics}; a checkpoint every 2 steps in {args.out} ({kept} kept)", flush=True)
     # Lightning destroys only NCCL process groups at exit; a gloo group, or a gloo work still in flight, left to
     # interpreter shutdown can abort the process ("terminate called without an active exception") after a run that
     # went well: every rank's collectives done (the barrier waits for them), then the group destroyed

@@ -51,7 +51,7 @@ RUNS += [pytest.param("pillow", True, id="pillow-plain-datamodule")]  # build_lo
 @pytest.mark.parametrize("backend, plain", RUNS)
 def test_a_mid_epoch_checkpoint_resumes_to_the_straight_runs_batches(data, tmp_path, backend, plain):
     flags = ["--plain"] if plain else []
-    straight = _fit(data, tmp_path / "run", tmp_path / "straight", backend, *flags)
+    straight = _fit(data, tmp_path / "run", tmp_path / "straight", backend, "--keep", "-1", *flags)
     # 48 samples, 2 ranks, batches of 4: 6 batches a rank an epoch; 2 accumulated batches an optimizer step, so the
     # checkpoint of step 2 is taken after batch 4 of epoch 0 (mid-epoch)
     ckpt = tmp_path / "run" / "epoch=0-step=2.ckpt"
