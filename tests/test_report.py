@@ -45,4 +45,4 @@ def test_cpu_table_explains_dali_reference_and_leaves_out_gpu_only_columns():
     assert "vs baseline" in header
     words = " ".join(text.split())  # the caption wraps at the table's width
     assert "dali-reference: DALI's own pipeline as its documentation writes it" in words
-    assert "baseline: torchvision ImageFolder" in words
+    assert "baseline: torchvision's Pillow loader + transforms on the same samples" in words
