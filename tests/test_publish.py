@@ -61,20 +61,20 @@ p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}))
 
 @pytest.mark.slow
 def test_an_interrupted_upload_resumes_to_the_same_objects(s3, folder, local):
-    url = f"s3://{S3Server.BUCKET}/killed"
+    url = f"s3://{S3Server.BUCKET}/killed-upload"
     script = textwrap.dedent(_KILLED_RUN).format(kill_at=11, shard_size=SMALL.shard_size)
     run = subprocess.run([sys.executable, "-c", script, str(folder), url], capture_output=True, text=True)
     assert run.returncode == -signal.SIGKILL, run.stderr
-    objects = _objects(s3, "killed")
+    objects = _objects(s3, "killed-upload")
     assert ".prepare-plan.json" in objects and "gpupipe.json" not in objects
     shards = sorted(n for n in objects if n.endswith(".tar"))
     assert shards
-    s3.client().rm_file(f"{S3Server.BUCKET}/killed/{shards[-1]}")  # a manifest whose tar is gone: written again
+    s3.client().rm_file(f"{S3Server.BUCKET}/killed-upload/{shards[-1]}")  # a manifest whose tar is gone: written again
     with pytest.raises(FileExistsError, match="interrupted prepare of another source"):
         prepare(folder, url, PrepareOptions(shard_size=SMALL.shard_size * 2))
     summary = prepare(folder, url, SMALL)
     assert 0 < summary.resumed_at < 24 and summary.out == url
-    assert _objects(s3, "killed") == _files(local)  # byte for byte what an uninterrupted local run writes
+    assert _objects(s3, "killed-upload") == _files(local)  # byte for byte what an uninterrupted local run writes
 
 
 def test_prepare_refuses_a_prefix_it_did_not_write(s3, folder):
