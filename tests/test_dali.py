@@ -2,6 +2,7 @@
 pipeline per loader. Runs DALI's CPU pipelines (``device="cpu"``); the ``gpu`` tests run the same on CUDA."""
 
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -175,3 +176,62 @@ def test_the_feed_sends_batches_by_name_not_by_file_descriptor(photos, monkeypat
     loader = gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
     batches = [x for x, _ in loader]
     assert len(batches) == 5 and received == []
+
+
+def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(photos, monkeypatch):
+    """Epoch after epoch, the feed's DataLoader is iterated once (a new ``iter()`` each epoch would drop what its
+    worker had started on, read it again and make the training thread wait for the worker's answer), and its works
+    are taken from it on the feed's own thread, not the training thread; a pass that does not follow on (another
+    epoch) starts the feed again, with the batches a fresh loader gives."""
+    from torch.utils.data import dataloader
+
+    resets, receivers, real_reset = [], set(), dataloader._MultiProcessingDataLoaderIter._reset
+    real_next = dataloader._MultiProcessingDataLoaderIter.__next__
+
+    def _reset(self, *args, **kwargs):
+        resets.append(1)
+        return real_reset(self, *args, **kwargs)
+
+    def __next__(self):
+        receivers.add(threading.current_thread().name)
+        return real_next(self)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_reset", _reset)
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "__next__", __next__)
+    kw = dict(batch_size=4, image_size=32, num_workers=1, normalize=False, seed=3, device="cpu")
+    loader = gpupipe.build_loader(photos, "dali", **kw)
+    seen = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        seen.append([y for _, y in loader])
+    assert len(resets) == 1 and receivers == {"gpupipe-dali-feed"}
+    loader.set_epoch(7)
+    again = [y for _, y in loader]
+    assert len(resets) == 2
+    fresh = gpupipe.build_loader(photos, "dali", **kw)
+    fresh.set_epoch(7)
+    assert all(torch.equal(a, b) for a, b in zip(again, [y for _, y in fresh], strict=True))
+    fresh.set_epoch(1)
+    assert all(torch.equal(a, b) for a, b in zip(seen[1], [y for _, y in fresh], strict=True))
+
+
+def test_a_dropped_loader_ends_its_feed_thread_and_workers(photos):
+    """The feed's thread holds the DataLoader's iterator (and so its worker): a loader that is dropped mid-epoch ends
+    both, rather than leaving them to the end of the process."""
+    import gc
+    import time
+
+    loader = gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    it = iter(loader)
+    next(it)
+    workers = [p for p in __import__("multiprocessing").active_children()]
+    assert any(t.name == "gpupipe-dali-feed" for t in threading.enumerate()) and workers
+    del it, loader
+    gc.collect()
+    deadline = time.monotonic() + 60  # a hang guard: the thread ends within a put's 0.1 s wait
+    while any(t.name == "gpupipe-dali-feed" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "gpupipe-dali-feed" for t in threading.enumerate())
+    while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.is_alive() for p in workers)

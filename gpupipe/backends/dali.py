@@ -13,7 +13,6 @@ on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -24,9 +23,8 @@ import torch
 from .._deps import INSTALL_HINTS, has_module, require
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
-from ..data.sampler import ShardSampler
 from ..errors import DecodeError
-from .dali_feed import Feed, FeedStream, Request, Work, decode_on_cpu, file_stamp
+from .dali_feed import Feed, FeedStream, Work, decode_on_cpu, plan, unchanged
 from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
@@ -65,7 +63,6 @@ class DaliLoader(Loader):
         super().__init__(parts)
         self.num_threads, self.hw_decoder_load = max(1, parts.workers), hw_decoder_load
         self.max_pixels = parts.max_pixels or default_max_pixels()
-        self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
         augment = parts.stage.augment
         self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
         self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
@@ -130,31 +127,36 @@ class DaliLoader(Loader):
 
     def _take_ahead(self, epoch: int, start_batch: int) -> deque[Work]:
         """The batches scheduled ahead at the end of the last pass, when this pass is the one they were for (the
-        next epoch, from its start) and their files are unchanged since they were read; else nothing (dropped)."""
+        next epoch, from its start): the feed then goes on as it is. Else they are dropped and the feed starts again
+        at this pass's first batch. Those batches were read while the last pass ended: one whose files changed since
+        is read again."""
         ahead, self._ahead = self._ahead, deque()
         planned = start_batch == 0 and self.sampler.resplit(epoch) is None  # the epoch's own start, not a re-split
-        if not (ahead and ahead[0].epoch == epoch and planned and all(map(self._unchanged, ahead))):
-            ahead = deque()
+        if not (ahead and ahead[0].epoch == epoch and planned and self._feed is not None):
+            self._drain()
+            feed = self._feed_stream()
+            feed.restart(plan(self.sampler, feed.feed.gate, epoch, start_batch, _PREFETCH))
+            return deque()
+        self._feed.consuming(epoch)  # the rest of this epoch is read from now on
         keep = sum(w.scheduled for w in ahead)
-        self._drain(keep)
-        if self._scheduled < keep:  # a failure in the drain took the pipeline, and them with it: schedule again
+        fresh = all(unchanged(w.stamps) for w in ahead)
+        self._drain(keep if fresh else 0)
+        if self._scheduled < keep:  # changed files, or a failure in the drain took the pipeline: schedule again
+            ahead = deque(w if unchanged(w.stamps) else self._feed.reread(w) for w in ahead)
             for work in ahead:
                 if work.dali:
                     self._submit(work)
         return ahead
 
-    def _unchanged(self, work: Work) -> bool:
-        return all(file_stamp(self.dataset, i) == stamp for i, stamp in zip(work.indices, work.stamps, strict=True))
-
     # -- the samples ------------------------------------------------------------------------------------------------
 
-    def _stream(self, requests: Iterator[Request]) -> Iterator[Work]:
-        """The works of ``requests``, in order, prepared ahead in the feed's workers (a quarter of the loader's
-        workers, at least one: reading and header parsing are light next to DALI's decode threads)."""
+    def _feed_stream(self) -> FeedStream:
+        """The feed: works prepared ahead in its workers (a quarter of the loader's workers, at least one: reading
+        and header parsing are light next to DALI's decode threads)."""
         if self._feed is None:
             feed = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
             self._feed = FeedStream(feed, 0 if self.parts.workers == 0 else max(1, self.parts.workers // 4))
-        return self._feed.stream(requests)
+        return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
@@ -199,11 +201,12 @@ class DaliLoader(Loader):
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
             positions = sorted(parts)
             images = torch.stack([parts[pos] for pos in positions])
-        index = torch.as_tensor(work.indices, dtype=torch.int64)
+        assert work.index is not None and work.labels is not None  # made with the work, in the feed's worker
+        index, labels = torch.from_numpy(work.index), torch.from_numpy(work.labels)
         if len(positions) != len(index):
-            index = index[positions]
+            index, labels = index[positions], labels[positions]
         keys = torch.stack([torch.full_like(index, work.epoch), index], 1) if self._augment else None
-        return Batch(images, self._labels[index], "NCHW", work.errors, work.fallbacks, keys)
+        return Batch(images, labels, "NCHW", work.errors, work.fallbacks, keys)
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
         """An image Pillow decoded, in the dtype of the pipeline's output (normalized when DALI normalizes)."""
@@ -213,25 +216,22 @@ class DaliLoader(Loader):
         """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first
         ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
         pending = self._take_ahead(epoch, start_batch)
-        todo = self.sampler.batches(epoch, start_batch)[len(pending) :]
-        following = (Request(epoch + 1, b, True) for b in _batches_of(self.sampler, epoch + 1))  # lazy: at the end
-        prepared = self._stream(itertools.chain((Request(epoch, b, False) for b in todo), following))
+        feed = self._feed_stream()
         while True:
-            self._fill(pending, prepared)
+            self._fill(pending, feed)
             if not pending or pending[0].epoch != epoch:
                 break
             work = pending.popleft()
             batch = self._assemble(work, self._decoded(work, pending))
-            if self._feed is not None:
-                self._feed.release(work)
+            feed.release(work)
             del work
             yield batch
         self._ahead = pending
 
-    def _fill(self, pending: deque[Work], prepared: Iterator[Work]) -> None:
+    def _fill(self, pending: deque[Work], feed: FeedStream) -> None:
         """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
         while len(pending) < _PREFETCH:
-            work = next(prepared, None)
+            work = feed.next()
             if work is None:
                 return
             if work.dali:
@@ -288,10 +288,3 @@ SPEC = BackendSpec(
     DaliLoader,
     read=read_dali,
 )
-
-
-def _batches_of(sampler: ShardSampler, epoch: int) -> Iterator[list[int]]:
-    """``sampler.batches(epoch)``, made when first asked for. Not a method: the feed's DataLoader holds this
-    generator, and one that held the loader (which holds that DataLoader) would make a cycle, which leaves the feed's
-    workers to the garbage collector (it closes their queues before the DataLoader can stop them: 5 s a worker)."""
-    yield from sampler.batches(epoch)

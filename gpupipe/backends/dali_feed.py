@@ -13,10 +13,17 @@ only Pillow decodes (formats DALI lacks, CMYK, 16-bit) are decoded by Pillow in 
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import multiprocessing
 import os
+import queue
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -46,7 +53,9 @@ class Work:
     errors: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: int = 0
     scheduled: bool = False
-    stamps: list[tuple[int, int] | None] = field(default_factory=list)  # next-epoch work: its files' (mtime, size)
+    stamps: list[Stamp] = field(default_factory=list)  # read before its pass began: its files as they were then
+    index: np.ndarray | None = None  # int64 (len(indices),): ``indices`` as an array, made in the worker
+    labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
 
     def samples(self) -> list[np.ndarray]:
@@ -71,17 +80,50 @@ class Work:
 class Request(NamedTuple):
     epoch: int
     indices: list[int]
-    stamp: bool  # record the files' (mtime, size) before reading (a next-epoch batch, kept only if unchanged)
+    ahead: bool = False  # one of an epoch's first batches, read before its pass begins: its files are stamped
+    wait: bool = False  # read only once the loader delivers ``epoch`` (see :class:`Gate`)
 
 
-def file_stamp(dataset, index: int) -> tuple[int, int] | None:
-    if not dataset.reads_files:  # shards are not rewritten under a running loader
-        return None
+class Stamp(NamedTuple):
+    path: str
+    mtime_ns: int | None  # None: the file could not be read then
+    size: int | None
+
+
+def file_stamp(path: str) -> Stamp:
     try:
-        st = os.stat(dataset.samples[index][0])
+        st = os.stat(path)
     except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
+        return Stamp(path, None, None)
+    return Stamp(path, st.st_mtime_ns, st.st_size)
+
+
+def unchanged(stamps: list[Stamp]) -> bool:
+    """Whether every file is as it was when stamped."""
+    return all(file_stamp(s.path) == s for s in stamps)
+
+
+class Gate:
+    """The epoch the loader delivers, in shared memory, read by the feed's workers: a batch of a later epoch (past
+    its first ones) is read only once its pass has begun, so a file the user changes between two passes is read as
+    it is then, as by every other backend. Only an epoch's first batches are read before (DALI decodes them while
+    the last pass ends); their files are stamped and checked when the pass begins. :meth:`open` lets every wait
+    through (the feed is stopping)."""
+
+    OPEN = 1 << 62
+
+    def __init__(self) -> None:
+        self._value = multiprocessing.Value("q", 0, lock=False)
+
+    def set(self, epoch: int) -> None:
+        self._value.value = epoch
+
+    def open(self) -> None:
+        self._value.value = self.OPEN
+
+    def wait(self, epoch: int) -> None:
+        while self._value.value < epoch:
+            time.sleep(0.001)
 
 
 class Feed(torch.utils.data.Dataset):
@@ -89,15 +131,23 @@ class Feed(torch.utils.data.Dataset):
 
     def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int):
         self.dataset, self.recipe, self.train, self.seed, self.max_pixels = dataset, recipe, train, seed, max_pixels
+        self.gate = Gate()
         self.check = PillowDecoder(max_pixels)
+        self._targets: np.ndarray | None = None  # the labels as one array, made on first use (in each worker)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, request: Request) -> Work:
+        if request.wait:
+            self.gate.wait(request.epoch)
         work = Work(request.epoch, request.indices)
-        if request.stamp:
-            work.stamps = [file_stamp(self.dataset, i) for i in request.indices]  # before the read
+        if request.ahead and self.dataset.reads_files:  # shards are not rewritten under a running loader
+            work.stamps = [file_stamp(self.dataset.samples[i][0]) for i in request.indices]  # before the read
+        if self._targets is None:
+            self._targets = np.asarray(self.dataset.targets, dtype=np.int64)
+        work.index = np.asarray(request.indices, dtype=np.int64)
+        work.labels = self._targets[work.index]  # here, not on the training thread
         chunks: list[bytes] = []
         rows: list[tuple[float, ...]] = []
         plans = self.recipe.plans(self.train, self.seed, [(request.epoch, i) for i in request.indices])
@@ -178,19 +228,44 @@ def decode_on_cpu(check: PillowDecoder, size: int, work: Work, pos: int, path: s
 
 
 class _Requests:
-    """The DataLoader's sampler: the current pass's requests, set before each ``iter()`` of the loader."""
+    """The DataLoader's sampler: the requests of the plan set by :meth:`FeedStream.restart`."""
 
     def __init__(self) -> None:
-        self.current: Iterable[Request] = ()
+        self.plan: Iterable[Request] = ()
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self.current)
+        return iter(self.plan)
+
+
+def plan(sampler, gate: Gate, epoch: int, start_batch: int, ahead: int) -> Iterator[Request]:
+    """``epoch``'s batches from ``start_batch``, then every later epoch's, each made when the feed first asks for it:
+    a loader that goes on from one epoch to the next finds the next one's first ``ahead`` batches already read, and
+    the rest read once their pass begins (``wait``). Ends at an epoch with no batches. Its first request sets the
+    gate to ``epoch`` (made after the DataLoader's reset, when no worker waits on an earlier plan's request).
+
+    Takes the sampler, not the loader: the feed's DataLoader holds this generator, and one that held the loader (which
+    holds that DataLoader) would make a cycle, which leaves the feed's workers to the garbage collector (it closes
+    their queues before the DataLoader can stop them: 5 s a worker)."""
+    gate.set(epoch)
+    yield from (Request(epoch, b) for b in sampler.batches(epoch, start_batch))
+    for e in itertools.count(epoch + 1):
+        batches = sampler.batches(e)
+        if not batches:
+            return
+        yield from (Request(e, b, ahead=k < ahead, wait=k >= ahead) for k, b in enumerate(batches))
 
 
 class FeedStream:
-    """:class:`Feed` in ``workers`` DataLoader processes (persistent), returning each request's work in order."""
+    """:class:`Feed` in ``workers`` DataLoader processes (persistent): the works of one plan, in order, across epochs.
+
+    The DataLoader's iterator lives as long as the plan does, so an epoch edge costs nothing (a new ``iter()`` would
+    drop and read again what the workers had started on, and make the training thread wait for each worker's answer).
+    Works are taken from the DataLoader by a thread of this stream (:class:`_Receiver`), as DataLoader's own
+    pin-memory thread does: receiving one (a pipe read, unpickling, mapping its shared memory) is no work for the
+    training thread. With no workers, works are made when asked, on the caller's thread."""
 
     def __init__(self, feed: Feed, workers: int):
+        self.feed = feed
         self._requests = _Requests()
         extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
         if workers > 0:
@@ -203,16 +278,126 @@ class FeedStream:
             num_workers=workers,
             **extra,
         )
-
         self._reaper = Reaper()
+        self._source: _Receiver | Iterator[Work] | None = None
+
+    def restart(self, requests: Iterable[Request]) -> None:
+        """From now on, the works of ``requests``, in order; what was asked before is dropped (the DataLoader's reset
+        discards what its workers still return)."""
+        if isinstance(self._source, _Receiver):
+            self._source.stop()  # opens the gate: a worker waiting on it lets the DataLoader's reset through
+        self._source = None
+        self._requests.plan = requests
+        it = start_workers(self._loader)
+        self._source = _Receiver(it, self.feed.gate) if self._loader.num_workers > 0 else it
+
+    def consuming(self, epoch: int) -> None:
+        """The loader now delivers ``epoch``: the workers may read its batches."""
+        self.feed.gate.set(epoch)
+
+    def reread(self, work: Work) -> Work:
+        """``work`` read again, now, on this thread (its files changed after it was read ahead of its pass)."""
+        return self.feed[Request(work.epoch, work.indices)]
+
+    def next(self) -> Work | None:
+        """The plan's next work; None once the plan has ended."""
+        if self._source is None:
+            return None
+        if isinstance(self._source, _Receiver):
+            return self._source.get()
+        return next(self._source, None)
 
     def release(self, work: Work) -> None:
         """Drop a fetched work on another thread (its shared-memory buffer, see :class:`Reaper`)."""
         self._reaper.drop(work)
 
-    def stream(self, requests: Iterable[Request]) -> Iterator[Work]:
-        self._requests.current = requests
-        yield from start_workers(self._loader)
+
+_END = object()
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+class _Receiver:
+    """Takes works from a DataLoader iterator on a thread of its own and hands them over one at a time (``depth``
+    waiting at most: each holds a batch's bytes in shared memory). Errors reach the caller as raised there. The
+    thread ends when :meth:`stop` is called, when its stream is garbage, or at interpreter exit (``atexit``: a daemon
+    thread still in C++ code at finalization aborts the process, see :class:`~gpupipe.data.upload.Reaper`)."""
+
+    _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
+    _exit_hook = False
+
+    def __init__(self, it: Iterator[Work], gate: Gate, depth: int = 1):
+        self._gate = gate
+        self._queue: queue.Queue[Any] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(
+            target=_receive, args=(it, self._queue, self._stop), daemon=True, name="gpupipe-dali-feed"
+        )
+        self._thread.start()
+        weakref.finalize(self, _abandon, self._stop, gate)
+        cls = type(self)
+        cls._live.add(self)
+        if not cls._exit_hook:
+            cls._exit_hook = True
+            atexit.register(cls._stop_all)
+
+    def get(self) -> Work | None:
+        if self._ended:
+            return None
+        item = self._queue.get()
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, _Failed):
+            self._ended = True
+            raise item.error
+        return item
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the thread: what it holds and what is waiting is dropped. Waits for a read in progress (a worker's
+        answer), for at most ``timeout`` seconds."""
+        _abandon(self._stop, self._gate)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            try:
+                self._queue.get(timeout=0.05)  # room for a put it may be waiting on
+            except queue.Empty:
+                pass
+        self._ended = True
+
+    @classmethod
+    def _stop_all(cls) -> None:
+        for receiver in list(cls._live):
+            receiver.stop(timeout=5)
+
+
+def _abandon(stop: threading.Event, gate: Gate) -> None:
+    stop.set()
+    gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
+
+
+def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for work in it:
+            if not _put(out, work, stop):
+                return
+        _put(out, _END, stop)
+    except BaseException as e:  # the caller's next get() raises it
+        _put(out, _Failed(e), stop)
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` once there is room; False if told to stop first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _share_by_name(worker_id: int) -> None:
