@@ -25,6 +25,7 @@ _STEPS = np.array([(False, False, False)] * 2 + [ORIENT_STEPS[o] for o in range(
 
 # The padded float copy one roi_align call reads: at most this many elements (1 GiB), so 1-8 MP photos go in chunks.
 _PAD_ELEMENTS = 1 << 28
+_PAD_STEP = 64  # padded sides are rounded up to a multiple of this (PadSize)
 
 
 def stored_rois(boxes: np.ndarray, orientation: np.ndarray, shapes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -56,25 +57,70 @@ def chunks(shapes: np.ndarray) -> Iterator[tuple[int, int]]:
         lo = hi
 
 
-def padded(images: list[torch.Tensor], shapes: np.ndarray) -> torch.Tensor:
-    """(N,3,Hmax,Wmax) float32, each image (of ``shapes``: its height, width) at the top left: one batched cast of the
-    nested tensor's buffer, then one padding kernel. (torch's CUDA ``to_padded_tensor`` has a kernel for float,
-    double and half only: on uint8 it falls to a pad and a copy per image; roi_align reads float anyway.)"""
+class PadSize:
+    """The (height, width) one loader pads its batches to: the largest so far, rounded up to a multiple of
+    ``_PAD_STEP``. The padded float batch is the largest allocation of the device side; padded to each batch's own
+    largest image, its size changes every batch, and each new size the caching allocator has no block for makes it
+    split or reserve another (the pattern that fragments it: reserved memory grows with the batches). Padded to a size
+    that only grows, every batch after the first few asks for a size it has cached. A batch that needs under half
+    that area pads to its own rounded size, so one huge photo does not make every later batch pay for it."""
+
+    def __init__(self) -> None:
+        self.height = self.width = 0
+
+    def __call__(self, shapes: np.ndarray) -> tuple[int, int]:
+        need_h, need_w = (-(-(int(v) + 1) // _PAD_STEP) * _PAD_STEP for v in shapes.max(0))  # an edge row past each
+        self.height, self.width = max(self.height, need_h), max(self.width, need_w)
+        if 2 * need_h * need_w < self.height * self.width:
+            return need_h, need_w
+        return self.height, self.width
+
+
+def padded(
+    images: list[torch.Tensor],
+    shapes: np.ndarray,
+    size: tuple[int, int] | None = None,
+    sides: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(N,3,H,W) float32, each image (of ``shapes``: its height, width) at the top left, its last row and column
+    repeated once past its edges, zeros beyond; ``(H, W)`` = ``size`` (larger than every image; by default the
+    largest image's sides plus one). One batched cast of the nested tensor's buffer, one padding kernel, two indexed
+    copies for the edges (``sides``: ``shapes`` on the device, sent by the caller with its other arguments).
+
+    The repeated edge is what roi_align reads past an image's last pixel centre (a crop that reaches the bottom or
+    right edge and is enlarged samples up to half a pixel beyond it): it clamps there for an image as large as the
+    padded batch, and would otherwise read the zeros, a dark border on every other image. (torch's CUDA
+    ``to_padded_tensor`` has a kernel for float, double and half only: on uint8 it falls to a pad and a copy per
+    image; roi_align reads float anyway.)"""
     device = images[0].device
+    height, width = size if size is not None else (int(v) + 1 for v in shapes.max(0))
     if device.type not in ("cpu", "cuda"):  # no nested tensors there (the meta device: the benchmark's stand-in)
-        return torch.zeros(len(images), 3, *shapes.max(0).tolist(), dtype=torch.float32, device=device)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
-        return torch.nested.as_nested_tensor(images).float().to_padded_tensor(0.0)
+        out = torch.zeros(len(images), 3, height, width, dtype=torch.float32, device=device)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
+            nested = torch.nested.as_nested_tensor(images).float()
+            out = nested.to_padded_tensor(0.0, output_size=(len(images), 3, height, width))
+    if sides is None:
+        sides = torch.from_numpy(np.ascontiguousarray(shapes, dtype=np.int64)).to(device)
+    rows, h, w = torch.arange(len(images), device=device), sides[:, 0], sides[:, 1]
+    out[rows, :, h, :] = out[rows, :, h - 1, :]  # (N, 3, W): each image's last row, once more below it
+    out[rows, :, :, w] = out[rows, :, :, w - 1]  # then its last column (the corner included) right of it
+    return out
 
 
 def crop_resize_flip(
-    images: list[torch.Tensor], rois: np.ndarray, steps: np.ndarray, shapes: np.ndarray, size: int
+    images: list[torch.Tensor],
+    rois: np.ndarray,
+    steps: np.ndarray,
+    shapes: np.ndarray,
+    size: int,
+    pad: PadSize | None = None,
 ) -> torch.Tensor:
     """Each stored (3,H,W) uint8 image (of ``shapes``) cropped to its ``rois`` and resized to ``size``, then turned
     upright and flipped by its ``steps`` (both from :func:`stored_rois`), as (N,3,S,S) uint8. The boxes, the flags and
     the mirror's column order go to the device in one pinned non-blocking copy, then a handful of ops per chunk, none
-    per image."""
+    per image. ``pad``: the loader's :class:`PadSize` (each chunk padded to its own largest image without one)."""
     from torchvision.ops import roi_align  # defer: loads torchvision's C++ ops
 
     device = images[0].device
@@ -83,14 +129,17 @@ def crop_resize_flip(
     pack = HostPack()
     roi_slot = pack.add(np.concatenate([first[:, None], rois], 1), torch.float32)
     step_slot = pack.add(steps, torch.int64)
+    side_slot = pack.add(shapes, torch.int64)
     pack.send(device)
-    on_device, flags = pack.get(roi_slot), pack.get(step_slot)
+    on_device, flags, sides = pack.get(roi_slot), pack.get(step_slot), pack.get(side_slot)
     mirror = None  # each row's columns in order, or reversed where mirrored
     if steps[:, 2].any():
         mirror = _column_orders(device, size).index_select(0, flags[:, 2]).view(-1, 1, 1, size)
     out = None if len(spans) == 1 else torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
     for lo, hi in spans:
-        resized = roi_align(padded(images[lo:hi], shapes[lo:hi]), on_device[lo:hi], size, 1.0, -1, True)
+        hw = None if pad is None else pad(shapes[lo:hi])
+        batch = padded(images[lo:hi], shapes[lo:hi], hw, sides[lo:hi])
+        resized = roi_align(batch, on_device[lo:hi], size, 1.0, -1, True)
         # a convex mix of uint8 values stays within [0, 255]: adding 0.5 and truncating rounds it
         chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], flags[lo:hi])
         dest = None if out is None else out[lo:hi]

@@ -22,7 +22,7 @@ from ..data.loader import Batch, Loader, LoaderParts, empty_batch, start_workers
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
-from .gpu_crop import crop_resize_flip, stored_rois
+from .gpu_crop import PadSize, crop_resize_flip, stored_rois
 from .image import (
     ARITHMETIC_SOF,
     ORIENT_STEPS,
@@ -214,6 +214,7 @@ class NvjpegLoader(Loader):
         self._dataloader: torch.utils.data.DataLoader | None = None
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
         self._reaper = Reaper()
+        self._pad = PadSize()  # one padded size for every batch once the largest images were seen
 
     def decoder(self) -> Decode:
         return decoder_on_stream(self.stage.device, torch.cuda.Stream(self.stage.device))
@@ -258,7 +259,7 @@ class NvjpegLoader(Loader):
                 steps[keep],
                 shapes[keep],
             )
-        crops = crop_resize_flip(images, rois, steps, shapes, size)  # type: ignore[arg-type]
+        crops = crop_resize_flip(images, rois, steps, shapes, size, self._pad)  # type: ignore[arg-type]
         keys = np.stack([np.full(len(rows), epoch, np.int64), rows[:, 1]], 1)
         return Batch(crops, torch.from_numpy(rows[:, 0].copy()), "NCHW", errors, fallbacks, torch.from_numpy(keys))
 
