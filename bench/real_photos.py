@@ -7,7 +7,10 @@ registry; or ``--source DIR`` with your own) and writes varied JPEGs from them:
 
 - ``--kind imagenet``: random crops (50-100 % of the area), resized so the long side is 300-640 px, quality 75-95,
   4:2:0 chroma subsampling, as most of ImageNet;
-- ``--kind large``: mosaics of 2x2 to 4x3 crops at full resolution, 1.3-8 MP, quality 85-95, as camera photos.
+- ``--kind large``: mosaics of 2x2 to 4x3 crops at full resolution, 1.3-8 MP, quality 85-95, as camera photos;
+- ``--kind mixed``: ImageNet-like sizes written as a web crawl's are: quality 60-98, a third progressive, a third
+  4:4:4 (the rest 4:2:0), half with optimised Huffman tables, one in ten with an EXIF orientation (stored turned),
+  one in fifty greyscale: another encoder mix for the same decoders, where one set could hide a cost.
 
     python bench/real_photos.py --out data/photos --kind imagenet --count 1000
 """
@@ -93,10 +96,27 @@ def large(rng: np.random.Generator, photos: list[Image.Image]) -> tuple[Image.Im
     return canvas, int(rng.integers(85, 96))
 
 
+def _save_mixed(rng: np.random.Generator, img: Image.Image, path: Path) -> None:
+    """``--kind mixed``: the image written with one of the encoder settings a crawl of the web collects."""
+    kw: dict = {"quality": int(rng.integers(60, 99)), "optimize": bool(rng.random() < 0.5)}
+    kw["progressive"] = bool(rng.random() < 1 / 3)
+    kw["subsampling"] = "4:4:4" if rng.random() < 1 / 3 else "4:2:0"
+    if rng.random() < 0.02:
+        img = img.convert("L")
+    if rng.random() < 0.1:  # stored turned, with the EXIF tag that turns it upright
+        orientation = int(rng.choice([3, 6, 8]))
+        turn = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+        img = img.transpose(turn[orientation])
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kw["exif"] = exif
+    img.save(path, **kw)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--kind", choices=["imagenet", "large"], default="imagenet")
+    p.add_argument("--kind", choices=["imagenet", "large", "mixed"], default="imagenet")
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--classes", type=int, default=10, help="folders, so ImageFolder-style tools accept the set")
     p.add_argument("--source", type=Path, help="a folder of your own photos instead of the wheels' ones")
@@ -114,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                 photos.append(im.convert("RGB"))
     if not photos:
         raise SystemExit(f"no colour photos among {len(sources)} source files")
-    make = imagenet_like if args.kind == "imagenet" else large
+    make = large if args.kind == "large" else imagenet_like
     ours = {f"class_{i % args.classes:02d}/img_{i:05d}.jpg" for i in range(args.count)}
     others = [f for f in args.out.glob("*/*") if f.relative_to(args.out).as_posix() not in ours]
     if others:  # never deleted: they are somebody's files, but they would be timed as part of the set
@@ -128,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         d = args.out / f"class_{i % args.classes:02d}"
         d.mkdir(parents=True, exist_ok=True)
         img, quality = make(rng, photos)
-        img.save(d / f"img_{i:05d}.jpg", quality=quality, subsampling="4:2:0")
+        if args.kind == "mixed":
+            _save_mixed(rng, img, d / f"img_{i:05d}.jpg")
+        else:
+            img.save(d / f"img_{i:05d}.jpg", quality=quality, subsampling="4:2:0")
         pixels += img.width * img.height
     mean_mp = pixels / args.count / 1e6
     print(f"{args.out}: {args.count} {args.kind} JPEGs from {len(photos)} photos, mean {mean_mp:.2f} MP")
