@@ -235,3 +235,34 @@ def test_a_dropped_loader_ends_its_feed_thread_and_workers(photos):
     while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(p.is_alive() for p in workers)
+
+
+def test_a_batch_the_feed_cannot_pad_reaches_dali_as_one_tensor_list(tmp_path, monkeypatch):
+    """Files of very different sizes are not padded to one array (the padding would outweigh the bytes): DALI then
+    takes them as a TensorListCPU made on the feed's thread, not as a list it converts sample by sample on the
+    training thread (about 3 ms a 256-batch); the images are those of the list."""
+    from gpupipe.backends.dali import DaliLoader
+
+    rng = np.random.default_rng(2)
+    for c in range(2):
+        (tmp_path / f"c{c}").mkdir()
+        for i in range(8):
+            side = 200 if i == 0 else 24  # in each batch of 8, one noisy photo many times the others' bytes
+            Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
+                tmp_path / f"c{c}" / f"{i}.jpg", quality=95
+            )
+    fed, submit = [], DaliLoader._submit
+
+    def spy(self, work):
+        fed.append(type(work.batch()).__name__)
+        return submit(self, work)
+
+    monkeypatch.setattr(DaliLoader, "_submit", spy)
+    kw = dict(batch_size=8, image_size=16, normalize=False, device="cpu", train=False)
+    batches = list(gpupipe.build_loader(tmp_path, "dali", num_workers=1, **kw))
+    assert len(fed) >= 2 and set(fed) == {"TensorListCPU"}  # (and the next epoch's first ones, read ahead)
+    fed.clear()
+    inline = list(gpupipe.build_loader(tmp_path, "dali", num_workers=0, **kw))  # fed as a list of samples
+    assert len(fed) >= 2 and set(fed) == {"list"}
+    for (a, la), (b, lb) in zip(batches, inline, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)

@@ -57,6 +57,7 @@ class Work:
     index: np.ndarray | None = None  # int64 (len(indices),): ``indices`` as an array, made in the worker
     labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
+    listed: Any = None  # the samples as one DALI TensorListCPU, made on the feed's thread (see ``prepare``)
 
     def samples(self) -> list[np.ndarray]:
         """Each DALI sample's bytes, as views (no copy)."""
@@ -69,12 +70,23 @@ class Work:
             return [row[:n] for row, n in zip(enc, self.lengths.tolist(), strict=True)]
         return np.split(enc, np.cumsum(self.lengths)[:-1])
 
-    def batch(self) -> np.ndarray | list[np.ndarray]:
-        """What DALI is fed: one (n, L) array when the feed padded the batch (no per-sample work on this thread),
-        else one view per sample."""
+    def batch(self) -> Any:
+        """What DALI is fed: one (n, L) array when the feed padded the batch, else the samples as the TensorListCPU
+        :meth:`prepare` made (no per-sample work on the training thread either way), else one view per sample."""
         if self.data is None and self.encoded is not None and self.encoded.dim() == 2:
             return self.encoded.numpy()
+        if self.data is None and self.listed is not None:
+            return self.listed
         return self.samples()
+
+    def prepare(self) -> None:
+        """On the feed's thread: the samples of a batch the feed could not pad as one DALI TensorListCPU (a copy),
+        which DALI takes as it is. Given as a list, DALI converts each sample on the thread that feeds it: about
+        3 ms a 256-batch, more than the rest of the training thread's part (bench/host_budget.py)."""
+        if self.encoded is not None and self.encoded.dim() == 1 and self.data is None:
+            from nvidia.dali.tensors import TensorListCPU  # defer: this module is imported without DALI too
+
+            self.listed = TensorListCPU(self.samples(), "")
 
 
 class Request(NamedTuple):
@@ -382,6 +394,7 @@ def _abandon(stop: threading.Event, gate: Gate) -> None:
 def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event) -> None:
     try:
         for work in it:
+            work.prepare()
             if not _put(out, work, stop):
                 return
         _put(out, _END, stop)
