@@ -207,13 +207,26 @@ def test_state_round_trips_and_checks_its_size():
 
 def _rank(rank: int, port: int, out) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    cta = CTAugment(32)
+    cta, deferred = CTAugment(32), CTAugment(32)
     probe = CTAugment(32, probe=True)
+    gathers, all_gather = [], torch.distributed.all_gather
+
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return all_gather(*args, **kwargs)
+
+    torch.distributed.all_gather = counted
+    after_two, deferred_gathers = None, 0
     for step in range(3):
         n = 5 + rank  # ranks may hold different counts
         records = probe.records(rank, [(step, i) for i in range(n)])
         cta.update(records, torch.linspace(0, 1, n))
-    out.put((rank, cta.rates))
+        before = len(gathers)
+        deferred.update(records, torch.linspace(0, 1, n), defer=True, capacity=6)  # the probe batch's size
+        deferred_gathers += len(gathers) - before
+        if step == 1:
+            after_two = cta.rates
+    out.put((rank, (cta.rates, deferred.rates, after_two, deferred_gathers)))
     torch.distributed.destroy_process_group()
 
 
@@ -224,10 +237,13 @@ def test_two_ranks_agree_after_updates():
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    results = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=60)
+    got = {rank: r[0] for rank, r in results.items()}
     assert got[0] == got[1]
+    for _rates, deferred, after_two, gathers in results.values():  # deferred: one step behind, one collective each
+        assert deferred == after_two and gathers == 3
     # and they equal one process applying rank 0's records, then rank 1's, step by step
     one, probe = CTAugment(32), CTAugment(32, probe=True)
     for step in range(3):
@@ -267,3 +283,27 @@ def test_its_own_ops_are_pils_as_fixmatch_calls_them():
         assert np.array_equal(ours(post.name, *post.args), np.asarray(ImageOps.posterize(pil, 1 + int(level * 7.999))))
         assert np.array_equal(ours(sol.name, *sol.args), np.asarray(ImageOps.solarize(pil, int(level * 255.999))))
     assert {"CtBlur", "CtSmooth", "CtCutout", "CtRescaleBicubic"} <= set(OPS)
+
+
+def test_a_deferred_update_reads_no_score_until_the_next_and_resumes_where_it_waited():
+    """``update(defer=True)`` leaves its scores where they are (here on the meta device, which cannot be read) and
+    applies the previous deferred update; the waiting one is in ``state_dict``, so a policy restored from it goes on
+    as the one that was not interrupted; and the rates are those of the updates made at once, one step later."""
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(4):
+        records = CTAugment(32, probe=True).records(0, [(0, int(i)) for i in rng.integers(0, 1000, 8)])
+        batches.append((records, torch.as_tensor(rng.random(8), dtype=torch.float64)))
+    meta = CTAugment(32)
+    meta.update(batches[0][0], batches[0][1].to("meta"), defer=True)  # nothing read: meta tensors have no values
+    assert meta.rates == [1.0] * 303
+    now, later = CTAugment(32), CTAugment(32)
+    for k, (records, scores) in enumerate(batches):
+        later.update(records, scores, defer=True)
+        if k:
+            now.update(*batches[k - 1])
+        assert later.rates == now.rates
+        if k == 1:  # a checkpoint between two steps, restored into a new policy
+            restored = CTAugment(32)
+            restored.load_state_dict(later.state_dict())
+            later = restored

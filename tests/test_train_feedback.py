@@ -42,3 +42,35 @@ def test_training_moves_the_weights_and_checkpoints_them(data, tmp_path):
     assert feedback is not None and feedback.probe.ctaugment.probe
     loader.load_state_dict(saved["loader"])
     assert loader.ctaugment.rates == rates.tolist()
+
+
+def test_a_killed_ctaugment_run_resumes_to_the_straight_runs_weights_and_rates(data, tmp_path):
+    """The feedback's update is applied one step late (its scores reach the host without the host waiting for the
+    GPU); the one still waiting is in the checkpoint, so a run killed mid-epoch and resumed ends with the straight
+    run's weights and CTAugment rates."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from .common_utils import train_cli
+
+    def cli(out, **extra):
+        return train_cli(data, out, epochs=2, batch_size=2, save_every=1, aa="ctaugment-d0.9", **extra)
+
+    subprocess.run(cli(tmp_path / "straight"), check=True)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli(out))
+    ckpt = out / "checkpoints" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(cli(out, resume=True), check=True)
+    a, b = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt"), checkpoint.load(ckpt)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    rates = [s["loader"]["ctaugment"]["policy"]["rates"] for s in (a, b)]
+    assert torch.equal(*rates) and not torch.equal(rates[0], torch.ones(303))
+    assert "pending" in a["loader"]["ctaugment"]["policy"]  # the last probe's update, applied by a next step

@@ -147,6 +147,10 @@ class CTAugment:
         self.size, self.depth, self.decay, self.threshold, self.probe = size, depth, decay, threshold, probe
         self._rates = [1.0] * NUM_RATES
         self._snapshot: CTWeights | None = None
+        self._pending: _Pending | None = None  # an update(defer=True) not applied yet
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pending": None}  # a worker draws; it never applies an update
 
     @property
     def rates(self) -> list[float]:
@@ -182,7 +186,15 @@ class CTAugment:
             self._snapshot = CTWeights(self._rates, self.decay, self.threshold)
         return self._snapshot
 
-    def update(self, records: Sequence[CTRecord], proximity, *, distributed: bool | None = None) -> None:
+    def update(
+        self,
+        records: Sequence[CTRecord],
+        proximity,
+        *,
+        distributed: bool | None = None,
+        defer: bool = False,
+        capacity: int | None = None,
+    ) -> None:
         """Move each bin the probe records used toward its image's score (FixMatch's ``update_rates``).
 
         Args:
@@ -190,16 +202,32 @@ class CTAugment:
             proximity: one score per image in [0, 1]: :func:`proximity`, or 0/1 correctness (bools work).
             distributed: gather every rank's records and apply them all, in rank order, on every rank (all ranks
                 must call it together); ``None``: when ``torch.distributed`` is initialised with several ranks.
+            defer: apply this update at the next deferred one, and the one before it now: the scores (on the GPU)
+                travel to the host meanwhile, so the host never waits for the GPU to compute them. The update
+                waiting is part of :meth:`state_dict`, so a resumed run applies it where the straight one does.
+            capacity: at most this many records per rank (the probe batch size): the ranks' records are then
+                gathered in one collective, with no host wait for their counts.
         """
         codes = encode_records(records, self.depth)
-        scores = torch.as_tensor(proximity).detach().to("cpu", torch.float64).reshape(-1)
+        scores = torch.as_tensor(proximity).detach().reshape(-1)
         if len(scores) != len(codes):
             raise ValueError(f"update got {len(codes)} records and {len(scores)} scores")
         dist = torch.distributed
         if distributed is None:
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rows = _rows(codes, scores)
         if distributed:
-            codes, scores = _gather(codes, scores)
+            rows = _gather(rows, capacity)
+        if not defer:
+            self._apply(rows.cpu())
+            return
+        previous, self._pending = self._pending, _Pending(rows)
+        if previous is not None:
+            self._apply(previous.rows())
+
+    def _apply(self, rows: torch.Tensor) -> None:
+        """Rows of :func:`_rows` (on the host), in order; a row of -1 codes (a rank's padding) moves nothing."""
+        codes, scores = rows[:, :-1], rows[:, -1].contiguous().view(torch.float64)
         rates, d = self._rates, self.decay
         for row, s in zip(codes.tolist(), scores.tolist(), strict=True):
             for at in row:
@@ -208,13 +236,18 @@ class CTAugment:
         self._snapshot = None
 
     def state_dict(self) -> dict:
-        return {"rates": torch.tensor(self._rates, dtype=torch.float64), "decay": self.decay, "depth": self.depth}
+        state = {"rates": torch.tensor(self._rates, dtype=torch.float64), "decay": self.decay, "depth": self.depth}
+        if self._pending is not None:
+            state["pending"] = self._pending.rows().clone()  # the host waits here, at a checkpoint, not every step
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         rates = torch.as_tensor(state["rates"], dtype=torch.float64).reshape(-1)
         if len(rates) != NUM_RATES:
             raise ValueError(f"a ctaugment state holds {NUM_RATES} rates, this one {len(rates)}")
         self.rates = rates.tolist()
+        pending = state.get("pending")
+        self._pending = None if pending is None else _Pending(torch.as_tensor(pending, dtype=torch.int64))
 
     def stats(self) -> str:
         """The drawing weights, one line per op (FixMatch's ``stats``)."""
@@ -306,23 +339,56 @@ def encode_records(records: Sequence[CTRecord], depth: int) -> torch.Tensor:
     return out
 
 
-def _gather(codes: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's (codes, scores), concatenated in rank order (ranks may hold different counts)."""
+def _rows(codes: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """(N, depth * 2 + 1) int64 on the scores' device: each record's codes, then its score as its float64 bits (one
+    tensor for one copy or one collective). No host wait: on CUDA the codes go over pinned and non-blocking."""
+    device = scores.device
+    if device.type == "cuda":
+        codes = codes.pin_memory().to(device, non_blocking=True)
+    else:
+        codes = codes.to(device)
+    return torch.cat([codes, scores.to(torch.float64).view(torch.int64).view(-1, 1)], dim=1)
+
+
+def _gather(rows: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """Every rank's rows, in rank order, each rank's padded with rows of -1 to ``capacity`` (or, without one, to the
+    most any rank holds: their counts gathered first, which waits for them)."""
     dist = torch.distributed
     dev = _collective_device()
     world = dist.get_world_size()
-    n = torch.tensor([len(codes)], device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    most = int(max(int(s) for s in sizes))
-    # scores ride in the same int64 tensor, as their float64 bits, so one collective carries both
-    rows = torch.cat([codes, scores.view(torch.int64).view(-1, 1)], dim=1)
-    padded = torch.full((most, rows.shape[1]), -1, dtype=torch.int64)
-    padded[: len(rows)] = rows
-    parts = [torch.empty_like(padded, device=dev) for _ in range(world)]
-    dist.all_gather(parts, padded.to(dev))
-    allrows = torch.cat([p.cpu()[: int(s)] for p, s in zip(parts, sizes, strict=True)])
-    return allrows[:, :-1].contiguous(), allrows[:, -1].contiguous().view(torch.float64)
+    if capacity is None:
+        n = torch.tensor([len(rows)], device=dev)
+        sizes = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(sizes, n)
+        capacity = int(max(int(s) for s in sizes))
+    elif len(rows) > capacity:
+        raise ValueError(f"update got {len(rows)} records, more than its capacity of {capacity}")
+    padded = torch.full((capacity, rows.shape[1]), -1, dtype=torch.int64, device=dev)
+    padded[: len(rows)] = rows.to(dev)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat(parts)
+
+
+class _Pending:
+    """An update's rows on their way to the host: a non-blocking copy into pinned memory and an event after it (on
+    CUDA); :meth:`rows` waits for that event only, by then long passed."""
+
+    def __init__(self, rows: torch.Tensor):
+        self._event: torch.cuda.Event | None = None
+        if rows.device.type == "cuda":
+            self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self._host.copy_(rows, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = rows
+
+    def rows(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
 
 
 def _collective_device() -> torch.device:
@@ -340,5 +406,5 @@ def proximity(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """FixMatch's score of a probe image: ``1 - 0.5 * |probs - onehot(label)|_1`` (1: right and certain, 0: wrong
     and certain); ``probs`` (N, C) are softmax outputs."""
     err = probs.detach().double().clone()
-    err[torch.arange(len(labels)), labels.to(err.device)] -= 1
-    return (1 - 0.5 * err.abs().sum(dim=1)).cpu()
+    err[torch.arange(len(labels), device=err.device), labels.to(err.device)] -= 1
+    return 1 - 0.5 * err.abs().sum(dim=1)  # where ``probs`` are: read on the host by ``update``

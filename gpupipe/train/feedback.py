@@ -1,7 +1,10 @@
 """``gpupipe train --aa ctaugment``: FixMatch's feedback loop. After every micro-batch the model (eval mode, no
 gradient) scores one probe batch of the training data, augmented with uniformly drawn, recorded CTAugment ops, and
-the train loader's weights move toward each probe image's score (FixMatch's ``1 - 0.5 * |softmax - onehot|_1``).
-The weights and the snapshots the next batches draw from are in the train loader's state, hence in checkpoints."""
+the train loader's weights move toward each probe image's score (FixMatch's ``1 - 0.5 * |softmax - onehot|_1``),
+one micro-batch later: the scores stay on the GPU until the next step, by when their copy to the host has finished,
+so the host never waits for the GPU (under DDP the ranks' records go in one collective of a fixed size, no wait for
+their counts). The weights, the update still waiting and the snapshots the next batches draw from are in the train
+loader's state, hence in checkpoints."""
 
 from __future__ import annotations
 
@@ -52,4 +55,6 @@ class CTFeedback:
         with torch.no_grad(), precision.autocast():
             probs = model(images).float().softmax(1)
         model.train(was_training)
-        self.ctaugment.update(self.probe.records, proximity(probs, labels))
+        # deferred: applied at the next step, when the scores have reached the host without the host waiting for them
+        scores = proximity(probs, labels)
+        self.ctaugment.update(self.probe.records, scores, defer=True, capacity=self.probe.batch_size)
