@@ -32,11 +32,10 @@ from ..data.loader import start_workers
 from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
-from .image import HeaderCheck, header_entry, is_jpeg, pixel_limit_reason
+from .image import HeaderCheck, ends_whole, header_entry, is_jpeg, pixel_limit_reason
 from .pillow import PillowDecoder
 
 _PAD_RATIO = 4.0  # padded rows cost at most this many times the bytes themselves
-_EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image marker (trailing bytes allowed)
 
 
 @dataclass
@@ -190,7 +189,7 @@ class Feed(torch.utils.data.Dataset):
             work.errors.append((path, entry.problem))
             return None
         height, width, pillow_only = entry.height, entry.width, entry.pillow_only
-        if is_jpeg(data) and data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) < 0:
+        if is_jpeg(data) and not ends_whole(data):
             try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
                 self.check.decode(data, path)
             except DecodeError as e:
