@@ -17,8 +17,8 @@ from gpupipe.augment.ctaugment import (
     CTWeights,
     _to_op,
     encode_records,
-    proximity,
 )
+from gpupipe.augment.ctupdate import proximity
 from gpupipe.recipe import Recipe
 
 ROTATE = [name for name, _ in CT_OPS].index("rotate")

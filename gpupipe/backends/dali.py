@@ -24,8 +24,9 @@ from .._deps import INSTALL_HINTS, has_module, require
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from .dali_feed import Feed, FeedStream, Work, decode_on_cpu, plan, unchanged
+from .dali_feed import Feed, Work, decode_on_cpu, unchanged
 from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
+from .dali_stream import FeedStream, plan
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
 from .registry import BackendSpec

@@ -1,0 +1,206 @@
+"""The dali feed's stream: :class:`~.dali_feed.Feed`'s works, in the order of a plan that runs across epochs,
+prepared in DataLoader workers and taken from them on a thread of their own (:class:`FeedStream`). The worker's side,
+what one batch's work holds and how it is made, is :mod:`.dali_feed`."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from ..data.loader import start_workers
+from ..data.upload import Reaper
+from .dali_feed import Feed, Gate, Request, Work
+
+
+class _Requests:
+    """The DataLoader's sampler: the requests of the plan set by :meth:`FeedStream.restart`."""
+
+    def __init__(self) -> None:
+        self.plan: Iterable[Request] = ()
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.plan)
+
+
+def plan(sampler, gate: Gate, epoch: int, start_batch: int, ahead: int) -> Iterator[Request]:
+    """``epoch``'s batches from ``start_batch``, then every later epoch's, each made when the feed first asks for it:
+    a loader that goes on from one epoch to the next finds the next one's first ``ahead`` batches already read, and
+    the rest read once their pass begins (``wait``). Ends at an epoch with no batches. Its first request sets the
+    gate to ``epoch`` (made after the DataLoader's reset, when no worker waits on an earlier plan's request).
+
+    Takes the sampler, not the loader: the feed's DataLoader holds this generator, and one that held the loader (which
+    holds that DataLoader) would make a cycle, which leaves the feed's workers to the garbage collector (it closes
+    their queues before the DataLoader can stop them: 5 s a worker)."""
+    gate.set(epoch)
+    yield from (Request(epoch, b) for b in sampler.batches(epoch, start_batch))
+    for e in itertools.count(epoch + 1):
+        batches = sampler.batches(e)
+        if not batches:
+            return
+        yield from (Request(e, b, ahead=k < ahead, wait=k >= ahead) for k, b in enumerate(batches))
+
+
+class FeedStream:
+    """:class:`Feed` in ``workers`` DataLoader processes (persistent): the works of one plan, in order, across epochs.
+
+    The DataLoader's iterator lives as long as the plan does, so an epoch edge costs nothing (a new ``iter()`` would
+    drop and read again what the workers had started on, and make the training thread wait for each worker's answer).
+    Works are taken from the DataLoader by a thread of this stream (:class:`_Receiver`), as DataLoader's own
+    pin-memory thread does: receiving one (a pipe read, unpickling, mapping its shared memory) is no work for the
+    training thread. With no workers, works are made when asked, on the caller's thread."""
+
+    def __init__(self, feed: Feed, workers: int):
+        self.feed = feed
+        self._requests = _Requests()
+        extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
+        if workers > 0:
+            extra["worker_init_fn"] = _share_by_name
+        self._loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
+            feed,
+            batch_size=None,
+            sampler=self._requests,  # requests, not indices: Feed takes them
+            collate_fn=_as_is,  # type: ignore[arg-type]  # no batching: one Work per request
+            num_workers=workers,
+            **extra,
+        )
+        self._reaper = Reaper()
+        self._source: _Receiver | Iterator[Work] | None = None
+
+    def restart(self, requests: Iterable[Request]) -> None:
+        """From now on, the works of ``requests``, in order; what was asked before is dropped (the DataLoader's reset
+        discards what its workers still return)."""
+        if isinstance(self._source, _Receiver):
+            self._source.stop()  # opens the gate: a worker waiting on it lets the DataLoader's reset through
+        self._source = None
+        self._requests.plan = requests
+        it = start_workers(self._loader)
+        self._source = _Receiver(it, self.feed.gate) if self._loader.num_workers > 0 else it
+
+    def consuming(self, epoch: int) -> None:
+        """The loader now delivers ``epoch``: the workers may read its batches."""
+        self.feed.gate.set(epoch)
+
+    def reread(self, work: Work) -> Work:
+        """``work`` read again, now, on this thread (its files changed after it was read ahead of its pass)."""
+        return self.feed[Request(work.epoch, work.indices)]
+
+    def next(self) -> Work | None:
+        """The plan's next work; None once the plan has ended."""
+        if self._source is None:
+            return None
+        if isinstance(self._source, _Receiver):
+            return self._source.get()
+        return next(self._source, None)
+
+    def release(self, work: Work) -> None:
+        """Drop a fetched work on another thread (its shared-memory buffer, see :class:`Reaper`)."""
+        self._reaper.drop(work)
+
+
+_END = object()
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+class _Receiver:
+    """Takes works from a DataLoader iterator on a thread of its own and hands them over one at a time (``depth``
+    waiting at most: each holds a batch's bytes in shared memory). Errors reach the caller as raised there. The
+    thread ends when :meth:`stop` is called, when its stream is garbage, or at interpreter exit (``atexit``: a daemon
+    thread still in C++ code at finalization aborts the process, see :class:`~gpupipe.data.upload.Reaper`)."""
+
+    _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
+    _exit_hook = False
+
+    def __init__(self, it: Iterator[Work], gate: Gate, depth: int = 1):
+        self._gate = gate
+        self._queue: queue.Queue[Any] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(
+            target=_receive, args=(it, self._queue, self._stop), daemon=True, name="gpupipe-dali-feed"
+        )
+        self._thread.start()
+        weakref.finalize(self, _abandon, self._stop, gate)
+        cls = type(self)
+        cls._live.add(self)
+        if not cls._exit_hook:
+            cls._exit_hook = True
+            atexit.register(cls._stop_all)
+
+    def get(self) -> Work | None:
+        if self._ended:
+            return None
+        item = self._queue.get()
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, _Failed):
+            self._ended = True
+            raise item.error
+        return item
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the thread: what it holds and what is waiting is dropped. Waits for a read in progress (a worker's
+        answer), for at most ``timeout`` seconds."""
+        _abandon(self._stop, self._gate)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            try:
+                self._queue.get(timeout=0.05)  # room for a put it may be waiting on
+            except queue.Empty:
+                pass
+        self._ended = True
+
+    @classmethod
+    def _stop_all(cls) -> None:
+        for receiver in list(cls._live):
+            receiver.stop(timeout=5)
+
+
+def _abandon(stop: threading.Event, gate: Gate) -> None:
+    stop.set()
+    gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
+
+
+def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for work in it:
+            work.prepare()
+            if not _put(out, work, stop):
+                return
+        _put(out, _END, stop)
+    except BaseException as e:  # the caller's next get() raises it
+        _put(out, _Failed(e), stop)
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` once there is room; False if told to stop first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _share_by_name(worker_id: int) -> None:
+    """In the feed's workers: a batch's shared-memory bytes are sent by name ("file_system"), not as a file
+    descriptor. Receiving a descriptor costs the training thread a connection to the worker's resource sharer with its
+    authentication handshake, every batch: about 0.7 ms of the thread's 3.6 ms per 256-batch (bench/host_budget.py).
+    The strategy is the sender's choice, so it is set here only; torch_shm_manager removes what a dead process left."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+
+
+def _as_is(work: Work) -> Work:
+    return work
