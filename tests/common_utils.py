@@ -232,6 +232,22 @@ def train_cli(data, out, *extra: str, **overrides) -> list[str]:
     return [sys.executable, "-m", "gpupipe", "train", *train_args(data, out, *extra, **overrides)]
 
 
+def killed_at_first_checkpoint(cmd: list[str], out: Path) -> Path:
+    """Run the training command ``cmd`` (writing to ``out``), SIGKILL it once its first checkpoint exists (or once it
+    ended by itself: a 300 s hang guard, not a timing margin); the checkpoint's path."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd)
+    ckpt = Path(out) / "checkpoints" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return ckpt
+
+
 def train_config(data, out, **overrides):
     """The ``TrainConfig`` of a quick in-process run (batches of 8, half an epoch of warm-up, progress every batch)
     with ``overrides``."""

@@ -14,7 +14,7 @@ from gpupipe.train import checkpoint
 from gpupipe.train.config import TrainConfig
 from gpupipe.train.loop import train
 
-from .common_utils import make_folder, train_args, train_cli, train_config
+from .common_utils import killed_at_first_checkpoint, make_folder, train_args, train_cli, train_config
 from .probe import Tiny
 
 
@@ -71,13 +71,7 @@ def test_outputs_and_refusing_to_overwrite(data, tmp_path):
 def test_killed_run_resumes_to_the_straight_runs_weights(data, tmp_path, save_every):
     subprocess.run(train_cli(data, tmp_path / "straight", save_every=save_every), check=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cli(data, out, save_every=save_every))
-    ckpt = out / "checkpoints" / "last.pt"
-    deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    ckpt = killed_at_first_checkpoint(train_cli(data, out, save_every=save_every), out)
     subprocess.run(train_cli(data, out, resume=True, save_every=save_every), check=True)
     a, b = _weights(tmp_path / "straight"), _weights(out)
     for k in a:

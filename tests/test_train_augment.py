@@ -7,7 +7,7 @@ import torch
 
 from gpupipe.train import checkpoint
 
-from .common_utils import make_folder, train_cli
+from .common_utils import killed_at_first_checkpoint, make_folder, train_cli
 
 pytest.importorskip("timm")
 
@@ -57,22 +57,13 @@ def test_bad_policy_is_a_clear_error(data, tmp_path):
 def test_killed_augmented_run_resumes_to_the_straight_runs_weights(data, tmp_path):
     """RandAugment, erasing and MixUp/CutMix are keyed by sample and step, the EMA is checkpointed: a run killed
     mid-epoch and resumed ends where the straight run does."""
-    import os
-    import signal
-    import time
 
     def cli(out, **extra):
         return _cli(data, out, epochs=2, batch_size=4, save_every=2, **extra)
 
     subprocess.run(cli(tmp_path / "straight"), check=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(cli(out))
-    ckpt = out / "checkpoints" / "last.pt"
-    deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    ckpt = killed_at_first_checkpoint(cli(out), out)
     subprocess.run(cli(out, resume=True), check=True)
     a, b = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt"), checkpoint.load(ckpt)
     for part in ("model", "model_ema"):

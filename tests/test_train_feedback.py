@@ -48,25 +48,16 @@ def test_a_killed_ctaugment_run_resumes_to_the_straight_runs_weights_and_rates(d
     """The feedback's update is applied one step late (its scores reach the host without the host waiting for the
     GPU); the one still waiting is in the checkpoint, so a run killed mid-epoch and resumed ends with the straight
     run's weights and CTAugment rates."""
-    import os
-    import signal
     import subprocess
-    import time
 
-    from .common_utils import train_cli
+    from .common_utils import killed_at_first_checkpoint, train_cli
 
     def cli(out, **extra):
         return train_cli(data, out, epochs=2, batch_size=2, save_every=1, aa="ctaugment-d0.9", **extra)
 
     subprocess.run(cli(tmp_path / "straight"), check=True)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(cli(out))
-    ckpt = out / "checkpoints" / "last.pt"
-    deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    ckpt = killed_at_first_checkpoint(cli(out), out)
     subprocess.run(cli(out, resume=True), check=True)
     a, b = checkpoint.load(tmp_path / "straight" / "checkpoints" / "last.pt"), checkpoint.load(ckpt)
     for k in a["model"]:
