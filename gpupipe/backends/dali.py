@@ -140,10 +140,10 @@ class DaliLoader(Loader):
             return deque()
         self._feed.consuming(epoch)  # the rest of this epoch is read from now on
         keep = sum(w.scheduled for w in ahead)
-        fresh = all(unchanged(w.stamps) for w in ahead)
-        self._drain(keep if fresh else 0)
+        changed = [not unchanged(w.stamps) for w in ahead]  # each file stat-ed once
+        self._drain(0 if any(changed) else keep)
         if self._scheduled < keep:  # changed files, or a failure in the drain took the pipeline: schedule again
-            ahead = deque(w if unchanged(w.stamps) else self._feed.reread(w) for w in ahead)
+            ahead = deque(self._feed.reread(w) if c else w for w, c in zip(ahead, changed, strict=True))
             for work in ahead:
                 if work.dali:
                     self._submit(work)
