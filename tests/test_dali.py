@@ -178,7 +178,8 @@ def test_the_feed_sends_batches_by_name_not_by_file_descriptor(photos, monkeypat
     assert len(batches) == 5 and received == []
 
 
-def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(photos, monkeypatch):
+@pytest.mark.parametrize("workers", [2, 8])  # the default here (one feed worker), and two feed workers
+def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(photos, monkeypatch, workers):
     """Epoch after epoch, the feed's DataLoader is iterated once (a new ``iter()`` each epoch would drop what its
     worker had started on, read it again and make the training thread wait for the worker's answer), and its works
     are taken from it on the feed's own thread, not the training thread; a pass that does not follow on (another
@@ -198,7 +199,7 @@ def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(
 
     monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_reset", _reset)
     monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "__next__", __next__)
-    kw = dict(batch_size=4, image_size=32, num_workers=1, normalize=False, seed=3, device="cpu")
+    kw = dict(batch_size=4, image_size=32, num_workers=workers, normalize=False, seed=3, device="cpu")
     loader = gpupipe.build_loader(photos, "dali", **kw)
     seen = []
     for epoch in range(3):
