@@ -17,6 +17,7 @@ import gpupipe
 from gpupipe import Remote
 from gpupipe.data.cache import ShardCache, parse_limit
 from gpupipe.data.sources import open_source as scan
+from gpupipe.errors import StorageError
 from gpupipe.prepare import PrepareOptions, prepare
 
 from .common_utils import CountingProxy, S3Server
@@ -191,3 +192,69 @@ def test_train_takes_the_cache_limit(s3, prepared, tmp_path):
         cfg = load_config(None, {"data": url, "cache_limit": given, "workers": 0, "batch_size": 4, "image_size": 24})
         data = build_loaders(cfg, torch.device("cpu"))[0].dataset
         assert (data.cache and data.cache.cache.limit) == limit
+
+
+def test_an_object_re_written_with_the_same_size_under_a_running_loader_is_an_error_naming_it(s3, prepared, tmp_path):
+    """The loader listed the shard; then it is re-written, as long as before, and not cached yet (or evicted): the
+    bytes fetched are not the listed version (their MD5 is not the ETag), an error naming the object, never decoded
+    with the old index."""
+    url = s3.upload(prepared, "rewritten")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard = prepared / "shard-000000.tar"
+    changed = bytearray(shard.read_bytes())
+    changed[2000:2100] = bytes(100)  # inside the first JPEG: the same size, other pixels
+    s3.client().pipe_file(f"{S3Server.BUCKET}/rewritten/shard-000000.tar", bytes(changed))
+    first = int((data._shard == 0).nonzero()[0][0])
+    with pytest.raises(StorageError, match=rf"^{url}/shard-000000.tar: the object changed since the loader listed it"):
+        data.read(first)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith((".tar", ".part"))]  # nothing of it kept
+
+
+def test_a_cached_copy_altered_in_place_is_fetched_again_never_read(s3, prepared, tmp_path):
+    """A cached shard whose bytes changed after it was fetched (the same size: a disk's error, a stray write) no longer
+    matches the object: the next process to open it fetches it again."""
+    url = s3.upload(prepared, "corrupted")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard, size, etag = data.shard_paths[0], data.cache.sizes[0], data.cache.etags[0]
+    expected = (prepared / "shard-000000.tar").read_bytes()
+    ShardCache(tmp_path, 1 << 30).ensure(data.store, shard, size, etag)
+    path = tmp_path / ShardCache.name(shard, size, etag)
+    with open(path, "r+b") as f:
+        f.seek(3000)
+        f.write(b"\xff" * 64)
+    cache = ShardCache(tmp_path, 1 << 30)  # another process's
+    with cache.pin(data.store, shard, size, etag) as pinned:
+        assert pinned.read(0, size) == expected and cache.fetches == 1
+
+
+def test_a_full_cache_disk_names_the_folder_the_free_space_and_the_fix(s3, prepared, tmp_path):
+    """``cache_limit`` above what the disk can hold: the shard that does not fit is a one-line error naming the cache
+    folder, its free space and the fix, not the store's "No space left on device"."""
+    from .test_train_checkpoint import small_disk
+
+    url = s3.upload(prepared, "full")
+    with small_disk(tmp_path, 40 << 10) as (mount, limit):
+        if limit is not None:
+            pytest.skip("needs a small real disk (a tmpfs this process may mount)")
+        disk = mount / "cache"  # the tmpfs's own root is writable by every user: refused as a cache folder
+        data = scan(Remote(url, cache_dir=str(disk), cache_limit="1GB"))
+        with pytest.raises(StorageError) as e:
+            for i in range(len(data)):
+                data.read(i)
+        said = str(e.value)
+        assert said.startswith(f"{disk}: no room for {url}/shard-") and "\n" not in said
+        assert " free, and cache_limit 1.00 GiB is more than the disk holds; set a smaller --cache-limit" in said
+        assert not list(disk.glob("*.part"))
+
+
+def test_the_default_folder_is_the_users_own(s3, prepared, tmp_path, monkeypatch):
+    """``$XDG_CACHE_HOME/gpupipe/shards``: made mode 0700, and made so where it was open to others."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("GPUPIPE_CACHE", raising=False)
+    url = s3.upload(prepared, "default")
+    data = scan(Remote(url))
+    folder = tmp_path / "xdg" / "gpupipe" / "shards"
+    assert data.cache.cache.folder == folder and oct(folder.stat().st_mode & 0o777) == oct(0o700)
+    folder.chmod(0o755)
+    scan(Remote(url))
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
