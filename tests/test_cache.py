@@ -20,7 +20,7 @@ from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import StorageError
 from gpupipe.prepare import PrepareOptions, prepare
 
-from .common_utils import CountingProxy, S3Server
+from .common_utils import REPO_ROOT, CountingProxy, S3Server
 
 pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
 KW = dict(batch_size=4, image_size=24, device="cpu", seed=3, normalize=False)
@@ -104,12 +104,12 @@ def test_a_limit_smaller_than_the_window_is_refused_with_the_numbers(s3, prepare
     url = s3.upload(prepared, "small")
     two = sum(sorted(scan(Remote(url, cache_dir=str(tmp_path))).cache.sizes)[-2:])
     source = Remote(url, cache_dir=str(tmp_path), cache_limit=two - 1, memory_cache=0)  # no blocks kept either
-    refused = r"cache_limit=.* MiB holds fewer than shuffle_window=2 shards \(the largest 2 hold .* MiB\); allow"
+    refused = r"cache_limit=.* KiB \(--cache-limit\) holds fewer than shuffle_window=2 \(--shuffle-window\) shards \("
     with pytest.raises(ValueError, match=refused):
         gpupipe.build_loader(source, "pillow", shuffle_window=2, num_workers=0, **KW)
     one = gpupipe.build_loader(source, "pillow", shuffle_window=1, num_workers=0, **KW).dataset
     assert one.cached and one.read_ahead is None  # no room for the next group: each shard fetched when needed
-    with pytest.warns(UserWarning, match=r"a global shuffle over .* more than cache_limit=.* use shuffle_window=1"):
+    with pytest.warns(UserWarning, match=r"a global shuffle over .* KiB of shards, more than cache_limit=.* use "):
         assert not gpupipe.build_loader(source, "pillow", num_workers=0, **KW).dataset.cached
     assert parse_limit("50GB") == 50 << 30 and parse_limit(0) == 0
     with pytest.raises(ValueError, match="cache_limit: expected a size such as 50GB"):
@@ -258,3 +258,20 @@ def test_the_default_folder_is_the_users_own(s3, prepared, tmp_path, monkeypatch
     folder.chmod(0o755)
     scan(Remote(url))
     assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_a_cache_limit_below_the_shuffle_window_through_the_cli_is_one_line_with_both_flags(s3, prepared, tmp_path):
+    """``gpupipe train --shuffle-window 2 --cache-limit 20KB``: refused before training, in one line naming both flags
+    and sizes as they are (it said "cache_limit=0.0 MiB ... the largest 2 hold 0.0 MiB")."""
+    url = s3.upload(prepared, "cli")
+    args = ["--data", url, "--shuffle-window", "2", "--cache-limit", "20KB", "--epochs", "1", "--batch-size", "4"]
+    args += ["--image-size", "32", "--workers", "0", "--device", "cpu", "--out", str(tmp_path / "run")]
+    env = {**os.environ, "GPUPIPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run([sys.executable, "-m", "gpupipe", "train", *args], capture_output=True, text=True, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(
+        "error: cache_limit=20.0 KiB (--cache-limit) holds fewer than shuffle_window=2 (--shuffle-window) shards (the "
+        "largest 2 hold "
+    )
+    assert " KiB); allow at least " in lines[0] and "0.0 MiB" not in lines[0]

@@ -82,6 +82,8 @@ def etag_of(info: dict) -> str:
 
 
 def size_text(size: int) -> str:
+    if size < 1 << 20:  # a small limit, a test's shards: never "0.0 MiB"
+        return f"{size} bytes" if size < 1 << 10 else f"{size / (1 << 10):.1f} KiB"
     return f"{size / (1 << 20):.1f} MiB" if size < 1 << 30 else f"{size / (1 << 30):.2f} GiB"
 
 
