@@ -275,3 +275,60 @@ def test_a_cache_limit_below_the_shuffle_window_through_the_cli_is_one_line_with
         "largest 2 hold "
     )
     assert " KiB); allow at least " in lines[0] and "0.0 MiB" not in lines[0]
+
+
+_FILL = """
+import random, sys
+from gpupipe import Remote
+from gpupipe.data.sources import open_source
+url, cache, limit, local, seed = sys.argv[1:]
+data = open_source(Remote(url, cache_dir=cache, cache_limit=int(limit)))
+data.cached, data.cache.keep = True, 1  # every read through the cache, one shard pinned at a time
+truth = open_source(local)
+order = list(range(len(data))) * 3
+random.Random(int(seed)).shuffle(order)
+bad = [i for i in order if data.read(i) != truth.read(i)]
+data.cache.release(set())
+print(len(order), len(bad), data.cache.cache.fetches)
+"""
+
+
+def test_ranks_of_two_nodes_fill_one_small_cache_at_once_and_read_every_byte_right(s3, prepared, tmp_path):
+    """Four processes (two "nodes" of two ranks, one shared folder, as on a shared file system) read every sample
+    three times in orders of their own through a cache that holds three shards: shards are fetched, evicted and
+    fetched again while others read them; each reads the store's bytes, every time."""
+    url = s3.upload(prepared, "fill")
+    limit = 3 * max(p.stat().st_size for p in prepared.glob("shard-*.tar"))
+    cache = tmp_path / "cache"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILL, url, str(cache), str(limit), str(prepared), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2)},
+        )
+        for r in range(4)
+    ]
+    said = [p.communicate(timeout=600) for p in ranks]
+    assert [p.returncode for p in ranks] == [0] * 4, [err for _, err in said]
+    counts = [tuple(map(int, out.split())) for out, _ in said]
+    assert all(read == 3 * 24 and bad == 0 for read, bad, _ in counts)
+    assert sum(fetched for *_, fetched in counts) > len(list(prepared.glob("shard-*.tar")))  # evicted, fetched again
+    held = sum(p.stat().st_size for p in cache.glob("*.tar"))
+    assert held <= limit and not list(cache.glob("*.part"))
+
+
+def test_a_shard_another_process_reads_is_never_evicted_under_it(s3, prepared, tmp_path):
+    url = s3.upload(prepared, "pinned")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard, size, etag = data.shard_paths[0], data.cache.sizes[0], data.cache.etags[0]
+    expected = (prepared / "shard-000000.tar").read_bytes()
+    reader = ShardCache(tmp_path, 1 << 30)
+    with reader.pin(data.store, shard, size, etag) as pinned:
+        evict = [sys.executable, "-c", "import sys; from gpupipe.data.cache import ShardCache; "
+                 "ShardCache(sys.argv[1], 0).evict(1 << 30)", str(tmp_path)]  # fmt: skip
+        subprocess.run(evict, check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+        assert pinned.read(0, size) == expected and pinned.path.exists()
+    subprocess.run(evict, check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert not pinned.path.exists() and not list(tmp_path.glob("*.sha256"))  # unpinned: evicted, digest and all
