@@ -83,9 +83,10 @@ except gpupipe.errors.GpupipeError as e:
 
 _PLANT = """
 import hashlib, os, sys
-path, data = sys.argv[1], bytes.fromhex(sys.stdin.read())
-for name, content in ((path, data), (path + ".sha256", hashlib.sha256(data).hexdigest().encode())):
-    open(name + ".new", "wb").write(content)  # a digest to match, forged as well
+path, forge, data = sys.argv[1], sys.argv[2] == "forge", bytes.fromhex(sys.stdin.read())
+files = [(path, data)] + [(path + ".sha256", hashlib.sha256(data).hexdigest().encode())] * forge  # a digest to match
+for name, content in files:
+    open(name + ".new", "wb").write(content)
     os.replace(name + ".new", name)  # over whoever's file was there
 """
 
@@ -129,7 +130,9 @@ def test_a_folder_every_user_may_write_is_refused_and_a_planted_shard_never_read
     folder.chmod(0o1777)
     info = scan(Remote(url, cache_dir=str(place / "mine"))).cache
     name = ShardCache.name(info.urls[0], info.sizes[0], info.etags[0])
-    planted = as_user(B, _PLANT, str(folder / name), stdin=altered(prepared / "shard-000000.tar").hex(), place=place)
+    planted = as_user(
+        B, _PLANT, str(folder / name), "forge", stdin=altered(prepared / "shard-000000.tar").hex(), place=place
+    )
     assert planted.returncode == 0, planted.stderr
     with pytest.raises(StorageError, match=rf"^{folder}: the shard cache folder is writable by every user") as e:
         gpupipe.build_loader(Remote(url, cache_dir=str(folder)), "pillow", batch_size=4, num_workers=0, device="cpu")
@@ -137,17 +140,17 @@ def test_a_folder_every_user_may_write_is_refused_and_a_planted_shard_never_read
 
 
 def test_a_shard_another_user_planted_or_altered_is_fetched_again_never_read(s3, prepared, place):
-    """A group-shared folder: B (a member) plants an altered shard with a digest to match. Root (no member) trusts
-    none of B's files; C (a member) trusts B's, but the bytes are not the object's (its MD5 ETag): both fetch the
-    shard again and read the store's bytes."""
+    """A group-shared folder: B (a member) plants an altered shard with a digest to match: root, no member, trusts
+    none of B's files. B replaces the shard root fetched again, its digest kept: C, a member, trusts B's file, but
+    its bytes are not what the store served. Each fetches the shard again and reads the store's bytes."""
     url = s3.upload(prepared, "altered")
     folder = shared(place)
     data = scan(Remote(url, cache_dir=str(folder)))
     name = ShardCache.name(data.cache.urls[0], data.cache.sizes[0], data.cache.etags[0])
     real = (prepared / "shard-000000.tar").read_bytes()
     fake = altered(prepared / "shard-000000.tar").hex()
-    for reader in (0, C):
-        planted = as_user(B, _PLANT, str(folder / name), stdin=fake, place=place)
+    for reader, forge in ((0, "forge"), (C, "keep")):
+        planted = as_user(B, _PLANT, str(folder / name), forge, stdin=fake, place=place)
         assert planted.returncode == 0, planted.stderr
         if reader == 0:
             cache = ShardCache(folder, 1 << 30)

@@ -13,8 +13,9 @@ folder on ``/dev/shm`` makes it a memory cache with no other code.
   mid-fetch leaves a ``.part`` and a free lock: the next reader fetches again over it.
 - **Checked**: a shard's name holds the object's size and a digest of its ETag (as listed when the loader was
   built), so a re-written object is another name and is fetched again; a fetch whose bytes are not the listed size,
-  or not the listed version (their MD5 where the ETag is one, else the object's ETag asked again), is an error naming
-  the URL. Beside each shard, ``<name>.sha256`` holds the digest of the bytes the store served.
+  or not the listed version (their MD5 where the ETag is one; else, or where it is not the bytes', the object's ETag
+  asked again), is an error naming the URL. Beside each shard, ``<name>.sha256`` holds the digest of the bytes the
+  store served.
 - **Trusted**: a cached shard is read only if this user, root or the cache folder's group wrote it (the folder's
   group counts where the folder is group-writable and this user is a member) and its bytes match its digest
   (checked when a process first opens it); any other file at its name (planted, altered, truncated) is fetched
@@ -144,22 +145,21 @@ class ShardCache:
 
     def _trusted(self, path: Path, size: int, etag: str) -> os.stat_result | None:
         """``path``'s status where it is a whole shard this process may read: a regular file of ``size`` bytes,
-        written by this user, root or the folder's sharing group, whose bytes match the object (its MD5 where the
-        ETag is one, else the digest kept beside it; read back once per process and file); None otherwise (absent,
-        truncated, planted or altered: fetched again over)."""
+        written by this user, root or the folder's sharing group, whose bytes match the digest of what the store
+        served, kept beside it (read back once per process and file); None otherwise (absent, truncated, planted or
+        altered: fetched again over)."""
         digest_path = path.with_name(path.name + _DIGEST)
         try:
             st, digest_st = os.lstat(path), os.lstat(digest_path)
             regular = stat.S_ISREG(st.st_mode) and stat.S_ISREG(digest_st.st_mode) and digest_st.st_size < 256
             if not (regular and st.st_size == size and self._owned(st) and self._owned(digest_st)):
                 return None
-            md5 = md5_in_etag(etag)
-            expected = md5 or digest_path.read_text().strip()
+            expected = digest_path.read_text().strip()
         except (FileNotFoundError, UnicodeDecodeError):
             return None
         key = (st.st_dev, st.st_ino, size, expected)
         if key not in self._checked:
-            if (md5_of(path) if md5 else sha256_of(path)) != expected:
+            if sha256_of(path) != expected:
                 return None
             self._checked.add(key)
         return st
@@ -200,7 +200,7 @@ class ShardCache:
             if full:
                 raise self._full(url, size, full[0]) from None
         st = path.stat()
-        self._checked.add((st.st_dev, st.st_ino, size, md5_in_etag(etag) or digest))
+        self._checked.add((st.st_dev, st.st_ino, size, digest))
         self.fetches += 1
 
     def _checked_download(self, store: Store, url: str, size: int, etag: str, part: Path) -> str:
@@ -215,18 +215,14 @@ class ShardCache:
         with open(part, "rb") as f:  # to the disk before the rename: a crash leaves no renamed file of zeros
             os.fsync(f.fileno())
         md5 = md5_in_etag(etag)
-        if md5:
-            now = md5_of(part)
-            changed = now != md5
-        else:
+        if md5 is None or md5_of(part) != md5:  # no MD5, or not the bytes' (encrypted with KMS): ask the store
             store.fs.invalidate_cache(store.path(url))  # the listing's answer is kept: ask the store itself
             now = etag_of(store.info(url))
-            changed = now != etag
-        if changed:
-            raise StorageError(
-                f"{url}: the object changed since the loader listed it (ETag {etag}, now {now}): it was re-written "
-                "while this loader runs; build the loader again"
-            )
+            if now != etag:
+                raise StorageError(
+                    f"{url}: the object changed since the loader listed it (ETag {etag}, now {now}): it was re-written "
+                    "while this loader runs; build the loader again"
+                )
         return sha256_of(part)
 
     def _room(self, url: str, size: int) -> None:
