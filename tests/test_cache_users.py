@@ -181,3 +181,21 @@ def test_the_members_of_a_sharing_group_read_each_others_shards(s3, prepared, pl
     assert outsider.returncode == 3 and outsider.stdout.count("\n") == 1, outsider.stdout + outsider.stderr
     assert outsider.stdout.startswith(f"error: {folder}: the shard cache folder is not this user's")
     assert "chmod 2770" in outsider.stdout
+
+
+def test_another_users_leftover_the_sticky_bit_keeps_is_the_folders_error_not_the_stores(s3, prepared, place):
+    """A shared folder with the sticky bit (mode 3770): a fetch B left half done cannot be removed by C. C's run stops
+    in one line naming the cache folder, the file and the fix (it blamed the store's credentials)."""
+    url = s3.upload(prepared, "sticky")
+    folder = shared(place, 0o3770)
+    data = scan(Remote(url, cache_dir=str(place / "mine")))
+    first = int(data._shard[0])
+    name = ShardCache.name(data.cache.urls[first], data.cache.sizes[first], data.cache.etags[first])
+    planted = as_user(B, _PLANT, str(folder / f"{name}.part"), "keep", stdin=b"half".hex(), place=place)
+    assert planted.returncode == 0, planted.stderr
+    r = as_user(C, _READ, url, str(folder), "skip", groups=(GROUP,), place=place)
+    assert r.returncode == 3 and r.stdout.count("\n") == 1, r.stdout + r.stderr
+    assert r.stdout.startswith(
+        f"error: {folder}: the shard cache refuses this user (Operation not permitted: {folder}/"
+    )
+    assert "check the credentials" not in r.stdout and "chmod 2770" in r.stdout

@@ -177,8 +177,7 @@ class ShardCache:
         self._room(url, size)
         full: list[OSError] = []
 
-        def get() -> None:
-            part.unlink(missing_ok=True)  # a killed fetch's leftover, or this one's failed attempt
+        def get() -> None:  # each attempt writes the file anew
             try:
                 store.fs.get_file(store.path(url), str(part))
             except OSError as e:
@@ -186,6 +185,7 @@ class ShardCache:
                     full.append(e)
                 raise
 
+        part.unlink(missing_ok=True)  # a killed fetch's leftover (another user's: the folder's error, not the store's)
         try:
             store.call(url, get)
             digest = self._checked_download(store, url, size, etag, part)
