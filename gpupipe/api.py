@@ -136,6 +136,7 @@ def build_loader(
     recipe = recipe or Recipe()
     if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it
         recipe = dataclasses.replace(recipe, size=image_size)  # 0 or less: Recipe's one-line error
+    recipe.check_fits(batch_size, train)  # before any worker asks shared memory for it
     rank, world_size = _resolve_rank(rank, world_size)
     drop_last = train if drop_last is None else drop_last
     sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)

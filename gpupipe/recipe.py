@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -82,6 +83,10 @@ class ResolutionSchedule:
 
 
 Size = int | ResolutionSchedule | tuple[int, ...]
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB"
 
 
 def size_at(size: Size, epoch: int) -> int:
@@ -164,6 +169,26 @@ class Recipe:
     @property
     def resize_size(self) -> int:
         return round(self.eval_side / self.crop_pct)
+
+    def check_fits(self, batch_size: int, train: bool, memory: int | None = None) -> None:
+        """A batch at the largest side this recipe makes (a schedule's, a list's, the eval side) must fit the
+        machine's memory (``memory`` bytes; default: physical memory) as uint8 pixels and their float32 copy: refused
+        up front, with what it would need, rather than asked of a worker's shared memory."""
+        size = self.size
+        if not train:
+            side, what = self.eval_side, "eval_size (--eval-size)" if self.eval_size else "image_size (--image-size)"
+        elif isinstance(size, ResolutionSchedule):
+            side, what = max(size.start, size.end), "the resolution schedule's side (--res-start, --res-end)"
+        else:
+            side, what = max(size) if isinstance(size, tuple) else cast(int, size), "image_size (--image-size)"
+        memory = memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        need = batch_size * side * side * 3 * (1 + 4)
+        if need > memory:
+            raise ValueError(
+                f"{what} {side}: a batch of {batch_size} images at {side}x{side} needs {_gib(need)} of memory (uint8 "
+                f"pixels and their float32 copy), more than this machine's {_gib(memory)}; take a smaller side or "
+                "batch size"
+            )
 
     def train_draws(self, seed: int, epoch: int | Sequence[int], indices) -> np.ndarray:
         """(n, DRAWS) float64: what the train crops of samples ``indices`` in ``epoch`` are made from, for the whole

@@ -17,9 +17,10 @@ import gpupipe
 from gpupipe import Remote
 from gpupipe.data.cache import ShardCache, parse_limit
 from gpupipe.data.sources import open_source as scan
+from gpupipe.errors import StorageError
 from gpupipe.prepare import PrepareOptions, prepare
 
-from .common_utils import CountingProxy, S3Server
+from .common_utils import REPO_ROOT, CountingProxy, S3Server
 
 pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
 KW = dict(batch_size=4, image_size=24, device="cpu", seed=3, normalize=False)
@@ -103,12 +104,12 @@ def test_a_limit_smaller_than_the_window_is_refused_with_the_numbers(s3, prepare
     url = s3.upload(prepared, "small")
     two = sum(sorted(scan(Remote(url, cache_dir=str(tmp_path))).cache.sizes)[-2:])
     source = Remote(url, cache_dir=str(tmp_path), cache_limit=two - 1, memory_cache=0)  # no blocks kept either
-    refused = r"cache_limit=.* MiB holds fewer than shuffle_window=2 shards \(the largest 2 hold .* MiB\); allow"
+    refused = r"cache_limit=.* KiB \(--cache-limit\) holds fewer than shuffle_window=2 \(--shuffle-window\) shards \("
     with pytest.raises(ValueError, match=refused):
         gpupipe.build_loader(source, "pillow", shuffle_window=2, num_workers=0, **KW)
     one = gpupipe.build_loader(source, "pillow", shuffle_window=1, num_workers=0, **KW).dataset
     assert one.cached and one.read_ahead is None  # no room for the next group: each shard fetched when needed
-    with pytest.warns(UserWarning, match=r"a global shuffle over .* more than cache_limit=.* use shuffle_window=1"):
+    with pytest.warns(UserWarning, match=r"a global shuffle over .* KiB of shards, more than cache_limit=.* use "):
         assert not gpupipe.build_loader(source, "pillow", num_workers=0, **KW).dataset.cached
     assert parse_limit("50GB") == 50 << 30 and parse_limit(0) == 0
     with pytest.raises(ValueError, match="cache_limit: expected a size such as 50GB"):
@@ -191,3 +192,143 @@ def test_train_takes_the_cache_limit(s3, prepared, tmp_path):
         cfg = load_config(None, {"data": url, "cache_limit": given, "workers": 0, "batch_size": 4, "image_size": 24})
         data = build_loaders(cfg, torch.device("cpu"))[0].dataset
         assert (data.cache and data.cache.cache.limit) == limit
+
+
+def test_an_object_re_written_with_the_same_size_under_a_running_loader_is_an_error_naming_it(s3, prepared, tmp_path):
+    """The loader listed the shard; then it is re-written, as long as before, and not cached yet (or evicted): the
+    bytes fetched are not the listed version (their MD5 is not the ETag), an error naming the object, never decoded
+    with the old index."""
+    url = s3.upload(prepared, "rewritten")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard = prepared / "shard-000000.tar"
+    changed = bytearray(shard.read_bytes())
+    changed[2000:2100] = bytes(100)  # inside the first JPEG: the same size, other pixels
+    s3.client().pipe_file(f"{S3Server.BUCKET}/rewritten/shard-000000.tar", bytes(changed))
+    first = int((data._shard == 0).nonzero()[0][0])
+    with pytest.raises(StorageError, match=rf"^{url}/shard-000000.tar: the object changed since the loader listed it"):
+        data.read(first)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith((".tar", ".part"))]  # nothing of it kept
+
+
+def test_a_cached_copy_altered_in_place_is_fetched_again_never_read(s3, prepared, tmp_path):
+    """A cached shard whose bytes changed after it was fetched (the same size: a disk's error, a stray write) no longer
+    matches the object: the next process to open it fetches it again."""
+    url = s3.upload(prepared, "corrupted")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard, size, etag = data.shard_paths[0], data.cache.sizes[0], data.cache.etags[0]
+    expected = (prepared / "shard-000000.tar").read_bytes()
+    ShardCache(tmp_path, 1 << 30).ensure(data.store, shard, size, etag)
+    path = tmp_path / ShardCache.name(shard, size, etag)
+    with open(path, "r+b") as f:
+        f.seek(3000)
+        f.write(b"\xff" * 64)
+    cache = ShardCache(tmp_path, 1 << 30)  # another process's
+    with cache.pin(data.store, shard, size, etag) as pinned:
+        assert pinned.read(0, size) == expected and cache.fetches == 1
+
+
+def test_a_full_cache_disk_names_the_folder_the_free_space_and_the_fix(s3, prepared, tmp_path):
+    """``cache_limit`` above what the disk can hold: the shard that does not fit is a one-line error naming the cache
+    folder, its free space and the fix, not the store's "No space left on device"."""
+    from .test_train_checkpoint import small_disk
+
+    url = s3.upload(prepared, "full")
+    with small_disk(tmp_path, 40 << 10) as (mount, limit):
+        if limit is not None:
+            pytest.skip("needs a small real disk (a tmpfs this process may mount)")
+        disk = mount / "cache"  # the tmpfs's own root is writable by every user: refused as a cache folder
+        data = scan(Remote(url, cache_dir=str(disk), cache_limit="1GB"))
+        with pytest.raises(StorageError) as e:
+            for i in range(len(data)):
+                data.read(i)
+        said = str(e.value)
+        assert said.startswith(f"{disk}: no room for {url}/shard-") and "\n" not in said
+        assert " free, and cache_limit 1.00 GiB is more than the disk holds; set a smaller --cache-limit" in said
+        assert not list(disk.glob("*.part"))
+
+
+def test_the_default_folder_is_the_users_own(s3, prepared, tmp_path, monkeypatch):
+    """``$XDG_CACHE_HOME/gpupipe/shards``: made mode 0700, and made so where it was open to others."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("GPUPIPE_CACHE", raising=False)
+    url = s3.upload(prepared, "default")
+    data = scan(Remote(url))
+    folder = tmp_path / "xdg" / "gpupipe" / "shards"
+    assert data.cache.cache.folder == folder and oct(folder.stat().st_mode & 0o777) == oct(0o700)
+    folder.chmod(0o755)
+    scan(Remote(url))
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_a_cache_limit_below_the_shuffle_window_through_the_cli_is_one_line_with_both_flags(s3, prepared, tmp_path):
+    """``gpupipe train --shuffle-window 2 --cache-limit 20KB``: refused before training, in one line naming both flags
+    and sizes as they are (it said "cache_limit=0.0 MiB ... the largest 2 hold 0.0 MiB")."""
+    url = s3.upload(prepared, "cli")
+    args = ["--data", url, "--shuffle-window", "2", "--cache-limit", "20KB", "--epochs", "1", "--batch-size", "4"]
+    args += ["--image-size", "32", "--workers", "0", "--device", "cpu", "--out", str(tmp_path / "run")]
+    env = {**os.environ, "GPUPIPE_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run([sys.executable, "-m", "gpupipe", "train", *args], capture_output=True, text=True, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(
+        "error: cache_limit=20.0 KiB (--cache-limit) holds fewer than shuffle_window=2 (--shuffle-window) shards (the "
+        "largest 2 hold "
+    )
+    assert " KiB); allow at least " in lines[0] and "0.0 MiB" not in lines[0]
+
+
+_FILL = """
+import random, sys
+from gpupipe import Remote
+from gpupipe.data.sources import open_source
+url, cache, limit, local, seed = sys.argv[1:]
+data = open_source(Remote(url, cache_dir=cache, cache_limit=int(limit)))
+data.cached, data.cache.keep = True, 1  # every read through the cache, one shard pinned at a time
+truth = open_source(local)
+order = list(range(len(data))) * 3
+random.Random(int(seed)).shuffle(order)
+bad = [i for i in order if data.read(i) != truth.read(i)]
+data.cache.release(set())
+print(len(order), len(bad), data.cache.cache.fetches)
+"""
+
+
+def test_ranks_of_two_nodes_fill_one_small_cache_at_once_and_read_every_byte_right(s3, prepared, tmp_path):
+    """Four processes (two "nodes" of two ranks, one shared folder, as on a shared file system) read every sample
+    three times in orders of their own through a cache that holds three shards: shards are fetched, evicted and
+    fetched again while others read them; each reads the store's bytes, every time."""
+    url = s3.upload(prepared, "fill")
+    limit = 3 * max(p.stat().st_size for p in prepared.glob("shard-*.tar"))
+    cache = tmp_path / "cache"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILL, url, str(cache), str(limit), str(prepared), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(r // 2)},
+        )
+        for r in range(4)
+    ]
+    said = [p.communicate(timeout=600) for p in ranks]
+    assert [p.returncode for p in ranks] == [0] * 4, [err for _, err in said]
+    counts = [tuple(map(int, out.split())) for out, _ in said]
+    assert all(read == 3 * 24 and bad == 0 for read, bad, _ in counts)
+    assert sum(fetched for *_, fetched in counts) > len(list(prepared.glob("shard-*.tar")))  # evicted, fetched again
+    held = sum(p.stat().st_size for p in cache.glob("*.tar"))
+    assert held <= limit and not list(cache.glob("*.part"))
+
+
+def test_a_shard_another_process_reads_is_never_evicted_under_it(s3, prepared, tmp_path):
+    url = s3.upload(prepared, "pinned")
+    data = scan(Remote(url, cache_dir=str(tmp_path)))
+    shard, size, etag = data.shard_paths[0], data.cache.sizes[0], data.cache.etags[0]
+    expected = (prepared / "shard-000000.tar").read_bytes()
+    reader = ShardCache(tmp_path, 1 << 30)
+    with reader.pin(data.store, shard, size, etag) as pinned:
+        evict = [sys.executable, "-c", "import sys; from gpupipe.data.cache import ShardCache; "
+                 "ShardCache(sys.argv[1], 0).evict(1 << 30)", str(tmp_path)]  # fmt: skip
+        subprocess.run(evict, check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+        assert pinned.read(0, size) == expected and pinned.path.exists()
+    subprocess.run(evict, check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert not pinned.path.exists() and not list(tmp_path.glob("*.sha256"))  # unpinned: evicted, digest and all

@@ -156,3 +156,21 @@ def test_an_evaluation_loader_resumes_mid_epoch_only_with_its_own_ranks(colours)
     assert again.state_dict()["batch"] == 1
     with pytest.raises(ValueError, match=r"cannot resume this evaluation loader mid-epoch: .* 2 rank"):
         gpupipe.build_loader(colours["folder"], "pillow", **kw).load_state_dict(saved.state_dict())
+
+
+def test_a_negative_epoch_is_refused_where_it_is_set_never_saved(colours):
+    """``set_epoch(-1)`` (the loader's or its sampler's) is refused at once, in one line: accepted, it would be saved
+    in ``state_dict`` and refused only on resume, blaming the batch size, the data or the ranks."""
+    loader = gpupipe.build_loader(
+        colours["folder"], "pillow", batch_size=4, image_size=8, num_workers=0, device="cpu", normalize=False
+    )
+    for set_epoch in (loader.set_epoch, loader.sampler.set_epoch):
+        with pytest.raises(ValueError, match=r"set_epoch: an epoch is a whole number >= 0 .* got -1$"):
+            set_epoch(-1)
+    with pytest.raises(ValueError, match=r"set_epoch: .* got 1.5$"):
+        loader.set_epoch(1.5)
+    assert loader.state_dict()["epoch"] == 0
+    with pytest.raises(ValueError, match=r"the state's epoch: an epoch is a whole number >= 0 .* got -2$"):
+        loader.load_state_dict({**loader.state_dict(), "epoch": -2})
+    loader.set_epoch(2)
+    assert loader.state_dict()["epoch"] == 2

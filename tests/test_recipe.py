@@ -127,3 +127,34 @@ def test_the_crop_boxes_do_not_depend_on_the_size():
         small.plan_boxes(True, 3, 1, range(50), [300] * 50, [400] * 50)
         == large.plan_boxes(True, 3, 1, range(50), [300] * 50, [400] * 50)
     ).all()
+
+
+def test_a_side_whose_batch_cannot_fit_the_machine_is_refused_up_front(folder):
+    """--image-size 100000 (or --eval-size, or a schedule's end) was accepted; a worker then asked for 240 GB of shared
+    memory per batch, the run blamed /dev/shm and left the file there. Refused by build_loader, before any worker,
+    with the memory a batch needs."""
+    import os
+
+    import gpupipe
+    from gpupipe.recipe import Recipe, ResolutionSchedule
+
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    kw = dict(batch_size=8, num_workers=2, device="cpu")
+    for made in (
+        lambda: gpupipe.build_loader(folder, "pillow", image_size=100_000, **kw),
+        lambda: gpupipe.build_loader(folder, "pillow", train=False, recipe=Recipe(size=64, eval_size=100_000), **kw),
+        lambda: gpupipe.build_loader(folder, "pillow", recipe=Recipe(size=ResolutionSchedule(64, 100_000, 0, 3)), **kw),
+    ):
+        with pytest.raises(
+            ValueError, match=r"100000: a batch of 8 images at 100000x100000 needs 1117.6 GiB of memory"
+        ):
+            made()
+    if os.path.isdir("/dev/shm"):
+        assert not {f for f in set(os.listdir("/dev/shm")) - shm if f.startswith("torch_")}
+    with pytest.raises(ValueError) as e:
+        Recipe(size=2048).check_fits(64, train=True, memory=2 << 30)
+    assert str(e.value) == (
+        "image_size (--image-size) 2048: a batch of 64 images at 2048x2048 needs 3.8 GiB of memory (uint8 pixels and "
+        "their float32 copy), more than this machine's 2.0 GiB; take a smaller side or batch size"
+    )
+    Recipe(size=224).check_fits(256, train=True, memory=16 << 30)  # ImageNet's: 0.2 GiB

@@ -99,3 +99,22 @@ def test_held_out_set_uses_the_training_classes(tmp_path):
     lst.write_text("val/c/x.jpg,c\nval/b/x.jpg,b\n")
     with pytest.warns(UserWarning):
         assert [label for _, label in scan(lst, class_to_idx=train.class_to_idx).samples] == [2, 1]
+
+
+def test_csv_a_nul_byte_and_a_label_of_thousands_of_digits_name_the_line(tmp_path, folder):
+    """Python's own errors ("embedded null byte", the 4,300-digit limit of int()) named neither the list nor the
+    line; each is the list's one-line error like every other CSV mistake."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    lst = tmp_path / "list.csv"
+    lst.write_text("path,label\nimgs/c00/000.jpg,1\nimgs/c01/\x00000.jpg,0\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"list.csv:3: the path 'imgs/c01/\\x00000.jpg' holds a NUL byte") as e:
+        scan(lst)
+    assert "\n" not in str(e.value)
+    lst.write_text("path,label\nimgs/c00/000.jpg,1\nimgs/c01/000.jpg," + "9" * 5000 + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"list.csv:3: label 999999999999...\(5000 characters\) would make more") as e:
+        scan(lst)
+    assert len(str(e.value)) < 300
+    lst.write_text("imgs/c00/000.jpg,-0\nimgs/c01/000.jpg,000001\n", encoding="utf-8")  # zeros as written: kept
+    assert [label for _, label in scan(lst).samples] == [0, 1]

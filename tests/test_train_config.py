@@ -93,8 +93,80 @@ def test_the_resolution_schedule_flags(capsys):
     assert TrainConfig(image_size=192).train_size() == 192
     for bad, match in (
         ({"res_start": 0}, "res_start must be >= 1"),
-        ({"res_start_epoch": 3, "res_end_epoch": 1}, "res_end_epoch >= res_start_epoch"),
+        ({"res_start": 128, "res_start_epoch": 3, "res_end_epoch": 1}, "--res-end-epoch 1 must come after"),
         ({"eval_size": -1}, "eval_size must be >= 1"),
     ):
         with pytest.raises(ValueError, match=match):
             TrainConfig(**bad)
+
+
+def test_schedule_flags_that_contradict_each_other_or_do_nothing_are_refused_in_one_line():
+    """--res-start-epoch 1 --res-end-epoch 1 (the last epoch at --res-start is also the first at --res-end), and the
+    schedule's epochs without a schedule (no --res-start, no --res-end), were accepted and ignored."""
+    for bad, said in (
+        (
+            {"res_start": 128, "res_start_epoch": 1, "res_end_epoch": 1},
+            "--res-end-epoch 1 must come after --res-start-epoch 1: that is the last epoch at --res-start, "
+            "--res-end-epoch the first at --res-end (e.g. --res-end-epoch 2)",
+        ),
+        (
+            {"res_start_epoch": 1},
+            "--res-start-epoch 1: the resolution schedule is off without --res-start or --res-end; set one, or drop it",
+        ),
+        ({"res_end_epoch": 4, "res_step": 16}, "--res-end-epoch 4, --res-step 16: the resolution schedule is off"),
+    ):
+        with pytest.raises(ValueError) as e:
+            TrainConfig(**bad)
+        assert str(e.value).startswith(said) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            {"res_start": 96, "res_start_epoch": 5, "epochs": 2},
+            "the resolution schedule reaches --res-end 224 at epoch 6, but --epochs 2 ends after epoch 1 (epochs count "
+            "from 0), at side 96: to finish it, resume with --allow-config-change --epochs 7",
+        ),
+        (
+            {"res_end": 160, "res_end_epoch": 50, "epochs": 3},
+            "the resolution schedule reaches --res-end 160 at epoch 50, but --epochs 3 ends after epoch 2 (epochs "
+            "count from 0), at side 192: to finish it, resume with --allow-config-change --epochs 51",
+        ),
+        (
+            {"res_end": 288, "epochs": 1},
+            "the resolution schedule reaches --res-end 288 at epoch 1, but --epochs 1 ends after epoch 0",
+        ),
+    ],
+)
+def test_a_schedule_that_cannot_finish_within_the_epochs_is_said_in_one_line(flags, said, caplog):
+    """It trained to the end at the start size, silently. A warning, not a refusal: --epochs may be extended on
+    resume, and the line says how; said once however often the config is made again."""
+    with caplog.at_level("WARNING", logger="gpupipe"):
+        TrainConfig(**flags)
+        TrainConfig(**flags)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpupipe"]
+    assert len(lines) == 1 and lines[0].startswith(said) and "\n" not in lines[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpupipe"):  # the schedule done within the run: nothing to say
+        TrainConfig(**{**flags, "epochs": 60})
+    assert not caplog.records
+
+
+def test_the_cache_limit_is_parsed_and_said_when_it_has_no_effect(caplog):
+    """--cache-limit banana trained normally (parsed only when a loader over a URL was built); --cache-limit 1GB over
+    a local folder said nothing."""
+    with pytest.raises(ValueError) as e:
+        TrainConfig(data="s3://bucket/train", cache_limit="banana")
+    assert str(e.value) == (
+        "--cache-limit 'banana': expected bytes or a size such as 50GB, 512MiB or 100k (powers of 1024), or 0 for no "
+        "cache folder"
+    )
+    with caplog.at_level("WARNING", logger="gpupipe"):
+        TrainConfig(data="s3://bucket/train", cache_limit="3GB")
+        assert not caplog.records
+        TrainConfig(data="my/folder", cache_limit="1GB")
+    assert [r.getMessage() for r in caplog.records] == [
+        "--cache-limit 1GB has no effect: --data my/folder is not at a URL (the shard cache keeps shards fetched from "
+        "object storage)"
+    ]

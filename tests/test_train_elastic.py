@@ -88,6 +88,23 @@ def test_the_lr_schedule_goes_on_by_samples_seen(tmp_path):
     assert [g["lr"] for g in new.optimizer.param_groups] == pytest.approx(lr)
 
 
+def test_another_batch_under_another_number_of_ranks_is_refused_naming_both_layouts_and_the_flags(tmp_path):
+    """2 ranks x batch 4 x accum 1 resumed on 1 rank with --batch-size 8 (the same global batch): the refusal said
+    "batch_size 4 -> 8; accum 2 -> 1", values neither side had, and not that the number of ranks changed."""
+    path = tmp_path / "last.pt"
+    torch.save({"config": {"world_size": 2, "batch_size": 4, "accum": 1}, "loader": {"epoch": 0, "batch": 1}}, path)
+    with pytest.raises(ValueError) as e:
+        fit_world_size(train_config(tmp_path, tmp_path, batch_size=8), path, 1)
+    assert str(e.value) == (
+        f"{path}: saved with 2 rank(s) x batch 4 x accum 1 (global batch 8); asked: 1 rank(s) x batch 8 x accum 1 "
+        "(global batch 8): the number of ranks changed, and the per-rank batch and accum resume as saved; pass "
+        "--batch-size 4 --accum 1 (over 1 rank(s): batch 4 x accum 2), or start a new run in another --out"
+    )
+    for flags in ({"batch_size": 4}, {"batch_size": 4, "accum": 2}):  # what the line says, and its fit: both resume
+        cfg, said = fit_world_size(train_config(tmp_path, tmp_path, **flags), path, 1)
+        assert (cfg.batch_size, cfg.accum) == (4, 2) and said is not None
+
+
 def test_the_number_of_ranks_changed_is_said_in_one_line(tmp_path):
     """Kept, not kept (the global batch changes) and unknown (a checkpoint of an earlier version, mid-epoch): each a
     line; the user's own other batch is left to the settings' comparison."""
@@ -113,7 +130,8 @@ def test_the_number_of_ranks_changed_is_said_in_one_line(tmp_path):
     cfg, said = fit_world_size(train_config(tmp_path, tmp_path, batch_size=3), path, 1)
     assert said is None
     user = train_config(tmp_path, tmp_path, batch_size=5)
-    assert fit_world_size(user, path, 2)[0] == user  # not the saved flags: compared, and refused, by the resume
+    with pytest.raises(ValueError, match=r"saved with 1 rank\(s\) x batch 3 x accum 1 .* asked: 2 rank\(s\) x batch 5"):
+        fit_world_size(user, path, 2)  # neither the saved flags nor their fit: refused, saying which
     saved({"batch_size": 3, "accum": 1})  # an earlier version's checkpoint, mid-epoch
     cfg, said = fit_world_size(train_config(tmp_path, tmp_path, batch_size=3), path, 2)
     assert said is not None and "records no number of ranks" in said and "epoch 0 batch 2" in said

@@ -40,9 +40,9 @@ def plan(sizes: Sequence[int], limit: int, shuffled: bool, window: int | None, l
         need = sum(largest[:window])
         if need > limit:
             raise ValueError(
-                f"cache_limit={size_text(limit)} holds fewer than shuffle_window={window} shards (the largest "
-                f"{window} hold {size_text(need)}); allow at least {size_text(2 * need)} (a group and the next, read "
-                "ahead) or take a smaller shuffle_window"
+                f"cache_limit={size_text(limit)} (--cache-limit) holds fewer than shuffle_window={window} "
+                f"(--shuffle-window) shards (the largest {window} hold {size_text(need)}); allow at least "
+                f"{size_text(2 * need)} (a group and the next, read ahead) or take a smaller shuffle_window"
             )
         return Plan(True, keep=2 * window, ahead=window if 2 * need * local_ranks <= limit else 0)
     if not shuffled:

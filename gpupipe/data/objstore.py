@@ -40,8 +40,10 @@ class Remote:
         storage_options: passed to the fsspec file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
             ``client_kwargs``...); by default credentials and endpoint come from the environment and config files.
         cache_dir: the node's shard cache folder (:mod:`gpupipe.data.cache`), shared by every worker, rank and run
-            on the node: each shard is fetched whole once per node, read ahead, checked against the object's size
-            and ETag. Default: ``$GPUPIPE_CACHE``, else ``$XDG_CACHE_HOME/gpupipe/shards`` (``~/.cache/...``).
+            of the user on the node: each shard is fetched whole once per node, read ahead, checked against the
+            object's size, ETag and digest. Default: ``$GPUPIPE_CACHE``, else ``$XDG_CACHE_HOME/gpupipe/shards``
+            (``~/.cache/...``, the user's own, mode 0700). Users share a folder of a group they belong to (mode
+            2770); one every user may write is refused (:mod:`gpupipe.data.cache_folder`).
         cache_limit: bytes the cache folder may hold (``"50GB"``, or a number), least recently used shards evicted
             first; default half the free space of its disk (plus what it holds). 0: no cache folder (range reads).
         memory_cache: bytes of shards each process (each DataLoader worker) may keep in memory. When the data set's

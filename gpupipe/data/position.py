@@ -71,8 +71,8 @@ class Position:
         return {"epoch": self.epoch, "batch": self.batch}
 
     def load_state_dict(self, state: dict) -> None:
-        epoch, batch = int(state["epoch"]), int(state["batch"])
-        if epoch < 0 or not 0 <= batch <= self.num_batches:
+        epoch, batch = _epoch(state["epoch"], "the state's epoch"), int(state["batch"])
+        if not 0 <= batch <= self.num_batches:
             raise ValueError(
                 f"cannot resume at epoch {epoch}, batch {batch}: this loader has {self.num_batches} batches an epoch"
                 " (was the state saved with another batch size, data set or number of ranks?)"
@@ -85,6 +85,7 @@ class Position:
         self.resplit = resplit
 
     def set_epoch(self, epoch: int) -> None:
+        epoch = _epoch(epoch, "set_epoch")
         if self._running is None and epoch == self.epoch:
             return  # already there: a loaded position is kept
         self.epoch, self.batch, self._running, self.resplit = epoch, 0, None, None
@@ -123,6 +124,13 @@ class Position:
         """``token`` delivered its epoch's last batch: the next pass is the next epoch, from its start."""
         if token is self._running:
             self.epoch, self.batch, self._running, self.resplit = self.epoch + 1, 0, None, None
+
+
+def _epoch(value, what: str) -> int:
+    """An epoch number: a whole number >= 0 (a negative one would be saved in ``state_dict`` and refused on resume)."""
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"{what}: an epoch is a whole number >= 0 (epochs count from 0), got {value!r}")
+    return int(value)
 
 
 class Pass(Generic[T]):

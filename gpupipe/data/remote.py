@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GpupipeError, StorageError
-from .cache import ShardCache, cache_folder, etag_of, parse_limit
+from .cache import ShardCache, etag_of, parse_limit
+from .cache_folder import cache_folder
 from .cached import CachedShards, ReadAhead, plan
 from .objstore import Remote, Store
 from .ranges import BatchReader

@@ -155,6 +155,8 @@ def _csv_rows(path: Path) -> list[_Row]:
                 continue
             if len(row) < 2:
                 raise ValueError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
+            if "\0" in row[0]:  # the OS refuses it ("embedded null byte"): said here, with the line
+                raise ValueError(f"{path}:{lineno}: the path {row[0]!r} holds a NUL byte, which no file name can")
             rows.append(_Row(lineno, row[0].strip(), row[1].strip()))
     return rows
 
@@ -183,14 +185,25 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
                 f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
                 f"({rows[0].label!r}); use class indices or class names, not both"
             )
-        if numeric and int(label) < 0:
-            raise ValueError(f"{path}:{lineno}: label {label} must be >= 0")
-        if numeric and int(label) >= MAX_CLASSES:
+        if numeric and label.startswith("-") and label.lstrip("-0"):
+            raise ValueError(f"{path}:{lineno}: label {_short(label)} must be >= 0")
+        if numeric and _too_large(label):
             raise ValueError(
-                f"{path}:{lineno}: label {label} would make {int(label) + 1} classes (labels are class indices "
-                f"0..n-1; at most {MAX_CLASSES:,} classes)"
+                f"{path}:{lineno}: label {_short(label)} would make more than {MAX_CLASSES:,} classes (labels are "
+                f"class indices 0..n-1; at most {MAX_CLASSES:,} classes)"
             )
     return numeric
+
+
+def _too_large(label: str) -> bool:
+    """An index at or past MAX_CLASSES, told without int() for a label of thousands of digits (which Python refuses
+    to convert past 4,300 digits)."""
+    digits = label.lstrip("0") or "0"
+    return len(digits) > len(str(MAX_CLASSES)) or int(digits) >= MAX_CLASSES
+
+
+def _short(label: str) -> str:
+    return label if len(label) <= 24 else f"{label[:12]}...({len(label)} characters)"
 
 
 def _check_indices(path: Path, labels: set[str], num_classes: int) -> None:

@@ -7,7 +7,9 @@ unknown key), not a hand-written one.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -181,16 +183,69 @@ class TrainConfig:
         if self.loader_timeout_s < 0:
             raise ValueError(f"loader_timeout_s must be >= 0 (0: no timeout), got {self.loader_timeout_s}")
         self._check_resolution()
+        self._check_cache_limit()
+
+    def _check_cache_limit(self) -> None:
+        """``--cache-limit``: a size, parsed here (not when a loader is built); one line where it has no effect."""
+        if self.cache_limit is None:
+            return
+        from ..data.cache import parse_limit  # no torch
+
+        try:
+            parse_limit(self.cache_limit)
+        except ValueError:
+            raise ValueError(
+                f"--cache-limit {self.cache_limit!r}: expected bytes or a size such as 50GB, 512MiB or 100k (powers "
+                "of 1024), or 0 for no cache folder"
+            ) from None
+        if not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", self.data):
+            _say_once(
+                f"--cache-limit {self.cache_limit} has no effect: --data {self.data} is not at a URL (the shard cache "
+                "keeps shards fetched from object storage)"
+            )
 
     def _check_resolution(self) -> None:
         for name in ("res_start", "res_end", "eval_size", "res_step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         end = self.res_end_epoch
-        if self.res_start_epoch < 0 or (end is not None and end < self.res_start_epoch):
+        if self.res_start_epoch < 0 or (end is not None and end < 0):
+            raise ValueError(f"res_start_epoch and res_end_epoch must be >= 0, got {self.res_start_epoch}, {end}")
+        if self.res_start is None and self.res_end is None:
+            given = [f"--{n.replace('_', '-')} {v}" for n, v, d in self._schedule_flags() if v != d]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: the resolution schedule is off without --res-start or --res-end; set one, "
+                    "or drop it"
+                )
+            return
+        if end is not None and end <= self.res_start_epoch:
             raise ValueError(
-                f"res_start_epoch must be >= 0 and res_end_epoch >= res_start_epoch, got {self.res_start_epoch}, {end}"
+                f"--res-end-epoch {end} must come after --res-start-epoch {self.res_start_epoch}: that is the last "
+                f"epoch at --res-start, --res-end-epoch the first at --res-end (e.g. --res-end-epoch "
+                f"{self.res_start_epoch + 1})"
             )
+        _say_once(self._unfinished_schedule())
+
+    def _schedule_flags(self) -> list[tuple[str, Any, Any]]:
+        return [(n, getattr(self, n), _DEFAULTS[n]) for n in ("res_start_epoch", "res_end_epoch", "res_step")]
+
+    def _unfinished_schedule(self) -> str | None:
+        """One line when ``--epochs`` ends before the schedule reaches ``--res-end`` (None: it does). A warning, not
+        a refusal: a run may be meant to go on, its ``--epochs`` extended on resume."""
+        start, end = self.res_start or self.image_size, self.res_end or self.image_size
+        last = self.epochs - 1
+        reached = self.res_end_epoch if self.res_end_epoch is not None else max(last, self.res_start_epoch + 1)
+        if start == end or reached <= last:
+            return None
+        at = self.train_size()
+        side = at if isinstance(at, int) else at.at(last)
+        epochs = f"--epochs {self.epochs} ends after epoch {last}"
+        return (
+            f"the resolution schedule reaches --res-end {end} at epoch {reached}, but {epochs} (epochs count from 0), "
+            f"at side {side}: to finish it, resume with --allow-config-change --epochs {reached + 1} (or set "
+            "--res-end-epoch, --res-start-epoch within the run)"
+        )
 
     def train_size(self) -> int | ResolutionSchedule:
         """The train image side: ``image_size``, or the schedule from ``res_start`` to ``res_end`` when either is set
@@ -202,6 +257,16 @@ class TrainConfig:
         from ..recipe import ResolutionSchedule
 
         return ResolutionSchedule(start, end, self.res_start_epoch, last, self.res_step)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+_SAID: set[str] = set()  # a config is made again (resume, another number of ranks): each line said once
+
+
+def _say_once(line: str | None) -> None:
+    if line is not None and line not in _SAID:
+        _SAID.add(line)
+        logging.getLogger("gpupipe").warning(line)
 
 
 def _resume_keys(rule: ResumeRule) -> tuple[str, ...]:

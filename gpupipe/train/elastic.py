@@ -74,9 +74,11 @@ def fit_world_size(cfg: TrainConfig, ckpt_path: Path, world: int) -> tuple[Train
     saved_world, batch, accum = layout
     if saved_world == world:
         return cfg, None
+    fitted = fit(batch, accum, saved_world, world)
     if (cfg.batch_size, cfg.accum) == (batch, accum):
-        fitted = fit(batch, accum, saved_world, world)
         cfg = dataclasses.replace(cfg, batch_size=fitted[0], accum=fitted[1])
+    elif (cfg.batch_size, cfg.accum) != fitted:
+        raise ValueError(_refusal(ckpt_path, layout, world, cfg, fitted))
     before, now = saved_world * batch * accum, world * cfg.batch_size * cfg.accum
     said = (
         f"{ckpt_path}: saved with {saved_world} rank(s) x batch {batch} x accum {accum} (global batch {before}); "
@@ -87,6 +89,19 @@ def fit_world_size(cfg: TrainConfig, ckpt_path: Path, world: int) -> tuple[Train
     return cfg, (
         f"{said}, global batch {now}: the epoch's remaining samples are re-split into steps of {now} and the LR "
         "schedule goes on by samples seen"
+    )
+
+
+def _refusal(path: Path, saved: tuple[int, int, int], world: int, cfg: TrainConfig, fitted: tuple[int, int]) -> str:
+    """Another per-rank batch or accumulation than the saved one or its fit, under another number of ranks: both are
+    fixed on resume (they decide the data order), so the line says both layouts and the flags that resume."""
+    saved_world, batch, accum = saved
+    return (
+        f"{path}: saved with {saved_world} rank(s) x batch {batch} x accum {accum} (global batch "
+        f"{saved_world * batch * accum}); asked: {world} rank(s) x batch {cfg.batch_size} x accum {cfg.accum} (global "
+        f"batch {world * cfg.batch_size * cfg.accum}): the number of ranks changed, and the per-rank batch and accum "
+        f"resume as saved; pass --batch-size {batch} --accum {accum} (over {world} rank(s): batch {fitted[0]} x accum "
+        f"{fitted[1]}), or start a new run in another --out"
     )
 
 
