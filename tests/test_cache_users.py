@@ -24,20 +24,7 @@ from gpupipe.prepare import PrepareOptions, prepare
 
 from .common_utils import REPO_ROOT
 
-
-def _reachable_by_others(path: str) -> bool:
-    """Whether a user of no group of the file's could run ``path`` (every folder above it searchable by others)."""
-    real = Path(os.path.realpath(path))
-    return all(os.stat(p).st_mode & 0o001 for p in (real, *real.parents))
-
-
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="starts processes as other uids: needs root (as CI runs)"),
-    pytest.mark.skipif(
-        not _reachable_by_others(sys.executable),
-        reason=f"other uids cannot run this Python ({os.path.realpath(sys.executable)}: a folder above it is private)",
-    ),
-]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="starts processes as other uids: needs root (as CI runs)")
 GROUP = 65534  # nogroup: the group that shares a folder (setgid works for any number, listed in /etc/group or not)
 B, C, D = 65534, 65533, 65532  # nobody, and two uids with no name: B and C share GROUP, D does not
 
@@ -81,6 +68,32 @@ except gpupipe.errors.GpupipeError as e:
     sys.exit(3)
 """
 
+# What a _READ run loads lazily (modules, the store client's models), loaded as root before the process takes the
+# user's uid: the interpreter and the packages may sit where other users cannot read (root's /root, as here and in CI)
+_WARM_READ = """
+import sys, tempfile, gpupipe
+with tempfile.TemporaryDirectory() as cache:
+    loader = gpupipe.build_loader(gpupipe.Remote(sys.argv[1], cache_dir=cache), "pillow", train=False, batch_size=4,
+                                  image_size=24, num_workers=0, device="cpu", normalize=False)
+    for _ in loader:
+        pass
+"""
+
+# Started as root: runs the warm-up script (GPUPIPE_TEST_WARM), then takes the uid and groups, then runs the script
+_AS_USER = """
+import os, sys
+uid = int(os.environ.pop("GPUPIPE_TEST_UID"))
+groups = [int(g) for g in os.environ.pop("GPUPIPE_TEST_GROUPS").split(",") if g]
+script, warm = sys.argv[1], os.environ.pop("GPUPIPE_TEST_WARM", "")
+sys.argv = ["-c", *sys.argv[2:]]
+if warm:
+    exec(compile(warm, "<warm-up>", "exec"), {"__name__": "__warm__"})
+os.setgroups(groups)
+os.setgid(uid)
+os.setuid(uid)
+exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
+"""
+
 _PLANT = """
 import hashlib, os, sys
 path, forge, data = sys.argv[1], sys.argv[2] == "forge", bytes.fromhex(sys.stdin.read())
@@ -92,22 +105,23 @@ for name, content in files:
 
 
 def as_user(uid: int, script: str, *args: str, groups: tuple[int, ...] = (), stdin: str = "", place: Path):
-    """``script`` run by ``uid`` (its own group, and ``groups``), with a home of its own under ``place``."""
+    """``script`` run by ``uid`` (its own group, and ``groups``), with a home of its own under ``place``. The process
+    starts as root and takes the uid before the script runs (after the warm-up of a _READ, which loads as root what
+    the script would load from folders the user may not read)."""
     home = place / f"home-{uid}"
     home.mkdir(exist_ok=True)
     os.chown(home, uid, uid)
     path = os.pathsep.join([str(REPO_ROOT), *(p for p in sys.path if p)])  # this process's packages, found alike
     env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONPATH": path}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["GPUPIPE_TEST_UID"], env["GPUPIPE_TEST_GROUPS"] = str(uid), ",".join(map(str, (uid, *groups)))
+    env["GPUPIPE_TEST_WARM"] = _WARM_READ if script is _READ else "import hashlib"  # _PLANT's one import
     return subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, "-c", _AS_USER, script, *args],
         input=stdin,
         capture_output=True,
         text=True,
         env=env,
-        user=uid,
-        group=uid,
-        extra_groups=list(groups),
         cwd=str(place),
         timeout=300,
     )
