@@ -129,13 +129,46 @@ def test_the_next_epoch_is_scheduled_before_this_one_ends(photos):
 
     loader = gpupipe.build_loader(photos, "dali", **kw)
     list(loader)
-    assert [w.epoch for w in loader._ahead] == [1, 1]
+    assert [(w.epoch, w.number, w.scheduled) for w in loader._pending] == [(1, k, True) for k in range(4)]
     for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(1), strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     loader.set_epoch(5)  # not the epoch scheduled ahead (2): those batches are dropped
     for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(5), strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     assert loader.pipelines_built == 1
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_pass_left_one_batch_short_goes_on_into_the_next_epoch(photos, monkeypatch, workers):
+    """``gpupipe train --accum 2`` takes all but the last batch of an odd epoch: the stream of batches still goes on
+    into the next epoch (its first batches already decoded), with no restart of the feed nor a new pipeline, and the
+    batches are those of full passes; a resume mid-epoch after such passes is exact."""
+    from gpupipe.backends.dali_stream import FeedStream
+
+    restarts, real = [], FeedStream.restart
+
+    def restart(self, requests):
+        restarts.append(self)
+        return real(self, requests)
+
+    monkeypatch.setattr(FeedStream, "restart", restart)
+    kw = dict(batch_size=4, train=True, image_size=32, num_workers=workers, normalize=False, seed=5, device="cpu")
+    loader = gpupipe.build_loader(photos, "dali", **kw)
+    straight = gpupipe.build_loader(photos, "dali", **kw)
+    for epoch in range(3):
+        it = iter(loader)
+        short = [next(it) for _ in range(len(loader) - 1)]
+        del it
+        straight.set_epoch(epoch)
+        for (a, la), (b, lb) in zip(short, list(straight)[:-1], strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+    assert restarts.count(loader._feed) == 1 and loader.pipelines_built == 1
+    assert [(w.epoch, w.number) for w in loader._pending][:2] == [(2, 4), (3, 0)]  # the next epoch's start is made
+    loader.load_state_dict({"epoch": 3, "batch": 2})  # not where the stream stands: it restarts there
+    straight.set_epoch(3)
+    for (a, la), (b, lb) in zip(list(loader), list(straight)[2:], strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert restarts.count(loader._feed) == 2
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

@@ -32,8 +32,12 @@ from .pillow import PillowDecoder
 from .registry import BackendSpec
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
-# would ask for a second batch the feed may not have): the Python feed of the next batch overlaps DALI's decode.
-_PREFETCH = 2
+# would ask for a second batch the feed may not have): DALI decodes the next ones while a batch is delivered, and a
+# batch that takes DALI longer is absorbed by the ones already made.
+_PREFETCH = 4
+# Batches of the last epoch that a pass may leave undelivered while the stream still goes on into the next epoch
+# (``gpupipe train --accum 2`` takes 74 of 75): they are decoded and dropped; a pass left earlier restarts the feed.
+_LEFT_OVER = 4
 
 
 def dali_info() -> dict:
@@ -72,7 +76,7 @@ class DaliLoader(Loader):
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
         self._feed: FeedStream | None = None  # reads, judges and plans whole batches in DataLoader workers
-        self._ahead: deque[Work] = deque()  # the next epoch's first batches, scheduled before this epoch ended
+        self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
@@ -126,28 +130,51 @@ class DaliLoader(Loader):
             except RuntimeError:
                 self._discard_pipeline()
 
-    def _take_ahead(self, epoch: int, start_batch: int) -> deque[Work]:
-        """The batches scheduled ahead at the end of the last pass, when this pass is the one they were for (the
-        next epoch, from its start): the feed then goes on as it is. Else they are dropped and the feed starts again
-        at this pass's first batch. Those batches were read while the last pass ended: one whose files changed since
-        is read again."""
-        ahead, self._ahead = self._ahead, deque()
+    def _resubmit(self) -> None:
+        """After DALI lost its pipeline: the works still waiting are scheduled again, in order, on a new one."""
+        for work in self._pending:
+            if work.dali:
+                self._submit(work)
+
+    def _continue(self, epoch: int, start_batch: int) -> deque[Work]:
+        """The stream of works for this pass. The one in flight goes on when this pass is the start of the epoch it
+        leads to (the next one, as the loader moves on by itself), also when the last pass was left a few batches
+        short of its end (those are dropped): its first batches are then decoded already. Else what is in flight is
+        dropped and the feed starts again at this pass's first batch."""
         planned = start_batch == 0 and self.sampler.resplit(epoch) is None  # the epoch's own start, not a re-split
-        if not (ahead and ahead[0].epoch == epoch and planned and self._feed is not None):
-            self._drain()
-            feed = self._feed_stream()
-            feed.restart(plan(self.sampler, feed.feed.gate, epoch, start_batch, _PREFETCH))
-            return deque()
-        self._feed.consuming(epoch)  # the rest of this epoch is read from now on
-        keep = sum(w.scheduled for w in ahead)
-        changed = [not unchanged(w.stamps) for w in ahead]  # each file stat-ed once
-        self._drain(0 if any(changed) else keep)
-        if self._scheduled < keep:  # changed files, or a failure in the drain took the pipeline: schedule again
-            ahead = deque(self._feed.reread(w) if c else w for w, c in zip(ahead, changed, strict=True))
-            for work in ahead:
-                if work.dali:
-                    self._submit(work)
-        return ahead
+        if planned and self._feed is not None and self._skip_to(epoch):
+            self._feed.consuming(epoch)  # the rest of this epoch is read from now on
+            self._recheck_ahead(epoch)
+            return self._pending
+        self._drain()
+        self._pending = deque()
+        feed = self._feed_stream()
+        feed.restart(plan(self.sampler, feed.feed.gate, epoch, start_batch, _PREFETCH))
+        return self._pending
+
+    def _skip_to(self, epoch: int) -> bool:
+        """Drop the works of an earlier epoch at the stream's head, at most ``_LEFT_OVER``; whether the stream then
+        stands at ``epoch``'s first batch."""
+        for _ in range(_LEFT_OVER + 1):
+            if not self._pending and not self._take():
+                return False
+            head = self._pending[0]
+            if head.epoch != epoch - 1:  # an epoch further back: its rest would wait for the gate it passed
+                return head.epoch == epoch and head.number == 0
+            self._pending.popleft()
+            self._decoded_or_lost(head)
+        return False
+
+    def _recheck_ahead(self, epoch: int) -> None:
+        """The works of ``epoch`` read before its pass began: one whose files changed since is read again (each file
+        stat-ed once), and everything in flight is scheduled again behind it."""
+        changed = [any(w.stamps) and w.epoch == epoch and not unchanged(w.stamps) for w in self._pending]
+        if not any(changed):
+            return
+        assert self._feed is not None  # works with stamps came from the feed
+        self._drain()
+        self._pending = deque(self._feed.reread(w) if c else w for w, c in zip(self._pending, changed, strict=True))
+        self._resubmit()
 
     # -- the samples ------------------------------------------------------------------------------------------------
 
@@ -214,32 +241,50 @@ class DaliLoader(Loader):
         return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first
-        ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
-        pending = self._take_ahead(epoch, start_batch)
-        feed = self._feed_stream()
-        while True:
-            self._fill(pending, feed)
-            if not pending or pending[0].epoch != epoch:
-                break
+        """This pass's batches, ``_PREFETCH`` scheduled ahead. The stream of works runs across epochs: when this
+        epoch's last ones are in flight, the next epoch's first ones are scheduled too, so DALI never runs dry at the
+        edge, and the next pass goes on with them (:meth:`_continue`)."""
+        pending = self._continue(epoch, start_batch)
+        self._fill()
+        while pending and pending[0].epoch == epoch:
             work = pending.popleft()
-            batch = self._assemble(work, self._decoded(work, pending))
-            feed.release(work)
+            decoded = self._decoded(work)
+            self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
+            batch = self._assemble(work, decoded)
+            self._release(work)
             del work
             yield batch
-        self._ahead = pending
 
-    def _fill(self, pending: deque[Work], feed: FeedStream) -> None:
-        """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
-        while len(pending) < _PREFETCH:
-            work = feed.next()
-            if work is None:
-                return
-            if work.dali:
-                self._submit(work)
-            pending.append(work)
+    def _take(self) -> bool:
+        """The stream's next work, scheduled and appended to the pending ones; False when the plan has ended."""
+        work = self._feed_stream().next()
+        if work is None:
+            return False
+        if work.dali:
+            self._submit(work)
+        self._pending.append(work)
+        return True
 
-    def _decoded(self, work: Work, pending: deque[Work]) -> torch.Tensor | None:
+    def _fill(self) -> None:
+        """Schedule works until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
+        while len(self._pending) < _PREFETCH and self._take():
+            pass
+
+    def _release(self, work: Work) -> None:
+        if self._feed is not None:
+            self._feed.release(work)
+
+    def _decoded_or_lost(self, work: Work) -> None:
+        """Fetch and drop a work no pass delivers (a batch of a pass left early)."""
+        if work.dali and self._scheduled:
+            try:
+                self._fetch()
+            except RuntimeError:
+                self._discard_pipeline()
+                self._resubmit()
+        self._release(work)
+
+    def _decoded(self, work: Work) -> torch.Tensor | None:
         """DALI's images of ``work``; after a failure, what :meth:`_recover` saves (the batches behind it, lost with
         the pipeline, are scheduled again, in order, on a new one)."""
         if not work.dali:
@@ -249,9 +294,7 @@ class DaliLoader(Loader):
         except RuntimeError:
             self._discard_pipeline()
             decoded = self._recover(work)
-            for later in pending:
-                if later.dali:
-                    self._submit(later)
+            self._resubmit()
             return decoded
 
 

@@ -37,6 +37,7 @@ class Work:
 
     epoch: int
     indices: list[int]  # the sampler's batch, in order
+    number: int = 0  # which batch of its epoch (the loader's count)
     dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
     encoded: torch.Tensor | None = None  # uint8: the DALI samples' bytes (see ``Feed._encoded``), shared memory
     lengths: np.ndarray | None = None  # int64 (len(dali),): each sample's byte count
@@ -84,6 +85,7 @@ class Work:
 class Request(NamedTuple):
     epoch: int
     indices: list[int]
+    number: int = 0  # which batch of its epoch
     ahead: bool = False  # one of an epoch's first batches, read before its pass begins: its files are stamped
     wait: bool = False  # read only once the loader delivers ``epoch`` (see :class:`Gate`)
 
@@ -147,7 +149,7 @@ class Feed(torch.utils.data.Dataset):
     def __getitem__(self, request: Request) -> Work:
         if request.wait:
             self.gate.wait(request.epoch)
-        work = Work(request.epoch, request.indices)
+        work = Work(request.epoch, request.indices, request.number)
         if request.ahead and self.dataset.reads_files:  # shards are not rewritten under a running loader
             work.stamps = [file_stamp(self.dataset.samples[i][0]) for i in request.indices]  # before the read
         if self._targets is None:

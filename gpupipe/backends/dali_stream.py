@@ -40,12 +40,12 @@ def plan(sampler, gate: Gate, epoch: int, start_batch: int, ahead: int) -> Itera
     holds that DataLoader) would make a cycle, which leaves the feed's workers to the garbage collector (it closes
     their queues before the DataLoader can stop them: 5 s a worker)."""
     gate.set(epoch)
-    yield from (Request(epoch, b) for b in sampler.batches(epoch, start_batch))
+    yield from (Request(epoch, b, k) for k, b in enumerate(sampler.batches(epoch, start_batch), start_batch))
     for e in itertools.count(epoch + 1):
         batches = sampler.batches(e)
         if not batches:
             return
-        yield from (Request(e, b, ahead=k < ahead, wait=k >= ahead) for k, b in enumerate(batches))
+        yield from (Request(e, b, k, ahead=k < ahead, wait=k >= ahead) for k, b in enumerate(batches))
 
 
 class FeedStream:
@@ -90,7 +90,7 @@ class FeedStream:
 
     def reread(self, work: Work) -> Work:
         """``work`` read again, now, on this thread (its files changed after it was read ahead of its pass)."""
-        return self.feed[Request(work.epoch, work.indices)]
+        return self.feed[Request(work.epoch, work.indices, work.number)]
 
     def next(self) -> Work | None:
         """The plan's next work; None once the plan has ended."""
