@@ -156,17 +156,14 @@ class DeviceStage:
         return self._stream
 
     def iterate(self, batches: Iterable[BatchLike]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield finished (images, labels). On the CPU, each batch as it comes. Elsewhere a batch made on the host is
-        copied and normalized one batch ahead, on a side stream on CUDA, while the caller computes on the current one
-        (timm's PrefetchLoader pattern); a batch made on the device (nvjpeg, synthetic, DALI) is yielded at once: it
-        has no copy to overlap, and waiting for the next one to be made would let the backend's latency, not its
-        throughput, decide the caller's wait."""
-        if self.device.type == "cpu":
-            yield from map(self.upload, batches)
-            return
+        """Yield finished (images, labels). On CUDA a batch made on the host is copied and normalized one batch
+        ahead, on a side stream, while the caller computes on the current one (timm's PrefetchLoader pattern). A
+        batch made on the device (nvjpeg, synthetic, DALI), or any batch elsewhere, is yielded at once: it has no copy
+        to overlap, and waiting for the next one to be made would let the backend's latency, not its throughput,
+        decide the caller's wait."""
         pending = None
         for b in batches:
-            if b.images.device.type == self.device.type:
+            if b.images.device.type == self.device.type or self.device.type != "cuda":
                 # Made on the device, in order with the current stream: finished here, so it is never read on a side
                 # stream before it is written, nor freed while read.
                 if pending is not None:
@@ -174,7 +171,8 @@ class DeviceStage:
                     pending = None
                 yield self.upload(b)
                 continue
-            ready = self._upload_on_side(b)
+            with torch.cuda.stream(self._side_stream()):
+                ready = self.upload(b)
             if pending is not None:
                 yield pending
             self._hand_over(ready)  # after the caller queued its step on the previous batch: the copy overlaps it
@@ -182,16 +180,8 @@ class DeviceStage:
         if pending is not None:
             yield pending
 
-    def _upload_on_side(self, b: BatchLike) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.device.type != "cuda":
-            return self.upload(b)
-        with torch.cuda.stream(self._side_stream()):
-            return self.upload(b)
-
     def _hand_over(self, ready: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The current stream waits for the side stream's copy, and the memory made there is marked as used here."""
-        if self.device.type != "cuda":
-            return
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self._side_stream())
         for t in ready:
