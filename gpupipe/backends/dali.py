@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
+from .._files import read_regular
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from .dali_feed import Feed, Work, decode_on_cpu, unchanged
+from .dali_files import FileStream, FileTable
 from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
 from .dali_stream import FeedStream, plan
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
@@ -75,7 +77,10 @@ class DaliLoader(Loader):
         self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
-        self._feed: FeedStream | None = None  # reads, judges and plans whole batches in DataLoader workers
+        # local files: DALI reads them (a path table, judged once); else a feed reads, judges and plans whole batches
+        # in DataLoader workers
+        self._files = parts.dataset.reads_files
+        self._feed: FeedStream | FileStream | None = None
         self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
@@ -90,6 +95,7 @@ class DaliLoader(Loader):
                 num_threads=self.num_threads,
                 hw_decoder_load=self.hw_decoder_load,
                 normalize=self._normalize_in_dali,
+                files=self._files,
             )
             self.pipelines_built += 1
             self._scheduled = 0
@@ -101,7 +107,11 @@ class DaliLoader(Loader):
 
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
-        pipe.feed_input("enc", work.batch())
+        if work.paths is not None:
+            pipe.feed_input("paths", work.paths)
+            pipe.feed_input("plen", work.path_lengths)
+        else:
+            pipe.feed_input("enc", work.batch())
         pipe.feed_input("meta", work.rows)  # one (n, 6) array: the whole batch at once
         pipe.schedule_run()
         self._scheduled += 1
@@ -149,7 +159,7 @@ class DaliLoader(Loader):
         self._drain()
         self._pending = deque()
         feed = self._feed_stream()
-        feed.restart(plan(self.sampler, feed.feed.gate, epoch, start_batch, _PREFETCH))
+        feed.restart(plan(self.sampler, feed.gate, epoch, start_batch, _PREFETCH))
         return self._pending
 
     def _skip_to(self, epoch: int) -> bool:
@@ -178,31 +188,34 @@ class DaliLoader(Loader):
 
     # -- the samples ------------------------------------------------------------------------------------------------
 
-    def _feed_stream(self) -> FeedStream:
-        """The feed: works prepared ahead in its workers (a quarter of the loader's workers, at least one: reading
-        and header parsing are light next to DALI's decode threads)."""
+    def _feed_stream(self) -> FeedStream | FileStream:
+        """Local files: the works made on this thread from the path table, each sample's header judged the first
+        time it comes, in processes. Else the feed: works prepared ahead in its workers."""
+        if self._feed is None and self._files:
+            table = FileTable(self.dataset, self.max_pixels)
+            self._feed = FileStream(table, self.recipe, self.train, self.seed, _helpers(self.parts.workers))
         if self._feed is None:
             feed = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
-            self._feed = FeedStream(feed, 0 if self.parts.workers == 0 else max(1, self.parts.workers // 4))
+            self._feed = FeedStream(feed, _helpers(self.parts.workers))
         return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
         decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
-        keep = []
-        for pos, data in zip(work.dali, work.samples(), strict=True):
+        keep, datas = [], []
+        for pos, data in zip(work.dali, _sample_bytes(work, self.dataset), strict=True):
             path = self.dataset.samples[work.indices[pos]][0]
             try:
-                self._check.decode(data.tobytes(), path)
+                if isinstance(data, OSError):
+                    raise DecodeError(path, self.backend, f"cannot read the file ({data.strerror or data})")
+                self._check.decode(data, path)
                 keep.append(pos)
+                datas.append(data)
             except DecodeError as e:
                 work.errors.append((path, e.reason))
         if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
-            chosen = [work.dali.index(pos) for pos in keep]
-            views = work.samples()
-            assert work.rows is not None  # a work DALI failed on had rows
-            work.dali, work.data, work.rows = keep, [views[k] for k in chosen], work.rows[chosen]
+            _narrow(work, [work.dali.index(pos) for pos in keep])
             if not work.dali:
                 return None
             try:
@@ -210,11 +223,11 @@ class DaliLoader(Loader):
                 return self._fetch()
             except RuntimeError:
                 self._discard_pipeline()
-        for pos, data in zip(work.dali, work.samples(), strict=True):  # only DALI refuses these: Pillow decodes them
+        for pos, data in zip(work.dali, datas, strict=True):  # only DALI refuses these: Pillow decodes them
             path = self.dataset.samples[work.indices[pos]][0]
             plan = self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
-            decode_on_cpu(self._check, self.recipe.side(self.train, work.epoch), work, pos, path, data.tobytes(), plan)
-        work.dali, work.data, work.rows = [], [], None
+            decode_on_cpu(self._check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
+        work.dali, work.data, work.rows, work.paths = [], [], None, None
         return None
 
     def _assemble(self, work: Work, decoded: torch.Tensor | None) -> Batch:
@@ -296,6 +309,37 @@ class DaliLoader(Loader):
             decoded = self._recover(work)
             self._resubmit()
             return decoded
+
+
+def _helpers(workers: int) -> int:
+    """Processes beside DALI (the header scan, the feed): a quarter of the loader's workers, at least one (reading
+    and header parsing are light next to DALI's decode threads); none with no workers."""
+    return 0 if workers == 0 else max(1, workers // 4)
+
+
+def _sample_bytes(work: Work, dataset) -> list[bytes | OSError]:
+    """Each DALI sample's bytes as they are now: the feed's, or the file read again where DALI read it."""
+    if work.paths is None:
+        return [data.tobytes() for data in work.samples()]
+    out: list[bytes | OSError] = []
+    for pos in work.dali:
+        try:
+            out.append(read_regular(dataset.samples[work.indices[pos]][0]))
+        except OSError as e:
+            out.append(e)
+    return out
+
+
+def _narrow(work: Work, chosen: list[int]) -> None:
+    """``work`` left with its DALI samples at ``chosen`` (positions in ``work.dali``)."""
+    assert work.rows is not None  # a work DALI failed on had rows
+    if work.paths is not None:
+        assert work.path_lengths is not None  # set with the paths
+        work.paths, work.path_lengths = work.paths[chosen], work.path_lengths[chosen]
+    else:
+        views = work.samples()
+        work.data = [views[k] for k in chosen]
+    work.dali, work.rows = [work.dali[k] for k in chosen], work.rows[chosen]
 
 
 def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:

@@ -84,6 +84,10 @@ class FeedStream:
         it = start_workers(self._loader)
         self._source = _Receiver(it, self.feed.gate) if self._loader.num_workers > 0 else it
 
+    @property
+    def gate(self) -> Gate:
+        return self.feed.gate
+
     def consuming(self, epoch: int) -> None:
         """The loader now delivers ``epoch``: the workers may read its batches."""
         self.feed.gate.set(epoch)
