@@ -143,3 +143,36 @@ def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
         "cannot read the file (not a regular file: a character device)",
         "cannot read the file (not a regular file: a fifo)",
     ]
+
+
+def test_eval_rows_are_the_recipes_to_the_bit():
+    from gpupipe.backends.dali_files import eval_rows
+
+    rng = np.random.default_rng(0)
+    heights, widths = rng.integers(1, 5000, 4000), rng.integers(1, 5000, 4000)
+    heights[:3], widths[:3] = [224, 300, 256], [224, 200, 257]  # square, tall, a half to round
+    for recipe in (gpupipe.Recipe(224), gpupipe.Recipe(160, crop_pct=0.95), gpupipe.Recipe(33, crop_pct=0.5)):
+        want = [recipe.eval_offsets(h, w) for h, w in zip(heights.tolist(), widths.tolist(), strict=True)]
+        assert eval_rows(recipe, heights, widths).tolist() == [list(r) for r in want]
+
+
+def test_a_loader_dropped_while_headers_are_judged_ends_the_scan_processes(folder):
+    import gc
+    import time
+
+    children = __import__("multiprocessing").active_children
+    before = set(children())
+    loader = gpupipe.build_loader(folder, "dali", batch_size=2, image_size=16, num_workers=4, device="cpu")
+    it = iter(loader)
+    next(it)
+    scanning = set(children()) - before
+    assert scanning and loader._feed is not None and (loader._feed.table.kind < 0).any()  # not all judged yet
+    gc.disable()
+    try:
+        del it, loader
+        deadline = time.monotonic() + 10
+        while any(p.is_alive() for p in scanning) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(p.is_alive() for p in scanning)
+    finally:
+        gc.enable()
