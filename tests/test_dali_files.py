@@ -176,3 +176,19 @@ def test_a_loader_dropped_while_headers_are_judged_ends_the_scan_processes(folde
         assert not any(p.is_alive() for p in scanning)
     finally:
         gc.enable()
+
+
+def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
+    """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included."""
+    from gpupipe.backends.dali_files import FileTable
+    from gpupipe.data.scan import ImageList
+
+    folder = gpupipe.data.sources.open_source(mixed)
+    odd = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.jpg")
+    plain = ImageList(str(tmp_path), [("/a.jpg", 0), (odd, 1), ("/bb/c.png", 0)], ["0", "1"])
+    for dataset in (folder, plain):
+        table = FileTable(dataset, 10**8)
+        chosen = np.array([2, 0, 1, 2])
+        rows, lengths = table.paths(chosen)
+        for row, n, i in zip(rows, lengths[:, 0], chosen, strict=True):
+            assert row[:n].tobytes() == os.fsencode(dataset.samples[i][0]) and not row[n:].any()

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._files import read_regular
+from ..data.compact import PathList
 from ..errors import DecodeError
 from ..recipe import Recipe
 from .dali_feed import Gate, Request, Work, decode_on_cpu, file_stamp
@@ -141,20 +142,31 @@ class Asked(NamedTuple):
 
 
 class FileTable:
-    """Every sample's path as one row of a zero-padded uint8 table (its length beside it), and its verdict once
-    judged: what a batch hands DALI is a few rows of arrays, taken with one index each."""
+    """Every sample's path in one byte buffer (a folder's or a file list's own, :class:`PathList`, where it has one:
+    nothing is copied) with its start and length, and its verdict once judged: what a batch hands DALI is a few rows
+    of arrays, taken with one index each."""
 
     def __init__(self, dataset, max_pixels: int):
         self.dataset, self.max_pixels = dataset, max_pixels
-        names = [os.fsencode(p) for p, _ in dataset.samples]
-        self.lengths = np.fromiter(map(len, names), np.int64, len(names))
-        self.paths = np.zeros((len(names), int(self.lengths.max(initial=1))), np.uint8)
-        for k, name in enumerate(names):
-            self.paths[k, : len(name)] = np.frombuffer(name, np.uint8)
+        samples = dataset.samples
+        if isinstance(samples, PathList):
+            self._bytes, self.starts, self.lengths = samples.path_bytes()
+        else:
+            names = [os.fsencode(p) for p, _ in samples]
+            self.lengths = np.fromiter(map(len, names), np.int64, len(names))
+            self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+            self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
         self.targets = np.asarray(dataset.targets, dtype=np.int64)
-        self.kind = np.full(len(names), _UNKNOWN, np.int8)
-        self.sizes = np.zeros((len(names), 2), np.int64)
+        self.kind = np.full(len(samples), _UNKNOWN, np.int8)
+        self.sizes = np.zeros((len(samples), 2), np.int64)
         self.problems: dict[int, str] = {}
+
+    def paths(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The paths of samples ``chosen`` as (n, L) uint8, each zero-padded, and their lengths as (n, 1)."""
+        lengths = self.lengths[chosen]
+        cols = np.arange(int(lengths.max(initial=1)))
+        at = np.minimum(self.starts[chosen, None] + cols, len(self._bytes) - 1)
+        return np.where(cols < lengths[:, None], self._bytes[at], 0).astype(np.uint8), lengths[:, None]
 
     def set(self, indices: Iterable[int], verdicts: list[Verdict]) -> None:
         for i, v in zip(indices, verdicts, strict=True):
@@ -222,7 +234,7 @@ class FileStream:
             self._others(work, np.flatnonzero(kind != _DALI).tolist())
         chosen = index[dali]
         work.dali = dali.tolist()
-        work.paths, work.path_lengths = t.paths[chosen], t.lengths[chosen, None]
+        work.paths, work.path_lengths = t.paths(chosen)
         work.rows = self._rows(request.epoch, chosen)
         return work
 
