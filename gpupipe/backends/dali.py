@@ -109,7 +109,6 @@ class DaliLoader(Loader):
         pipe = self._pipeline()
         if work.paths is not None:
             pipe.feed_input("paths", work.paths)
-            pipe.feed_input("plen", work.path_lengths)
         else:
             pipe.feed_input("enc", work.batch())
         pipe.feed_input("meta", work.rows)  # one (n, 6) array: the whole batch at once
@@ -334,8 +333,7 @@ def _narrow(work: Work, chosen: list[int]) -> None:
     """``work`` left with its DALI samples at ``chosen`` (positions in ``work.dali``)."""
     assert work.rows is not None  # a work DALI failed on had rows
     if work.paths is not None:
-        assert work.path_lengths is not None  # set with the paths
-        work.paths, work.path_lengths = work.paths[chosen], work.path_lengths[chosen]
+        work.paths = work.paths[chosen]
     else:
         views = work.samples()
         work.data = [views[k] for k in chosen]

@@ -52,9 +52,8 @@ class Work:
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
     listed: Any = None  # the samples as one DALI TensorListCPU, made on the feed's thread (see ``prepare``)
     # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (len(dali), L), each
-    # DALI sample's path zero-padded, and int64 (len(dali), 1), its length
+    # DALI sample's path zero-padded (its length is the last column of ``rows``)
     paths: np.ndarray | None = None
-    path_lengths: np.ndarray | None = None
 
     def samples(self) -> list[np.ndarray]:
         """Each DALI sample's bytes, as views (no copy)."""

@@ -38,6 +38,7 @@ from .pillow import PillowDecoder
 
 # a sample's verdict: not judged yet; DALI reads and decodes it; Pillow decodes it; it is reported
 _UNKNOWN, _DALI, _PILLOW, _BAD = -1, 0, 1, 2
+_CHUNK = 8  # batches whose crops are drawn in one call
 _HEAD, _TAIL = 256 << 10, 4096  # bytes the scan reads: a header's, and the tail that holds a JPEG's end marker
 
 
@@ -190,12 +191,14 @@ class FileStream:
         self.check = PillowDecoder(table.max_pixels)
         self.gate = Gate()  # the plan's; nothing here waits on it
         self.scanner = Scanner(table, workers)
-        self._depth = max(2, workers)  # batches whose samples are being judged ahead
+        # batches taken from the plan ahead: their samples judged, their crops drawn together
+        self._depth = max(_CHUNK, workers)
         self._requests: Iterator[Request] = iter(())
         self._ahead: deque[tuple[Request, Asked | None]] = deque()
+        self._boxes: dict[tuple[int, int], np.ndarray] = {}  # (epoch, number) -> its DALI samples' crop boxes
 
     def restart(self, requests: Iterable[Request]) -> None:
-        self._requests, self._ahead = iter(requests), deque()
+        self._requests, self._ahead, self._boxes = iter(requests), deque(), {}
 
     def consuming(self, epoch: int) -> None:
         self.gate.set(epoch)
@@ -210,7 +213,29 @@ class FileStream:
             return None
         request, asked = self._ahead.popleft()
         self.scanner.settle(asked, np.asarray(request.indices, dtype=np.int64))
+        if self.train and (request.epoch, request.number) not in self._boxes:
+            self._draw_boxes(request)
         return self.make(request)
+
+    def _draw_boxes(self, request: Request) -> None:
+        """The crop boxes of ``request`` and of the judged batches of its epoch behind it, drawn in one call: the
+        draws' fixed cost (a few dozen array ops) is paid once for several batches."""
+        run = [request]
+        for later, asked in self._ahead:
+            if later.epoch != request.epoch or asked is not None or len(run) == _CHUNK:
+                break
+            if (self.table.kind[later.indices] == _UNKNOWN).any():
+                break
+            run.append(later)
+        chosen = [self._dali_of(np.asarray(r.indices, dtype=np.int64)) for r in run]
+        every = np.concatenate(chosen)
+        sizes = self.table.sizes[every]
+        boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, every, sizes[:, 0], sizes[:, 1])
+        for r, part in zip(run, np.split(boxes, np.cumsum([len(c) for c in chosen])[:-1]), strict=True):
+            self._boxes[(r.epoch, r.number)] = part
+
+    def _dali_of(self, index: np.ndarray) -> np.ndarray:
+        return index[self.table.kind[index] == _DALI]
 
     def release(self, work: Work) -> None:
         pass
@@ -218,6 +243,7 @@ class FileStream:
     def reread(self, work: Work) -> Work:
         """``work`` made again, its samples judged again (files changed after it was made ahead of its pass)."""
         self.table.rescan(work.indices)
+        self._boxes.pop((work.epoch, work.number), None)  # drawn for the samples as they were judged
         return self.make(Request(work.epoch, work.indices, work.number))
 
     def make(self, request: Request) -> Work:
@@ -234,18 +260,22 @@ class FileStream:
             self._others(work, np.flatnonzero(kind != _DALI).tolist())
         chosen = index[dali]
         work.dali = dali.tolist()
-        work.paths, work.path_lengths = t.paths(chosen)
-        work.rows = self._rows(request.epoch, chosen)
+        work.paths, lengths = t.paths(chosen)
+        work.rows = self._rows(request, chosen, lengths)
         return work
 
-    def _rows(self, epoch: int, chosen: np.ndarray) -> np.ndarray:
-        """The crop rows of the pipeline's ``meta`` input (see :func:`.dali_graph.build_pipeline`)."""
+    def _rows(self, request: Request, chosen: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The rows of the pipeline's ``meta`` input (see :func:`.dali_graph.build_pipeline`): the crop's, then the
+        path's length."""
         heights, widths = self.table.sizes[chosen, 0], self.table.sizes[chosen, 1]
         if not self.train:
-            return eval_rows(self.recipe, heights, widths)
-        rows = np.empty((len(chosen), 6), np.int64)
-        rows[:, :5] = self.recipe.plan_boxes(True, self.seed, epoch, chosen, heights, widths)
-        rows[:, 5] = self.recipe.side(True, epoch)
+            return np.concatenate([eval_rows(self.recipe, heights, widths), lengths], 1)
+        boxes = self._boxes.pop((request.epoch, request.number), None)
+        if boxes is None or len(boxes) != len(chosen):
+            boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, chosen, heights, widths)
+        rows = np.empty((len(chosen), 7), np.int64)
+        rows[:, :5] = boxes
+        rows[:, 5], rows[:, 6:] = self.recipe.side(True, request.epoch), lengths
         return rows
 
     def _others(self, work: Work, positions: list[int]) -> None:
