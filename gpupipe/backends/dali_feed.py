@@ -130,6 +130,11 @@ class Gate:
     def open(self) -> None:
         self._value.value = self.OPEN
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader delivers."""
+        return self._value.value
+
     def wait(self, epoch: int) -> None:
         pause = 0.0005
         while self._value.value < epoch:  # a poll that backs off to 10 ms: a worker left waiting costs no CPU

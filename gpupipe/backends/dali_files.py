@@ -250,7 +250,7 @@ class FileStream:
         """One batch: the DALI samples' path rows and crop rows, Pillow's samples decoded, the bad ones reported."""
         t = self.table
         work = Work(request.epoch, request.indices, request.number)
-        if request.ahead:  # made before its pass begins: its files as they are now
+        if request.ahead and request.epoch > self.gate.epoch:  # made before its pass begins: its files as they are now
             work.stamps = [file_stamp(t.dataset.samples[i][0]) for i in request.indices]
         index = np.asarray(request.indices, dtype=np.int64)
         work.index, work.labels = index, t.targets[index]
