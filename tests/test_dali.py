@@ -32,6 +32,16 @@ def photos(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def photo_shards(photos, tmp_path_factory):
+    """The photos as tar shards: read through the feed (DALI reads only local files itself)."""
+    from gpupipe.prepare import PrepareOptions, prepare
+
+    out = tmp_path_factory.mktemp("photo-shards") / "out"
+    prepare(photos, out, PrepareOptions(), workers=1)
+    return out
+
+
 def _all(loader):
     batches = list(loader)
     return torch.cat([x.cpu() for x, _ in batches]).float(), torch.cat([y.cpu() for _, y in batches])
@@ -129,13 +139,50 @@ def test_the_next_epoch_is_scheduled_before_this_one_ends(photos):
 
     loader = gpupipe.build_loader(photos, "dali", **kw)
     list(loader)
-    assert [w.epoch for w in loader._ahead] == [1, 1]
+    assert [(w.epoch, w.number, w.scheduled) for w in loader._pending] == [(1, k, True) for k in range(4)]
     for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(1), strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     loader.set_epoch(5)  # not the epoch scheduled ahead (2): those batches are dropped
     for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(5), strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     assert loader.pipelines_built == 1
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_pass_left_one_batch_short_goes_on_into_the_next_epoch(photos, photo_shards, monkeypatch, workers, source):
+    """``gpupipe train --accum 2`` takes all but the last batch of an odd epoch: the stream of batches still goes on
+    into the next epoch (its first batches already decoded), with no restart of the feed nor a new pipeline, and the
+    batches are those of full passes; a resume mid-epoch after such passes is exact."""
+    from gpupipe.backends.dali_files import FileStream
+    from gpupipe.backends.dali_stream import FeedStream
+
+    restarts = []
+    for stream in (FeedStream, FileStream):
+
+        def restart(self, requests, real=stream.restart):
+            restarts.append(self)
+            return real(self, requests)
+
+        monkeypatch.setattr(stream, "restart", restart)
+    data = photos if source == "folder" else photo_shards
+    kw = dict(batch_size=4, train=True, image_size=32, num_workers=workers, normalize=False, seed=5, device="cpu")
+    loader = gpupipe.build_loader(data, "dali", **kw)
+    straight = gpupipe.build_loader(data, "dali", **kw)
+    for epoch in range(3):
+        it = iter(loader)
+        short = [next(it) for _ in range(len(loader) - 1)]
+        del it
+        straight.set_epoch(epoch)
+        for (a, la), (b, lb) in zip(short, list(straight)[:-1], strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+    assert restarts.count(loader._feed) == 1 and loader.pipelines_built == 1
+    assert [(w.epoch, w.number) for w in loader._pending][:2] == [(2, 4), (3, 0)]  # the next epoch's start is made
+    loader.load_state_dict({"epoch": 3, "batch": 2})  # not where the stream stands: it restarts there
+    straight.set_epoch(3)
+    for (a, la), (b, lb) in zip(list(loader), list(straight)[2:], strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert restarts.count(loader._feed) == 2
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -160,7 +207,7 @@ def test_outputs_are_handed_to_torchs_current_stream(photos, device):
     assert images.shape == first.shape and images.device.type == torch.device(device).type
 
 
-def test_the_feed_sends_batches_by_name_not_by_file_descriptor(photos, monkeypatch):
+def test_the_feed_sends_batches_by_name_not_by_file_descriptor(photo_shards, monkeypatch):
     """Receiving a shared-memory file descriptor costs the training thread a connection to the worker's resource
     sharer (with its authentication handshake) every batch; the feed's workers share by name instead."""
     from torch.multiprocessing import reductions
@@ -173,13 +220,13 @@ def test_the_feed_sends_batches_by_name_not_by_file_descriptor(photos, monkeypat
 
     rebuild_storage_fd.__module__, rebuild_storage_fd.__qualname__ = real.__module__, real.__qualname__
     monkeypatch.setattr(reductions, "rebuild_storage_fd", rebuild_storage_fd)
-    loader = gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
     batches = [x for x, _ in loader]
     assert len(batches) == 5 and received == []
 
 
 @pytest.mark.parametrize("workers", [2, 8])  # the default here (one feed worker), and two feed workers
-def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(photos, monkeypatch, workers):
+def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(photo_shards, monkeypatch, workers):
     """Epoch after epoch, the feed's DataLoader is iterated once (a new ``iter()`` each epoch would drop what its
     worker had started on, read it again and make the training thread wait for the worker's answer), and its works
     are taken from it on the feed's own thread, not the training thread; a pass that does not follow on (another
@@ -200,7 +247,7 @@ def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(
     monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_reset", _reset)
     monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "__next__", __next__)
     kw = dict(batch_size=4, image_size=32, num_workers=workers, normalize=False, seed=3, device="cpu")
-    loader = gpupipe.build_loader(photos, "dali", **kw)
+    loader = gpupipe.build_loader(photo_shards, "dali", **kw)
     seen = []
     for epoch in range(3):
         loader.set_epoch(epoch)
@@ -209,20 +256,20 @@ def test_the_feed_goes_on_across_epochs_and_is_received_off_the_training_thread(
     loader.set_epoch(7)
     again = [y for _, y in loader]
     assert len(resets) == 2
-    fresh = gpupipe.build_loader(photos, "dali", **kw)
+    fresh = gpupipe.build_loader(photo_shards, "dali", **kw)
     fresh.set_epoch(7)
     assert all(torch.equal(a, b) for a, b in zip(again, [y for _, y in fresh], strict=True))
     fresh.set_epoch(1)
     assert all(torch.equal(a, b) for a, b in zip(seen[1], [y for _, y in fresh], strict=True))
 
 
-def test_a_dropped_loader_ends_its_feed_thread_and_workers(photos):
+def test_a_dropped_loader_ends_its_feed_thread_and_workers(photo_shards):
     """The feed's thread holds the DataLoader's iterator (and so its worker): a loader that is dropped mid-epoch ends
     both, rather than leaving them to the end of the process."""
     import gc
     import time
 
-    loader = gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
     it = iter(loader)
     next(it)
     workers = [p for p in __import__("multiprocessing").active_children()]
@@ -243,14 +290,15 @@ def test_a_batch_the_feed_cannot_pad_reaches_dali_as_one_tensor_list(tmp_path, m
     takes them as a TensorListCPU made on the feed's thread, not as a list it converts sample by sample on the
     training thread (about 3 ms a 256-batch); the images are those of the list."""
     from gpupipe.backends.dali import DaliLoader
+    from gpupipe.prepare import PrepareOptions, prepare
 
     rng = np.random.default_rng(2)
     for c in range(2):
-        (tmp_path / f"c{c}").mkdir()
+        (tmp_path / "src" / f"c{c}").mkdir(parents=True)
         for i in range(8):
             side = 200 if i == 0 else 24  # in each batch of 8, one noisy photo many times the others' bytes
             Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
-                tmp_path / f"c{c}" / f"{i}.jpg", quality=95
+                tmp_path / "src" / f"c{c}" / f"{i}.jpg", quality=95
             )
     fed, submit = [], DaliLoader._submit
 
@@ -260,10 +308,12 @@ def test_a_batch_the_feed_cannot_pad_reaches_dali_as_one_tensor_list(tmp_path, m
 
     monkeypatch.setattr(DaliLoader, "_submit", spy)
     kw = dict(batch_size=8, image_size=16, normalize=False, device="cpu", train=False)
-    batches = list(gpupipe.build_loader(tmp_path, "dali", num_workers=1, **kw))
+    shards = tmp_path / "shards"
+    prepare(tmp_path / "src", shards, PrepareOptions(), workers=1)  # the feed reads shards, not local files
+    batches = list(gpupipe.build_loader(shards, "dali", num_workers=1, **kw))
     assert len(fed) >= 2 and set(fed) == {"TensorListCPU"}  # (and the next epoch's first ones, read ahead)
     fed.clear()
-    inline = list(gpupipe.build_loader(tmp_path, "dali", num_workers=0, **kw))  # fed as a list of samples
+    inline = list(gpupipe.build_loader(shards, "dali", num_workers=0, **kw))  # fed as a list of samples
     assert len(fed) >= 2 and set(fed) == {"list"}
     for (a, la), (b, lb) in zip(batches, inline, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)

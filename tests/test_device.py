@@ -30,6 +30,22 @@ def test_keys_select_the_per_sample_augmentation(device):
     assert torch.allclose(plain, normalize(x.to(device), stage.mean, stage.inv_std))
 
 
+def test_a_batch_made_on_the_device_is_yielded_before_the_next_is_made():
+    """A batch made on the device (DALI, nvjpeg on CUDA; here the meta device) has no copy to overlap: the stage hands
+    it out before asking for the next one, so the backend's latency for that next batch is not added to the wait."""
+    stage = DeviceStage(torch.device("meta"), Recipe(16), normalize=False)
+    made: list[int] = []
+
+    def batches():
+        for k in range(4):
+            made.append(k)
+            n = k + 1  # batch k has k + 1 images: its place, read from a shape (a meta tensor holds no values)
+            yield Batch(torch.zeros(n, 3, 16, 16, dtype=torch.uint8, device="meta"), torch.zeros(n).long(), "NCHW")
+
+    seen = [(len(made), len(x) - 1) for x, _ in stage.iterate(batches())]
+    assert seen == [(1, 0), (2, 1), (3, 2), (4, 3)]  # batch k handed out when k + 1 batches were made
+
+
 @pytest.mark.gpu
 def test_batches_made_on_the_gpu_are_read_after_they_are_written():
     """A batch written on the current stream behind a long kernel must not be read early by the stage."""

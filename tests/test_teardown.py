@@ -27,13 +27,23 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory):
+    from gpupipe.prepare import PrepareOptions, prepare
+
+    out = tmp_path_factory.mktemp("teardown-shards") / "out"
+    prepare(folder, out, PrepareOptions(), workers=1)
+    return out
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_a_dropped_loader_ends_its_workers_without_the_garbage_collector(folder, case):
+def test_a_dropped_loader_ends_its_workers_without_the_garbage_collector(folder, shards, case):
     backend, kw = CASES[case]
     if backend not in gpupipe.available_backends():
         pytest.skip(f"no {backend}")
     before = set(_children(os.getpid()))
-    loader = gpupipe.build_loader(folder, backend, batch_size=4, num_workers=1, device="cpu", **kw)
+    data = shards if backend == "dali" else folder  # dali's feed processes read shards (a folder: DALI's threads)
+    loader = gpupipe.build_loader(data, backend, batch_size=4, num_workers=1, device="cpu", **kw)
     it = iter(loader)
     next(it)
     next(it)

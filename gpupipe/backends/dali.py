@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
+from .._files import read_regular
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from .dali_feed import Feed, Work, decode_on_cpu, unchanged
+from .dali_files import FileStream, FileTable
 from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
 from .dali_stream import FeedStream, plan
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
@@ -32,8 +34,12 @@ from .pillow import PillowDecoder
 from .registry import BackendSpec
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
-# would ask for a second batch the feed may not have): the Python feed of the next batch overlaps DALI's decode.
-_PREFETCH = 2
+# would ask for a second batch the feed may not have): DALI decodes the next ones while a batch is delivered, and a
+# batch that takes DALI longer is absorbed by the ones already made.
+_PREFETCH = 4
+# Batches of the last epoch that a pass may leave undelivered while the stream still goes on into the next epoch
+# (``gpupipe train --accum 2`` takes 74 of 75): they are decoded and dropped; a pass left earlier restarts the feed.
+_LEFT_OVER = 4
 
 
 def dali_info() -> dict:
@@ -71,8 +77,11 @@ class DaliLoader(Loader):
         self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
-        self._feed: FeedStream | None = None  # reads, judges and plans whole batches in DataLoader workers
-        self._ahead: deque[Work] = deque()  # the next epoch's first batches, scheduled before this epoch ended
+        # local files: DALI reads them (a path table, judged once); else a feed reads, judges and plans whole batches
+        # in DataLoader workers
+        self._files = parts.dataset.reads_files
+        self._feed: FeedStream | FileStream | None = None
+        self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
@@ -86,6 +95,7 @@ class DaliLoader(Loader):
                 num_threads=self.num_threads,
                 hw_decoder_load=self.hw_decoder_load,
                 normalize=self._normalize_in_dali,
+                files=self._files,
             )
             self.pipelines_built += 1
             self._scheduled = 0
@@ -97,7 +107,10 @@ class DaliLoader(Loader):
 
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
-        pipe.feed_input("enc", work.batch())
+        if work.paths is not None:
+            pipe.feed_input("paths", work.paths)
+        else:
+            pipe.feed_input("enc", work.batch())
         pipe.feed_input("meta", work.rows)  # one (n, 6) array: the whole batch at once
         pipe.schedule_run()
         self._scheduled += 1
@@ -126,56 +139,82 @@ class DaliLoader(Loader):
             except RuntimeError:
                 self._discard_pipeline()
 
-    def _take_ahead(self, epoch: int, start_batch: int) -> deque[Work]:
-        """The batches scheduled ahead at the end of the last pass, when this pass is the one they were for (the
-        next epoch, from its start): the feed then goes on as it is. Else they are dropped and the feed starts again
-        at this pass's first batch. Those batches were read while the last pass ended: one whose files changed since
-        is read again."""
-        ahead, self._ahead = self._ahead, deque()
+    def _resubmit(self) -> None:
+        """After DALI lost its pipeline: the works still waiting are scheduled again, in order, on a new one."""
+        for work in self._pending:
+            if work.dali:
+                self._submit(work)
+
+    def _continue(self, epoch: int, start_batch: int) -> deque[Work]:
+        """The stream of works for this pass. The one in flight goes on when this pass is the start of the epoch it
+        leads to (the next one, as the loader moves on by itself), also when the last pass was left a few batches
+        short of its end (those are dropped): its first batches are then decoded already. Else what is in flight is
+        dropped and the feed starts again at this pass's first batch."""
         planned = start_batch == 0 and self.sampler.resplit(epoch) is None  # the epoch's own start, not a re-split
-        if not (ahead and ahead[0].epoch == epoch and planned and self._feed is not None):
-            self._drain()
-            feed = self._feed_stream()
-            feed.restart(plan(self.sampler, feed.feed.gate, epoch, start_batch, _PREFETCH))
-            return deque()
-        self._feed.consuming(epoch)  # the rest of this epoch is read from now on
-        keep = sum(w.scheduled for w in ahead)
-        changed = [not unchanged(w.stamps) for w in ahead]  # each file stat-ed once
-        self._drain(0 if any(changed) else keep)
-        if self._scheduled < keep:  # changed files, or a failure in the drain took the pipeline: schedule again
-            ahead = deque(self._feed.reread(w) if c else w for w, c in zip(ahead, changed, strict=True))
-            for work in ahead:
-                if work.dali:
-                    self._submit(work)
-        return ahead
+        if planned and self._feed is not None and self._skip_to(epoch):
+            self._feed.consuming(epoch)  # the rest of this epoch is read from now on
+            self._recheck_ahead(epoch)
+            return self._pending
+        self._drain()
+        self._pending = deque()
+        feed = self._feed_stream()
+        feed.restart(plan(self.sampler, feed.gate, epoch, start_batch, _PREFETCH))
+        return self._pending
+
+    def _skip_to(self, epoch: int) -> bool:
+        """Drop the works of an earlier epoch at the stream's head, at most ``_LEFT_OVER``; whether the stream then
+        stands at ``epoch``'s first batch."""
+        for _ in range(_LEFT_OVER + 1):
+            if not self._pending and not self._take():
+                return False
+            head = self._pending[0]
+            if head.epoch != epoch - 1:  # an epoch further back: its rest would wait for the gate it passed
+                return head.epoch == epoch and head.number == 0
+            self._pending.popleft()
+            self._decoded_or_lost(head)
+        return False
+
+    def _recheck_ahead(self, epoch: int) -> None:
+        """The works of ``epoch`` read before its pass began: one whose files changed since is read again (each file
+        stat-ed once), and everything in flight is scheduled again behind it."""
+        changed = [any(w.stamps) and w.epoch == epoch and not unchanged(w.stamps) for w in self._pending]
+        if not any(changed):
+            return
+        assert self._feed is not None  # works with stamps came from the feed
+        self._drain()
+        self._pending = deque(self._feed.reread(w) if c else w for w, c in zip(self._pending, changed, strict=True))
+        self._resubmit()
 
     # -- the samples ------------------------------------------------------------------------------------------------
 
-    def _feed_stream(self) -> FeedStream:
-        """The feed: works prepared ahead in its workers (a quarter of the loader's workers, at least one: reading
-        and header parsing are light next to DALI's decode threads)."""
+    def _feed_stream(self) -> FeedStream | FileStream:
+        """Local files: the works made on this thread from the path table, each sample's header judged the first
+        time it comes, in processes. Else the feed: works prepared ahead in its workers."""
+        if self._feed is None and self._files:
+            table = FileTable(self.dataset, self.max_pixels)
+            self._feed = FileStream(table, self.recipe, self.train, self.seed, _helpers(self.parts.workers))
         if self._feed is None:
             feed = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
-            self._feed = FeedStream(feed, 0 if self.parts.workers == 0 else max(1, self.parts.workers // 4))
+            self._feed = FeedStream(feed, _helpers(self.parts.workers))
         return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
         decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
-        keep = []
-        for pos, data in zip(work.dali, work.samples(), strict=True):
+        keep, datas = [], []
+        for pos, data in zip(work.dali, _sample_bytes(work, self.dataset), strict=True):
             path = self.dataset.samples[work.indices[pos]][0]
             try:
-                self._check.decode(data.tobytes(), path)
+                if isinstance(data, OSError):
+                    raise DecodeError(path, self.backend, f"cannot read the file ({data.strerror or data})")
+                self._check.decode(data, path)
                 keep.append(pos)
+                datas.append(data)
             except DecodeError as e:
                 work.errors.append((path, e.reason))
         if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
-            chosen = [work.dali.index(pos) for pos in keep]
-            views = work.samples()
-            assert work.rows is not None  # a work DALI failed on had rows
-            work.dali, work.data, work.rows = keep, [views[k] for k in chosen], work.rows[chosen]
+            _narrow(work, [work.dali.index(pos) for pos in keep])
             if not work.dali:
                 return None
             try:
@@ -183,11 +222,11 @@ class DaliLoader(Loader):
                 return self._fetch()
             except RuntimeError:
                 self._discard_pipeline()
-        for pos, data in zip(work.dali, work.samples(), strict=True):  # only DALI refuses these: Pillow decodes them
+        for pos, data in zip(work.dali, datas, strict=True):  # only DALI refuses these: Pillow decodes them
             path = self.dataset.samples[work.indices[pos]][0]
             plan = self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
-            decode_on_cpu(self._check, self.recipe.side(self.train, work.epoch), work, pos, path, data.tobytes(), plan)
-        work.dali, work.data, work.rows = [], [], None
+            decode_on_cpu(self._check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
+        work.dali, work.data, work.rows, work.paths = [], [], None, None
         return None
 
     def _assemble(self, work: Work, decoded: torch.Tensor | None) -> Batch:
@@ -214,32 +253,50 @@ class DaliLoader(Loader):
         return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        """This pass's batches, two scheduled ahead. When the epoch's last ones are in flight, the next epoch's first
-        ones are scheduled too (the order the loader moves on to by itself), so DALI never runs dry at the edge."""
-        pending = self._take_ahead(epoch, start_batch)
-        feed = self._feed_stream()
-        while True:
-            self._fill(pending, feed)
-            if not pending or pending[0].epoch != epoch:
-                break
+        """This pass's batches, ``_PREFETCH`` scheduled ahead. The stream of works runs across epochs: when this
+        epoch's last ones are in flight, the next epoch's first ones are scheduled too, so DALI never runs dry at the
+        edge, and the next pass goes on with them (:meth:`_continue`)."""
+        pending = self._continue(epoch, start_batch)
+        self._fill()
+        while pending and pending[0].epoch == epoch:
             work = pending.popleft()
-            batch = self._assemble(work, self._decoded(work, pending))
-            feed.release(work)
+            decoded = self._decoded(work)
+            self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
+            batch = self._assemble(work, decoded)
+            self._release(work)
             del work
             yield batch
-        self._ahead = pending
 
-    def _fill(self, pending: deque[Work], feed: FeedStream) -> None:
-        """Schedule batches until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
-        while len(pending) < _PREFETCH:
-            work = feed.next()
-            if work is None:
-                return
-            if work.dali:
-                self._submit(work)
-            pending.append(work)
+    def _take(self) -> bool:
+        """The stream's next work, scheduled and appended to the pending ones; False when the plan has ended."""
+        work = self._feed_stream().next()
+        if work is None:
+            return False
+        if work.dali:
+            self._submit(work)
+        self._pending.append(work)
+        return True
 
-    def _decoded(self, work: Work, pending: deque[Work]) -> torch.Tensor | None:
+    def _fill(self) -> None:
+        """Schedule works until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
+        while len(self._pending) < _PREFETCH and self._take():
+            pass
+
+    def _release(self, work: Work) -> None:
+        if self._feed is not None:
+            self._feed.release(work)
+
+    def _decoded_or_lost(self, work: Work) -> None:
+        """Fetch and drop a work no pass delivers (a batch of a pass left early)."""
+        if work.dali and self._scheduled:
+            try:
+                self._fetch()
+            except RuntimeError:
+                self._discard_pipeline()
+                self._resubmit()
+        self._release(work)
+
+    def _decoded(self, work: Work) -> torch.Tensor | None:
         """DALI's images of ``work``; after a failure, what :meth:`_recover` saves (the batches behind it, lost with
         the pipeline, are scheduled again, in order, on a new one)."""
         if not work.dali:
@@ -249,10 +306,38 @@ class DaliLoader(Loader):
         except RuntimeError:
             self._discard_pipeline()
             decoded = self._recover(work)
-            for later in pending:
-                if later.dali:
-                    self._submit(later)
+            self._resubmit()
             return decoded
+
+
+def _helpers(workers: int) -> int:
+    """Processes beside DALI (the header scan, the feed): a quarter of the loader's workers, at least one (reading
+    and header parsing are light next to DALI's decode threads); none with no workers."""
+    return 0 if workers == 0 else max(1, workers // 4)
+
+
+def _sample_bytes(work: Work, dataset) -> list[bytes | OSError]:
+    """Each DALI sample's bytes as they are now: the feed's, or the file read again where DALI read it."""
+    if work.paths is None:
+        return [data.tobytes() for data in work.samples()]
+    out: list[bytes | OSError] = []
+    for pos in work.dali:
+        try:
+            out.append(read_regular(dataset.samples[work.indices[pos]][0]))
+        except OSError as e:
+            out.append(e)
+    return out
+
+
+def _narrow(work: Work, chosen: list[int]) -> None:
+    """``work`` left with its DALI samples at ``chosen`` (positions in ``work.dali``)."""
+    assert work.rows is not None  # a work DALI failed on had rows
+    if work.paths is not None:
+        work.paths = work.paths[chosen]
+    else:
+        views = work.samples()
+        work.data = [views[k] for k in chosen]
+    work.dali, work.rows = [work.dali[k] for k in chosen], work.rows[chosen]
 
 
 def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:

@@ -37,6 +37,7 @@ class Work:
 
     epoch: int
     indices: list[int]  # the sampler's batch, in order
+    number: int = 0  # which batch of its epoch (the loader's count)
     dali: list[int] = field(default_factory=list)  # positions in ``indices`` fed to DALI
     encoded: torch.Tensor | None = None  # uint8: the DALI samples' bytes (see ``Feed._encoded``), shared memory
     lengths: np.ndarray | None = None  # int64 (len(dali),): each sample's byte count
@@ -50,6 +51,9 @@ class Work:
     labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
     listed: Any = None  # the samples as one DALI TensorListCPU, made on the feed's thread (see ``prepare``)
+    # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (len(dali), L), each
+    # DALI sample's path zero-padded (its length is the last column of ``rows``)
+    paths: np.ndarray | None = None
 
     def samples(self) -> list[np.ndarray]:
         """Each DALI sample's bytes, as views (no copy)."""
@@ -84,6 +88,7 @@ class Work:
 class Request(NamedTuple):
     epoch: int
     indices: list[int]
+    number: int = 0  # which batch of its epoch
     ahead: bool = False  # one of an epoch's first batches, read before its pass begins: its files are stamped
     wait: bool = False  # read only once the loader delivers ``epoch`` (see :class:`Gate`)
 
@@ -125,6 +130,11 @@ class Gate:
     def open(self) -> None:
         self._value.value = self.OPEN
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader delivers."""
+        return self._value.value
+
     def wait(self, epoch: int) -> None:
         pause = 0.0005
         while self._value.value < epoch:  # a poll that backs off to 10 ms: a worker left waiting costs no CPU
@@ -147,7 +157,7 @@ class Feed(torch.utils.data.Dataset):
     def __getitem__(self, request: Request) -> Work:
         if request.wait:
             self.gate.wait(request.epoch)
-        work = Work(request.epoch, request.indices)
+        work = Work(request.epoch, request.indices, request.number)
         if request.ahead and self.dataset.reads_files:  # shards are not rewritten under a running loader
             work.stamps = [file_stamp(self.dataset.samples[i][0]) for i in request.indices]  # before the read
         if self._targets is None:

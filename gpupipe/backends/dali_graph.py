@@ -30,13 +30,15 @@ def build_pipeline(
     num_threads: int,
     hw_decoder_load: float = 0.65,
     normalize: bool = False,
+    files: bool = False,
 ):
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
     train ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
     input, so one pipeline serves every epoch of a resolution schedule), eval ``[resized_h, resized_w, top, left]``
     (torchvision's Resize + CenterCrop to the recipe's eval side). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
-    same pass, in DALI's threads, instead of a separate step after)."""
+    same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` instead of ``enc``
+    (:mod:`.dali_files`), each path's length one more column of ``meta``, and DALI reads the files itself."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
 
     gpu = device.type == "cuda"
@@ -51,8 +53,11 @@ def build_pipeline(
     )
     def pipe():
         # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
+        if files:  # each path's length is the row's last column
+            enc = _read_files(meta[6:7] if train else meta[4:5])
+        else:
+            enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         if train:
             images, mirror = _train_crop(enc, meta, decode_kw)
         else:
@@ -71,6 +76,17 @@ def build_pipeline(
     p = pipe()
     p.build()
     return p
+
+
+def _read_files(lengths):
+    """The encoded bytes of files named by ``paths`` (each a zero-padded row of the path's bytes, its length in
+    ``lengths``), read in DALI's threads. Plain reads, not a mapping: a file truncated while mapped would kill the
+    process (SIGBUS) where a read fails and the batch is narrowed to it."""
+    from nvidia.dali import fn, types
+
+    paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=True)
+    named = fn.slice(paths, types.Constant([0], dtype=types.INT64), lengths, axes=[0])
+    return fn.io.file.read(named, dont_use_mmap=True)
 
 
 def _train_crop(enc, meta, decode_kw: dict):

@@ -40,12 +40,12 @@ def plan(sampler, gate: Gate, epoch: int, start_batch: int, ahead: int) -> Itera
     holds that DataLoader) would make a cycle, which leaves the feed's workers to the garbage collector (it closes
     their queues before the DataLoader can stop them: 5 s a worker)."""
     gate.set(epoch)
-    yield from (Request(epoch, b) for b in sampler.batches(epoch, start_batch))
+    yield from (Request(epoch, b, k) for k, b in enumerate(sampler.batches(epoch, start_batch), start_batch))
     for e in itertools.count(epoch + 1):
         batches = sampler.batches(e)
         if not batches:
             return
-        yield from (Request(e, b, ahead=k < ahead, wait=k >= ahead) for k, b in enumerate(batches))
+        yield from (Request(e, b, k, ahead=k < ahead, wait=k >= ahead) for k, b in enumerate(batches))
 
 
 class FeedStream:
@@ -84,13 +84,17 @@ class FeedStream:
         it = start_workers(self._loader)
         self._source = _Receiver(it, self.feed.gate) if self._loader.num_workers > 0 else it
 
+    @property
+    def gate(self) -> Gate:
+        return self.feed.gate
+
     def consuming(self, epoch: int) -> None:
         """The loader now delivers ``epoch``: the workers may read its batches."""
         self.feed.gate.set(epoch)
 
     def reread(self, work: Work) -> Work:
         """``work`` read again, now, on this thread (its files changed after it was read ahead of its pass)."""
-        return self.feed[Request(work.epoch, work.indices)]
+        return self.feed[Request(work.epoch, work.indices, work.number)]
 
     def next(self) -> Work | None:
         """The plan's next work; None once the plan has ended."""

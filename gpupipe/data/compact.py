@@ -55,3 +55,8 @@ class PathList(SampleList):
 
     def name(self, i: int) -> str:
         return self._buf[self._starts[i] : self._starts[i + 1] - 1].tobytes().decode("utf-8", "surrogateescape")
+
+    def path_bytes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The paths' buffer (uint8; each path's bytes as ``os.fsencode`` gives them, then a NUL), each path's start
+        and its length (int64): read, never written (DALI's file reader takes rows of it)."""
+        return self._buf, self._starts[:-1], np.diff(self._starts) - 1

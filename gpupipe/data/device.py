@@ -156,29 +156,33 @@ class DeviceStage:
         return self._stream
 
     def iterate(self, batches: Iterable[BatchLike]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield finished (images, labels); on CUDA the next batch is copied and normalized on a side stream
-        while the caller computes on the current one (timm's PrefetchLoader pattern)."""
-        if self.device.type != "cuda":
-            yield from map(self.upload, batches)
-            return
-        stream = self._side_stream()
+        """Yield finished (images, labels). On CUDA a batch made on the host is copied and normalized one batch
+        ahead, on a side stream, while the caller computes on the current one (timm's PrefetchLoader pattern). A
+        batch made on the device (nvjpeg, synthetic, DALI), or any batch elsewhere, is yielded at once: it has no copy
+        to overlap, and waiting for the next one to be made would let the backend's latency, not its throughput,
+        decide the caller's wait."""
         pending = None
         for b in batches:
-            on_side = not b.images.is_cuda
-            if on_side:
-                with torch.cuda.stream(stream):
-                    ready = self.upload(b)
-            else:
-                # Made on the GPU (nvjpeg, synthetic, DALI), in order with this stream: finished here, so it is never
-                # read on a side stream before it is written, nor freed while read.
+            if b.images.device.type == self.device.type or self.device.type != "cuda":
+                # Made on the device, in order with the current stream: finished here, so it is never read on a side
+                # stream before it is written, nor freed while read.
+                if pending is not None:
+                    yield pending
+                    pending = None
+                yield self.upload(b)
+                continue
+            with torch.cuda.stream(self._side_stream()):
                 ready = self.upload(b)
             if pending is not None:
                 yield pending
-            if on_side:  # after the caller queued its step on the previous batch, so the copy overlaps it
-                current = torch.cuda.current_stream(self.device)
-                current.wait_stream(stream)
-                for t in ready:
-                    t.record_stream(current)  # memory made on the side stream is used on this one
+            self._hand_over(ready)  # after the caller queued its step on the previous batch: the copy overlaps it
             pending = ready
         if pending is not None:
             yield pending
+
+    def _hand_over(self, ready: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The current stream waits for the side stream's copy, and the memory made there is marked as used here."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self._side_stream())
+        for t in ready:
+            t.record_stream(current)

@@ -1,0 +1,308 @@
+"""DALI reads local files itself: for a folder or a file list, the training thread hands the pipeline, per batch, only
+the batch's rows of a path table and the recipe's crop rows, and ``fn.io.file.read`` reads the files in DALI's own
+threads. No feed process, no receiving thread, no copy of the bytes in Python.
+
+What the feed judges from each file's bytes (:mod:`.dali_feed`: its upright size, whether only Pillow decodes it, why
+it cannot be decoded) is judged once per sample, from its header, in worker processes that run a few batches ahead of
+the stream the first time a sample comes (:class:`Scanner`: nothing is read up front, and once every sample is
+judged they end); the verdicts are kept in the path table (:class:`FileTable`). The scan opens each file
+non-blocking and checks that it is a regular file before any path goes to DALI (a fifo would block its reader for
+ever, ``/dev/zero`` never end). A sample the scan found bad is reported as the feed reports it; one only
+Pillow decodes is decoded by Pillow on the training thread (rare: CMYK, 16-bit, formats DALI lacks). A file that
+changes after the scan is caught as the feed catches it: a batch DALI fails on is narrowed by Pillow reading the file
+as it is then (:meth:`DaliLoader._recover`), and the next epoch's first batches, made before their pass begins, are
+stamped and made again when their files changed (:meth:`FileStream.reread`).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import stat
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import NamedTuple
+
+import numpy as np
+
+from .._files import read_regular
+from ..data.compact import PathList
+from ..errors import DecodeError
+from ..recipe import Recipe
+from .dali_feed import Gate, Request, Work, decode_on_cpu, file_stamp
+from .image import HeaderCheck, ends_whole, header_entry, is_jpeg
+from .pillow import PillowDecoder
+
+# a sample's verdict: not judged yet; DALI reads and decodes it; Pillow decodes it; it is reported
+_UNKNOWN, _DALI, _PILLOW, _BAD = -1, 0, 1, 2
+_CHUNK = 8  # batches whose crops are drawn in one call
+_HEAD, _TAIL = 256 << 10, 4096  # bytes the scan reads: a header's, and the tail that holds a JPEG's end marker
+
+
+class Verdict(NamedTuple):
+    kind: int
+    height: int = 0
+    width: int = 0
+    problem: str | None = None
+
+
+def _read_ends(path: str) -> tuple[bytes, bytes]:
+    """(head, tail) of a regular file, opened non-blocking and checked before it is read (as ``read_regular``): the
+    whole file as both when it is small."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            read_regular(path)  # raises the one-line OSError naming what it is
+        if st.st_size <= _HEAD + _TAIL:
+            data = os.read(fd, st.st_size + 1)
+            return data, data
+        return os.pread(fd, _HEAD, 0), os.pread(fd, _TAIL, st.st_size - _TAIL)
+    finally:
+        os.close(fd)
+
+
+def judge_file(path: str, max_pixels: int) -> Verdict:
+    """What the feed decides from a sample's bytes (:meth:`.dali_feed.Feed._sample`), from its head and tail."""
+    try:
+        head, tail = _read_ends(path)
+        entry = header_entry(head, max_pixels)
+        if entry.problem is not None and head is not tail:  # maybe a header longer than the head: the whole file
+            entry = header_entry(read_regular(path), max_pixels)
+    except OSError as e:
+        return Verdict(_BAD, problem=f"cannot read the file ({e.strerror or e})")
+    return _verdict(path, entry, head, tail, max_pixels)
+
+
+def _verdict(path: str, entry: HeaderCheck, head: bytes, tail: bytes, max_pixels: int) -> Verdict:
+    if entry.problem is not None:
+        return Verdict(_BAD, problem=entry.problem)
+    if entry.pillow_only:
+        return Verdict(_PILLOW, entry.height, entry.width)
+    if is_jpeg(head) and not ends_whole(tail):
+        try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
+            PillowDecoder(max_pixels).decode(read_regular(path), path)
+        except (DecodeError, OSError) as e:
+            reason = e.reason if isinstance(e, DecodeError) else f"cannot read the file ({e.strerror or e})"
+            return Verdict(_BAD, problem=reason)
+    return Verdict(_DALI, entry.height, entry.width)
+
+
+def _judge_many(paths: list[str], max_pixels: int) -> list[Verdict]:
+    return [judge_file(p, max_pixels) for p in paths]
+
+
+class Scanner:
+    """Judges the samples a batch needs, not yet judged, in ``workers`` processes (none: on the caller's thread when
+    the batch is made). The pool starts with the first batch that needs it and ends once every sample is judged."""
+
+    def __init__(self, table: FileTable, workers: int):
+        self.table, self.workers = table, workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def ask(self, index: np.ndarray) -> Asked | None:
+        """Start judging the samples of ``index`` not judged yet."""
+        todo = index[self.table.kind[index] == _UNKNOWN]
+        if not len(todo) or self.workers < 1:
+            return None
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"))
+        paths = [self.table.dataset.samples[i][0] for i in todo.tolist()]
+        gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
+        try:
+            return Asked(todo, self._pool.submit(_judge_many, paths, self.table.max_pixels))
+        finally:
+            gc.unfreeze()
+
+    def settle(self, asked: Asked | None, index: np.ndarray) -> None:
+        """Every sample of ``index`` judged: the workers' verdicts kept, what no worker was asked judged here."""
+        if asked is not None:
+            try:
+                self.table.set(asked.indices.tolist(), asked.verdicts.result())
+            except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
+                self.close()
+        todo = index[self.table.kind[index] == _UNKNOWN].tolist()
+        if todo:
+            self.table.rescan(todo)
+        if asked is not None and self._pool is not None and not (self.table.kind == _UNKNOWN).any():
+            self.close()
+
+    def close(self) -> None:
+        """End the pool, once what it was asked is done (batches asked ahead keep their verdicts)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class Asked(NamedTuple):
+    indices: np.ndarray
+    verdicts: Future
+
+
+class FileTable:
+    """Every sample's path in one byte buffer (a folder's or a file list's own, :class:`PathList`, where it has one:
+    nothing is copied) with its start and length, and its verdict once judged: what a batch hands DALI is a few rows
+    of arrays, taken with one index each."""
+
+    def __init__(self, dataset, max_pixels: int):
+        self.dataset, self.max_pixels = dataset, max_pixels
+        samples = dataset.samples
+        if isinstance(samples, PathList):
+            self._bytes, self.starts, self.lengths = samples.path_bytes()
+        else:
+            names = [os.fsencode(p) for p, _ in samples]
+            self.lengths = np.fromiter(map(len, names), np.int64, len(names))
+            self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+            self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
+        self.targets = np.asarray(dataset.targets, dtype=np.int64)
+        self.kind = np.full(len(samples), _UNKNOWN, np.int8)
+        self.sizes = np.zeros((len(samples), 2), np.int64)
+        self.problems: dict[int, str] = {}
+
+    def paths(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The paths of samples ``chosen`` as (n, L) uint8, each zero-padded, and their lengths as (n, 1)."""
+        lengths = self.lengths[chosen]
+        cols = np.arange(int(lengths.max(initial=1)))
+        at = np.minimum(self.starts[chosen, None] + cols, len(self._bytes) - 1)
+        return np.where(cols < lengths[:, None], self._bytes[at], 0).astype(np.uint8), lengths[:, None]
+
+    def set(self, indices: Iterable[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(indices, verdicts, strict=True):
+            self.kind[i], self.sizes[i] = v.kind, (v.height, v.width)
+            if v.problem is not None:
+                self.problems[i] = v.problem
+            else:
+                self.problems.pop(i, None)
+
+    def rescan(self, indices: list[int]) -> None:
+        """Judge these samples again (their files changed)."""
+        self.set(indices, [judge_file(self.dataset.samples[i][0], self.max_pixels) for i in indices])
+
+
+class FileStream:
+    """The works of one plan (:func:`.dali_stream.plan`), made on the caller's thread when asked: the same interface
+    as :class:`.dali_stream.FeedStream`, with nothing to read but the tables."""
+
+    def __init__(self, table: FileTable, recipe: Recipe, train: bool, seed: int, workers: int):
+        self.table, self.recipe, self.train, self.seed = table, recipe, train, seed
+        self.check = PillowDecoder(table.max_pixels)
+        self.gate = Gate()  # the plan's; nothing here waits on it
+        self.scanner = Scanner(table, workers)
+        # batches taken from the plan ahead: their samples judged, their crops drawn together
+        self._depth = max(_CHUNK, workers)
+        self._requests: Iterator[Request] = iter(())
+        self._ahead: deque[tuple[Request, Asked | None]] = deque()
+        self._boxes: dict[tuple[int, int], np.ndarray] = {}  # (epoch, number) -> its DALI samples' crop boxes
+
+    def restart(self, requests: Iterable[Request]) -> None:
+        self._requests, self._ahead, self._boxes = iter(requests), deque(), {}
+
+    def consuming(self, epoch: int) -> None:
+        self.gate.set(epoch)
+
+    def next(self) -> Work | None:
+        while len(self._ahead) < self._depth:
+            request = next(self._requests, None)
+            if request is None:
+                break
+            self._ahead.append((request, self.scanner.ask(np.asarray(request.indices, dtype=np.int64))))
+        if not self._ahead:
+            return None
+        request, asked = self._ahead.popleft()
+        self.scanner.settle(asked, np.asarray(request.indices, dtype=np.int64))
+        if self.train and (request.epoch, request.number) not in self._boxes:
+            self._draw_boxes(request)
+        return self.make(request)
+
+    def _draw_boxes(self, request: Request) -> None:
+        """The crop boxes of ``request`` and of the judged batches of its epoch behind it, drawn in one call: the
+        draws' fixed cost (a few dozen array ops) is paid once for several batches."""
+        run = [request]
+        for later, asked in self._ahead:
+            if later.epoch != request.epoch or asked is not None or len(run) == _CHUNK:
+                break
+            if (self.table.kind[later.indices] == _UNKNOWN).any():
+                break
+            run.append(later)
+        chosen = [self._dali_of(np.asarray(r.indices, dtype=np.int64)) for r in run]
+        every = np.concatenate(chosen)
+        sizes = self.table.sizes[every]
+        boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, every, sizes[:, 0], sizes[:, 1])
+        for r, part in zip(run, np.split(boxes, np.cumsum([len(c) for c in chosen])[:-1]), strict=True):
+            self._boxes[(r.epoch, r.number)] = part
+
+    def _dali_of(self, index: np.ndarray) -> np.ndarray:
+        return index[self.table.kind[index] == _DALI]
+
+    def release(self, work: Work) -> None:
+        pass
+
+    def reread(self, work: Work) -> Work:
+        """``work`` made again, its samples judged again (files changed after it was made ahead of its pass)."""
+        self.table.rescan(work.indices)
+        self._boxes.pop((work.epoch, work.number), None)  # drawn for the samples as they were judged
+        return self.make(Request(work.epoch, work.indices, work.number))
+
+    def make(self, request: Request) -> Work:
+        """One batch: the DALI samples' path rows and crop rows, Pillow's samples decoded, the bad ones reported."""
+        t = self.table
+        work = Work(request.epoch, request.indices, request.number)
+        if request.ahead and request.epoch > self.gate.epoch:  # made before its pass begins: its files as they are now
+            work.stamps = [file_stamp(t.dataset.samples[i][0]) for i in request.indices]
+        index = np.asarray(request.indices, dtype=np.int64)
+        work.index, work.labels = index, t.targets[index]
+        kind = t.kind[index]
+        dali = np.flatnonzero(kind == _DALI)
+        if len(dali) < len(index):
+            self._others(work, np.flatnonzero(kind != _DALI).tolist())
+        chosen = index[dali]
+        work.dali = dali.tolist()
+        work.paths, lengths = t.paths(chosen)
+        work.rows = self._rows(request, chosen, lengths)
+        return work
+
+    def _rows(self, request: Request, chosen: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The rows of the pipeline's ``meta`` input (see :func:`.dali_graph.build_pipeline`): the crop's, then the
+        path's length."""
+        heights, widths = self.table.sizes[chosen, 0], self.table.sizes[chosen, 1]
+        if not self.train:
+            return np.concatenate([eval_rows(self.recipe, heights, widths), lengths], 1)
+        boxes = self._boxes.pop((request.epoch, request.number), None)
+        if boxes is None or len(boxes) != len(chosen):
+            boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, chosen, heights, widths)
+        rows = np.empty((len(chosen), 7), np.int64)
+        rows[:, :5] = boxes
+        rows[:, 5], rows[:, 6:] = self.recipe.side(True, request.epoch), lengths
+        return rows
+
+    def _others(self, work: Work, positions: list[int]) -> None:
+        """The samples DALI is not given: the bad ones reported, Pillow's decoded."""
+        t = self.table
+        for pos in positions:
+            i = work.indices[pos]
+            path = t.dataset.samples[i][0]
+            if t.kind[i] == _BAD:
+                work.errors.append((path, t.problems[i]))
+                continue
+            try:
+                data = read_regular(path)
+            except OSError as e:
+                work.errors.append((path, f"cannot read the file ({e.strerror or e})"))
+                continue
+            plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
+            decode_on_cpu(self.check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
+
+
+def eval_rows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """(n, 4) int64: :meth:`Recipe.eval_offsets` for a batch in a few array ops, to the bit (the same float64
+    division, truncation and round-half-to-even)."""
+    size, side = recipe.resize_size, recipe.eval_side
+    short, long_ = np.minimum(heights, widths), np.maximum(heights, widths)
+    new_long = (size * long_ / short).astype(np.int64)
+    wide = heights <= widths
+    rh, rw = np.where(wide, size, new_long), np.where(wide, new_long, size)
+    top, left = np.round((rh - side) / 2.0), np.round((rw - side) / 2.0)
+    return np.stack([rh, rw, top, left], 1).astype(np.int64)

@@ -1,0 +1,194 @@
+"""backends/dali_files.py: DALI reads a folder's or a file list's files itself. The training thread hands it path rows
+and crop rows, never bytes; no process or thread is started for it; and the batches are, to the bit, those of the
+feed that reads the files in DataLoader workers (the path shards still take)."""
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import gpupipe
+from gpupipe.backends.dali import DaliLoader
+from gpupipe.data.scan import ImageList
+
+from .common_utils import make_folder, photo
+
+pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Photo-like JPEGs with EXIF turns, a PNG, a CMYK JPEG, a GIF (Pillow only), an empty file, a truncated JPEG and
+    one with bytes after its end marker: every verdict the feed makes."""
+    root = tmp_path_factory.mktemp("mixed")
+    rng = np.random.default_rng(3)
+    for c in range(2):
+        (root / f"c{c}").mkdir()
+        for i in range(9):
+            h, w = [(150, 200), (200, 150), (120, 168)][i % 3]
+            exif = Image.Exif()
+            if i == 4:
+                exif[0x0112] = 6 if c == 0 else 8
+            photo(rng, h, w).save(root / f"c{c}" / f"{i:02d}.jpg", quality=90, exif=exif)
+    photo(rng, 90, 110).save(root / "c0" / "png.png")
+    photo(rng, 90, 110).convert("CMYK").save(root / "c1" / "cmyk.jpg", quality=90)
+    (root / "c1" / "empty.jpg").write_bytes(b"")
+    photo(rng, 70, 90).save(root / "c1" / "gif.jpg", "GIF")  # a GIF under a JPEG name: Pillow only
+    whole = (root / "c0" / "00.jpg").read_bytes()
+    (root / "c0" / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    (root / "c1" / "tail.jpg").write_bytes(whole + b"\0" * 5000)  # a whole JPEG, its marker far from the end
+    return root
+
+
+def _feed_loader(root, **kw):
+    """The loader as it was: the files read and judged by the feed's workers, their bytes handed to DALI."""
+    loader = gpupipe.build_loader(root, "dali", **kw)
+    assert isinstance(loader, DaliLoader)
+    loader._files = False
+    return loader
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for (x, y), (rx, ry) in zip(a, b, strict=True):
+        assert torch.equal(y, ry) and torch.equal(x, rx)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batches_equal_the_feeds_to_the_bit(mixed, train):
+    """Three epochs (the second left a batch short), skips, Pillow's samples and refills included."""
+    kw = dict(batch_size=5, train=train, image_size=40, num_workers=1, seed=2, device="cpu", on_error="skip")
+    files, feed = gpupipe.build_loader(mixed, "dali", **kw), _feed_loader(mixed, **kw)
+    for epoch in range(3):
+        a, b = iter(files), iter(feed)
+        short = epoch == 1 and train
+        n = len(files) - 1 if short else len(files)
+        _same([next(a) for _ in range(n)], [next(b) for _ in range(n)])
+        if not short:
+            assert next(a, None) is None and next(b, None) is None
+        assert sorted(files.skipped) == sorted(feed.skipped) and files.fallbacks == feed.fallbacks
+    kinds = files._feed.table.kind.tolist() if files._feed is not None else []
+    assert kinds == [0] * 9 + [2, 0] + [0] * 9 + [0, 2, 1, 0]  # c0: ..., cut, png; c1: ..., cmyk, empty, gif, tail
+    if not train:  # (train refills from the epoch's first samples: its last pass may skip fewer)
+        assert {os.path.basename(p) for p, _ in files.skipped} == {"empty.jpg", "cut.jpg"}
+        assert files.fallbacks == 1  # the GIF
+
+
+def test_no_image_bytes_are_read_in_python_and_no_process_or_thread_outlives_the_first_epoch(folder, monkeypatch):
+    reads = []
+    real = ImageList.read
+
+    def read(self, index):
+        reads.append(index)
+        return real(self, index)
+
+    monkeypatch.setattr(ImageList, "read", read)
+    before = (set(threading.enumerate()), set(__import__("multiprocessing").active_children()))
+    loader = gpupipe.build_loader(folder, "dali", batch_size=4, image_size=32, num_workers=2, device="cpu")
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert sum(len(y) for _, y in loader) == 4 * len(loader)
+        # every header was judged in the first epoch: its scan processes (and their thread) are gone
+        threads = {t for t in set(threading.enumerate()) - before[0] if not t.name.startswith("gpupipe-reaper")}
+        assert reads == [] and threads == set()
+        assert set(__import__("multiprocessing").active_children()) - before[1] == set()
+
+
+def test_headers_judged_in_processes_as_in_this_one_and_the_processes_end_when_all_are(mixed):
+    from gpupipe.backends.dali_files import FileTable, Scanner
+
+    dataset = gpupipe.data.sources.open_source(mixed)
+    here, there = FileTable(dataset, 10**8), FileTable(dataset, 10**8)
+    index = np.arange(len(dataset))
+    Scanner(here, 0).settle(None, index)
+    scanner = Scanner(there, 1)
+    asked = [scanner.ask(index[:10]), scanner.ask(index[5:])]  # overlapping: judged twice, alike
+    assert scanner._pool is not None
+    scanner.settle(asked[0], index[:10])
+    scanner.settle(asked[1], index[5:])
+    assert scanner._pool is None  # every sample judged: the pool is gone
+    assert np.array_equal(here.kind, there.kind) and np.array_equal(here.sizes, there.sizes)
+    assert here.problems == there.problems and len(here.problems) == 2
+    assert scanner.ask(index) is None  # nothing left to judge
+
+
+@pytest.fixture()
+def no_hang():
+    def stop(signum, frame):
+        raise TimeoutError("still running after 60 s: something blocked")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
+    """A fifo in the folder is left out by the walk; one that replaced a file after the scan, or a link to
+    /dev/zero, is found by the header scan (opened non-blocking): reported as Pillow reports it, never read."""
+    root = make_folder(tmp_path / "data", 2, 3)
+    os.mkfifo(root / "c01" / "p.jpg")
+    loader = gpupipe.build_loader(root, "dali", batch_size=3, train=False, image_size=16, device="cpu", on_error="skip")
+    (root / "c00" / "000.jpg").unlink()
+    os.mkfifo(root / "c00" / "000.jpg")
+    (root / "c00" / "001.jpg").unlink()
+    (root / "c00" / "001.jpg").symlink_to("/dev/zero")
+    assert sum(len(y) for _, y in loader) == 4
+    assert sorted(reason for _, reason in loader.skipped) == [
+        "cannot read the file (not a regular file: a character device)",
+        "cannot read the file (not a regular file: a fifo)",
+    ]
+
+
+def test_eval_rows_are_the_recipes_to_the_bit():
+    from gpupipe.backends.dali_files import eval_rows
+
+    rng = np.random.default_rng(0)
+    heights, widths = rng.integers(1, 5000, 4000), rng.integers(1, 5000, 4000)
+    heights[:3], widths[:3] = [224, 300, 256], [224, 200, 257]  # square, tall, a half to round
+    for recipe in (gpupipe.Recipe(224), gpupipe.Recipe(160, crop_pct=0.95), gpupipe.Recipe(33, crop_pct=0.5)):
+        want = [recipe.eval_offsets(h, w) for h, w in zip(heights.tolist(), widths.tolist(), strict=True)]
+        assert eval_rows(recipe, heights, widths).tolist() == [list(r) for r in want]
+
+
+def test_a_loader_dropped_while_headers_are_judged_ends_the_scan_processes(folder):
+    import gc
+    import time
+
+    children = __import__("multiprocessing").active_children
+    before = set(children())
+    loader = gpupipe.build_loader(folder, "dali", batch_size=2, image_size=16, num_workers=4, device="cpu")
+    it = iter(loader)
+    next(it)
+    scanning = set(children()) - before
+    assert scanning and loader._feed is not None and (loader._feed.table.kind < 0).any()  # not all judged yet
+    gc.disable()
+    try:
+        del it, loader
+        deadline = time.monotonic() + 10
+        while any(p.is_alive() for p in scanning) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(p.is_alive() for p in scanning)
+    finally:
+        gc.enable()
+
+
+def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
+    """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included."""
+    from gpupipe.backends.dali_files import FileTable
+    from gpupipe.data.scan import ImageList
+
+    folder = gpupipe.data.sources.open_source(mixed)
+    odd = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.jpg")
+    plain = ImageList(str(tmp_path), [("/a.jpg", 0), (odd, 1), ("/bb/c.png", 0)], ["0", "1"])
+    for dataset in (folder, plain):
+        table = FileTable(dataset, 10**8)
+        chosen = np.array([2, 0, 1, 2])
+        rows, lengths = table.paths(chosen)
+        for row, n, i in zip(rows, lengths[:, 0], chosen, strict=True):
+            assert row[:n].tobytes() == os.fsencode(dataset.samples[i][0]) and not row[n:].any()
