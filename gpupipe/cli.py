@@ -73,6 +73,10 @@ def _cmd_bench(args) -> int:
     from .bench.records import Config, policy_recipes
     from .sample_data import DEFAULT_DIR, make_sample_data
 
+    if args.plot:  # before the benchmark, not after it
+        from ._deps import require
+
+        require("matplotlib", "bench")
     data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
     if args.host_budget:
         from .bench import host_budget
