@@ -154,3 +154,13 @@ def test_a_batch_larger_than_the_data_names_the_flag_and_the_largest_batch(tmp_p
     assert line == (
         "error: 4 samples over 1 rank(s) make no full batch of 5 with drop_last=True: use --batch-size 4 or less"
     )
+
+
+def test_a_wrong_flag_value_is_named_by_its_flag_and_a_wrong_file_value_by_its_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    assert main(["train", "--image-size", "0", "--print-config"]) == 2
+    assert _lines(capsys.readouterr().err) == ["error: --image-size must be >= 1, got 0"]
+    config = tmp_path / "run.yaml"
+    config.write_text("image_size: 0\n")
+    assert main(["train", "--config", str(config), "--print-config"]) == 2
+    assert _lines(capsys.readouterr().err) == ["error: image_size must be >= 1, got 0"]

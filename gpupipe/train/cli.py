@@ -63,7 +63,13 @@ def run_train(args) -> int:
     from .config import TrainConfig, load_config, to_yaml
 
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ValueError as e:  # "image_size must be >= 1": the flag given, by its name on the command line
+        name, _, rest = str(e).partition(" ")
+        if overrides.get(name) is None:
+            raise
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
