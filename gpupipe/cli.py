@@ -329,7 +329,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
     p.add_argument("--image-size", type=positive_ints, default=[224], help="224, or 160,192,224: rows per size")
-    p.add_argument("--seconds", type=_positive_float, default=6.0, help="seconds a window, after a warm-up (default 6)")
+    p.add_argument("--seconds", type=_positive_float, default=6.0, help="timed seconds per measurement (default 6)")
     p.add_argument("--repeats", type=_positive_int, default=3, help="timed windows; the median is reported (default 3)")
     p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
     p.add_argument("--aa", action="append", help="add an 'augment' row: train with this policy; repeatable")
