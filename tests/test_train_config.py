@@ -70,10 +70,10 @@ def test_each_field_carries_its_help_resume_rule_and_choices(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--log-every", "0"], "log_every must be >= 1, got 0"),
-        (["--lr", "nan"], "lr must be a number, got nan"),
-        (["--lr", "inf"], "lr must be a finite number >= 0, got inf"),
-        (["--momentum", "nan"], "momentum must be a number, got nan"),
+        (["--log-every", "0"], "error: --log-every must be >= 1, got 0"),  # the flag given, not the key
+        (["--lr", "nan"], "error: --lr must be a number, got nan"),
+        (["--lr", "inf"], "error: --lr must be a finite number >= 0, got inf"),
+        (["--momentum", "nan"], "error: --momentum must be a number, got nan"),
     ],
 )
 def test_values_that_would_fail_later_are_refused_up_front(tmp_path, capsys, flags, said):
