@@ -5,6 +5,8 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   ?= data/sample
 VAL    ?= $(DATA)-val
 EXTRAS ?= all,dev
+# e.g. https://download.pytorch.org/whl/cpu: torch and torchvision from there first (a CPU-only torch: no CUDA wheels)
+TORCH_INDEX ?=
 
 .PHONY: setup system-deps demo test lint bench-cpu clean docker docker-test
 
@@ -24,6 +26,9 @@ $(STAMP): pyproject.toml
 	$(MAKE) system-deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@# a DALI wheel left by an earlier install may be for another CUDA (the dali extra follows torch's): out first
+	$(PY) -m pip uninstall -y -q $$($(PY) -m pip list --format=freeze | grep -o '^nvidia-dali-cuda[0-9]*') 2>/dev/null || true
+	$(if $(TORCH_INDEX),$(PY) -m pip install -q torch torchvision --index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 

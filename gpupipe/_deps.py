@@ -9,7 +9,8 @@ import importlib.util
 # "gpupipe[...]" from the index (the name there belongs to another project)
 INSTALL_HINTS = {
     "turbojpeg": 'pip install "PyTurboJPEG>=1.8,<2"  (and the C library: apt-get install libturbojpeg0)',
-    "dali": "pip install nvidia-dali-cuda120  (CUDA 12 driver; nvidia-dali-cuda130 for CUDA 13)",
+    "dali": "pip install nvidia-dali-cuda130  (for torch with CUDA 13, as the package index's; nvidia-dali-cuda120 "
+    "beside a CUDA 12 torch)",
     "pillow-simd": (
         'pip uninstall -y pillow && CC="cc -mavx2" pip install --no-binary :all: pillow-simd '
         "(needs libjpeg-dev zlib1g-dev; see bench/pillow_simd.sh)"

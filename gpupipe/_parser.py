@@ -1,9 +1,11 @@
-"""The command line's argparse: no prefix matching, and unknown flags answered with the closest known ones."""
+"""The command line's argparse: no prefix matching, unknown flags answered with the closest known ones, and every
+argument mistake one line (not the usage block before it)."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+from typing import NoReturn
 
 
 class Parser(argparse.ArgumentParser):
@@ -20,6 +22,10 @@ class Parser(argparse.ArgumentParser):
             parser = self._command_parser(parsed)
             parser.error(_unrecognized(extras, parser))
         return parsed
+
+    def error(self, message: str) -> NoReturn:
+        """One line, as every other mistake is (argparse prints the whole usage block first), with where help is."""
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
 
     def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
         for action in self._actions:

@@ -12,7 +12,7 @@ import torch
 from ._system import as_device, cores_per_rank, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
-from .backends import BackendName, BackendSpec, check_name, require_backend
+from .backends import BackendName, BackendSpec, check_name, get, names, require_backend
 from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
@@ -249,10 +249,14 @@ def read_image(
     ``backend`` is any decoding backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``nvjpeg`` (decodes on CUDA)
     or ``dali`` (a one-image DALI pipeline, on ``device``: slow to start, for checks rather than loops).
     """
-    target = None if device is None else as_device(device)  # checked before the file is read
-    spec = require_backend(check_name(backend)) if backend != "auto" else None
-    if spec is None or spec.read is None:
-        raise ValueError(f"read_image needs a decoding backend, not {backend!r}")
+    target = None if device is None else _resolve_device(device)  # checked before the file is read, as build_loader's
+    name = check_name(backend)
+    decoders = [n for n in names() if get(n).read is not None]
+    if name not in decoders:
+        why = " (auto picks a loader's backend from a bench of a data set)" if name == "auto" else ""
+        raise ValueError(f"read_image needs a decoding backend: one of {', '.join(decoders)}, not {backend!r}{why}")
+    spec = require_backend(name)
+    assert spec.read is not None  # a decoder, by the check above
     if isinstance(src, (bytes, bytearray, memoryview)):
         data, path = bytes(src), "<bytes>"
     else:

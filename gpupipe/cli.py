@@ -11,6 +11,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
+from ._deps import require
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
 from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, positive_ints
 from ._parser import Parser
@@ -68,11 +69,15 @@ def _cmd_sample_data(args) -> int:
 
 def _cmd_bench(args) -> int:
     from .api import _resolve_device
-    from .bench import suite
+    from .bench import report, suite
     from .bench.eta import shown_progress
     from .bench.records import Config, policy_recipes
     from .sample_data import DEFAULT_DIR, make_sample_data
 
+    if args.plot:  # before the benchmark, not after it
+        require("matplotlib", "bench")
+    if args.data is None:  # said, since it writes files: the data the table's title names
+        console.print(f"no --data: measuring the sample data in {DEFAULT_DIR} (`gpupipe sample-data` writes it)")
     data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
     if args.host_budget:
         from .bench import host_budget
@@ -100,11 +105,12 @@ def _cmd_bench(args) -> int:
     )
     if args.model and device.type != "cuda":
         console.print("[yellow]--model measures training on the GPU; on the CPU the figures say little[/]")
+    since = report.cpu_times()  # the CPU time other processes take meanwhile: a busy machine is said in the table
     with shown_progress(console) as progress:
         results = suite.run(cfg, progress=progress)
     if not results:
         raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
-    _bench_outputs(cfg, results, args.json, args.plot, unavailable)
+    _bench_outputs(cfg, results, args.json, args.plot, unavailable, since)
     return 0
 
 
@@ -133,7 +139,7 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
     return [b for b in backends if b not in unusable], {b: why or "unavailable" for b, why in unusable.items()}
 
 
-def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None, unavailable: dict) -> None:
+def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None, unavailable: dict, since) -> None:
     """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
     import torch
 
@@ -151,7 +157,7 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
     }
-    rep = report.report(results, machine_info(), settings, unavailable)
+    rep = report.report(results, machine_info(), settings, unavailable, since)
     report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
     store.save_latest(rep, cfg.data, cfg.device)
     if json_path:
@@ -171,7 +177,7 @@ def _cmd_check(args) -> int:
 
     source = open_source(args.dir, allow_outside_root=args.allow_outside_root)
     workers = usable_cores() if args.workers is None else args.workers
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("checking", total=len(source))
         results = check_source(source, workers, on_result=lambda r: progress.advance(task))
     bad = [r for r in results if not r["ok"]]
@@ -211,7 +217,7 @@ def _cmd_prepare(args) -> int:
         TextColumn("time left"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("prepare", total=None)
 
         def advance(done: int, total: int) -> None:
@@ -224,15 +230,17 @@ def _cmd_prepare(args) -> int:
     out = _stdout()
     for r in summary.left_out:
         out.print(f"[red]unreadable[/] {escape(escape_name(r['path']))}: {escape(r['reason'])}", highlight=False)
+    reencoded = summary.samples - summary.copied
     causes = ", ".join(f"{v} {k}" for k, v in summary.reencoded.items())
+    causes += " (a file can have several reasons)" if sum(summary.reencoded.values()) > reencoded else ""
     state = (
         "already prepared"
         if summary.up_to_date
         else (f"resumed at sample {summary.resumed_at}" if summary.resumed_at else "prepared")
     )
     out.print(
-        f"{summary.out}: {state}: {summary.samples} samples in {summary.shards} shards ({summary.copied} "
-        f"copied, {summary.samples - summary.copied} re-encoded{': ' + causes if causes else ''}); "
+        f"{summary.out}: {state}: {summary.samples} samples in {summary.shards} shard{'s' * (summary.shards != 1)} "
+        f"({summary.copied} copied, {reencoded} re-encoded{': ' + causes if causes else ''}); "
         f"{len(summary.left_out)} left out",
         markup=False,
         highlight=False,
@@ -321,18 +329,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="(default 64)")
     p.add_argument("--image-size", type=positive_ints, default=[224], help="224, or 160,192,224: rows per size")
-    p.add_argument(
-        "--seconds",
-        type=_positive_float,
-        default=6.0,
-        help="timed seconds per measurement, after a warm-up (default 6)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=_positive_int,
-        default=3,
-        help="timed windows per measurement; the median is reported (default 3)",
-    )
+    p.add_argument("--seconds", type=_positive_float, default=6.0, help="timed seconds per measurement (default 6)")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed windows; the median is reported (default 3)")
     p.add_argument("--model", help="end-to-end mode: train this timm model fed by each backend and by synthetic")
     p.add_argument("--aa", action="append", help="add an 'augment' row: train with this policy; repeatable")
     p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")

@@ -10,6 +10,8 @@ from torchvision.transforms import v2
 
 import gpupipe
 
+from .common_utils import make_folder
+
 BACKENDS = [b for b in ("pillow", "turbojpeg", "dali") if b in gpupipe.available_backends()]
 
 
@@ -137,3 +139,28 @@ def test_a_recipe_without_a_size_takes_the_loaders_and_one_with_another_is_refus
     assert next(iter(gpupipe.build_loader(folder, "pillow", recipe=gpupipe.Recipe(), **kw)))[0].shape[-1] == 224
     with pytest.raises(ValueError, match=r"image_size=40 and recipe\.size=224 disagree"):
         gpupipe.build_loader(folder, "pillow", image_size=40, recipe=gpupipe.Recipe(224), **kw)
+
+
+def test_the_default_batch_on_a_small_folder_names_the_largest_batch_that_works(tmp_path):
+    """The probe: ``build_loader("my_folder", "pillow")`` on any folder under 256 images said "a smaller batch_size"."""
+    root = make_folder(tmp_path / "small", 2, 3)
+    with pytest.raises(ValueError) as e:
+        gpupipe.build_loader(root, "pillow", device="cpu", num_workers=0)
+    assert str(e.value) == (
+        "6 samples over 1 rank(s) make no full batch of 256 with drop_last=True: use batch_size=6 or less, or "
+        "drop_last=False"
+    )
+
+
+def test_read_image_names_the_decoding_backends_and_a_missing_gpu_in_one_line(tmp_path):
+    """The probe: `auto` got no list of names; `device="cuda"` without a GPU got torch's driver error."""
+    path = next((make_folder(tmp_path / "one", 2, 1) / "c00").iterdir())
+    decoders = [n for n in gpupipe.backends.names() if gpupipe.backends.get(n).read is not None]
+    for backend in ("auto", "synthetic"):
+        with pytest.raises(ValueError) as e:
+            gpupipe.read_image(path, backend)
+        assert f"read_image needs a decoding backend: one of {', '.join(decoders)}, not {backend!r}" in str(e.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^device='cuda' was asked for, but torch sees no CUDA device$"):
+            gpupipe.read_image(path, "pillow", device="cuda")
+    assert gpupipe.read_image(path, "pillow").shape[0] == 3

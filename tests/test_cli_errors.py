@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
+from gpupipe._deps import INSTALL_HINTS
 from gpupipe.cli import main
 from gpupipe.errors import TRACEBACK_ENV
+
+from .common_utils import REPO_ROOT, make_folder, train_args
 
 
 def _lines(text: str) -> list[str]:
@@ -65,3 +70,97 @@ def test_an_unknown_device_is_one_line_naming_the_valid_ones(tmp_path, capsys, m
     (line,) = _lines(capsys.readouterr().err)
     assert line == "error: device must be 'cpu', 'cuda' or 'cuda:N' (or a torch.device), got 'gpu'"
     assert not (tmp_path / "run").exists()
+
+
+def _without(modules: set[str], *args) -> subprocess.CompletedProcess:
+    """``gpupipe ARGS`` in a process where ``modules`` cannot be found (an install without the extra that has them)."""
+    code = (
+        "import sys\n"
+        "class Gone:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {sorted(modules)!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Gone())\n"
+        "from gpupipe.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop(TRACEBACK_ENV, None)
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("command", [["train", "--print-config"], ["eval", "--checkpoint", "x.pt", "--data", "."]])
+def test_train_and_eval_without_the_train_extra_name_it(command):
+    r = _without({"yaml", "omegaconf", "timm"}, *command)
+    assert r.returncode == 2 and _lines(r.stderr) == [
+        f"error: gpupipe {command[0]} needs the train extra (timm, omegaconf, yaml not installed): "
+        + INSTALL_HINTS["train"]
+    ], r.stderr
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_benchmark(tmp_path):
+    """The probe: the whole benchmark ran, then --plot failed. Here --data does not exist: the plot is checked first."""
+    r = _without({"matplotlib"}, "bench", "--data", tmp_path / "nowhere", "--plot", tmp_path / "b.png")
+    assert r.returncode == 2 and _lines(r.stderr) == [
+        f"error: 'matplotlib' is not installed; {INSTALL_HINTS['bench']}"
+    ], r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["train", "--epochs", "x"], "error: argument --epochs: invalid int value: 'x'"),
+        (["train", "--epoch", "2"], "error: unrecognized arguments: --epoch 2 (--epoch: did you mean --epochs?)"),
+        (["bench", "--device", "tpu"], "error: argument --device: invalid choice: 'tpu' (choose from 'cpu', 'cuda')"),
+    ],
+)
+def test_an_argument_mistake_is_one_line_without_the_usage_block(args, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    (got,) = _lines(capsys.readouterr().err)
+    assert got == f"{line} (`gpupipe {args[0]} --help` lists the flags)"
+
+
+def test_train_without_data_names_the_default_and_how_to_make_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 2
+    (line,) = _lines(capsys.readouterr().err)
+    assert line.startswith("error: data/sample: no such folder; it is --data's default, the sample data: ")
+    assert "`gpupipe sample-data` makes it" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    data = make_folder(tmp_path / "data", 2, 2)
+    for extra in (["--data", tmp_path / "nowhere"], ["--model", "no_such_model"], ["--batch-size", "5"]):
+        args = train_args(data, tmp_path / "runs" / "x", *map(str, extra), batch_size=None)
+        assert main(["train", *args]) == 2
+        capsys.readouterr()
+        assert not (tmp_path / "runs").exists(), extra
+    (tmp_path / "runs").mkdir()  # a folder that was there before the run stays
+    assert main(["train", *train_args(data, tmp_path / "runs", "--batch-size", "5", batch_size=None)]) == 2
+    assert (tmp_path / "runs").is_dir()
+
+
+def test_a_batch_larger_than_the_data_names_the_flag_and_the_largest_batch(tmp_path, capsys, monkeypatch):
+    """The probe: the CLI advised drop_last=False, which gpupipe train has no flag for."""
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    data = make_folder(tmp_path / "data", 2, 2)
+    assert main(["train", *train_args(data, tmp_path / "out", batch_size=5)]) == 2
+    (line,) = _lines(capsys.readouterr().err)
+    assert line == (
+        "error: 4 samples over 1 rank(s) make no full batch of 5 with drop_last=True: use --batch-size 4 or less"
+    )
+
+
+def test_a_wrong_flag_value_is_named_by_its_flag_and_a_wrong_file_value_by_its_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    assert main(["train", "--image-size", "0", "--print-config"]) == 2
+    assert _lines(capsys.readouterr().err) == ["error: --image-size must be >= 1, got 0"]
+    config = tmp_path / "run.yaml"
+    config.write_text("image_size: 0\n")
+    assert main(["train", "--config", str(config), "--print-config"]) == 2
+    assert _lines(capsys.readouterr().err) == ["error: image_size must be >= 1, got 0"]

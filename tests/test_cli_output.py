@@ -3,6 +3,8 @@ written (brackets too)."""
 
 import shutil
 
+import pytest
+
 import gpupipe
 
 from .common_utils import gpupipe_cli, make_folder
@@ -36,7 +38,7 @@ def test_prepare_to_a_pipe_prints_whole_lines_and_names_as_written(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert sum(line.startswith("unreadable ") and "holiday [copy].jpg: " in line for line in lines) == 1
-    assert lines[-1].startswith(f"{out}: prepared: 4 samples in 1 shards")  # one line, the brackets kept
+    assert lines[-1].startswith(f"{out}: prepared: 4 samples in 1 shard (")  # one line, the brackets kept
     shutil.rmtree(out)
 
 
@@ -62,3 +64,35 @@ def test_version_is_quick_and_does_not_import_torch():
 def test_import_gpupipe_gives_the_public_api():
     assert set(dir(gpupipe)) >= set(gpupipe.__all__)
     assert gpupipe.build_loader is gpupipe.api.build_loader and callable(gpupipe.read_image)
+
+
+def test_check_and_prepare_to_a_pipe_print_no_empty_line(tmp_path):
+    """The probe: both began with an empty line (the progress display's, in a pipe)."""
+    root = make_folder(tmp_path / "data", 2, 2)
+    for args in (["check", root], ["prepare", root, tmp_path / "shards"]):
+        r = gpupipe_cli(*args, "--workers", 0)
+        assert r.returncode == 0 and r.stderr == "" and r.stdout.count("\n") == 1, (r.stdout, r.stderr)
+
+
+def test_prepare_says_that_a_file_can_have_several_reasons(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "data"
+    for name, size in (("c0/big.png", (200, 160)), ("c0/small.jpg", (40, 30)), ("c1/small.jpg", (30, 40))):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", size, (90, 30, 200)).save(root / name)
+    r = gpupipe_cli("prepare", root, tmp_path / "shards", "--workers", 0, "--max-side", 100)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == (
+        f"{tmp_path / 'shards'}: prepared: 3 samples in 1 shard (2 copied, 1 re-encoded: 1 PNG (not JPEG), "
+        "1 larger than max-side (a file can have several reasons)); 0 left out"
+    )
+
+
+@pytest.mark.slow  # writes the 600 JPEGs of the sample data
+def test_bench_without_data_says_what_it_measures(tmp_path):
+    r = gpupipe_cli("bench", "--backends", "no-such", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == (
+        "no --data: measuring the sample data in data/sample (`gpupipe sample-data` writes it)"
+    )

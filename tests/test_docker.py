@@ -47,16 +47,19 @@ def test_pins_satisfy_pyproject():
     assert Version(_arg("PILLOW_SIMD_VERSION")) in _dep("pillow", deps).specifier
 
 
-def test_one_cuda_major_torch_and_dali_from_the_cu13_extra():
-    """torch's wheels on the package index carry CUDA 13: DALI comes from the dali-cu13 extra, with its pin."""
-    (dali,) = (Requirement(r) for r in EXTRAS["dali-cu13"])
+def test_one_cuda_major_torch_and_dali_from_the_dali_extra():
+    """torch's wheels on the package index carry CUDA 13: the dali extra (in `.[all]`, what `make demo` installs) is
+    DALI for CUDA 13, the image pins it, and the image installs `.[all]` itself; dali-cu12 is for a CUDA 12 torch."""
+    (dali,) = (Requirement(r) for r in EXTRAS["dali"])
     assert dali.name == "nvidia-dali-cuda130"
     assert Version(_arg("DALI_VERSION")) in dali.specifier
     assert f'"{dali.name}==${{DALI_VERSION}}"' in _stage("venv")
+    assert "dali" in _all_extras() and "dali-cu12" not in _all_extras()
+    assert [Requirement(r).name for r in EXTRAS["dali-cu12"]] == ["nvidia-dali-cuda120"]
 
 
-def test_extras_are_all_but_with_dali_for_cuda_13():
-    assert set(_arg("EXTRAS").split(",")) == (_all_extras() - {"dali"}) | {"dali-cu13"}
+def test_the_image_installs_all():
+    assert _arg("EXTRAS") == "all"
     assert 'pip install -c /opt/pins.txt ".[${EXTRAS}]"' in _stage("venv")
 
 

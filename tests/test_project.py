@@ -33,6 +33,23 @@ def test_make_demo_writes_the_held_out_split_the_readme_trains_with(tmp_path):
     assert f"gpupipe sample-data {tmp_path}/sample-val --split val\n" in plan  # the README's --val data/sample-val
 
 
+def test_installed_dali_is_for_torchs_cuda():
+    """`make demo`'s venv (`.[all]`) had DALI for CUDA 12 beside torch's CUDA 13: two CUDAs in one venv."""
+    import re
+    from importlib.metadata import distributions
+
+    import torch
+
+    names = {d.metadata["Name"] for d in distributions()}
+    dalis = sorted(n for n in names if re.fullmatch(r"nvidia-dali-cuda\d+", n or ""))
+    if not dalis or torch.version.cuda is None:
+        pytest.skip("needs DALI and a CUDA build of torch installed (the all extra)")
+    major = torch.version.cuda.split(".")[0]
+    assert dalis == [f"nvidia-dali-cuda{major}0"], (
+        f"{', '.join(dalis)} beside torch {torch.__version__} (CUDA {torch.version.cuda}): run `make setup` again"
+    )
+
+
 def test_nvjpeg_tests_print_no_deprecation_warning():
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_nvjpeg.py")],

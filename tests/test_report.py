@@ -1,6 +1,7 @@
 """The bench chart: real backends on their own scale with error bars; synthetic as a note."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,50 @@ def test_cpu_table_explains_dali_reference_and_leaves_out_gpu_only_columns():
     words = " ".join(text.split())  # the caption wraps at the table's width
     assert "dali-reference: DALI's own pipeline as its documentation writes it" in words
     assert "baseline: torchvision's Pillow loader + transforms on the same samples" in words
+
+
+def _busy_report() -> dict:
+    rows = [("train", "turbojpeg", 315.0, (99.0, 503.0)), ("train", "dali", 363.0, (238.0, 400.0))]
+    rows += [("eval", "turbojpeg", 900.0, (880.0, 950.0)), ("eval", "dali", 500.0, (450.0, 520.0))]
+    results = [
+        {"pipeline": p, "backend": b, "images_per_s": v, "spread": list(s), "megapixels_per_s": None}
+        | {"images_per_s_per_worker": None}
+        for p, b, v, s in rows
+    ]
+    machine = {"cpu": "Intel(R) Xeon(R) Processor with a rather long model name", "cores_usable": 2}
+    config = {"data": "data/sample", "workers": 2, "device": "cpu", "batch_size": 64}
+    rep = report.report([], machine, config)
+    return rep | {"results": results, "load_average": [7.0, 6.5, 5.0], "others_cpu_share": 0.61, "busy": True}
+
+
+def test_a_busy_run_and_rows_it_cannot_tell_apart_are_said_in_whole_lines():
+    """The probe: at load 7 on 2 cores, `turbojpeg 315 (99-503)` vs `dali 363 (238-400)` with no word of either;
+    piped, the title and the notes were wrapped at the table's width."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    report.print_table(_busy_report(), Console(file=out, width=80, soft_wrap=True))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == (
+        "gpupipe bench — data/sample, Intel(R) Xeon(R) Processor with a rather long model name, 2 worker(s), "
+        "device cpu, batch 64, 2 usable cores"
+    )
+    assert any(
+        line.startswith("note: busy machine (other processes took 61% of the CPU time, load average 7.0, ")
+        for line in lines
+    )
+    assert (
+        "note: train: dali 363 (238–400) and turbojpeg 315 (99–503) overlap: this run cannot tell them apart" in lines
+    )
+    assert not any("eval:" in line for line in lines)  # 900 (880-950) vs 500 (450-520): told apart
+
+
+def test_the_cpu_share_of_other_processes():
+    start, end = report.CpuTimes(10.0, 100.0, 1.0), report.CpuTimes(60.0, 200.0, 21.0)
+    assert report.others_share(start, end) == 0.3  # 50 s busy on the machine, 20 s of them ours, in 100 s of CPU
+    assert report.others_share(None, end) is None
+    since = report.cpu_times()
+    time.sleep(0.1)  # a few clock ticks of the machine's
+    assert 0 <= report.report([], {}, {}, since=since)["others_cpu_share"] <= 1

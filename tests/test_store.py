@@ -2,6 +2,7 @@
 
 import logging
 
+import pytest
 import torch
 
 import gpupipe
@@ -43,3 +44,33 @@ def test_auto_without_a_bench_states_its_rule(tmp_path, folder, monkeypatch, cap
     with caplog.at_level(logging.INFO, logger="gpupipe"):
         gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu")
     assert "no bench result for this data and machine, so the rule" in caplog.text
+
+
+def _rows(*rows, busy=False):
+    """A bench report of (backend, img/s, (min, max)) train rows."""
+    results = [
+        {"backend": b, "pipeline": "train", "device": "cpu", "images_per_s": v, "spread": list(s)} for b, v, s in rows
+    ]
+    return {"date": "2026-04-04", "busy": busy, "results": results}
+
+
+@pytest.mark.parametrize(
+    "rep, why",
+    [
+        (_rows(("pillow", 363.0, (238, 400)), ("turbojpeg", 315.0, (99, 503))), "overlap: the bench cannot tell"),
+        (_rows(("pillow", 572.0, (560, 580)), ("turbojpeg", 402.0, (400, 410)), busy=True), "ran on a busy machine"),
+    ],
+)
+def test_auto_does_not_trust_overlapping_rows_or_a_busy_bench(tmp_path, folder, monkeypatch, caplog, rep, why):
+    """The probe: at load 7 on 2 cores, `turbojpeg 315 (99-503)` vs `dali 363 (238-400)`, and auto chose dali."""
+    if "turbojpeg" not in gpupipe.available_backends():
+        pytest.skip("the rule of thumb picks turbojpeg only where it is available")
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path))
+    store.save_latest(rep, str(folder), torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="gpupipe"):
+        loader = gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu")
+    assert loader.backend == "turbojpeg"  # the rule, not the row that came first
+    assert "backend auto chose turbojpeg: the stored bench is no sure guide (" in caplog.text and why in caplog.text
+    clear = _rows(("pillow", 572.0, (560, 580)), ("turbojpeg", 402.0, (400, 410)))  # quiet, ranges apart: trusted
+    store.save_latest(clear, str(folder), torch.device("cpu"))
+    assert gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu").backend == "pillow"

@@ -1,8 +1,17 @@
 """gpupipe/train/config.py: defaults <- YAML <- flags, one-line errors, ``--help`` for every field."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from gpupipe.train.config import TrainConfig, load_config
+
+from .common_utils import REPO_ROOT
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 
 def test_config_file_overrides_only_what_it_names(tmp_path):
@@ -61,10 +70,10 @@ def test_each_field_carries_its_help_resume_rule_and_choices(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--log-every", "0"], "log_every must be >= 1, got 0"),
-        (["--lr", "nan"], "lr must be a number, got nan"),
-        (["--lr", "inf"], "lr must be a finite number >= 0, got inf"),
-        (["--momentum", "nan"], "momentum must be a number, got nan"),
+        (["--log-every", "0"], "error: --log-every must be >= 1, got 0"),  # the flag given, not the key
+        (["--lr", "nan"], "error: --lr must be a number, got nan"),
+        (["--lr", "inf"], "error: --lr must be a finite number >= 0, got inf"),
+        (["--momentum", "nan"], "error: --momentum must be a number, got nan"),
     ],
 )
 def test_values_that_would_fail_later_are_refused_up_front(tmp_path, capsys, flags, said):
@@ -170,3 +179,51 @@ def test_the_cache_limit_is_parsed_and_said_when_it_has_no_effect(caplog):
         "--cache-limit 1GB has no effect: --data my/folder is not at a URL (the shard cache keeps shards fetched from "
         "object storage)"
     ]
+
+
+@pytest.fixture(scope="session")
+def lowest_omegaconf(tmp_path_factory) -> tuple[str, Path]:
+    """The lowest omegaconf the train extra allows (2.3: what Hydra pins), installed from the package index into a
+    folder of its own; skipped when no index answers."""
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["train"]
+    (spec,) = (Requirement(r).specifier for r in extra if Requirement(r).name == "omegaconf")
+    floor = next(s.version for s in spec if s.operator == ">=")
+    version = floor if floor.count(".") == 2 else f"{floor}.0"
+    target = tmp_path_factory.mktemp("omegaconf")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(target)]
+    r = subprocess.run([*pip, f"omegaconf=={version}"], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"pip cannot install omegaconf=={version} here: {r.stderr.strip().splitlines()[-1:]}")
+    return version, target
+
+
+def test_the_config_works_with_the_lowest_omegaconf_the_extra_allows(lowest_omegaconf, tmp_path):
+    """The probe: beside hydra-core (omegaconf < 2.4) every `gpupipe train` stopped at `Unexpected type annotation:
+    Literal[fp32, bf16, fp16]`. The same config, file and errors with omegaconf 2.3 as with the one installed."""
+    version, target = lowest_omegaconf
+    f = tmp_path / "run.yaml"
+    f.write_text("precision: bf16\nval: held out\nepochs: 3\n")
+    args = ["--config", f, "--remode", "const", "--print-config"]
+
+    def run(first: list[Path], *extra) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*first, REPO_ROOT]))}
+        code = "import sys, omegaconf; from gpupipe.cli import main; print(omegaconf.__version__); sys.exit(main())"
+        cmd = [sys.executable, "-c", code, "train", *map(str, [*args, *extra])]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+    lowest, installed = run([target]), run([])
+    assert lowest.returncode == 0, lowest.stderr
+    assert lowest.stdout.splitlines()[0] == version
+    assert lowest.stdout.splitlines()[1:] == installed.stdout.splitlines()[1:]
+    assert "precision: bf16\n" in lowest.stdout and "val: held out\n" in lowest.stdout
+    f.write_text("lr: 0.1\nprecision: fp8\n")
+    wrong = run([target])
+    assert (
+        wrong.returncode == 2
+        and wrong.stderr == f"error: {f}:2: precision must be one of fp32, bf16, fp16, got 'fp8'\n"
+    )
+    f.write_text("precision: bf16\n")
+    flag = run([target], "--precision", "fp16")
+    assert flag.returncode == 0 and "precision: fp16\n" in flag.stdout

@@ -2,6 +2,7 @@
 model location, a permission) is fetched, read or trusted."""
 
 import http.server
+import json
 import threading
 from typing import ClassVar
 
@@ -81,3 +82,41 @@ def test_an_older_checkpoint_takes_its_classes_from_the_data_the_user_names(tmp_
     r = gpupipe_cli("eval", "--checkpoint", ckpt, "--data", data, "--classes-from", data, "--workers", "0")
     assert r.returncode == 0, r.stderr
     assert "(2 images, test_resnet at 32 px, after epoch 0 of " in r.stdout
+
+
+def _eval(capsys, *args) -> tuple[int, str, list[str]]:
+    """``gpupipe eval`` in this process: exit status, stdout, stderr's lines."""
+    from gpupipe.cli import main
+
+    code = main(["eval", *map(str, args), "--device", "cpu", "--workers", "0"])
+    out, err = capsys.readouterr()
+    return code, out, [line for line in err.splitlines() if line.strip()]
+
+
+def test_ema_without_ema_weights_is_one_line_and_with_them_the_output_says_so(tmp_path, capsys, monkeypatch):
+    """The probe: ``--ema`` on a run without --model-ema ended in ``KeyError: 'model_ema'``."""
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
+    ckpt, data = tmp_path / "last.pt", make_folder(tmp_path / "val", 2, 1)
+    _checkpoint(ckpt, {}, ["c00", "c01"])
+    code, _, lines = _eval(capsys, "--checkpoint", ckpt, "--data", data, "--ema")
+    assert code == 2 and lines == [
+        f"error: {ckpt}: --ema, but the run kept no EMA weights (it ran without --model-ema): leave out --ema to "
+        "evaluate its weights"
+    ]
+    state = checkpoint.load(ckpt)
+    checkpoint.save_atomic({**state, "model_ema": state["model"]}, ckpt, keep=1)
+    code, out, _ = _eval(capsys, "--checkpoint", ckpt, "--data", data, "--ema")
+    assert code == 0 and "test_resnet EMA weights at 32 px" in out
+    code, out, _ = _eval(capsys, "--checkpoint", ckpt, "--data", data, "--ema", "--json")
+    assert code == 0 and json.loads(out)["weights"] == "ema"
+    code, out, _ = _eval(capsys, "--checkpoint", ckpt, "--data", data)
+    assert code == 0 and "test_resnet at 32 px" in out
+
+
+def test_a_missing_checkpoint_is_named_as_missing_not_as_a_resume(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
+    missing = tmp_path / "runs" / "nope" / "last.pt"
+    code, _, lines = _eval(capsys, "--checkpoint", missing, "--data", tmp_path)
+    assert code == 2 and lines == [
+        f"error: {missing}: no such checkpoint file (`gpupipe train --out OUT` writes OUT/checkpoints/last.pt)"
+    ]

@@ -55,7 +55,7 @@ def test_start_up_line_then_pretrained_weights_from_a_local_file(data, tmp_path)
     assert r.returncode == 0, r.stderr
     first = r.stderr.splitlines()[0]
     assert first.startswith(f"training test_resnet (weights from {weights}) on 32 samples, 4 classes: backend pillow")
-    assert "device cpu (" in first and "torch threads), 8 steps per epoch x 1 epochs, batch 4 x accum 1" in first
+    assert "device cpu (" in first and "torch threads), 8 batches per epoch x 1 epoch, batch 4 x accum 1" in first
     trained = checkpoint.load(out / "checkpoints" / "last.pt")["model"]
     body = [
         k for k, v in source.state_dict().items() if v.is_floating_point() and "fc." not in k and "running" not in k
@@ -63,6 +63,27 @@ def test_start_up_line_then_pretrained_weights_from_a_local_file(data, tmp_path)
     assert body and all(torch.equal(trained[k], source.state_dict()[k]) for k in body)  # lr 0: the file's weights
     err = _one_error_line(_run(*train_cli(data, tmp_path / "r2", pretrained=tmp_path / "nope.pth")).stderr)
     assert "--pretrained" in err and "nope.pth: no such file" in err
+
+
+def test_the_start_up_line_counts_as_the_progress_line_and_says_a_run_resumes(data, tmp_path):
+    """The probe: with --accum the start-up line counted optimizer steps and the progress line micro-batches; a
+    resumed run said `(random init)`; a finished one printed the whole start-up line before `nothing to do`."""
+    out = tmp_path / "run"
+    r = _run(*train_cli(data, out, epochs=1, accum=2, log_every=1))
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert "8 batches per epoch (4 optimizer steps) x 1 epoch, batch 4 x accum 2, images 32 px;" in lines[0]
+    assert any(line.startswith("epoch 0  8/8 ") for line in lines)  # the progress line's count: 8, as above
+    more = train_cli(data, out, "--resume", "--allow-config-change", epochs=2, accum=2, res_start=16)
+    r = _run(*more)
+    assert r.returncode == 0, r.stderr
+    first = next(line for line in r.stderr.splitlines() if line.startswith("training "))  # after "settings changed"
+    assert first.startswith(f"training test_resnet (resumed from {out}/checkpoints/last.pt) on 32 samples"), first
+    assert "x 2 epochs" in first and "images 16 px (epoch 0), 32 px (epoch 1);" in first
+    r = _run(*more)
+    assert r.returncode == 0 and r.stderr.splitlines()[0].startswith(
+        f"{out}/checkpoints/last.pt: the run already finished its 2 epochs; nothing to do"
+    ), r.stderr
 
 
 def test_resume_from_another_folder_with_the_data_as_an_absolute_path(data, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -84,6 +85,22 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resumed_run_ends_as_a_straig
     a, b = _weights(tmp_path / "straight"), _weights(out)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_under_torchrun_rank_0_alone_says_it_stopped_and_the_resume_command_is_torchruns(data, tmp_path):
+    """The probe: each rank printed both lines, and the command to resume dropped torchrun. (torchrun itself, sent
+    the SIGTERM, ends with its own traceback and status 1 whatever its workers do: the ranks exit 143.)"""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = [*launcher, *_cmd(data, tmp_path / "out", "--epochs", "50")[1:]]  # ... -m gpupipe train ...
+    proc = _start(cmd)
+    _wait_for(proc, "epoch 0  2/")
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
+    _, lines = _finish(proc)
+    said = [line for line in lines if "SIGTERM" in line and "elastic" not in line and "SignalException" not in line]
+    assert said[0] == "SIGTERM: stopping after this step to save a checkpoint", lines
+    (stopped,) = said[1:]
+    assert stopped.startswith("stopped by SIGTERM; checkpoint saved at epoch ")
+    assert stopped.endswith(f"resume with: {shlex.join(cmd)} --resume")
 
 
 def test_ctrl_c_saves_and_a_second_one_stops_at_once(data, tmp_path):

@@ -8,24 +8,116 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
-def report(results: list, machine: dict, config: dict, unavailable: dict[str, str] | None = None) -> dict:
-    """The run as one record; ``unavailable``: backends asked for that could not run here, with the reason."""
+def report(
+    results: list,
+    machine: dict,
+    config: dict,
+    unavailable: dict[str, str] | None = None,
+    since: CpuTimes | None = None,
+) -> dict:
+    """The run as one record; ``unavailable``: backends asked for that could not run here, with the reason;
+    ``since``: :func:`cpu_times` before the measurements, for the share of the CPU other processes took meanwhile."""
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None  # 1, 5, 15 min, at the end
+    others = others_share(since, cpu_times()) if since is not None else None
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "config": config,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
+        "load_average": load,
+        "others_cpu_share": others,
+        "busy": _busy(others, load),
         "results": [r.as_dict() for r in results],
     }
     if unavailable:
         rep["unavailable"] = dict(unavailable)
     return rep
+
+
+# Busy: other processes took more than this share of the machine's CPU time while the bench ran (where /proc/stat
+# says so; else a 1-minute load average above the core count). Its figures are then not this machine's.
+BUSY_SHARE = 0.25
+
+
+class CpuTimes(NamedTuple):
+    machine_busy: float  # seconds of CPU time used on the machine, all cores
+    machine_total: float  # seconds of CPU time available, all cores (busy + idle)
+    ours: float  # seconds used by this process and its waited-for children (the loaders' workers)
+
+
+def cpu_times() -> CpuTimes | None:
+    """The machine's CPU time and this process's, from ``/proc/stat`` (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
+    return CpuTimes(busy / hz, sum(ticks) / hz, t.user + t.system + t.children_user + t.children_system)
+
+
+def others_share(start: CpuTimes | None, end: CpuTimes | None) -> float | None:
+    """The share of the machine's CPU time that processes other than this bench used between ``start`` and ``end``."""
+    if start is None or end is None or end.machine_total <= start.machine_total:
+        return None
+    others = (end.machine_busy - start.machine_busy) - (end.ours - start.ours)
+    return round(min(max(others / (end.machine_total - start.machine_total), 0.0), 1.0), 3)
+
+
+def _busy(others: float | None, load: list[float] | None) -> bool:
+    if others is not None:
+        return others > BUSY_SHARE
+    return load is not None and load[0] > (os.cpu_count() or 1)
+
+
+def _group(r: dict) -> tuple:
+    return r["pipeline"], r.get("policy"), r.get("image_size")
+
+
+def ties(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """Per pipeline (and policy and size), the fastest backend and the runner-up when their spreads overlap: the run
+    cannot tell them apart. Rows that are not backends (synthetic, baseline, dali-reference) are left out."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["backend"] not in NOT_BACKENDS and r["backend"] != "synthetic" and r.get("spread"):
+            groups.setdefault(_group(r), []).append(r)
+    found = []
+    for members in groups.values():
+        if len(members) > 1:
+            first, second = sorted(members, key=lambda r: r["images_per_s"], reverse=True)[:2]
+            if second["spread"][1] >= first["spread"][0]:
+                found.append((first, second))
+    return found
+
+
+def _range(r: dict) -> str:
+    return f"{r['backend']} {r['images_per_s']:,.0f} ({r['spread'][0]:,.0f}–{r['spread'][1]:,.0f})"
+
+
+def doubts(rep: dict) -> list[str]:
+    """What makes the run's order of backends unsure, in words: a busy machine, rows that overlap."""
+    said = []
+    if rep.get("busy"):
+        load = rep.get("load_average")
+        others = rep.get("others_cpu_share")
+        why = f"other processes took {others:.0%} of the CPU time" if others is not None else ""
+        why += (", " if why else "") + (f"load average {load[0]:.1f}" if load else "")
+        said.append(
+            f"busy machine ({why}, {os.cpu_count()} cores): these figures are not this machine's; "
+            "measure again on a quiet one"
+        )
+    for first, second in ties(rep["results"]):
+        pipeline = first["pipeline"] + (f": {first['policy']}" if first.get("policy") else "")
+        said.append(f"{pipeline}: {_range(first)} and {_range(second)} overlap: this run cannot tell them apart")
+    return said
 
 
 # Rows that are not backends, each explained under the table and in the chart's legend.
@@ -64,22 +156,28 @@ def print_table(rep: dict, console: Console | None = None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     m = rep["machine"]
     cfg = rep["config"]
+    data = f"{cfg['data']}, " if cfg.get("data") else ""
     title = (
-        f"gpupipe bench — {m['cpu']}, {cfg['workers']} worker(s), device {cfg['device']}, "
+        f"gpupipe bench — {data}{m['cpu']}, {cfg['workers']} worker(s), device {cfg['device']}, "
         f"batch {cfg['batch_size']}, {m['cores_usable']} usable cores"
     )
     cells = [[cell(r) for _, _, cell in _COLUMNS] for r in rep["results"]]
     shown = [i for i in range(len(_COLUMNS)) if i < 2 or any(row[i] for row in cells)]
     present = {r["backend"] for r in rep["results"]}
     notes = [f"{name}: {what}" for name, what in NOT_BACKENDS.items() if name in present]
-    table = Table(title=title, caption="\n".join(notes) or None, caption_justify="left")
+    table = Table()  # title and notes are lines of their own: never wrapped at the table's width
     for i in shown:
         table.add_column(_COLUMNS[i][0], justify=_COLUMNS[i][1])
     for row in cells:
         table.add_row(*(row[i] for i in shown))
     for backend, why in rep.get("unavailable", {}).items():  # asked for, not measured: the row says why
         table.add_row("-", backend, f"unavailable: {why}", *[""] * (len(shown) - 3))
+    console.print(title, soft_wrap=True, markup=False, highlight=False)
     console.print(table)
+    for line in notes:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+    for line in doubts(rep):
+        console.print(f"[yellow]note:[/] {escape(line)}", soft_wrap=True, highlight=False)
 
 
 def write_json(rep: dict, path: str | Path) -> None:

@@ -25,6 +25,19 @@ from .position import Position, Resplit
 Keys = list[tuple[int, int]]  # one batch as (epoch, index) keys
 
 
+class NoFullBatch(ValueError):
+    """A batch larger than each rank's share of the data, with ``drop_last=True``: ``largest`` is the largest batch
+    that makes one (0: fewer samples than ranks)."""
+
+    def __init__(self, samples: int, ranks: int, batch_size: int, largest: int, flag: str = "batch_size="):
+        self.samples, self.ranks, self.batch_size, self.largest = samples, ranks, batch_size, largest
+        way = f"use {flag}{largest} or less" if largest else "use fewer ranks than samples"
+        super().__init__(
+            f"{samples} samples over {ranks} rank(s) make no full batch of {batch_size} with drop_last=True: {way}"
+            + (", or drop_last=False" if flag == "batch_size=" else "")
+        )
+
+
 class ShardSampler:
     """Seeded, epoch-dependent shuffling with DDP sharding and equal step counts on every rank.
 
@@ -78,10 +91,7 @@ class ShardSampler:
         self.per_rank = per_rank
         self.num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
         if self.num_batches == 0 and equal_steps:
-            raise ValueError(
-                f"{num_samples} samples over {world_size} rank(s) make no full batch of {batch_size} with "
-                "drop_last=True: use a smaller batch_size or drop_last=False"
-            )
+            raise NoFullBatch(num_samples, world_size, batch_size, per_rank)
         self.position = Position(self.num_batches)
 
     def __len__(self) -> int:

@@ -4,10 +4,12 @@ field, so that a new setting is one field in train/config.py and nothing here.""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 import typing
 from dataclasses import fields
+from pathlib import Path
 
 
 def _flag_type(tp) -> tuple[type, tuple | None]:
@@ -44,17 +46,47 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
 
 
+def require_train_extra(command: str) -> None:
+    """``gpupipe train`` and ``eval`` need the train extra: its install command, rather than the first import that
+    fails (``No module named 'yaml'``)."""
+    from .._deps import INSTALL_HINTS, has_module
+
+    missing = [m for m in ("timm", "omegaconf", "yaml") if not has_module(m)]
+    if missing:
+        raise ModuleNotFoundError(
+            f"gpupipe {command} needs the train extra ({', '.join(missing)} not installed): {INSTALL_HINTS['train']}"
+        )
+
+
 def run_train(args) -> int:
+    require_train_extra("train")
     from .config import TrainConfig, load_config, to_yaml
 
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ValueError as e:  # "image_size must be >= 1": the flag given, by its name on the command line
+        name, _, rest = str(e).partition(" ")
+        if overrides.get(name) is None:
+            raise
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    _check_default_data(cfg.data, args)
+    made = _folders_to_make(Path(cfg.out))
+    try:
+        return _train(cfg)
+    except Exception:  # a refused run (bad --data, --val, --model, too large a batch) leaves no empty --out behind
+        _remove_if_empty(made)
+        raise
+
+
+def _train(cfg) -> int:
+    from ..data.sampler import NoFullBatch
     from ..errors import DecodeError, GpupipeError
     from .loop import train
-    from .stop import Stopped
+    from .stop import Stopped, is_main_rank
 
     try:
         train(cfg)
@@ -63,10 +95,43 @@ def run_train(args) -> int:
             f"{e}; to go on: --on-error skip leaves such files out (listed in {cfg.out}/skipped.txt), "
             f"and `gpupipe check {cfg.data}` lists every unreadable file"
         ) from e
-    except Stopped as e:  # a signal: the checkpoint is saved; the line says how to resume
-        print(e, file=sys.stderr, flush=True)
+    except NoFullBatch as e:  # build_loader's drop_last is no flag of train's: name the one that is
+        raise NoFullBatch(e.samples, e.ranks, e.batch_size, e.largest, flag="--batch-size ") from None
+    except Stopped as e:  # a signal: the checkpoint is saved; the line says how to resume (once, under torchrun)
+        if is_main_rank():
+            print(e, file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C
-        print("interrupted: stopped at once (the last checkpoint saved before it is kept)", file=sys.stderr)
+        if is_main_rank():
+            print("interrupted: stopped at once (the last checkpoint saved before it is kept)", file=sys.stderr)
         return 130
     return 0
+
+
+def _check_default_data(data: str, args) -> None:
+    """``gpupipe train`` with no --data reads the sample data's folder: where it is missing, say how to make it."""
+    from .config import TrainConfig
+
+    if data == TrainConfig.data and args.data is None and not os.path.exists(data):
+        raise FileNotFoundError(
+            f"{data}: no such folder; it is --data's default, the sample data: `gpupipe sample-data` makes it "
+            "(and `gpupipe sample-data --split val` a held-out split for --val), or pass --data"
+        )
+
+
+def _folders_to_make(out: Path) -> list[Path]:
+    """The folders a run on ``out`` creates: ``out`` and those above it that do not exist yet, innermost first."""
+    made = []
+    for folder in (out, *out.absolute().parents):
+        if folder.exists():
+            break
+        made.append(folder)
+    return made
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in folders:  # innermost first; a folder with anything in it stays, and so do those above it
+        try:
+            folder.rmdir()
+        except OSError:
+            return

@@ -7,11 +7,13 @@ unknown key), not a hand-written one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
+import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError, PrecisionName
@@ -296,7 +298,7 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     from omegaconf import OmegaConf  # defer: only training needs it
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = OmegaConf.structured(TrainConfig)
+    merged = OmegaConf.structured(_schema())
     if config_file:
         text, lines = _read_yaml(config_file)
         try:
@@ -309,10 +311,28 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}" if mark is not None else ""
             raise ValueError(f"{config_file}{where}: {getattr(e, 'problem', None) or e} (plain values only)") from None
+        for key in CHOICES.keys() & lines.keys():  # the schema's str fields: their choices, checked here by line
+            if (value := getattr(merged, key)) not in CHOICES[key]:
+                raise ValueError(f"{config_file}:{lines[key]}: {choice_error(key, value)}")
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if given:
         merged = OmegaConf.merge(merged, given)
     return TrainConfig(**cast(dict[str, Any], OmegaConf.to_container(merged)))
+
+
+@functools.cache
+def _schema() -> type:
+    """TrainConfig as OmegaConf types it: a ``Literal`` field as ``str`` (and ``X | None`` as ``Optional[X]``), since
+    omegaconf 2.3, which Hydra pins, knows neither; the choices are checked by ``load_config`` and TrainConfig."""
+
+    def plain(tp: Any) -> Any:
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+            return typing.Optional[plain(next(a for a in args if a is not type(None)))]  # noqa: UP045
+        return str if typing.get_origin(tp) is Literal else tp
+
+    specs = [(f.name, plain(HINTS[f.name]), field(default=f.default)) for f in fields(TrainConfig)]
+    return make_dataclass("TrainConfig", specs, frozen=True)
 
 
 def _read_yaml(path: str) -> tuple[str, dict[str, int]]:

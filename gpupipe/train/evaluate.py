@@ -31,28 +31,19 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args) -> int:
+    from .cli import require_train_extra
+
+    require_train_extra("eval")
     import timm  # defer: only training and evaluation need it
 
     from ..api import build_loader
-    from ..data.sources import open_source
-    from . import checkpoint
     from .distributed import Distributed
     from .loop import evaluate
     from .precision import Precision
 
-    saved = checkpoint.load_for_resume(args.checkpoint)  # a broken or foreign file: one line naming it
+    saved, classes = _checkpoint_and_classes(args)
     config = saved.get("config", {})
-    # The checkpoint's config is data, never an instruction: nothing it names is fetched, read or trusted.
-    if not (classes := saved.get("classes")):  # an older checkpoint: the classes of the data it trained on
-        if args.classes_from is None:
-            raise ValueError(
-                f"{args.checkpoint}: records no class list (an older checkpoint): pass --classes-from with the data "
-                "it was trained on, to label --data as it was labelled"
-            )
-        classes = open_source(args.classes_from, allow_outside_root=args.allow_outside_root).classes
     weights = saved["model_ema"] if args.ema else saved["model"]
-    if args.ema and "model_ema" not in saved:
-        raise ValueError(f"{args.checkpoint}: --ema, but the run kept no EMA weights (it ran without --model-ema)")
     model = timm.create_model(_model_name(config, args.checkpoint), pretrained=False, num_classes=len(classes))
     model.load_state_dict(weights)
     side = config.get("eval_size") or config["image_size"]  # the run's validation side
@@ -74,16 +65,49 @@ def run_eval(args) -> int:
         metrics = evaluate(model, loader, Precision(config.get("precision", "fp32"), loader.device), dist)
     finally:
         dist.close()
-    metrics = {"checkpoint": str(Path(args.checkpoint)), "data": args.data, "images": len(loader.dataset), **metrics}
+    metrics = {
+        "checkpoint": str(Path(args.checkpoint)),
+        "data": args.data,
+        "images": len(loader.dataset),
+        "weights": "ema" if args.ema else "model",
+        **metrics,
+    }
     if args.json:
         print(json.dumps(metrics))
     else:
         print(
             f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-            f"({metrics['images']} images, {config['model']} at {side} px, {_when(saved)} of "
+            f"({metrics['images']} images, {config['model']}{' EMA weights' if args.ema else ''} at {side} px, "
+            f"{_when(saved)} of "
             f"{args.checkpoint})"
         )
     return 0
+
+
+def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
+    """The checkpoint (one line for a missing, broken or foreign file) and the classes that label ``--data``."""
+    from ..data.sources import open_source
+    from . import checkpoint
+
+    if not Path(args.checkpoint).is_file():  # not "cannot resume from it": eval resumes nothing
+        raise FileNotFoundError(
+            f"{args.checkpoint}: no such checkpoint file (`gpupipe train --out OUT` writes OUT/checkpoints/last.pt)"
+        )
+    saved = checkpoint.load_for_resume(args.checkpoint)  # a broken or foreign file: one line naming it
+    # The checkpoint's config is data, never an instruction: nothing it names is fetched, read or trusted.
+    if not (classes := saved.get("classes")):  # an older checkpoint: the classes of the data it trained on
+        if args.classes_from is None:
+            raise ValueError(
+                f"{args.checkpoint}: records no class list (an older checkpoint): pass --classes-from with the data "
+                "it was trained on, to label --data as it was labelled"
+            )
+        classes = open_source(args.classes_from, allow_outside_root=args.allow_outside_root).classes
+    if args.ema and not saved.get("model_ema"):
+        raise ValueError(
+            f"{args.checkpoint}: --ema, but the run kept no EMA weights (it ran without --model-ema): "
+            "leave out --ema to evaluate its weights"
+        )
+    return saved, classes
 
 
 def _model_name(config: dict, path) -> str:

@@ -104,13 +104,13 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         run = Run(cfg, dist, state, run_model, *loaders, criterion, mix, logger, steps_per_epoch, stop, feedback)
         if dist.is_main:
             write_config(Path(cfg.out), cfg, resume is not None, changed, state.step, logger)
-        logger.note(startup_line(run))  # before the first progress line, which comes log_every batches later
         if start["epoch"] >= cfg.epochs:
             logger.note(
-                f"{ckpt_path}: the run already finished its {cfg.epochs} epochs; nothing to do (to train "
+                f"{ckpt_path}: the run already finished its {plural(cfg.epochs, 'epoch')}; nothing to do (to train "
                 "longer, raise --epochs with --allow-config-change)"
             )
             return {}
+        logger.note(startup_line(run, resume))  # before the first progress line, which comes log_every batches later
         if resume:
             where = f"epoch {start['epoch']}, batch {start['batch']} (optimizer step {state.step})"
             logger.note(f"resumed from {where} of {resume}")
@@ -135,17 +135,25 @@ def run_epochs(run: Run, first_epoch: int, meter: Meter) -> dict:
     return metrics
 
 
-def startup_line(run: Run) -> str:
-    """What the run is about to do, in one line: the first thing a log shows."""
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
+
+
+def startup_line(run: Run, resume: Path | None = None) -> str:
+    """What the run is about to do, in one line: the first thing a log shows. Batches are counted as the progress
+    line counts them (micro-batches), with the optimizer steps they make under accumulation."""
     cfg, data = run.cfg, run.train_loader.dataset
     val = f" ({len(run.val_loader.dataset)} held out)" if run.val_loader is not None else ""
     ranks = f" x {run.dist.world_size} ranks" if run.dist.world_size > 1 else ""
-    init = f"weights from {cfg.pretrained}" if cfg.pretrained else "random init"
+    init = f"resumed from {resume}" if resume else f"weights from {cfg.pretrained}" if cfg.pretrained else "random init"
+    steps = f" ({plural(run.steps_per_epoch, 'optimizer step')})" if cfg.accum > 1 else ""
     return (
         f"training {cfg.model} ({init}) on {len(data)} samples{val}, {len(data.classes)} classes: backend "
         f"{run.train_loader.backend}, device {run.dist.device} ({torch.get_num_threads()} torch threads), "
-        f"{run.steps_per_epoch} steps per epoch x {cfg.epochs} epochs, batch {cfg.batch_size}{ranks} x accum "
-        f"{cfg.accum}, images {sizes_line(run.train_loader.recipe, cfg.epochs)}"
+        f"{plural(run.micro_batches, 'batch', 'batches')} per epoch{steps} x "
+        f"{plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}{ranks} x accum {cfg.accum}, images "
+        f"{sizes_line(run.train_loader.recipe, cfg.epochs)}"
     )
 
 
@@ -156,7 +164,8 @@ def sizes_line(recipe, epochs: int) -> str:
     runs = [(side, first) for first, side in enumerate(sides) if first == 0 or sides[first - 1] != side]
     ends = [first - 1 for _, first in runs[1:]] + [epochs - 1]
     words = [
-        f"{side} px" + (f" (epochs {a}-{b})" if len(runs) > 1 else "") for (side, a), b in zip(runs, ends, strict=True)
+        f"{side} px" + ("" if len(runs) == 1 else f" (epoch {a})" if a == b else f" (epochs {a}-{b})")
+        for (side, a), b in zip(runs, ends, strict=True)
     ]
     return f"{', '.join(words)}; eval {recipe.eval_side} px"
 

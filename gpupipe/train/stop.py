@@ -91,10 +91,38 @@ class StopSignals:
         return self.signum is not None
 
 
+def is_main_rank() -> bool:
+    """Whether this process speaks for the run: rank 0, or the only one (torchrun's ``RANK``)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def resume_command(out: str) -> str:
-    """The command line that resumes this run: the one given, ``--resume`` added once."""
+    """The command line that resumes this run: the one given, ``--resume`` added once; under torchrun, the
+    launcher's command (which started this process), not this rank's."""
     args = [a for a in sys.argv[1:] if a not in ("--resume", "--resume-or-start")]
-    return shlex.join(["gpupipe", *args, "--resume"]) if args else f"gpupipe train --out {shlex.quote(out)} --resume"
+    if not args:
+        return f"gpupipe train --out {shlex.quote(out)} --resume"
+    return shlex.join([*_launcher(sys.argv[1:]), *args, "--resume"])
+
+
+def _launcher(args: list[str]) -> list[str]:
+    """What comes before this process's arguments in the command a user typed: ``gpupipe``, or under torchrun
+    (``TORCHELASTIC_RUN_ID`` set) torchrun's own words (``torchrun --nproc-per-node 2 -m gpupipe``), read from its
+    command line (the parent process's)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ["gpupipe"]
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = [a.decode(errors="surrogateescape") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        parent = []
+    if len(parent) <= len(args) or parent[len(parent) - len(args) :] != args:  # not a launcher we can read
+        nproc = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        return ["torchrun", f"--nproc-per-node={nproc}", "-m", "gpupipe"]
+    words = parent[: len(parent) - len(args)]
+    if len(words) > 1 and os.path.basename(words[1]) == "torchrun":  # python /venv/bin/torchrun ...: as typed
+        words = ["torchrun", *words[2:]]
+    return words
 
 
 def stopped(stop: StopSignals, where: str, out: str) -> Stopped:
@@ -213,7 +241,9 @@ def guard_run(out: str, dist: Distributed, teardown: contextlib.ExitStack) -> St
     if dist.is_main:
         teardown.enter_context(RunLock(out))
     teardown.enter_context(worker_errors_in_next())
-    return teardown.enter_context(StopSignals())
+    if dist.is_main:
+        return teardown.enter_context(StopSignals())
+    return teardown.enter_context(StopSignals(announce=lambda text: None))  # every rank stops; rank 0 says so
 
 
 @contextlib.contextmanager
