@@ -229,7 +229,8 @@ class CpuLoader(Loader):
             )
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        return start_workers(self._dataloader)
+        # each batch copied out of its worker's buffer, unless the pin thread did (into pinned memory)
+        return (b.own() for b in start_workers(self._dataloader))
 
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
