@@ -63,11 +63,11 @@ class WireBatch(Batch):
     def __reduce__(self):
         keys = None if self.keys is None else self.keys.numpy()
         labels = self.labels.numpy()
-        return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure)
+        return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
 
 
 def arrive(
-    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None
+    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None, stamps=None
 ) -> Batch:
     """The batch in the main process, its images still in the worker's buffer: ``Batch.own`` (or ``pin_memory``)
     copies them out and hands the buffer back, ``Batch.drop`` hands it back uncopied."""
@@ -75,7 +75,7 @@ def arrive(
     if flat is not None:
         _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
-    batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure)
+    batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure, stamps=stamps)
     batch.lease = None if flat is None else _Lease(flat)
     return batch
 

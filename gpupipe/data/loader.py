@@ -47,6 +47,7 @@ class Batch:
     # the images are still in a buffer a decode worker lent (backends/handover.py): ``own`` copies them out and hands
     # it back; None once the batch is in this process's own memory
     lease: Any = None
+    stamps: list | None = None  # its files as they were before a read ahead of its pass (see backends/cpu_stream.py)
 
     def own(self, pinned: bool = False) -> Batch:
         """The images in this process's own memory (page-locked with ``pinned``): out of a lent buffer in one copy,
