@@ -3,6 +3,8 @@ slot of a shared buffer it reuses. The same bytes as the per-sample path, whatev
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import gpupipe
+from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.backends.image import crop_resize, crop_resize_into, resize_box, resize_box_into
@@ -151,3 +154,26 @@ def test_a_batch_in_its_own_mapping_is_an_ordinary_tensor():
     x.share_memory_()  # as a tensor sent to another process is
     assert x.is_shared() and torch.equal(x[0], y)
     assert host_tensor((3, 4), torch.uint8).shape == (3, 4)
+
+
+class _Niceness:
+    """A per-image transform (it runs in the decode worker) that logs the process and its niceness."""
+
+    def __init__(self, log):
+        self.log = str(log)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {os.getpriority(os.PRIO_PROCESS, 0)}\n")
+        return image
+
+
+def test_decode_workers_run_nicer_than_the_training_process(tmp_path):
+    """Workers take a core only when the training thread leaves it: a step never waits behind a decode."""
+    root = make_folder(tmp_path / "data", 2, 4)
+    log = tmp_path / "nice.log"
+    kw = dict(batch_size=4, image_size=32, num_workers=2, device="cpu", normalize=False)
+    list(gpupipe.build_loader(root, "pillow", transforms=_Niceness(log), **kw))
+    seen = {tuple(map(int, line.split())) for line in log.read_text().splitlines()}
+    assert os.getpid() not in {pid for pid, _ in seen}  # made in the workers
+    assert {nice for _, nice in seen} == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)}

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._system import usable_cores
+from .._system import lower_priority, usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
@@ -227,6 +227,7 @@ class CpuLoader(Loader):
                 batch_sampler=plan,
                 collate_fn=collate,
                 **self.parts.dataloader.kwargs(self.parts.workers),
+                worker_init_fn=lower_priority,  # workers yield the cores to the training thread
             )
             remake = _Remake(self._data, collate)
             self._batches = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
