@@ -220,7 +220,7 @@ class CpuLoader(Loader):
         epochs; see :mod:`.cpu_stream`)."""
         if self._batches is None:
             keyed = self._data.augment is not None and self.weights_clock is not None  # the workers draw CTAugment's
-            plan = Plan(self.sampler, self.weights_clock if keyed else None, ahead=max(1, self.parts.workers))
+            plan = Plan(self.sampler, self.weights_clock if keyed else None, ahead=self._read_ahead())
             collate = self._collate()
             dataloader = torch.utils.data.DataLoader(
                 self._data,
@@ -232,6 +232,12 @@ class CpuLoader(Loader):
             remake = _Remake(self._data, collate)
             self._batches = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
         return self._batches
+
+    def _read_ahead(self) -> int:
+        """An epoch's first batches made before its pass begins: two per worker (each has the next one queued when
+        the pass begins and the rest of the epoch is let through), at most what the DataLoader keeps in flight."""
+        workers = max(1, self.parts.workers)
+        return min(2 * workers, workers * self.parts.dataloader.prefetch_factor)
 
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
