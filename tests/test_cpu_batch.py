@@ -157,23 +157,27 @@ def test_a_batch_in_its_own_mapping_is_an_ordinary_tensor():
 
 
 class _Niceness:
-    """A per-image transform (it runs in the decode worker) that logs the process and its niceness."""
+    """A per-image transform (it runs in the decode worker) that logs the process, its niceness and how it shares
+    memory."""
 
     def __init__(self, log):
         self.log = str(log)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        strategy = torch.multiprocessing.get_sharing_strategy()
         with open(self.log, "a") as f:
-            f.write(f"{os.getpid()} {os.getpriority(os.PRIO_PROCESS, 0)}\n")
+            f.write(f"{os.getpid()} {os.getpriority(os.PRIO_PROCESS, 0)} {strategy}\n")
         return image
 
 
 def test_decode_workers_run_nicer_than_the_training_process(tmp_path):
-    """Workers take a core only when the training thread leaves it: a step never waits behind a decode."""
+    """Workers take a core only when the training thread leaves it: a step never waits behind a decode. They send
+    batches by name, so receiving one needs no answer from a worker's thread."""
     root = make_folder(tmp_path / "data", 2, 4)
     log = tmp_path / "nice.log"
     kw = dict(batch_size=4, image_size=32, num_workers=2, device="cpu", normalize=False)
     list(gpupipe.build_loader(root, "pillow", transforms=_Niceness(log), **kw))
-    seen = {tuple(map(int, line.split())) for line in log.read_text().splitlines()}
-    assert os.getpid() not in {pid for pid, _ in seen}  # made in the workers
-    assert {nice for _, nice in seen} == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)}
+    seen = {tuple(line.split()) for line in log.read_text().splitlines()}
+    assert str(os.getpid()) not in {pid for pid, _, _ in seen}  # made in the workers
+    nicer = min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+    assert {(int(nice), strategy) for _, nice, strategy in seen} == {(nicer, "file_system")}

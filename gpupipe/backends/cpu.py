@@ -10,10 +10,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._system import lower_priority, usable_cores
+from .._system import usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
+from ..data.workers import worker_init
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
 from .cpu_stream import Gate, Plan, Stream, Task, file_stamp
@@ -227,7 +228,7 @@ class CpuLoader(Loader):
                 batch_sampler=plan,
                 collate_fn=collate,
                 **self.parts.dataloader.kwargs(self.parts.workers),
-                worker_init_fn=lower_priority,  # workers yield the cores to the training thread
+                worker_init_fn=worker_init,  # nicer than the training thread; batches sent by name
             )
             remake = _Remake(self._data, collate)
             self._batches = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
