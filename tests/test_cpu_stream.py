@@ -210,3 +210,16 @@ def test_ctaugment_batches_read_ahead_are_drawn_again_after_loading_other_weight
     unloaded = _ct(data, fast)
     unloaded.set_epoch(1)
     assert not torch.equal(next(iter(unloaded))[0], expected[0][0])  # what the batch read ahead held
+
+
+def test_each_epoch_is_shuffled_and_dealt_once(data, monkeypatch):
+    """An epoch's order (a shuffle of the whole data set: tens of milliseconds at ImageNet's size, on the training
+    thread) is made once, by the plan running into it, not again by each pass that starts there and its sizes."""
+    from gpupipe.data.sampler import ShardSampler
+
+    dealt = []
+    real = ShardSampler.order
+    monkeypatch.setattr(ShardSampler, "order", lambda self, epoch: dealt.append(epoch) or real(self, epoch))
+    loader = gpupipe.build_loader(data, "pillow", num_workers=2, **KW)
+    _epochs_left_early(loader)
+    assert sorted(set(dealt)) == dealt and dealt[:3] == [0, 1, 2]  # each once, in order (3 if read ahead)

@@ -200,7 +200,7 @@ class CpuLoader(Loader):
         probe = self.ctaugment is not None and self.ctaugment.probe
         in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
-        self._batches: Stream | None = None
+        self._the_stream: Stream | None = None
 
     @staticmethod
     def _drawn_ahead(parts: LoaderParts) -> int:
@@ -210,16 +210,19 @@ class CpuLoader(Loader):
             return 0
         return parts.workers * parts.dataloader.prefetch_factor  # DataLoader's queue (no prefetch with 0 workers)
 
+    def _batches(self, epoch: int, start: int) -> list[list[int]]:
+        return self._stream().plan.batches(epoch, start)
+
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         stream = self._stream()
-        batches = self.sampler.batches(epoch, start_batch)
+        batches = stream.plan.batches(epoch, start_batch)
         stream.begin(epoch, start_batch, batches)
         return stream.take(len(batches))
 
     def _stream(self) -> Stream:
         """The loader's one stream of batches (made once: persistent workers and one DataLoader iteration outlive
         epochs; see :mod:`.cpu_stream`)."""
-        if self._batches is None:
+        if self._the_stream is None:
             keyed = self._data.augment is not None and self.weights_clock is not None  # the workers draw CTAugment's
             plan = Plan(self.sampler, self.weights_clock if keyed else None, ahead=self._read_ahead())
             collate = self._collate()
@@ -231,8 +234,8 @@ class CpuLoader(Loader):
                 worker_init_fn=worker_init,  # nicer than the training thread; batches sent by name
             )
             remake = _Remake(self._data, collate)
-            self._batches = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
-        return self._batches
+            self._the_stream = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
+        return self._the_stream
 
     def _read_ahead(self) -> int:
         """An epoch's first batches made before its pass begins: two per worker (each has the next one queued when

@@ -117,9 +117,22 @@ class Plan:
         self._moved = True  # ``_at`` was set from outside: the epoch's batches are read again from the sampler
         self._early = 0  # tasks of ``_at``'s epoch dispatched before its pass began
         self._course: object = None  # the sampler's re-split of ``_at``'s epoch when its batches were read (or None)
+        self._dealt: dict[int, tuple[object, list[list[int]]]] = {}  # epoch -> (its re-split, its batches)
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+    def batches(self, epoch: int, start: int) -> list[list[int]]:
+        """``sampler.batches(epoch, start)``, each epoch's dealt once while its re-split stays (a shuffle of the data
+        set: tens of milliseconds at ImageNet's size, which the plan, the pass and its sizes would each pay)."""
+        resplit = self.sampler.resplit(epoch)
+        kept = self._dealt.get(epoch)
+        if kept is None or kept[0] is not resplit:
+            kept = self._dealt[epoch] = (resplit, self.sampler.batches(epoch))
+            for old in [e for e in self._dealt if e < epoch - 1 or e > epoch + 1]:
+                del self._dealt[old]
+        whole = kept[1]
+        return whole[max(start - (len(self.sampler) - len(whole)), 0) :]  # a re-split epoch's numbers start later
 
     def go_to(self, epoch: int, batch: int) -> None:
         """The next task is batch ``batch`` of ``epoch``, its batches as the sampler says now."""
@@ -137,7 +150,7 @@ class Plan:
             if self._moved:
                 self._moved, self._early = False, 0
                 self._course = self.sampler.resplit(self._at[0])
-                todo = iter(self.sampler.batches(*self._at))
+                todo = iter(self.batches(*self._at))
             indices = next(todo, None)
             if indices is None:  # the epoch's end: on into the next
                 self.go_to(self._at[0] + 1, 0)

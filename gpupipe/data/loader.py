@@ -254,7 +254,7 @@ class Loader:
     def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""
         self.skipped, self.fallbacks = [], 0
-        sizes = [len(b) for b in self.sampler.batches(epoch, start)]
+        sizes = [len(b) for b in self._batches(epoch, start)]
         batches = self._with_policy(self._source(epoch, start), sizes)
         if self._feedback is None:
             return self.stage.iterate(batches)
@@ -267,6 +267,10 @@ class Loader:
         for g, batch in enumerate(batches, first):
             self.records = self._feedback.delivered(g) or []
             yield batch
+
+    def _batches(self, epoch: int, start: int) -> list[list[int]]:
+        """``self.sampler.batches(epoch, start)`` (a backend that keeps them says so)."""
+        return self.sampler.batches(epoch, start)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         raise NotImplementedError
