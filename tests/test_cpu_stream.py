@@ -82,6 +82,14 @@ def test_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_bat
     assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batch"] == 0
 
 
+def test_workers_a_pass_when_asked_still_deliver_each_epochs_batches(data, dataloader_iterations):
+    """``persistent_workers=False``: the workers end with each pass, as asked, and a pass left early drops its rest."""
+    loader = gpupipe.build_loader(data, "pillow", num_workers=2, persistent_workers=False, **KW)
+    got = _epochs_left_early(loader)
+    assert dataloader_iterations[0] == 3
+    _assert_same(got, _each_epoch_on_its_own(data, "pillow"))
+
+
 def test_an_eval_loader_streams_its_passes_unpadded(data, dataloader_iterations):
     loader = gpupipe.build_loader(data, "pillow", num_workers=2, train=False, **{**KW, "batch_size": 5})
     labels = [[int(v) for _, y in loader for v in y] for _ in range(3)]

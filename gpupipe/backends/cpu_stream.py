@@ -198,6 +198,8 @@ class Stream:
         plan = self.plan
         plan.delivering = epoch
         self.gate.deliver(epoch)
+        if self._it is not None and self._dataloader.num_workers and not self._dataloader.persistent_workers:
+            self._broken()  # workers a pass, as asked (persistent_workers=False): this pass starts new ones
         live = [t for t in plan.sent if t.seq >= self._wanted()]
         first = next((k for k, t in enumerate(live) if (t.epoch, t.batch) == (epoch, start)), None)
         if self._it is not None and first is not None and self._on_course(live[first:], epoch, start, batches):
@@ -254,6 +256,7 @@ class Stream:
         return self.gate._values[1]
 
     def _broken(self) -> None:
-        """The DataLoader's iterator failed (a worker died; an interrupt): the next pass iterates it again."""
+        """The DataLoader's iterator failed (a worker died; an interrupt), or is not to outlive its pass: the next pass
+        iterates the DataLoader again (what it had dispatched is skipped)."""
         self.gate.want_from(self.plan.seq)
         self._it = None
