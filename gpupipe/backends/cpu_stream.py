@@ -66,6 +66,10 @@ class Gate:
     def want_from(self, seq: int) -> None:
         self._values[1] = seq
 
+    def wanted(self) -> int:
+        """The first place in the stream still wanted."""
+        return self._values[1]
+
     def close(self) -> None:
         """Every task is skipped, a waiting one at once (the stream is ending)."""
         self._values[1] = _NEVER
@@ -186,8 +190,7 @@ class Stream:
         pinned: bool,
     ):
         self._dataloader, self.plan, self.gate, self._remake, self._pinned = dataloader, plan, gate, remake, pinned
-        self._it: Iterator | None = None
-        self.iterations = 0  # iter() of the DataLoader: one for the stream's life, unless a failure broke it
+        self._it: Iterator | None = None  # the DataLoader's one iteration (again only after a failure)
 
     def __del__(self) -> None:
         self.gate.close()  # before the iterator ends the workers: one waiting on the gate lets go at once
@@ -200,7 +203,7 @@ class Stream:
         self.gate.deliver(epoch)
         if self._it is not None and self._dataloader.num_workers and not self._dataloader.persistent_workers:
             self._broken()  # workers a pass, as asked (persistent_workers=False): this pass starts new ones
-        live = [t for t in plan.sent if t.seq >= self._wanted()]
+        live = [t for t in plan.sent if t.seq >= self.gate.wanted()]
         first = next((k for k, t in enumerate(live) if (t.epoch, t.batch) == (epoch, start)), None)
         if self._it is not None and first is not None and self._on_course(live[first:], epoch, start, batches):
             self.gate.want_from(live[first].seq)
@@ -209,7 +212,6 @@ class Stream:
             plan.go_to(epoch, start)
         if self._it is None:
             plan.sent.clear()
-            self.iterations += 1
             self._it = start_workers(self._dataloader)
 
     def _on_course(self, sent: list[Task], epoch: int, start: int, batches: list[list[int]]) -> bool:
@@ -248,12 +250,9 @@ class Stream:
                 self._broken()
                 raise
             task = self.plan.sent.popleft()
-            if task.seq >= self._wanted():
+            if task.seq >= self.gate.wanted():
                 return task, batch
             del batch  # not wanted: the worker's buffer goes back uncopied (handover._Lease)
-
-    def _wanted(self) -> int:
-        return self.gate._values[1]
 
     def _broken(self) -> None:
         """The DataLoader's iterator failed (a worker died; an interrupt), or is not to outlive its pass: the next pass
