@@ -49,7 +49,7 @@ def default_workers(device: torch.device) -> int:
     return max(1, share - 1) if device.type == "cuda" else share
 
 
-WORKER_NICENESS = 10  # decode workers run this much nicer than the training process (os.nice)
+WORKER_NICENESS = 10  # decode workers for a GPU run this much nicer than the training process (os.nice)
 
 
 def lower_priority(worker_id: int | None = None) -> None:

@@ -92,7 +92,7 @@ def build_loader(
         image_size: the output side ``S``; ``None``: ``recipe.size`` (224 unless the recipe was given a size).
         device: where batches are delivered; ``None`` picks CUDA when available.
         num_workers: decode workers (or DALI threads); ``None``: the usable cores shared among the node's ranks, less
-            one on CUDA (the training thread's). Workers run at a lower priority (nice +10) than the training thread.
+            one on CUDA (the training thread's), where the workers also run at a lower priority (nice +10).
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
         drop_last: ``None`` means True for train, False for eval.
         shuffle_window: shards only, train only: ``K`` shuffles each epoch by shards rather than globally: the

@@ -60,7 +60,7 @@ def machine_info() -> dict:
 
 def decode_workers() -> dict:
     """The decode workers a loader starts when none are asked for, on the CPU and with a GPU (the training thread
-    keeps a core), and how much nicer than the training process they run (LOCAL_WORLD_SIZE shares the cores)."""
+    keeps a core), and how much nicer than the training process they then run (LOCAL_WORLD_SIZE shares the cores)."""
     from ._system import WORKER_NICENESS, default_workers
 
     return {
@@ -128,7 +128,7 @@ def describe(key: str, value) -> str:
     if key == "decode_workers" and isinstance(value, dict):
         return (
             f"{value['cpu']} on the CPU, {value['cuda']} with a GPU (the training thread keeps a core); "
-            f"nice +{value['niceness']} beside the training thread"
+            f"nice +{value['niceness']} then, beside the training thread"
         )
     if key == "gpupipe" and isinstance(value, dict):
         where = value["distribution"] or "not installed (run from a source tree)"

@@ -3,6 +3,7 @@ slot of a shared buffer it reuses. The same bytes as the per-sample path, whatev
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -156,28 +157,40 @@ def test_a_batch_in_its_own_mapping_is_an_ordinary_tensor():
     assert host_tensor((3, 4), torch.uint8).shape == (3, 4)
 
 
-class _Niceness:
-    """A per-image transform (it runs in the decode worker) that logs the process, its niceness and how it shares
-    memory."""
+class _Logged:
+    """A loader's data set, read through this in its workers: each read logs the process, its niceness and how it
+    shares memory."""
 
-    def __init__(self, log):
-        self.log = str(log)
+    def __init__(self, dataset, log):
+        self.dataset, self.log = dataset, str(log)
 
-    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+    def __getattr__(self, name):
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def read_many(self, indices):
         strategy = torch.multiprocessing.get_sharing_strategy()
         with open(self.log, "a") as f:
             f.write(f"{os.getpid()} {os.getpriority(os.PRIO_PROCESS, 0)} {strategy}\n")
-        return image
+        return self.dataset.read_many(indices)
 
 
-def test_decode_workers_run_nicer_than_the_training_process(tmp_path):
-    """Workers take a core only when the training thread leaves it: a step never waits behind a decode. They send
-    batches by name, so receiving one needs no answer from a worker's thread."""
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_decode_workers_for_a_gpu_run_nicer_than_the_training_process(tmp_path, device):
+    """Where batches go to a device (the meta device stands in for CUDA), workers take a core only when the training
+    thread leaves it: a step never waits behind a decode. On the CPU the training thread computes beside them, as an
+    equal. Either way they send batches by name, so receiving one needs no answer from a worker's thread."""
     root = make_folder(tmp_path / "data", 2, 4)
     log = tmp_path / "nice.log"
-    kw = dict(batch_size=4, image_size=32, num_workers=2, device="cpu", normalize=False)
-    list(gpupipe.build_loader(root, "pillow", transforms=_Niceness(log), **kw))
+    loader = gpupipe.build_loader(root, "pillow", batch_size=4, image_size=32, num_workers=2, device="cpu")
+    if device != "cpu":
+        stage = DeviceStage(torch.device(device), loader.recipe)
+        loader = get("pillow").make_loader(dataclasses.replace(loader.parts, stage=stage))
+    loader._data.dataset = _Logged(loader._data.dataset, log)
+    list(loader)
     seen = {tuple(line.split()) for line in log.read_text().splitlines()}
-    assert str(os.getpid()) not in {pid for pid, _, _ in seen}  # made in the workers
-    nicer = min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
-    assert {(int(nice), strategy) for _, nice, strategy in seen} == {(nicer, "file_system")}
+    assert str(os.getpid()) not in {pid for pid, _, _ in seen}  # read in the workers
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = min(19, mine + WORKER_NICENESS) if device != "cpu" else mine
+    assert {(int(n), strategy) for _, n, strategy in seen} == {(nice, "file_system")}

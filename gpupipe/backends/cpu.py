@@ -4,6 +4,7 @@ crop and augment one image at a time in DataLoader workers, collate uint8 batche
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -231,7 +232,8 @@ class CpuLoader(Loader):
                 batch_sampler=plan,
                 collate_fn=collate,
                 **self.parts.dataloader.kwargs(self.parts.workers),
-                worker_init_fn=worker_init,  # nicer than the training thread; batches sent by name
+                # nicer than the training thread where it only launches a device's work; batches sent by name
+                worker_init_fn=functools.partial(worker_init, nicer=self.stage.device.type != "cpu"),
             )
             remake = _Remake(self._data, collate)
             self._the_stream = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)

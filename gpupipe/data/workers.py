@@ -10,14 +10,18 @@ import torch
 from .._system import lower_priority
 
 
-def worker_init(worker_id: int) -> None:
-    """Every decode worker's first step (a DataLoader ``worker_init_fn``): it runs nicer than the training process
-    (:func:`gpupipe._system.lower_priority`), and sends its batches' shared memory by name ("file_system"), not as a
-    file descriptor: receiving a descriptor costs the training thread a connection to the worker's resource sharer,
-    with its authentication handshake, every batch (answered by a thread of a worker that now yields its core). The
-    strategy is the sender's choice, so it is set here only; torch_shm_manager removes what a dead worker left."""
+def worker_init(worker_id: int, nicer: bool = True) -> None:
+    """Every decode worker's first step (a DataLoader ``worker_init_fn``; ``functools.partial(worker_init,
+    nicer=False)`` for batches that stay on the CPU). With ``nicer``, it runs nicer than the training process
+    (:func:`gpupipe._system.lower_priority`): where batches go to a GPU, the training thread only launches work and
+    must never wait for a core. A CPU device's training thread computes the model on every core, beside the workers,
+    as equals. And it sends its batches' shared memory by name ("file_system"), not as a file descriptor: receiving a
+    descriptor costs the training thread a connection to the worker's resource sharer, with its authentication
+    handshake, every batch (answered by a thread of the worker). The strategy is the sender's choice, so it is set here
+    only; torch_shm_manager removes what a dead worker left."""
     torch.multiprocessing.set_sharing_strategy("file_system")
-    lower_priority(worker_id)
+    if nicer:
+        lower_priority(worker_id)
 
 
 def start_workers(dataloader: torch.utils.data.DataLoader) -> Iterator:
