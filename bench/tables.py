@@ -7,7 +7,7 @@
 In bench/README.md a table is a block between `<!-- table: results/NAME.json -->` and `<!-- end table -->`; `--write`
 replaces each block's body with the table made from that file, so the README's figures are the committed JSON's.
 Each report's kind is recognised from its fields (gpupipe bench, the peers harness, the host budget, bench/shards.py,
-bench/decode_paths.py, bench/imagenet_size.py).
+bench/decode_paths.py, bench/imagenet_size.py, gpupipe.bench.sim_step).
 """
 
 import argparse
@@ -220,9 +220,31 @@ def cache_report(rep: dict) -> list[str]:
     return lines
 
 
+def sim_step_report(rep: dict) -> list[str]:
+    """`python -m gpupipe.bench.sim_step --json`: the data-wait of a simulated model step, and the contention probe."""
+    cfg = rep["config"]
+    lines = [
+        f"{_machine_line(rep)}. `{Path(str(rep['data'])).name}`, batch {cfg['batch']}, {cfg['size']} px, the step "
+        f"{cfg['headroom']:g}x the loader's time alone ({cfg['cpu_share']:.0%} of it on the CPU), {cfg['epochs']} "
+        f"epochs each left one batch early; probe {cfg['probe_ms']:g} ms alone, median of {cfg['probe_rounds']}.",
+        "",
+        "| backend | workers | step ms | data-wait | epoch starts, ms | median next(), ms | probe vs alone |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rep["results"]:
+        starts = ", ".join(f"{v:.1f}" for v in r["epoch_start_ms"])
+        lines.append(
+            f"| {r['backend']} | {r['workers']} | {r['step_cpu_ms'] + r['step_wait_ms']:.0f} | {r['data_wait']:.1%} | "
+            f"{starts} | {r['next_median_ms']:.1f} | {r['probe_ratio']:.2f}x |"
+        )
+    return lines
+
+
 def kind_of(rep: dict) -> Callable[[dict], list[str]]:
     if rep.get("kind") == "s3-cache":
         return cache_report
+    if rep.get("kind") == "sim-step":
+        return sim_step_report
     if "contender" in str(rep.get("results", [{}])[:1]):
         return peers_report
     if "settings" in rep and "loader" in str(rep.get("results", [])[:1]):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ._system import as_device, cores_per_rank, resolve_device, usable_cores
+from ._system import as_device, default_workers, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, get, names, require_backend
@@ -91,7 +91,8 @@ def build_loader(
         train: the train recipe (random resized crop + flip, shuffled) or the eval one (resize + centre crop, in order).
         image_size: the output side ``S``; ``None``: ``recipe.size`` (224 unless the recipe was given a size).
         device: where batches are delivered; ``None`` picks CUDA when available.
-        num_workers: decode workers (or DALI threads); ``None``: the usable cores shared among the node's ranks.
+        num_workers: decode workers (or DALI threads); ``None``: the usable cores shared among the node's ranks, less
+            one on CUDA (the training thread's), where the workers also run at a lower priority (nice +10).
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
         drop_last: ``None`` means True for train, False for eval.
         shuffle_window: shards only, train only: ``K`` shuffles each epoch by shards rather than globally: the
@@ -131,7 +132,7 @@ def build_loader(
     spec = require_backend(name)
     if dev.type not in spec.devices:
         raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
-    workers = cores_per_rank() if num_workers is None else num_workers
+    workers = default_workers(dev) if num_workers is None else num_workers
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
     recipe = recipe or Recipe()
     if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it

@@ -43,6 +43,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "cpu": cpu,
         "cores_usable": usable_cores(),
+        "decode_workers": decode_workers(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torchvision": torchvision.__version__,
@@ -54,6 +55,18 @@ def machine_info() -> dict:
         "dali": dali_info(),
         "cuda_devices": gpus,
         "gpupipe": install_info(),
+    }
+
+
+def decode_workers() -> dict:
+    """The decode workers a loader starts when none are asked for, on the CPU and with a GPU (the training thread
+    keeps a core), and how much nicer than the training process they then run (LOCAL_WORLD_SIZE shares the cores)."""
+    from ._system import WORKER_NICENESS, default_workers
+
+    return {
+        "cpu": default_workers(torch.device("cpu")),
+        "cuda": default_workers(torch.device("cuda")),
+        "niceness": WORKER_NICENESS,
     }
 
 
@@ -112,6 +125,11 @@ def describe(key: str, value) -> str:
         if not value.get("installed"):
             return "not installed"
         return f"{value.get('package') or 'installed'} ({'GPU and CPU' if value.get('gpu') else 'CPU only: no GPU'})"
+    if key == "decode_workers" and isinstance(value, dict):
+        return (
+            f"{value['cpu']} on the CPU, {value['cuda']} with a GPU (the training thread keeps a core); "
+            f"nice +{value['niceness']} then, beside the training thread"
+        )
     if key == "gpupipe" and isinstance(value, dict):
         where = value["distribution"] or "not installed (run from a source tree)"
         return f"{where}; imported from {value['imported_from']}"

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from gpupipe.backends.cpu_stream import Plan
 from gpupipe.data.sampler import ShardSampler
 from gpupipe.train.stop import _children
 
@@ -49,13 +50,32 @@ allreduces = [0]
 models: list[nn.Module] = []
 
 _sampler_iter = ShardSampler.__iter__
+_plan_task = Plan._task
 
 
-def _recording_iter(self):
-    for keys in _sampler_iter(self):
-        if self.shuffle:  # the train loader's sampler
-            seen.extend(keys)
-        yield keys
+def _on_dispatch(hook) -> None:
+    """``hook(sampler, i, keys)`` each time a loader's sampler is asked for a batch (``i``: its number in the pass,
+    ``keys``: its ``(epoch, index)`` pairs): when a DataLoader iterates the sampler (``ShardSampler.__iter__``), and
+    when the CPU backends' stream dispatches a batch to its workers (``cpu_stream.Plan``, ``i`` the batch's number in
+    its epoch)."""
+
+    def iterating(self):
+        for i, keys in enumerate(_sampler_iter(self)):
+            hook(self, i, keys)
+            yield keys
+
+    def dispatching(self, indices):
+        task = _plan_task(self, indices)
+        hook(self.sampler, task.batch, [(e, i) for e, i, *_ in task])
+        return task
+
+    ShardSampler.__iter__ = iterating
+    Plan._task = dispatching
+
+
+def _record(sampler, i, keys) -> None:
+    if sampler.shuffle:  # the train loader's sampler
+        seen.extend(keys)
 
 
 class _ProbeDDP(nn.parallel.DistributedDataParallel):
@@ -86,27 +106,23 @@ def _kill_in_save(n: int) -> None:
 
 
 def _rank_exits(rank: int, after: int) -> None:
-    def iter_then_exit(self):
-        for i, keys in enumerate(_sampler_iter(self)):
-            if self.shuffle and self.rank == rank and i == after:
-                os._exit(3)  # no clean-up, no goodbye to the other ranks: as a crash
-            yield keys
+    def exit_at(sampler, i, keys):
+        if sampler.shuffle and sampler.rank == rank and i == after:
+            os._exit(3)  # no clean-up, no goodbye to the other ranks: as a crash
 
-    ShardSampler.__iter__ = iter_then_exit
+    _on_dispatch(exit_at)
 
 
 def _worker_dies(rank: int, after: int) -> None:
     """On ``rank``, the DataLoader workers (this process's children) are SIGKILLed when its train sampler is asked
     for batch ``after + 1``: a worker lost to the out-of-memory killer in the middle of a DDP run."""
 
-    def iter_then_kill(self):
-        for i, keys in enumerate(_sampler_iter(self)):
-            if self.shuffle and self.rank == rank and i == after:
-                for pid in _children(os.getpid()):
-                    os.kill(pid, signal.SIGKILL)
-            yield keys
+    def kill_at(sampler, i, keys):
+        if sampler.shuffle and sampler.rank == rank and i == after:
+            for pid in _children(os.getpid()):
+                os.kill(pid, signal.SIGKILL)
 
-    ShardSampler.__iter__ = iter_then_kill
+    _on_dispatch(kill_at)
 
 
 def _all_exit(after: int) -> None:
@@ -114,15 +130,14 @@ def _all_exit(after: int) -> None:
     the same point on all ranks, as a job that a scheduler stops."""
     fetched = [0]
 
-    def iter_then_exit(self):
-        for keys in _recording_iter(self):
-            if self.shuffle:
-                if fetched[0] == after:
-                    os._exit(3)
-                fetched[0] += 1
-            yield keys
+    def exit_at(sampler, i, keys):
+        if sampler.shuffle:
+            if fetched[0] == after:
+                os._exit(3)
+            fetched[0] += 1
+        _record(sampler, i, keys)
 
-    ShardSampler.__iter__ = iter_then_exit
+    _on_dispatch(exit_at)
 
 
 def _seen(tag: str, after: int, out: str):
@@ -132,16 +147,14 @@ def _seen(tag: str, after: int, out: str):
     batches: list = []
     path = f"{out}/seen-{tag}-rank{os.environ.get('RANK', '0')}.pt"
 
-    def iter_recording(self):
-        for keys in _sampler_iter(self):
-            if self.shuffle:
-                if after and len(batches) == after:
-                    torch.save(batches, path)
-                    os._exit(3)
-                batches.append(keys)
-            yield keys
+    def recording(sampler, i, keys):
+        if sampler.shuffle:
+            if after and len(batches) == after:
+                torch.save(batches, path)
+                os._exit(3)
+            batches.append(keys)
 
-    ShardSampler.__iter__ = iter_recording
+    _on_dispatch(recording)
     return lambda: torch.save(batches, path)
 
 
@@ -203,7 +216,7 @@ def main() -> None:
         from gpupipe.cli import main as cli_main
 
         sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
-    ShardSampler.__iter__ = _recording_iter
+    _on_dispatch(_record)
     nn.parallel.DistributedDataParallel = _ProbeDDP
     if mode == "cli":
         from gpupipe.cli import main as cli_main

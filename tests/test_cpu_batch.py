@@ -3,6 +3,9 @@ slot of a shared buffer it reuses. The same bytes as the per-sample path, whatev
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import gpupipe
+from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.backends.image import crop_resize, crop_resize_into, resize_box, resize_box_into
@@ -151,3 +155,42 @@ def test_a_batch_in_its_own_mapping_is_an_ordinary_tensor():
     x.share_memory_()  # as a tensor sent to another process is
     assert x.is_shared() and torch.equal(x[0], y)
     assert host_tensor((3, 4), torch.uint8).shape == (3, 4)
+
+
+class _Logged:
+    """A loader's data set, read through this in its workers: each read logs the process, its niceness and how it
+    shares memory."""
+
+    def __init__(self, dataset, log):
+        self.dataset, self.log = dataset, str(log)
+
+    def __getattr__(self, name):
+        if name == "dataset":  # not set yet (unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def read_many(self, indices):
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {os.getpriority(os.PRIO_PROCESS, 0)} {strategy}\n")
+        return self.dataset.read_many(indices)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_decode_workers_for_a_gpu_run_nicer_than_the_training_process(tmp_path, device):
+    """Where batches go to a device (the meta device stands in for CUDA), workers take a core only when the training
+    thread leaves it: a step never waits behind a decode. On the CPU the training thread computes beside them, as an
+    equal. Either way they send batches by name, so receiving one needs no answer from a worker's thread."""
+    root = make_folder(tmp_path / "data", 2, 4)
+    log = tmp_path / "nice.log"
+    loader = gpupipe.build_loader(root, "pillow", batch_size=4, image_size=32, num_workers=2, device="cpu")
+    if device != "cpu":
+        stage = DeviceStage(torch.device(device), loader.recipe)
+        loader = get("pillow").make_loader(dataclasses.replace(loader.parts, stage=stage))
+    loader._data.dataset = _Logged(loader._data.dataset, log)
+    list(loader)
+    seen = {tuple(line.split()) for line in log.read_text().splitlines()}
+    assert str(os.getpid()) not in {pid for pid, _, _ in seen}  # read in the workers
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = min(19, mine + WORKER_NICENESS) if device != "cpu" else mine
+    assert {(int(n), strategy) for _, n, strategy in seen} == {(nice, "file_system")}

@@ -11,12 +11,17 @@ import torch
 
 import gpupipe
 from gpupipe import backends, info
-from gpupipe._system import usable_cores
+from gpupipe._system import WORKER_NICENESS, cores_per_rank, usable_cores
 
 
 def test_machine_info_reports_this_machine():
     m = info.machine_info()
     assert m["cores_usable"] == usable_cores() >= 1
+    assert m["decode_workers"] == {
+        "cpu": cores_per_rank(),
+        "cuda": max(1, cores_per_rank() - 1),
+        "niceness": WORKER_NICENESS,
+    }
     assert m["torch"] == torch.__version__
     assert m["cuda_devices"] == [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     assert isinstance(m["pil_simd"], bool)

@@ -1,8 +1,12 @@
 """gpupipe/_system.py: the cores a rank may take, and its rank on the node."""
 
-import pytest
+import os
 
-from gpupipe._system import cores_per_rank, local_rank, usable_cores
+import pytest
+import torch
+
+import gpupipe
+from gpupipe._system import WORKER_NICENESS, cores_per_rank, default_workers, local_rank, lower_priority, usable_cores
 
 
 def test_the_node_cores_are_shared_among_its_ranks(monkeypatch):
@@ -88,3 +92,40 @@ def test_devices_compare_by_type_and_index(monkeypatch):
     _gpus(monkeypatch, 2, current=1)
     assert same_device("cuda", "cuda:1") and not same_device("cuda", "cuda:0") and same_device("cuda:0", "cuda:0")
     assert not same_device("cuda:0", "cpu") and same_device(torch.device("cpu"), "cpu")
+
+
+@pytest.mark.parametrize("ranks", [None, "2"])
+def test_a_gpu_rank_leaves_its_training_thread_a_core(monkeypatch, ranks):
+    """By default the workers take the rank's share of the cores, less one where batches go to a GPU: the training
+    thread launches the GPU's work and must not wait for a core (a CPU device's training thread is the model's
+    compute, and shares every core). At least one worker."""
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    share = cores_per_rank()
+    assert default_workers(torch.device("cuda")) == default_workers(torch.device("cuda", 1)) == max(1, share - 1)
+    assert default_workers(torch.device("cpu")) == share
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert default_workers(torch.device("cuda")) == 16 // int(ranks or 1) - 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert default_workers(torch.device("cuda")) == 1
+
+
+def test_build_loader_takes_the_default_rule(folder, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    loader = gpupipe.build_loader(folder, "pillow", batch_size=4, image_size=32, device="cpu")
+    assert loader.parts.workers == default_workers(torch.device("cpu")) == 6
+
+
+def test_lower_priority_makes_a_process_nicer_by_the_set_amount():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child, as a worker's first step
+        lower_priority(0)
+        os.write(w, str(os.getpriority(os.PRIO_PROCESS, 0)).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    assert int(os.read(r, 16)) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)

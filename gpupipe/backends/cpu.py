@@ -4,26 +4,24 @@ crop and augment one image at a time in DataLoader workers, collate uint8 batche
 
 from __future__ import annotations
 
-import weakref
+import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .._system import usable_cores
 from ..data.device import normalize_on_cpu
-from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts, start_workers
+from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
+from ..data.workers import worker_init
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
+from .cpu_stream import Gate, Plan, Stream, Task, file_stamp
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder
-
-if TYPE_CHECKING:
-    from ..augment.feedback import WeightsClock
-    from ..data.sampler import ShardSampler
 
 
 class Sample(NamedTuple):
@@ -49,6 +47,7 @@ class _SampleDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: ImageList, decoder: Decoder, recipe: Recipe, train: bool, seed: int, augment=None):
         self.dataset, self.decoder, self.recipe, self.train, self.seed = dataset, decoder, recipe, train, seed
         self.augment = augment  # a SampleAugment to run here, in the worker (CPU device), or None
+        self.gate = Gate()  # when a Task of the loader's stream may be made, or is skipped
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -62,9 +61,22 @@ class _SampleDataset(torch.utils.data.Dataset):
             return Sample(path, label, None, error, key=(key[0], key[1]))
         return Sample(path, label, image.transpose(2, 0, 1), fell_back=fell_back, key=(key[0], key[1]))
 
-    def __getitems__(self, keys: list[tuple]) -> Batch:
+    def __getitems__(self, keys: list[tuple]) -> Batch | None:
         """A batch (the DataLoader's fetcher calls this): its bytes read together, concurrently where the storage
-        can (object storage: one round trip's latency for the batch), then each image made into its slot."""
+        can (object storage: one round trip's latency for the batch), then each image made into its slot. For a
+        :class:`Task` of the loader's stream, once its gate lets it (None: skipped), its files stamped first when it
+        is read ahead of its pass."""
+        stamps = None
+        if isinstance(keys, Task):
+            if not self.gate.admit(keys):
+                return None
+            if keys.ahead and self.dataset.reads_files:
+                stamps = [file_stamp(self.dataset.samples[key[1]][0]) for key in keys]
+        batch = self._batch(keys)
+        batch.stamps = stamps
+        return batch
+
+    def _batch(self, keys: list[tuple]) -> Batch:
         data = self.dataset.read_many([key[1] for key in keys])
         size = self.recipe.side(self.train, keys[0][0])  # a batch is one epoch's: one size
         images = _batch_buffer(len(keys), size)
@@ -140,7 +152,9 @@ class _Collate:
     def __init__(self, size: int, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, keys: bool = False):
         self.size, self.normalize, self.keys = size, normalize, keys
 
-    def __call__(self, items: Batch | list[Sample]) -> Batch:
+    def __call__(self, items: Batch | list[Sample] | None) -> Batch | None:
+        if items is None:  # a task skipped (see cpu_stream.Gate)
+            return None
         batch = items if isinstance(items, Batch) else self._stack(items)
         if not self.keys:
             batch.keys = None
@@ -163,37 +177,16 @@ class _Collate:
         return WireBatch(images, labels, "NHWC", errors, sum(it.fell_back for it in items), keys)
 
 
-class _KeysWithWeights:
-    """The sampler's batches of ``(epoch, index)`` keys, each key with the CTAugment weights snapshot its batch draws
-    from (one object per batch, so it is pickled to the worker once)."""
+class _Remake:
+    """A task's batch made again on this thread (its files changed after it was read ahead of its pass)."""
 
-    def __init__(self, loader: Loader):
-        # weakly: the loader holds the DataLoader that holds this (a cycle would leave the workers to the garbage
-        # collector, which closes their queues before the DataLoader can stop them: 5 s a worker); the loader is
-        # alive while its DataLoader iterates
-        self._loader = weakref.ref(loader)
+    def __init__(self, data: _SampleDataset, collate: _Collate):
+        self.data, self.collate = data, collate
 
-    @property
-    def loader(self) -> Loader:
-        loader = self._loader()
-        assert loader is not None  # see __init__
-        return loader
-
-    def __len__(self) -> int:
-        return len(self.loader.sampler)
-
-    def __iter__(self) -> Iterator[list[tuple]]:
-        loader = self.loader  # read now, not kept by the generator (it would hold the loader while suspended)
-        clock = loader.weights_clock
-        assert clock is not None  # made only for a loader that draws from CTAugment's weights
-        first = loader.position.epoch * len(loader.sampler) + loader.position.batch  # the pass's start, read now
-        return _with_weights(loader.sampler, clock, first)
-
-
-def _with_weights(sampler: ShardSampler, clock: WeightsClock, first: int) -> Iterator[list[tuple]]:
-    for g, keys in enumerate(sampler, first):
-        weights = clock.for_batch(g)
-        yield [(e, i, weights) for e, i in keys]
+    def __call__(self, task: Task) -> Batch:
+        batch = self.collate(self.data._batch(task))
+        assert batch is not None  # made, not skipped
+        return batch
 
 
 class CpuLoader(Loader):
@@ -208,7 +201,7 @@ class CpuLoader(Loader):
         probe = self.ctaugment is not None and self.ctaugment.probe
         in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
-        self._dataloader: torch.utils.data.DataLoader | None = None
+        self._the_stream: Stream | None = None
 
     @staticmethod
     def _drawn_ahead(parts: LoaderParts) -> int:
@@ -218,18 +211,39 @@ class CpuLoader(Loader):
             return 0
         return parts.workers * parts.dataloader.prefetch_factor  # DataLoader's queue (no prefetch with 0 workers)
 
+    def _batches(self, epoch: int, start: int) -> list[list[int]]:
+        return self._stream().plan.batches(epoch, start)
+
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        if self._dataloader is None:  # made once: persistent workers outlive epochs
-            keyed = self._data.augment is not None and self.weights_clock is not None
-            self._dataloader = torch.utils.data.DataLoader(
+        stream = self._stream()
+        batches = stream.plan.batches(epoch, start_batch)
+        stream.begin(epoch, start_batch, batches)
+        return stream.take(len(batches))
+
+    def _stream(self) -> Stream:
+        """The loader's one stream of batches (made once: persistent workers and one DataLoader iteration outlive
+        epochs; see :mod:`.cpu_stream`)."""
+        if self._the_stream is None:
+            keyed = self._data.augment is not None and self.weights_clock is not None  # the workers draw CTAugment's
+            plan = Plan(self.sampler, self.weights_clock if keyed else None, ahead=self._read_ahead())
+            collate = self._collate()
+            dataloader = torch.utils.data.DataLoader(
                 self._data,
-                batch_sampler=_KeysWithWeights(self) if keyed else self.sampler,
-                collate_fn=self._collate(),
+                batch_sampler=plan,
+                collate_fn=collate,
                 **self.parts.dataloader.kwargs(self.parts.workers),
+                # nicer than the training thread where it only launches a device's work; batches sent by name
+                worker_init_fn=functools.partial(worker_init, nicer=self.stage.device.type != "cpu"),
             )
-        # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
-        assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        return start_workers(self._dataloader)
+            remake = _Remake(self._data, collate)
+            self._the_stream = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
+        return self._the_stream
+
+    def _read_ahead(self) -> int:
+        """An epoch's first batches made before its pass begins: two per worker (each has the next one queued when
+        the pass begins and the rest of the epoch is let through), at most what the DataLoader keeps in flight."""
+        workers = max(1, self.parts.workers)
+        return min(2 * workers, workers * self.parts.dataloader.prefetch_factor)
 
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise

@@ -4,8 +4,10 @@ reuses, the labels and keys as bytes in the message.
 A fresh shared-memory buffer costs a page fault per 4 KiB on its first write (about as much as resizing the images
 into it on a 2-core VM: ~0.14 ms per 224x224 image, measured in bench/README.md), and a tensor handed over from
 ordinary memory is first copied into one. So each worker keeps a few buffers and reuses one once the main process
-says it is done with it: the main process copies the images out as the batch arrives (a plain memory copy, a tenth
-of that cost) and sets the buffer's "free" byte, which the worker reads before it writes the buffer again.
+says it is done with it: the batch arrives holding the buffer (``Batch.lease``), the main process copies the images
+out once, into the memory they end in (``Batch.own``: page-locked memory on the DataLoader's pin thread, for the copy
+to a GPU; ordinary memory otherwise; a plain memory copy, a tenth of that cost), and sets the buffer's "free" byte,
+which the worker reads before it writes the buffer again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from ..data.device import Layout, host_tensor
+from ..data.device import Layout, copy_into, host_tensor, pinned_tensor
 from ..data.loader import Batch
 
 _HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below
@@ -60,28 +62,48 @@ class WireBatch(Batch):
 
     def __reduce__(self):
         keys = None if self.keys is None else self.keys.numpy()
-        return arrive, (self.images, self.labels.numpy(), self.layout, self.errors, self.fallbacks, keys, self.failure)
+        labels = self.labels.numpy()
+        return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
 
 
 def arrive(
-    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None
+    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None, stamps=None
 ) -> Batch:
-    """The batch in the main process: its images copied out of the worker's buffer, which is then marked free."""
+    """The batch in the main process, its images still in the worker's buffer: ``Batch.own`` (or ``pin_memory``)
+    copies them out and hands the buffer back, ``Batch.drop`` hands it back uncopied."""
     flat = _header(images)
     if flat is not None:
-        images = _copy(images)
-        flat.numpy()[0] = 1  # after the copy: the worker may write the buffer again
         _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
-    return Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure)
+    batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure, stamps=stamps)
+    batch.lease = None if flat is None else _Lease(flat)
+    return batch
 
 
-def _copy(images: torch.Tensor) -> torch.Tensor:
-    """A copy in this thread alone (numpy): torch's copy of a batch runs on its intra-op threads, which would take
-    the cores the decode workers run on (and spin there after the copy)."""
-    out = host_tensor(tuple(images.shape), images.dtype)
-    np.copyto(out.numpy(), images.numpy())
-    return out
+class _Lease:
+    """A worker's buffer lent to this process, handed back once: after its images are copied out, or when the batch
+    holding it is dropped uncopied (a task skipped; DataLoader's reset discards the batches it finds in flight)."""
+
+    __slots__ = ("_flat",)
+
+    def __init__(self, flat: torch.Tensor):
+        self._flat: torch.Tensor | None = flat
+
+    def copy_out(self, images: torch.Tensor, pinned: bool) -> torch.Tensor:
+        """``images`` (in the lent buffer) copied once into new memory of this process's own (page-locked with
+        ``pinned``, where the pin thread calls it), then the buffer handed back."""
+        out = (pinned_tensor if pinned else host_tensor)(tuple(images.shape), images.dtype)
+        copy_into(out, images)
+        self.give_back()  # after the copy: the worker may write the buffer again
+        return out
+
+    def give_back(self) -> None:
+        flat, self._flat = self._flat, None
+        if flat is not None:
+            flat.numpy()[0] = 1
+
+    def __del__(self) -> None:
+        self.give_back()
 
 
 def release(images: torch.Tensor) -> None:

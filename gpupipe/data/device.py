@@ -56,6 +56,19 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(block, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
+def pinned_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new, uninitialised page-locked CPU tensor, from torch's caching host allocator: a block freed once its copy to
+    the device has run is handed out again, so a batch's pinned memory is reused rather than locked anew."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def copy_into(out: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(images)`` in this thread alone (numpy): torch's copy of a batch runs on its intra-op threads, which
+    would take the cores the decode workers run on (and spin there after the copy)."""
+    np.copyto(out.numpy(), images.numpy())
+    return out
+
+
 def normalize_on_cpu(
     images: torch.Tensor,
     mean: torch.Tensor,

@@ -4,7 +4,6 @@ with one policy for bad files (raise in the main process, or skip, refill and re
 from __future__ import annotations
 
 import errno
-import gc
 import hashlib
 import os
 import resource
@@ -26,6 +25,7 @@ from .device import DeviceStage, Layout
 from .position import Pass, ResumeNotice
 from .sampler import ShardSampler
 from .scan import ImageList
+from .workers import start_workers  # noqa: F401  # where the backends have imported it from
 
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 
@@ -44,10 +44,24 @@ class Batch:
     keys: torch.Tensor | None = None
     failure: GpupipeError | None = None  # raised in the main process whatever on_error says (a transform's bug)
     weights: CTWeights | None = None  # CTAugment's snapshot the device stage draws this batch from
+    # the images are still in a buffer a decode worker lent (backends/handover.py): ``own`` copies them out and hands
+    # it back; None once the batch is in this process's own memory
+    lease: Any = None
+    stamps: list | None = None  # its files as they were before a read ahead of its pass (see backends/cpu_stream.py)
 
-    def pin_memory(self) -> Batch:  # DataLoader's pin thread calls this
-        self.images, self.labels = self.images.pin_memory(), self.labels.pin_memory()
+    def own(self, pinned: bool = False) -> Batch:
+        """The images in this process's own memory (page-locked with ``pinned``): out of a lent buffer in one copy,
+        straight into the memory they end in; a batch already in its own memory is only pinned."""
+        if self.lease is not None:
+            self.images, self.lease = self.lease.copy_out(self.images, pinned), None
+        elif pinned:
+            self.images = self.images.pin_memory()
+        if pinned:
+            self.labels = self.labels.pin_memory()
         return self
+
+    def pin_memory(self) -> Batch:  # DataLoader's pin thread calls this: one copy, worker's buffer to pinned memory
+        return self.own(pinned=True)
 
 
 @dataclass(frozen=True)
@@ -240,7 +254,7 @@ class Loader:
     def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""
         self.skipped, self.fallbacks = [], 0
-        sizes = [len(b) for b in self.sampler.batches(epoch, start)]
+        sizes = [len(b) for b in self._batches(epoch, start)]
         batches = self._with_policy(self._source(epoch, start), sizes)
         if self._feedback is None:
             return self.stage.iterate(batches)
@@ -253,6 +267,10 @@ class Loader:
         for g, batch in enumerate(batches, first):
             self.records = self._feedback.delivered(g) or []
             yield batch
+
+    def _batches(self, epoch: int, start: int) -> list[list[int]]:
+        """``self.sampler.batches(epoch, start)`` (a backend that keeps them says so)."""
+        return self.sampler.batches(epoch, start)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         raise NotImplementedError
@@ -379,17 +397,3 @@ def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
         Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0], weights=b.weights),
         Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1], weights=b.weights),
     )
-
-
-def start_workers(dataloader: torch.utils.data.DataLoader) -> Iterator:
-    """``iter(dataloader)`` with this process's objects hidden from the garbage collector of the workers it forks: a
-    worker then never collects this process's garbage, such as an earlier loader's iterator left in a reference
-    cycle by a caught exception (its ``__del__`` would stop the parent's workers from the child: "AssertionError: can
-    only test a child process", printed as "Exception ignored"). Nothing changes for this process's collector."""
-    if gc.get_freeze_count():  # the program freezes objects itself: its own set, not ours to unfreeze
-        return iter(dataloader)
-    gc.freeze()
-    try:
-        return iter(dataloader)
-    finally:
-        gc.unfreeze()

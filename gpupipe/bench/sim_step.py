@@ -1,0 +1,236 @@
+"""The GPU's wait, measured without a GPU: a simulated model step fed by each backend, and a contention probe.
+
+The GPU waits on the loader whenever the training thread's ``next(loader)`` does not return at once, and that is a
+host-side story, measurable on any machine. Here the training thread runs a simulated step: a fixed CPU time (what a
+model's kernel launches take; ``--cpu-share`` of the step), then a fixed wait that takes no CPU (the GPU's compute),
+sized so that the loader alone is ``--headroom`` (1.5) times as fast as the step. The **data-wait** is the share of
+the run spent in ``next()``, over ``--epochs`` epochs, each pass left one batch early (as ``gpupipe train --accum 2``
+leaves an odd last batch), epoch starts included; the first ``next()`` of each epoch is reported beside the median
+one. The loaders are built as for CUDA: a GPU rank's default workers (``--workers`` to set them), the device side on
+the meta device (every op dispatched, none computed: gpupipe.bench.host_budget), one warm-up epoch before.
+
+The **contention probe** is a fixed CPU task on the training thread (pure Python, ``--probe-ms`` alone), timed alone
+and between ``next()`` calls while the loader's processes and threads make batches: their ratio says how much the
+loader slows the training thread down.
+
+    python -m gpupipe.bench.sim_step DATA [--backends pillow,turbojpeg,dali] [--batch 32] [--size 224]
+        [--epochs 3] [--steps 30] [--json bench/results/sim-step-NAME-DATE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .._system import default_workers
+from ..backends import available_backends
+from ..errors import GpupipeError, error_line, show_traceback
+from ..recipe import Recipe
+from .host_budget import meta_loader
+
+
+@dataclass(frozen=True)
+class Settings:
+    batch: int = 32
+    size: int = 224
+    workers: int | None = None  # None: a GPU rank's default
+    epochs: int = 3
+    steps: int = 30  # at least this many steps an epoch (the data set and the batch decide how many)
+    headroom: float = 1.5  # the loader alone is this many times as fast as the step
+    cpu_share: float = 0.25  # of the step, spent on the CPU (kernel launches); the rest waits (the GPU's compute)
+    probe_ms: float = 7.0
+    probe_rounds: int = 15
+
+
+def spin(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time (the wall time it takes grows when the thread waits for a core)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        sum(range(2000))
+
+
+def probe_task(n: int) -> None:
+    """The probe: a fixed amount of pure-Python work (it holds the GIL, as the training thread's Python does)."""
+    x = 0
+    for i in range(n):
+        x += i * i
+
+
+def calibrate_probe(ms: float) -> int:
+    """The probe's size that takes ``ms`` alone, on this machine (the fastest of a few runs)."""
+    n = 20_000
+    while True:
+        took = min(_timed(n) for _ in range(5))
+        if took > 0.002:
+            return max(1, round(n * ms / 1e3 / took))
+        n *= 4
+
+
+def _timed(n: int) -> float:
+    t0 = time.perf_counter()
+    probe_task(n)
+    return time.perf_counter() - t0
+
+
+def time_probe(n: int, rounds: int, between=None) -> float:
+    """Median wall ms of the probe over ``rounds``, each after ``between()`` when given (a ``next()``)."""
+    took = []
+    for _ in range(rounds):
+        if between is not None:
+            between()
+        t0 = time.perf_counter()
+        probe_task(n)
+        took.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(took)
+
+
+def forever(loader):
+    """The loader's batches across epochs, as a loop that runs whole passes reads them."""
+    while True:
+        yield from loader
+
+
+def loader_ms(loader, workers: int, batches: int) -> float:
+    """The loader alone: ms per batch once its workers run, after the batches made while it started."""
+    it = forever(loader)
+    for _ in range(workers + 1):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return (time.perf_counter() - t0) * 1e3 / batches
+
+
+def run_epochs(loader, first: int, epochs: int, step_cpu: float, step_wait: float) -> dict:
+    """``epochs`` passes from epoch ``first``, each left one batch early, a simulated step after each batch: the
+    time in ``next()`` (each epoch's first apart) and the whole run's."""
+    waits: list[float] = []
+    starts: list[float] = []
+    total = 0.0
+    for epoch in range(first, first + epochs):
+        loader.set_epoch(epoch)
+        t_epoch = time.perf_counter()
+        it = iter(loader)
+        for k in range(len(loader) - 1):
+            t0 = time.perf_counter()
+            next(it)
+            (starts if k == 0 else waits).append(time.perf_counter() - t0)
+            spin(step_cpu)
+            time.sleep(step_wait)
+        total += time.perf_counter() - t_epoch
+    wait = sum(waits) + sum(starts)
+    return {
+        "data_wait": wait / total,
+        "epoch_start_ms": [round(s * 1e3, 2) for s in starts],
+        "next_median_ms": round(statistics.median(waits) * 1e3, 3),
+        "steps_per_epoch": len(waits) // epochs + 1,
+        "run_s": round(total, 2),
+    }
+
+
+def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
+    """The simulated step and the probe, for one backend."""
+    gc.collect()
+    time.sleep(1.0)  # the last backend's processes gone
+    alone = time_probe(probe_n, s.probe_rounds)
+    workers = default_workers(torch.device("cuda")) if s.workers is None else s.workers
+    loader = meta_loader(data, backend, Recipe(s.size), s.batch, workers)
+    if len(loader) - 1 < s.steps:
+        raise ValueError(
+            f"{data}: {len(loader)} batches of {s.batch} an epoch, fewer than --steps {s.steps} + 1: use a smaller "
+            "--batch or more images"
+        )
+    alone_ms = loader_ms(loader, workers, max(8, 2 * workers))
+    step = alone_ms * s.headroom / 1e3
+    step_cpu, step_wait = step * s.cpu_share, step * (1 - s.cpu_share)
+    run_epochs(loader, 1, 1, step_cpu, step_wait)  # warm-up: the stream as it runs from now on
+    row = run_epochs(loader, 2, s.epochs, step_cpu, step_wait)
+    batches = forever(loader)
+    loaded = time_probe(probe_n, s.probe_rounds, batches.__next__)
+    del batches, loader  # its workers end now
+    return {
+        "backend": backend,
+        "workers": workers,
+        "batch": s.batch,
+        "size": s.size,
+        "loader_alone_ms": round(alone_ms, 2),
+        "step_cpu_ms": round(step_cpu * 1e3, 2),
+        "step_wait_ms": round(step_wait * 1e3, 2),
+        "epochs": s.epochs,
+        **row,
+        "probe_alone_ms": round(alone, 3),
+        "probe_with_loader_ms": round(loaded, 3),
+        "probe_ratio": round(loaded / alone, 3),
+    }
+
+
+def _line(r: dict) -> str:
+    starts = ", ".join(f"{v:.1f}" for v in r["epoch_start_ms"])
+    return (
+        f"{r['backend']:>10}: {r['workers']} worker(s), step {r['step_cpu_ms'] + r['step_wait_ms']:.0f} ms "
+        f"(loader alone {r['loader_alone_ms']:.0f} ms/batch), data-wait {r['data_wait']:.1%} over {r['epochs']} x "
+        f"{r['steps_per_epoch']} steps, epoch starts {starts} ms (median next() {r['next_median_ms']:.1f} ms), "
+        f"probe {r['probe_with_loader_ms']:.1f} / {r['probe_alone_ms']:.1f} ms alone = {r['probe_ratio']:.2f}x"
+    )
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def run(data: str, backends: list[str], s: Settings) -> dict:
+    from ..info import machine_info  # the machine beside every figure
+
+    probe_n = calibrate_probe(s.probe_ms)
+    results = []
+    for backend in backends:
+        results.append(one_backend(data, backend, s, probe_n))
+        print(_line(results[-1]), flush=True)
+    return {
+        "kind": "sim-step",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
+        "machine": machine_info(),
+        "data": data,
+        "config": asdict(s),
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("data", help="anything build_loader reads (a folder, a CSV list, shards)")
+    p.add_argument("--backends", default="pillow,turbojpeg,dali", help="comma-separated (those available are run)")
+    defaults = Settings()
+    for name, value in asdict(defaults).items():
+        kind = float if isinstance(value, float) else int
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
+    p.add_argument("--json", type=Path, help="write the report here (bench/results/sim-step-*.json)")
+    args = p.parse_args(argv)
+    s = Settings(**{k: getattr(args, k) for k in asdict(defaults)})
+    backends = [b for b in args.backends.split(",") if b in available_backends()]
+    report = run(args.data, backends, s)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:  # one line, as the gpupipe command says it
+        if show_traceback():
+            raise
+        sys.exit(f"error: {error_line(e)}")

@@ -1,0 +1,233 @@
+"""The CPU backends' one stream of batches across epochs (gpupipe/backends/cpu_stream.py): one DataLoader iteration
+for the loader's life, the next epoch's first batches made while a pass ends (also one left early, as ``gpupipe train
+--accum 2`` leaves a pass's odd last batch), the same batches as a pass read on its own, and batches read ahead kept
+only when they are still what the pass asks for (a re-split resume, CTAugment's reloaded weights)."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import gpupipe
+from gpupipe import Recipe
+from gpupipe.data.position import ResumeNotice
+
+from .common_utils import DECODERS, make_folder
+from .test_augment_feedback import _feedback
+
+KW = dict(batch_size=4, image_size=32, device="cpu", normalize=False)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """4 classes x 6 JPEGs: 6 batches of 4 an epoch."""
+    return make_folder(tmp_path_factory.mktemp("stream"), 4, 6)
+
+
+@pytest.fixture()
+def dataloader_iterations(monkeypatch):
+    """How many times a DataLoader was iterated (``iter()``: each starts its workers or resets them)."""
+    count = [0]
+    real = torch.utils.data.DataLoader.__iter__
+
+    def counted(self):
+        count[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", counted)
+    return count
+
+
+def _epochs_left_early(loader, epochs: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """As ``gpupipe train --accum 2`` with an odd number of batches: each pass left one batch early, then the next
+    epoch set."""
+    out = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        it = iter(loader)
+        out += [next(it) for _ in range(len(loader) - 1)]
+        loader.set_epoch(epoch + 1)
+    return out
+
+
+def _each_epoch_on_its_own(data, backend, epochs: int = 3, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same batches, each epoch read by a loader of its own: nothing read ahead, nothing carried over."""
+    out = []
+    for epoch in range(epochs):
+        loader = gpupipe.build_loader(data, backend, num_workers=0, **{**KW, **kw})
+        loader.set_epoch(epoch)
+        out += list(loader)[:-1]
+    return out
+
+
+def _assert_same(got, expected) -> None:
+    assert len(got) == len(expected)
+    for k, ((x, y), (ex, ey)) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(y, ey) and torch.equal(x, ex), k
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_batches(
+    data, backend, workers, dataloader_iterations
+):
+    loader = gpupipe.build_loader(data, backend, num_workers=workers, **KW)
+    got = _epochs_left_early(loader)
+    assert dataloader_iterations[0] == 1  # was 3: one iter() a pass, each epoch opening cold
+    _assert_same(got, _each_epoch_on_its_own(data, backend))
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batch"] == 0
+
+
+def test_workers_a_pass_when_asked_still_deliver_each_epochs_batches(data, dataloader_iterations):
+    """``persistent_workers=False``: the workers end with each pass, as asked, and a pass left early drops its rest."""
+    loader = gpupipe.build_loader(data, "pillow", num_workers=2, persistent_workers=False, **KW)
+    got = _epochs_left_early(loader)
+    assert dataloader_iterations[0] == 3
+    _assert_same(got, _each_epoch_on_its_own(data, "pillow"))
+
+
+def test_an_eval_loader_streams_its_passes_unpadded(data, dataloader_iterations):
+    loader = gpupipe.build_loader(data, "pillow", num_workers=2, train=False, **{**KW, "batch_size": 5})
+    labels = [[int(v) for _, y in loader for v in y] for _ in range(3)]
+    assert labels[0] == [label for _, label in loader.dataset.samples] and labels[1:] == labels[:2]
+    assert [len(y) for _, y in loader] == [5, 5, 5, 5, 4]
+    assert dataloader_iterations[0] == 1
+
+
+class _MadeAt:
+    """A per-image transform that writes, into the image's first 8 bytes, when it was made (in the worker), and
+    counts the images made in a file (so a test can see the workers go idle)."""
+
+    def __init__(self, log):
+        self.log = str(log)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        image = image.contiguous().clone()
+        image.view(-1)[:8] = torch.from_numpy(np.array([time.monotonic_ns()], np.int64).view(np.uint8))
+        with open(self.log, "a") as f:
+            f.write("x\n")
+        return image
+
+
+def _made_at(images: torch.Tensor) -> int:
+    return int(images[0].contiguous().view(-1)[:8].numpy().view(np.int64)[0])
+
+
+def _until_idle(log, quiet: float = 0.5, limit: float = 30.0) -> None:
+    """Wait until no image was made for ``quiet`` seconds (the workers made what they were given)."""
+    deadline, seen, since = time.monotonic() + limit, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = len(log.read_text().splitlines()) if log.exists() else 0
+        if n != seen:
+            seen, since = n, time.monotonic()
+        elif time.monotonic() - since > quiet:
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_the_next_epochs_first_batches_are_made_before_the_pass_is_left(data, backend, tmp_path):
+    """Each epoch's first batch was made while the previous pass, left one batch early, was still under way: the
+    first ``next()`` of an epoch takes a made batch, as one mid-epoch does."""
+    log = tmp_path / "made.log"
+    loader = gpupipe.build_loader(data, backend, num_workers=2, transforms=_MadeAt(log), **KW)
+    left = []
+    firsts = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        it = iter(loader)
+        firsts.append(_made_at(next(it)[0]))
+        for _ in range(len(loader) - 2):
+            next(it)
+        _until_idle(log)
+        left.append(time.monotonic_ns())
+        loader.set_epoch(epoch + 1)
+    assert firsts[1] < left[0] and firsts[2] < left[1]
+
+
+def _resplit_state(data) -> dict:
+    """A state saved at epoch 1, sample 6, by a loader of batch 3: another batch size re-splits the epoch's rest."""
+    saver = gpupipe.build_loader(data, "pillow", num_workers=0, **{**KW, "batch_size": 3})
+    saver.set_epoch(1)
+    it = iter(saver)
+    next(it), next(it)
+    return pickle.loads(pickle.dumps(saver.state_dict()))
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+def test_batches_read_ahead_are_not_delivered_after_a_resume_that_re_splits_the_epoch(data, backend):
+    state = _resplit_state(data)
+    fresh = gpupipe.build_loader(data, backend, num_workers=0, **KW)
+    with pytest.warns(ResumeNotice):
+        fresh.load_state_dict(state)
+    expected = list(fresh)
+    streaming = gpupipe.build_loader(data, backend, num_workers=2, **KW)
+    list(streaming)  # epoch 0 whole: epoch 1's first batches are read ahead, as the sampler dealt them then
+    with pytest.warns(ResumeNotice):
+        streaming.load_state_dict(state)
+    _assert_same(list(streaming), expected)
+
+
+def _ct(data, aa="ctaugment", **kw):
+    args = {**KW, "num_workers": 1, "prefetch_factor": 1, "seed": 3, **kw}
+    return gpupipe.build_loader(data, "pillow", recipe=Recipe(32, auto_augment=aa), **args)
+
+
+def test_ctaugment_draws_in_workers_across_passes_left_early_as_each_pass_on_its_own(data):
+    """The workers draw each batch from the snapshot its clock names, batches read ahead included: a run whose
+    passes are left early delivers what a run that loads the same state before each pass does."""
+    streaming = _ct(data)
+    got, states = [], []
+    for epoch in range(3):
+        streaming.set_epoch(epoch)
+        it = iter(streaming)
+        for _ in range(len(streaming) - 1):
+            got.append(next(it))
+            _feedback(streaming.ctaugment, len(got))
+        streaming.set_epoch(epoch + 1)
+        states.append(pickle.loads(pickle.dumps(streaming.state_dict())))
+    expected = []
+    for epoch in range(3):
+        fresh = _ct(data)
+        if epoch:
+            fresh.load_state_dict(states[epoch - 1])
+        it = iter(fresh)
+        for _ in range(len(fresh) - 1):
+            expected.append(next(it))
+            _feedback(fresh.ctaugment, len(expected))
+    _assert_same(got, expected)
+
+
+def test_ctaugment_batches_read_ahead_are_drawn_again_after_loading_other_weights(data):
+    fast = "ctaugment-d0.5"  # rates that move at once: another run's weights draw other ops
+    other = _ct(data, fast)
+    for k, _ in enumerate(other):
+        _feedback(other.ctaugment, k)
+    state = pickle.loads(pickle.dumps(other.state_dict()))  # epoch 1 from its start, other weights
+    fresh = _ct(data, fast)
+    fresh.load_state_dict(state)
+    expected = list(fresh)
+    streaming = _ct(data, fast)
+    list(streaming)  # epoch 1's first batch is drawn ahead, from this run's weights (never updated)
+    streaming.load_state_dict(state)
+    _assert_same(list(streaming), expected)
+    unloaded = _ct(data, fast)
+    unloaded.set_epoch(1)
+    assert not torch.equal(next(iter(unloaded))[0], expected[0][0])  # what the batch read ahead held
+
+
+def test_each_epoch_is_shuffled_and_dealt_once(data, monkeypatch):
+    """An epoch's order (a shuffle of the whole data set: tens of milliseconds at ImageNet's size, on the training
+    thread) is made once, by the plan running into it, not again by each pass that starts there and its sizes."""
+    from gpupipe.data.sampler import ShardSampler
+
+    dealt = []
+    real = ShardSampler.order
+    monkeypatch.setattr(ShardSampler, "order", lambda self, epoch: dealt.append(epoch) or real(self, epoch))
+    loader = gpupipe.build_loader(data, "pillow", num_workers=2, **KW)
+    _epochs_left_early(loader)
+    assert sorted(set(dealt)) == dealt and dealt[:3] == [0, 1, 2]  # each once, in order (3 if read ahead)

@@ -1,0 +1,51 @@
+"""gpupipe/bench/sim_step.py: the data-wait of a simulated model step fed by a loader, and the contention probe; its
+report as bench/tables.py prints it."""
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gpupipe.bench import sim_step
+
+from .common_utils import make_folder
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """2 classes x 6 JPEGs: 6 batches of 2 an epoch."""
+    return make_folder(tmp_path_factory.mktemp("sim"), 2, 6)
+
+
+def test_the_step_spends_cpu_time_on_this_thread():
+    t0 = time.thread_time()
+    sim_step.spin(0.02)
+    assert time.thread_time() - t0 >= 0.02
+
+
+def test_a_report_holds_each_backend_and_reads_as_a_table(data, tmp_path):
+    s = sim_step.Settings(batch=2, size=16, workers=1, epochs=2, steps=4, probe_ms=1.0, probe_rounds=3)
+    report = sim_step.run(str(data), ["pillow"], s)
+    (row,) = report["results"]
+    assert row["backend"] == "pillow" and row["workers"] == 1
+    assert row["steps_per_epoch"] == 5 and len(row["epoch_start_ms"]) == 2  # each pass left one batch early
+    assert 0 <= row["data_wait"] <= 1 and row["probe_ratio"] > 0
+    assert row["step_cpu_ms"] == pytest.approx(0.25 * 1.5 * row["loader_alone_ms"], rel=0.05, abs=0.02)
+    path = tmp_path / "sim-step.json"
+    path.write_text(json.dumps(report))
+    spec = importlib.util.spec_from_file_location("bench_tables", BENCH / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    lines = tables.table(path).splitlines()
+    assert report["date"] in lines[0] and "commit" in lines[0]
+    assert lines[-1].startswith("| pillow | 1 |")
+
+
+def test_too_few_batches_for_the_steps_asked_is_one_line(data):
+    s = sim_step.Settings(batch=2, size=16, workers=0, epochs=1, steps=30, probe_ms=1.0, probe_rounds=1)
+    with pytest.raises(ValueError, match=r"6 batches of 2 an epoch, fewer than --steps 30 \+ 1"):
+        sim_step.run(str(data), ["pillow"], s)
