@@ -11,7 +11,7 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 
 def create_exclusive(path: str | os.PathLike) -> BinaryIO:
@@ -95,3 +95,24 @@ def read_regular(path: str | os.PathLike) -> bytes:
             kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
             raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
         return f.read()
+
+
+class Stamp(NamedTuple):
+    """What says a file changed between two looks (a batch read ahead of its pass, checked when the pass begins)."""
+
+    path: str
+    mtime_ns: int | None  # None: the file could not be read then
+    size: int | None
+
+
+def file_stamp(path: str) -> Stamp:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return Stamp(path, None, None)
+    return Stamp(path, st.st_mtime_ns, st.st_size)
+
+
+def unchanged(stamps: list[Stamp]) -> bool:
+    """Whether every file is as it was when stamped."""
+    return all(file_stamp(s.path) == s for s in stamps)

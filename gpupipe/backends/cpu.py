@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .._files import file_stamp
 from .._system import usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
@@ -18,7 +19,7 @@ from ..data.scan import ImageList
 from ..data.workers import worker_init
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
-from .cpu_stream import Gate, Plan, Stream, Task, file_stamp
+from .cpu_stream import Gate, Plan, Stream, Task
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder

@@ -19,14 +19,14 @@ again); the later ones wait in the worker until the loader delivers their epoch 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
+from .._files import unchanged
 from ..data.loader import Batch
 from ..data.workers import start_workers
 
@@ -84,25 +84,6 @@ class Gate:
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
         return False
-
-
-class Stamp(NamedTuple):
-    path: str
-    mtime_ns: int | None  # None: the file could not be read then
-    size: int | None
-
-
-def file_stamp(path: str) -> Stamp:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return Stamp(path, None, None)
-    return Stamp(path, st.st_mtime_ns, st.st_size)
-
-
-def unchanged(stamps: list[Stamp]) -> bool:
-    """Whether every file is as it was when stamped."""
-    return all(file_stamp(s.path) == s for s in stamps)
 
 
 class Plan:

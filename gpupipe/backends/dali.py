@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
-from .._files import read_regular
+from .._files import read_regular, unchanged
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from .dali_feed import Feed, Work, decode_on_cpu, unchanged
+from .dali_feed import Feed, Work, decode_on_cpu
 from .dali_files import FileStream, FileTable
 from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
 from .dali_stream import FeedStream, plan

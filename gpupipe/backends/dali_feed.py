@@ -14,7 +14,6 @@ only Pillow decodes (formats DALI lacks, CMYK, 16-bit) are decoded by Pillow in 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .._files import Stamp, file_stamp
 from ..errors import DecodeError
 from ..recipe import Recipe
 from .image import HeaderCheck, ends_whole, header_entry, is_jpeg, pixel_limit_reason
@@ -91,25 +91,6 @@ class Request(NamedTuple):
     number: int = 0  # which batch of its epoch
     ahead: bool = False  # one of an epoch's first batches, read before its pass begins: its files are stamped
     wait: bool = False  # read only once the loader delivers ``epoch`` (see :class:`Gate`)
-
-
-class Stamp(NamedTuple):
-    path: str
-    mtime_ns: int | None  # None: the file could not be read then
-    size: int | None
-
-
-def file_stamp(path: str) -> Stamp:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return Stamp(path, None, None)
-    return Stamp(path, st.st_mtime_ns, st.st_size)
-
-
-def unchanged(stamps: list[Stamp]) -> bool:
-    """Whether every file is as it was when stamped."""
-    return all(file_stamp(s.path) == s for s in stamps)
 
 
 class Gate:

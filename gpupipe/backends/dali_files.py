@@ -28,11 +28,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._files import read_regular
+from .._files import file_stamp, read_regular
 from ..data.compact import PathList
 from ..errors import DecodeError
 from ..recipe import Recipe
-from .dali_feed import Gate, Request, Work, decode_on_cpu, file_stamp
+from .dali_feed import Gate, Request, Work, decode_on_cpu
 from .image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from .pillow import PillowDecoder
 
