@@ -195,7 +195,7 @@ class DaliLoader(Loader):
             self._feed = FileStream(table, self.recipe, self.train, self.seed, _helpers(self.parts.workers))
         if self._feed is None:
             feed = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
-            self._feed = FeedStream(feed, _helpers(self.parts.workers))
+            self._feed = FeedStream(feed, _helpers(self.parts.workers), nicer=self.device.type != "cpu")
         return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ what one batch's work holds and how it is made, is :mod:`.dali_feed`."""
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import queue
 import threading
@@ -15,8 +16,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..data.loader import start_workers
 from ..data.upload import Reaper
+from ..data.workers import start_workers, worker_init
 from .dali_feed import Feed, Gate, Request, Work
 
 
@@ -57,12 +58,12 @@ class FeedStream:
     pin-memory thread does: receiving one (a pipe read, unpickling, mapping its shared memory) is no work for the
     training thread. With no workers, works are made when asked, on the caller's thread."""
 
-    def __init__(self, feed: Feed, workers: int):
+    def __init__(self, feed: Feed, workers: int, nicer: bool = True):
         self.feed = feed
         self._requests = _Requests()
         extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
         if workers > 0:
-            extra["worker_init_fn"] = _share_by_name
+            extra["worker_init_fn"] = functools.partial(worker_init, nicer=nicer)  # by name, below the trainer
         self._loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
             feed,
             batch_size=None,
@@ -196,14 +197,6 @@ def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
         except queue.Full:
             continue
     return False
-
-
-def _share_by_name(worker_id: int) -> None:
-    """In the feed's workers: a batch's shared-memory bytes are sent by name ("file_system"), not as a file
-    descriptor. Receiving a descriptor costs the training thread a connection to the worker's resource sharer with its
-    authentication handshake, every batch: about 0.7 ms of the thread's 3.6 ms per 256-batch (bench/host_budget.py).
-    The strategy is the sender's choice, so it is set here only; torch_shm_manager removes what a dead process left."""
-    torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 def _as_is(work: Work) -> Work:
