@@ -79,10 +79,10 @@ def _cmd_bench(args) -> int:
     if args.data is None:  # said, since it writes files: the data the table's title names
         console.print(f"no --data: measuring the sample data in {DEFAULT_DIR} (`gpupipe sample-data` writes it)")
     data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
-    if args.host_budget:
-        from .bench import host_budget
+    if args.host_budget or args.simulate_step:
+        from .bench import host_budget, sim_step
 
-        return host_budget.from_cli(args, data)
+        return (host_budget if args.host_budget else sim_step).from_cli(args, data)
     device = _resolve_device(args.device)
     backends, unavailable = _bench_backends(args.backends, device)
     if not backends:
@@ -336,6 +336,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--color-jitter", type=float, help="augment pipeline: colour jitter strength (e.g. 0.4)")
     p.add_argument("--reprob", type=float, default=0.0, help="augment pipeline: random erasing probability")
     p.add_argument("--host-budget", action="store_true", help="instead: training-thread CPU per batch of GPU paths")
+    p.add_argument("--simulate-step", action="store_true", help="instead: the data-wait of a simulated model step")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG bar chart")
     p.set_defaults(func=_cmd_bench)

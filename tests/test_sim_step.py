@@ -49,3 +49,14 @@ def test_too_few_batches_for_the_steps_asked_is_one_line(data):
     s = sim_step.Settings(batch=2, size=16, workers=0, epochs=1, steps=30, probe_ms=1.0, probe_rounds=1)
     with pytest.raises(ValueError, match=r"6 batches of 2 an epoch, fewer than --steps 30 \+ 1"):
         sim_step.run(str(data), ["pillow"], s)
+
+
+def test_gpupipe_bench_runs_it(tmp_path):
+    """``gpupipe bench --simulate-step``: the same report, from the bench's own flags (30 steps an epoch)."""
+    from gpupipe.cli import main
+
+    data, out = make_folder(tmp_path / "data", 2, 32), tmp_path / "sim.json"
+    argv = ["bench", "--simulate-step", "--data", str(data), "--backends", "pillow", "--batch-size", "2"]
+    assert main([*argv, "--image-size", "16", "--workers", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert (row["backend"], row["batch"], row["size"], row["workers"]) == ("pillow", 2, 16, 1)

@@ -210,6 +210,17 @@ def run(data: str, backends: list[str], s: Settings) -> dict:
     }
 
 
+def from_cli(args, data: str) -> int:
+    """``gpupipe bench --simulate-step``: at the first ``--image-size``, ``--batch-size``, ``--workers`` (default: a GPU
+    rank's), over ``--backends`` (default: pillow, turbojpeg, dali)."""
+    argv = [data, "--size", str(args.image_size[0]), "--batch", str(args.batch_size)]
+    argv += ["--workers", str(args.workers)] if args.workers is not None else []
+    argv += ["--backends", args.backends] if args.backends else []
+    argv += ["--json", args.json] if args.json else []
+    main(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("data", help="anything build_loader reads (a folder, a CSV list, shards)")
