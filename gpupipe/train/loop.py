@@ -250,8 +250,8 @@ def forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, all_
 
 def optimizer_step(state: TrainState) -> None:
     """The optimizer step at the end of an accumulation, then the schedule, the step count and the EMA."""
-    if state.precision.step(state.optimizer):  # a step fp16's scaler skipped (inf/NaN gradients) leaves the LR too
-        state.scheduler.step()
+    state.precision.step(state.optimizer)  # fp16: a step its scaler skips (inf/NaN gradients) is counted on the GPU
+    state.scheduler.step()  # by optimizer steps, skipped ones too (telling them apart here would make the host wait)
     state.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     if state.ema is not None:
@@ -269,6 +269,8 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     metrics["lr"] = run.state.scheduler.get_last_lr()[0]
     metrics["skipped"] = len(run.train_loader.skipped)
     metrics["fallbacks"] = run.train_loader.fallbacks
+    if run.state.precision.scaler.is_enabled():
+        metrics["fp16_skipped_steps"] = run.state.precision.skipped_steps()  # read here, where the host waits anyway
     metrics["image_size"] = run.train_loader.recipe.train_size(epoch)  # the epoch's, under a resolution schedule
     skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
