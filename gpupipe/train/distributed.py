@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .._system import env_int, resolve_device
 
@@ -46,6 +47,7 @@ def _inconsistency(world: int | None, rank: int | None, local: int | None) -> st
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
         self.world_size, self.rank, self.local_rank = ranks_from_env()
+        self._averaged: list[tuple[int, int]] | None = None  # the buffers' versions as average_buffers left them
         # the one rule (gpupipe's loaders use it too): --device cuda:N is honoured, and a rank that sees only its own
         # GPU (CUDA_VISIBLE_DEVICES per rank) uses GPU 0, not GPU LOCAL_RANK, which it does not have
         self.device = resolve_device(device)
@@ -92,20 +94,27 @@ class Distributed:
         return t.tolist()
 
     def average_buffers(self, module: torch.nn.Module) -> None:
-        """Average floating-point buffers (BatchNorm running statistics) over ranks, as timm's ``distribute_bn``:
-        each rank's last forward updated its own, so without this the ranks (and the checkpoint) disagree."""
+        """Average floating-point buffers (BatchNorm's running statistics) over ranks, as timm's ``distribute_bn``:
+        each rank's last forward updated its own, so without this the ranks (and the checkpoint) disagree. One
+        all-reduce of the buffers flattened (one per dtype and device), not one per buffer."""
         if not self.enabled:
             return
-        for b in module.buffers():
-            if b.is_floating_point():
-                dist.all_reduce(b)
-                b.div_(self.world_size)
+        for group in _groups(_floating_buffers(module)):
+            flat = _flatten_dense_tensors(group)
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)  # the sum, then the division: each element as when reduced alone
+            with torch.no_grad():
+                for b, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                    b.copy_(mean)
+        self._averaged = _versions(module)
 
     def gather_buffers(self, module: torch.nn.Module) -> list[dict[str, torch.Tensor]] | None:
         """Every rank's floating-point buffers, on the CPU (BatchNorm's running statistics are each rank's own between
         two ``average_buffers``): a mid-epoch checkpoint keeps them all, so that each rank resumes with its own, as the
-        straight run goes on. A collective; None on one process."""
-        if not self.enabled:
+        straight run goes on. A collective; None on one process, and None (no collective) while the buffers are as
+        ``average_buffers`` left them, the same on every rank (the checkpoint at an epoch's end): no buffer written
+        since (its version counter, which every in-place write moves), none replaced."""
+        if not self.enabled or self._averaged == _versions(module):
             return None
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world_size)]
         for name, b in module.named_buffers():
@@ -123,3 +132,21 @@ class Distributed:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _floating_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` by (dtype, device), in order: what one flat tensor can hold."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def _versions(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """Each floating-point buffer's identity and version counter (moved by every in-place write: BatchNorm's update
+    of its running statistics, ``load_state_dict``'s copy)."""
+    return [(id(b), b._version) for b in _floating_buffers(module)]
