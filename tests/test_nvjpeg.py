@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.io import ImageReadMode, decode_jpeg
 
 import gpupipe
@@ -302,3 +303,31 @@ def test_two_hundred_batches_of_varied_photos_reserve_no_more_memory_than_the_fi
     torch.cuda.synchronize()
     assert batches == 200 and early is not None
     assert torch.cuda.memory_reserved() <= early * 1.1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_padding_runs_on_the_meta_device_what_it_runs_on_a_gpu():
+    """tests/test_sync.py counts the nvjpeg loader's device side on the meta device, so the padding must run there
+    the ops it runs on CUDA. It ran torch's nested ``to_padded_tensor`` on CPU and CUDA (which copies the nested sizes
+    to the device from pageable memory: a host sync each batch, seen on an H100) and plain zeros on the meta device,
+    so the count never saw it. Now one path on every device, from the sides and starts the caller sends."""
+    shapes = np.array([(5, 7), (9, 4), (6, 6)])
+    sides, starts = gpu_crop.pad_arguments(shapes)
+    ops = {}
+    for device in ("cpu", "meta"):
+        images = [torch.zeros(3, h, w, dtype=torch.uint8, device=device) for h, w in shapes]
+        args = [torch.from_numpy(a).to(device) for a in (sides, starts)]  # sent by the caller, in its pinned pack
+        with _Ops() as seen:
+            out = gpu_crop.padded(images, shapes, (10, 8), *args)
+        assert out.shape == (3, 3, 10, 8) and out.dtype == torch.float32
+        ops[device] = seen.names
+    assert ops["cpu"] == ops["meta"] and not any("nested" in op or "padded" in op for op in ops["cpu"])
