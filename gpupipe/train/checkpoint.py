@@ -86,7 +86,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """The saved state and settings, but the implementation this run built (``fused``, ``foreach``): a checkpoint's
     param groups carry those of the run that saved it, and an fp16 run's fused optimizer (GradScaler hands it the inf
     check) turned back into a plain one by a checkpoint saved before fp16 was fused fails its first step."""
-    built = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
+    built: list[dict[str, Any]] = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(saved)
     for group, implementation in zip(optimizer.param_groups, built, strict=True):
         group.update(implementation)
