@@ -1,6 +1,7 @@
 """gpupipe/backends/nvjpeg.py off the GPU: the workers' records and the batch assembly, with torchvision's CPU
 decode standing in for nvJPEG. The real decode runs in the gpu tests (test_api, test_loader, test_shards)."""
 
+import gc
 import multiprocessing
 import threading
 import types
@@ -383,6 +384,21 @@ def test_a_pass_left_early_then_the_next_epoch_whole(folder):
     want = list(fresh)
     assert len(got) == len(want)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
+
+
+def test_a_pass_left_early_and_closed_late_leaves_the_next_pass_alone(folder):
+    """The first pass's iterator is closed (garbage) only after the next pass began: closing it ends its own decode
+    thread, not the next pass's, which would then wait for ever."""
+    loader = _recording(folder)
+    first = iter(loader)
+    next(first)
+    loader.set_epoch(1)
+    second = iter(loader)
+    got = [next(second)]
+    del first  # garbage: its generators closed, its decode thread told to stop
+    gc.collect()
+    got += list(second)
+    assert len(got) == len(loader)
 
 
 def test_an_error_in_the_decode_thread_reaches_the_caller(folder):

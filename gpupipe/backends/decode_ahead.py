@@ -72,7 +72,7 @@ class DecodeAhead(Generic[W, R]):
 
     def __iter__(self) -> Iterator[R]:
         while True:
-            item = self._queue.get()
+            item = self._next()
             if item is _END:
                 return
             if isinstance(item, _Failed):
@@ -83,6 +83,15 @@ class DecodeAhead(Generic[W, R]):
                 for t in self._tensors(item.result):
                     t.record_stream(current)
             yield item.result
+
+    def _next(self) -> Any:
+        """The next item the thread put; an error if it ended without one (told to stop: iterated after close)."""
+        while True:
+            try:
+                return self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the decode thread was stopped before the end of its pass") from None
 
     def close(self) -> None:
         """Tell the thread to stop (it does once its current batch is done); what it holds is dropped."""

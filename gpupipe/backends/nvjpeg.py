@@ -249,14 +249,15 @@ class NvjpegLoader(Loader):
             self._ahead.join()  # the last pass's decode thread is done with the DataLoader's iterator
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        self._ahead = DecodeAhead(
+        ahead = DecodeAhead(
             start_workers(self._dataloader), lambda work: self._decoded(work, decode), self.stage.device, _tensors
         )
+        self._ahead = ahead
         try:
-            for decoded in self._ahead:  # decoded on the decode thread, one batch ahead
+            for decoded in ahead:  # decoded on the decode thread, one batch ahead
                 yield self._cropped(epoch, decoded)
         finally:
-            self._ahead.close()
+            ahead.close()  # this pass's (a pass left early may be closed after the next one began)
 
     def _batch(self, epoch: int, work: _Work, decode: Decode) -> Batch:
         """A worker's batch decoded and cropped on this thread (what the decode thread and this one do in turn)."""
