@@ -47,7 +47,7 @@ def _inconsistency(world: int | None, rank: int | None, local: int | None) -> st
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
         self.world_size, self.rank, self.local_rank = ranks_from_env()
-        self._averaged: list[tuple[int, int]] | None = None  # the buffers' versions as average_buffers left them
+        self._averaged = False  # the buffers were just averaged: the next gather_buffers has nothing to gather
         # the one rule (gpupipe's loaders use it too): --device cuda:N is honoured, and a rank that sees only its own
         # GPU (CUDA_VISIBLE_DEVICES per rank) uses GPU 0, not GPU LOCAL_RANK, which it does not have
         self.device = resolve_device(device)
@@ -106,15 +106,17 @@ class Distributed:
             with torch.no_grad():
                 for b, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                     b.copy_(mean)
-        self._averaged = _versions(module)
+        self._averaged = True  # until the next gather_buffers: the checkpoint saved right after
 
     def gather_buffers(self, module: torch.nn.Module) -> list[dict[str, torch.Tensor]] | None:
         """Every rank's floating-point buffers, on the CPU (BatchNorm's running statistics are each rank's own between
         two ``average_buffers``): a mid-epoch checkpoint keeps them all, so that each rank resumes with its own, as the
-        straight run goes on. A collective; None on one process, and None (no collective) while the buffers are as
-        ``average_buffers`` left them, the same on every rank (the checkpoint at an epoch's end): no buffer written
-        since (its version counter, which every in-place write moves), none replaced."""
-        if not self.enabled or self._averaged == _versions(module):
+        straight run goes on. A collective; None on one process, and None (no collective) on the first call after
+        ``average_buffers``: the checkpoint the loop saves right after averaging, at an epoch's end, when every rank
+        holds the average (in the model's own state). Nothing may run the model in between: BatchNorm updates its
+        statistics in place without moving their version counters, so the buffers cannot tell it."""
+        averaged, self._averaged = self._averaged, False
+        if not self.enabled or averaged:
             return None
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world_size)]
         for name, b in module.named_buffers():
@@ -144,9 +146,3 @@ def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return list(groups.values())
-
-
-def _versions(module: torch.nn.Module) -> list[tuple[int, int]]:
-    """Each floating-point buffer's identity and version counter (moved by every in-place write: BatchNorm's update
-    of its running statistics, ``load_state_dict``'s copy)."""
-    return [(id(b), b._version) for b in _floating_buffers(module)]
