@@ -264,7 +264,8 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     metrics = epoch_metrics(epoch, meter, run.dist)
     run.dist.average_buffers(run.state.model)  # BatchNorm statistics agree on every rank before evaluation, saving
     run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
-    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)  # kept if validation fails
+    # kept if validation fails; right after the averaging, with no forward between: it gathers no rank's buffers
+    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
     metrics.update(validate(run.run_model, run.state.ema, run.val_loader, run.state.precision, run.dist))
     metrics["lr"] = run.state.scheduler.get_last_lr()[0]
     metrics["skipped"] = len(run.train_loader.skipped)
