@@ -10,6 +10,7 @@ import torch
 import gpupipe
 from gpupipe.augment import CTAugment, Policy
 from gpupipe.augment.feedback import WeightsClock, lag_for
+from gpupipe.bench.host_budget import meta_loader
 from gpupipe.recipe import Recipe
 
 from .common_utils import CPU_LOADER_BACKENDS, DECODERS, make_folder
@@ -168,10 +169,33 @@ def test_snapshots_make_a_resumed_run_draw_as_the_straight_one():
     assert rotations and min(rotations) >= 4 / 17  # the feedback reached the draws: the failing bins are gone
 
 
+def _device_path_reference(folder):
+    """The CPU loader whose device stage draws, as a loader for a GPU does: no decode worker draws (with one, a CPU
+    loader's clock lags by its queue too: ``lag_for(1)``, not ``lag_for(0)``)."""
+    return _loader(folder, num_workers=0, device_path=True)
+
+
+@pytest.mark.parametrize("backend", ["pillow", "nvjpeg"])
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_off_the_cpu_the_device_stage_draws_with_its_lag_whatever_the_workers(folder, backend, workers):
+    """The lag rule for a device that is not the CPU (the meta device stands in for CUDA, as in the host-budget
+    bench): the device stage draws, so the lag is ``lag_for(0)`` with any number of decode workers, and the CPU
+    reference of the CUDA test below draws every batch from the same snapshot (it kept a 1-worker CPU loader's lag,
+    3, and its rates differed from the CUDA loader's)."""
+    recipe = Recipe(SIZE, auto_augment="ctaugment")
+    meta = meta_loader(str(folder), backend, recipe, batch=4, workers=workers)
+    assert meta.device.type == "meta" and meta.weights_clock.lag == lag_for(0)
+    reference = _run(_device_path_reference(folder), [0, 1])
+    for (g, _, wa), (h, images, wb) in zip(reference, _run(meta, [0, 1]), strict=True):
+        assert g == h and wa.rates == wb.rates, g
+        assert images.device.type == "meta"
+    assert reference[-1][2].rates != reference[0][2].rates  # the feedback reached the draws
+
+
 @pytest.mark.gpu
 def test_the_cuda_device_path_draws_what_the_cpu_workers_draw(folder):
     """With the same feedback, the batched CUDA path and the CPU device stage draw from the same snapshots."""
-    cpu = _run(_loader(folder, num_workers=1, device_path=True), [0, 1])
+    cpu = _run(_device_path_reference(folder), [0, 1])
     cuda = _run(_loader(folder, num_workers=1, device="cuda"), [0, 1])
     for (g, a, wa), (h, b, wb) in zip(cpu, cuda, strict=True):
         assert g == h and wa.rates == wb.rates

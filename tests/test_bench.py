@@ -4,6 +4,7 @@ store ``backend="auto"`` reads; bench/run_gpu.sh."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -68,41 +69,94 @@ def test_bench_shows_progress_and_time_left_in_a_log(tmp_path, folder):
     assert "eval: pillow, window 2/2" in lines[-1]
 
 
-def test_run_gpu_script_runs_every_part_after_a_failing_one(tmp_path):
-    """bench/run_gpu.sh with a stand-in python whose pytest fails: the bench parts still run, the status is 1."""
-    log = tmp_path / "calls"
+def _run_gpu(tmp_path, *args: str, fail: str = "-no-such-") -> tuple[subprocess.CompletedProcess, list[str], list]:
+    """bench/run_gpu.sh with a stand-in python that logs its arguments, prints a row, and fails (exit 3) for calls
+    naming ``fail``; (the run, its calls, the part's rows). The data are there already (made by an earlier part)."""
+    log, out = tmp_path / "calls", tmp_path / "out"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / ".complete").touch()
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *pytest*) exit 1;; esac\n')
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *{fail}*) exit 3;; esac\necho \'{{"what": "r"}}\'\n')
     fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(out), "DATA": str(tmp_path / "data")}
     r = subprocess.run(
-        ["bash", str(REPO_ROOT / "bench" / "run_gpu.sh")],
+        ["bash", str(REPO_ROOT / "bench" / "run_gpu.sh"), *args],
+        env=env,
+        timeout=60,
+        check=False,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")},
-        timeout=60,
     )
-    calls = log.read_text().splitlines()
-    assert r.returncode == 1 and "part tests failed" in r.stderr
-    pipelines = [c.split("--pipelines ")[1].split()[0] for c in calls if "--pipelines" in c]
-    assert pipelines == ["decode", "train", "eval", "train", "train"]  # augment, then end-to-end
-    assert "--aa rand-m9-mstd0.5-inc1" in calls[-2] and "--model resnet50" in calls[-1]
-    assert any("gpupipe.bench.host_budget" in c and "--device cuda" in c for c in calls)
+    rows = [json.loads(line) for f in out.glob("*.jsonl") for line in f.read_text().splitlines()]
+    return r, log.read_text().splitlines(), rows
 
 
 @pytest.mark.parametrize(
-    ("call", "parts"), [("1", ["pytest", "host_budget"]), ("2", ["train,eval", "--aa", "--model"])]
+    ("part", "steps"),
+    [
+        ("1", ["pytest -m gpu", "loader", "nvjpeg", "loader", "pillow", "loader", "turbojpeg"]),
+        ("2", ["e2e", "synthetic", "e2e", "pillow", "e2e", "turbojpeg", "e2e", "nvjpeg"]),
+        (
+            "3",
+            [
+                "loader",
+                "dali",
+                "dali-own",
+                "e2e",
+                "dali",
+                "dali-own",
+                "--model",
+                "train --data",
+                "--precision fp16",
+                "train-wait",
+                "train --data",
+                "--precision bf16",
+                "train-wait",
+                "memory",
+            ],
+        ),
+    ],
 )
-def test_run_gpu_script_in_two_calls(tmp_path, call, parts):
-    """bench/run_gpu.sh 1 and 2: every part in two calls, each part once."""
-    log = tmp_path / "calls"
-    fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
-    fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
-    r = subprocess.run(["bash", str(REPO_ROOT / "bench" / "run_gpu.sh"), call], env=env, timeout=60, check=False)
-    calls = log.read_text().splitlines()[1:]  # after sample-data
-    assert r.returncode == 0 and len(calls) == len(parts)
-    assert all(p in c for p, c in zip(parts, calls, strict=True))
+def test_run_gpu_script_runs_each_part_in_fresh_processes_under_timeouts(tmp_path, part, steps):
+    """The GPU check in three parts (parts 1 and 2 without DALI): each measurement its own process, each a row of the
+    part's JSON, which is collected with the device, date and versions at the end."""
+    r, calls, rows = _run_gpu(tmp_path, part)
+    assert r.returncode == 0, r.stderr
+    measured = " | ".join(calls[:-1])
+    at = 0
+    for s in steps:  # in this order
+        at = measured.index(s, at) + len(s)
+    assert calls[-1].startswith("bench/gpu_check.py collect") and rows and all(row == {"what": "r"} for row in rows)
+    assert all("dali" not in c for c in calls) or part == "3"
+    script = (REPO_ROOT / "bench" / "run_gpu.sh").read_text()
+    assert 'out=$(timeout --kill-after=10 "$limit" "$@"' in script  # every step's command under timeout
+
+
+def test_run_gpu_script_goes_on_after_a_failing_step_and_says_so(tmp_path):
+    r, calls, rows = _run_gpu(tmp_path, "1", fail="pillow")
+    assert r.returncode == 1
+    assert any("turbojpeg" in c for c in calls)  # the next step ran
+    assert {"what": "loader pillow", "failed": "exit 3", "device": "cuda"} in rows
+
+
+@pytest.mark.slow
+def test_run_gpu_script_part_2_runs_small_on_the_cpu(tmp_path):
+    """--cpu: the real steps, small, on the CPU (the script's check where there is no GPU)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "DATA": str(tmp_path / "data"), "PYTHON": sys.executable}
+    r = subprocess.run(
+        ["bash", str(REPO_ROOT / "bench" / "run_gpu.sh"), "--cpu", "2"],
+        env=env,
+        timeout=600,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    (result,) = (tmp_path / "out").glob("gpu-check-part2-cpu-*.json")
+    report = json.loads(result.read_text())
+    assert {"device", "date", "commit", "versions", "rows"} <= report.keys() and "torch" in report["versions"]
+    assert [row["backend"] for row in report["rows"]] == ["synthetic", "pillow", "turbojpeg"]
+    assert all(row["images_per_s"] > 0 and 0 <= row["data_wait"] <= 1 for row in report["rows"])
 
 
 def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):

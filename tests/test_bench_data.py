@@ -80,3 +80,38 @@ def test_time_left_is_costed_from_the_start_ups_and_windows_measured(monkeypatch
     clock[0] += 20.0
     assert eta.left() == pytest.approx(2 * 5.0 + 4 * 2.0 + 2 * 1.0)
     assert eta.fraction() == pytest.approx(20 / (20 + 20))
+
+
+@pytest.mark.parametrize("model", [None, "test_resnet"])
+def test_the_estimate_is_no_shorter_than_a_small_real_run(tmp_path, model):
+    """The estimate before anything is measured (the run's first progress line) against the run itself: at least as
+    long, and within a sane factor. It once said 2 minutes for GPU runs that had not ended after 80-100 s: it left out
+    the end-to-end measurements (--model), and guessed start-ups, drains and epoch starts short. Two epochs of 24
+    images go by in each window's drain here, and with --model two backends train end to end."""
+    import time
+
+    import torch
+
+    from gpupipe.bench import suite
+    from gpupipe.bench.records import Config
+
+    data = make_folder(tmp_path / "data", 2, 12)
+    cfg = Config(
+        str(data),
+        ["pillow", "synthetic"],
+        ["train"],
+        1,
+        torch.device("cpu"),
+        batch_size=8,
+        seconds=0.6,
+        repeats=2,
+        image_size=32,
+        model=model,
+    )
+    t0 = time.monotonic()
+    lines: list[float] = []
+    results = suite.run(cfg, progress=lambda text, fraction=None, left=None: lines.append(left))
+    actual, planned = time.monotonic() - t0, lines[0]  # what the run says first
+    assert len(results) == (3 if model is None else 5)  # baseline, pillow, synthetic; and each trained end to end
+    assert suite.estimate(cfg) == pytest.approx(planned, abs=1.0)
+    assert actual <= planned <= 10 * actual, (planned, actual)

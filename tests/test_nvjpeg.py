@@ -1,13 +1,16 @@
 """gpupipe/backends/nvjpeg.py off the GPU: the workers' records and the batch assembly, with torchvision's CPU
 decode standing in for nvJPEG. The real decode runs in the gpu tests (test_api, test_loader, test_shards)."""
 
+import gc
 import multiprocessing
+import threading
 import types
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.io import ImageReadMode, decode_jpeg
 
 import gpupipe
@@ -302,3 +305,108 @@ def test_two_hundred_batches_of_varied_photos_reserve_no_more_memory_than_the_fi
     torch.cuda.synchronize()
     assert batches == 200 and early is not None
     assert torch.cuda.memory_reserved() <= early * 1.1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_padding_runs_on_the_meta_device_what_it_runs_on_a_gpu():
+    """tests/test_sync.py counts the nvjpeg loader's device side on the meta device, so the padding must run there
+    the ops it runs on CUDA. It ran torch's nested ``to_padded_tensor`` on CPU and CUDA (which copies the nested sizes
+    to the device from pageable memory: a host sync each batch, seen on an H100) and plain zeros on the meta device,
+    so the count never saw it. Now one path on every device, from the sides and starts the caller sends."""
+    shapes = np.array([(5, 7), (9, 4), (6, 6)])
+    sides, starts = gpu_crop.pad_arguments(shapes)
+    ops = {}
+    for device in ("cpu", "meta"):
+        images = [torch.zeros(3, h, w, dtype=torch.uint8, device=device) for h, w in shapes]
+        args = [torch.from_numpy(a).to(device) for a in (sides, starts)]  # sent by the caller, in its pinned pack
+        with _Ops() as seen:
+            out = gpu_crop.padded(images, shapes, (10, 8), *args)
+        assert out.shape == (3, 3, 10, 8) and out.dtype == torch.float32
+        ops[device] = seen.names
+    assert ops["cpu"] == ops["meta"] and not any("nested" in op or "padded" in op for op in ops["cpu"])
+
+
+class _RecordingNvjpegLoader(_CpuNvjpegLoader):
+    """The CPU nvjpeg loader with torchvision's real CPU decode, noting the thread of each decode call."""
+
+    def decoder(self):
+        self.decoded_on: list[int] = []
+
+        def decode(data):
+            self.decoded_on.append(threading.get_ident())
+            return _cpu_decode(data)
+
+        return decode
+
+
+def _recording(folder, **kw) -> _RecordingNvjpegLoader:
+    args = dict(batch_size=4, num_workers=1, image_size=24, normalize=False, device="cpu", seed=1, **kw)
+    return _RecordingNvjpegLoader(gpupipe.build_loader(folder, "pillow", **args).parts)
+
+
+def test_the_decode_runs_off_the_training_thread(folder):
+    """torchvision's nvJPEG decode runs its Huffman pass on the calling thread (21 ms a 256-batch on an H100's host):
+    called from ``next()``, it was the training thread's. The decode runs on the loader's decode thread, the batches
+    are what decoding on the training thread gives (the same calls, in turn, ``_batch``), and the thread ends with the
+    pass."""
+    loader = _recording(folder)
+    got = list(loader)
+    assert len(got) == len(loader) and loader.decoded_on
+    assert threading.get_ident() not in loader.decoded_on
+    loader._ahead._thread.join(timeout=10)
+    assert not loader._ahead._thread.is_alive()
+    reference = _recording(folder)
+    data = reference._data
+    works = torch.utils.data.DataLoader(data, batch_sampler=reference.sampler, collate_fn=data.collate)
+    for (x, y), work in zip(got, works, strict=True):
+        batch = reference._batch(0, work, reference.decoder())
+        assert torch.equal(x, batch.images) and torch.equal(y, batch.labels)
+
+
+def test_a_pass_left_early_then_the_next_epoch_whole(folder):
+    """A pass left after one batch stops its decode thread; the next pass (the same persistent workers) starts where
+    the position says, as a fresh loader's."""
+    loader = _recording(folder, persistent_workers=True)
+    next(iter(loader))
+    loader.set_epoch(1)
+    got = list(loader)
+    fresh = _recording(folder)
+    fresh.set_epoch(1)
+    want = list(fresh)
+    assert len(got) == len(want)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
+
+
+def test_a_pass_left_early_and_closed_late_leaves_the_next_pass_alone(folder):
+    """The first pass's iterator is closed (garbage) only after the next pass began: closing it ends its own decode
+    thread, not the next pass's, which would then wait for ever."""
+    loader = _recording(folder)
+    first = iter(loader)
+    next(first)
+    loader.set_epoch(1)
+    second = iter(loader)
+    got = [next(second)]
+    del first  # garbage: its generators closed, its decode thread told to stop
+    gc.collect()
+    got += list(second)
+    assert len(got) == len(loader)
+
+
+def test_an_error_in_the_decode_thread_reaches_the_caller(folder):
+    loader = _recording(folder)
+
+    def broken(data):
+        raise MemoryError("the decode thread's own error")
+
+    loader._decode = broken
+    with pytest.raises(MemoryError, match="the decode thread's own error"):
+        next(iter(loader))

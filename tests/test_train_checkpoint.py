@@ -218,3 +218,23 @@ def test_torn_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path
     finally:
         live.kill()
         live.wait()
+
+
+def test_an_fp16_run_resumed_from_a_checkpoint_of_a_plain_optimizer_keeps_its_fused_one(tmp_path):
+    """A checkpoint's param groups carry the saving run's implementation (``fused``: None): loaded as they are, an
+    fp16 run's fused SGD (GradScaler hands it its inf check) became a plain one, whose first step then failed."""
+    old = _state()
+    old.optimizer = torch.optim.SGD(old.model.parameters(), lr=0.1, momentum=0.9)
+    old.scheduler = torch.optim.lr_scheduler.LambdaLR(old.optimizer, lambda s: 1.0)
+    _train_steps(old, 2)
+    _save(tmp_path / "last.pt", old)
+    new = _state()
+    new.optimizer = torch.optim.SGD(new.model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    new.scheduler = torch.optim.lr_scheduler.LambdaLR(new.optimizer, lambda s: 1.0)
+    new.precision = Precision("fp16", torch.device("cpu"))
+    checkpoint.restore(checkpoint.load_for_resume(tmp_path / "last.pt"), new)
+    assert new.optimizer.param_groups[0]["fused"] and "momentum_buffer" in new.optimizer.state[new.model[0].weight]
+    with new.precision.autocast():
+        loss = new.model(torch.ones(4, 64)).float().square().mean()
+    new.precision.backward(loss)
+    new.precision.step(new.optimizer)  # was: AssertionError("Expected grad_scale and found_inf to be None")

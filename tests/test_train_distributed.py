@@ -1,7 +1,12 @@
 """gpupipe/train/distributed.py: the launcher's variables read, or refused in one line naming them (a value that is no
 number, a set no launch could make)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from gpupipe.train.distributed import Distributed, ranks_from_env
 
@@ -64,3 +69,27 @@ def test_a_stray_rank_is_one_line_before_anything_is_written(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "RANK=1" in lines[0] and "without WORLD_SIZE" in lines[0], run.stderr
     assert not out.exists()
+
+
+def _count_collectives(data, out, **overrides) -> list[list[str]]:
+    """``gpupipe train`` on two gloo ranks under tests/test_sync.py's counter (tests/probe.py count): rank 0's
+    collectives per micro-batch, the epoch's end falling to its last."""
+    probe = os.path.join(os.path.dirname(__file__), "probe.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", probe, "count"]
+    args = train_args(data, out, **{"epochs": 1, "log_every": 1000, **overrides})
+    subprocess.run([*cmd, "--", "train", *args], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    return [collectives for _, collectives in torch.load(out / "count-rank0.pt", weights_only=True)["steps"]]
+
+
+def test_an_epoch_end_averages_the_buffers_in_one_all_reduce_and_gathers_none(tmp_path):
+    """timm's test_resnet (BatchNorm: 2 floating buffers per norm layer) on two ranks: the epoch's end was one
+    all-reduce per buffer, then one all-gather per buffer for the checkpoint. Now: the epoch's metrics, one flat
+    all-reduce of the buffers, the barrier after the save, the stop check. A mid-epoch checkpoint (--save-every)
+    still gathers each rank's buffers, which differ there, in the first epoch and after an epoch's end alike."""
+    data = make_folder(tmp_path / "data", 2, 8)  # 2 micro-batches per rank and epoch
+    steps = _count_collectives(data, tmp_path / "end")
+    assert steps[-1] == ["all_reduce", "all_reduce", "barrier", "all_reduce"], steps[-1]  # the last: the stop check
+    mid = _count_collectives(data, tmp_path / "mid", save_every=1, epochs=2)
+    assert len(mid) == 4 and mid[-1] == steps[-1], mid
+    gathers = [segment.count("all_gather") for segment in mid]
+    assert gathers[0] == gathers[2] > 0 and gathers[1] == gathers[3] == 0, mid

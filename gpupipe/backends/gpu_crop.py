@@ -11,7 +11,6 @@ box, so mirroring a box and then its output is the same as cropping the mirrored
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -81,32 +80,47 @@ def padded(
     shapes: np.ndarray,
     size: tuple[int, int] | None = None,
     sides: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(N,3,H,W) float32, each image (of ``shapes``: its height, width) at the top left, its last row and column
     repeated once past its edges, zeros beyond; ``(H, W)`` = ``size`` (larger than every image; by default the
-    largest image's sides plus one). One batched cast of the nested tensor's buffer, one padding kernel, two indexed
-    copies for the edges (``sides``: ``shapes`` on the device, sent by the caller with its other arguments).
+    largest image's sides plus one).
+
+    The images go into one flat buffer (one ``cat``), and every padded pixel is gathered from it by an index made on
+    the device from each image's sides and start in that buffer (``sides``, ``starts``: :func:`pad_arguments`, sent by
+    the caller with its other arguments in one pinned copy): a dozen ops for the batch, none per image, the same on
+    every device (the meta device of the sync tests included), and no metadata copied from pageable memory (torch's
+    nested ``to_padded_tensor`` copies its sizes to the device from pageable memory: a host sync on CUDA).
 
     The repeated edge is what roi_align reads past an image's last pixel centre (a crop that reaches the bottom or
     right edge and is enlarged samples up to half a pixel beyond it): it clamps there for an image as large as the
-    padded batch, and would otherwise read the zeros, a dark border on every other image. (torch's CUDA
-    ``to_padded_tensor`` has a kernel for float, double and half only: on uint8 it falls to a pad and a copy per
-    image; roi_align reads float anyway.)"""
+    padded batch, and would otherwise read the zeros, a dark border on every other image."""
     device = images[0].device
     height, width = size if size is not None else (int(v) + 1 for v in shapes.max(0))
-    if device.type not in ("cpu", "cuda"):  # no nested tensors there (the meta device: the benchmark's stand-in)
-        out = torch.zeros(len(images), 3, height, width, dtype=torch.float32, device=device)
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The PyTorch API of nested tensors is in prototype stage")
-            nested = torch.nested.as_nested_tensor(images).float()
-            out = nested.to_padded_tensor(0.0, output_size=(len(images), 3, height, width))
-    if sides is None:
-        sides = torch.from_numpy(np.ascontiguousarray(shapes, dtype=np.int64)).to(device)
-    rows, h, w = torch.arange(len(images), device=device), sides[:, 0], sides[:, 1]
-    out[rows, :, h, :] = out[rows, :, h - 1, :]  # (N, 3, W): each image's last row, once more below it
-    out[rows, :, :, w] = out[rows, :, :, w - 1]  # then its last column (the corner included) right of it
-    return out
+    if sides is None or starts is None:
+        sides_np, starts_np = pad_arguments(shapes)
+        sides, starts = (torch.from_numpy(a).to(device) for a in (sides_np, starts_np))
+    flat = torch.cat([img.reshape(-1) for img in images])  # uint8: image k's 3 planes from starts[k] on
+    h, w = sides[:, :1], sides[:, 1:]  # (N, 1) int32 each
+    ys, xs = (
+        torch.arange(height, device=device, dtype=torch.int32),
+        torch.arange(width, device=device, dtype=torch.int32),
+    )
+    rows = torch.minimum(ys, h - 1) * w + starts[:, None]  # (N, H): where each padded row reads, edge row clamped
+    cols = torch.minimum(xs, w - 1)  # (N, W)
+    inside = (ys <= h)[:, :, None] & (xs <= w)[:, None, :]  # (N, H, W): the image and its repeated edge
+    at = rows[:, :, None] + cols[:, None, :]  # (N, H, W): channel 0's source of each padded pixel
+    plane = h[:, :, None] * w[:, :, None]
+    planes = [flat.index_select(0, (at + c * plane).view(-1)).view(len(images), height, width) for c in range(3)]
+    return torch.stack(planes, 1).float().mul_(inside[:, None])
+
+
+def pad_arguments(shapes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sides, starts)``: each image's (height, width) and where its pixels start in the flat buffer of
+    :func:`padded`, int32 (a chunk's buffer holds well under 2**31 bytes: ``_PAD_ELEMENTS``)."""
+    sides = np.ascontiguousarray(shapes, dtype=np.int32)
+    sizes = 3 * sides[:, 0].astype(np.int64) * sides[:, 1]
+    return sides, (np.cumsum(sizes) - sizes).astype(np.int32)
 
 
 def crop_resize_flip(
@@ -129,16 +143,18 @@ def crop_resize_flip(
     pack = HostPack()
     roi_slot = pack.add(np.concatenate([first[:, None], rois], 1), torch.float32)
     step_slot = pack.add(steps, torch.int64)
-    side_slot = pack.add(shapes, torch.int64)
+    starts = np.concatenate([pad_arguments(shapes[lo:hi])[1] for lo, hi in spans])  # in each chunk's own buffer
+    side_slot, start_slot = pack.add(shapes, torch.int32), pack.add(starts, torch.int32)
     pack.send(device)
-    on_device, flags, sides = pack.get(roi_slot), pack.get(step_slot), pack.get(side_slot)
+    on_device, flags = pack.get(roi_slot), pack.get(step_slot)
+    sides_on, starts_on = pack.get(side_slot), pack.get(start_slot)
     mirror = None  # each row's columns in order, or reversed where mirrored
     if steps[:, 2].any():
         mirror = _column_orders(device, size).index_select(0, flags[:, 2]).view(-1, 1, 1, size)
     out = None if len(spans) == 1 else torch.empty(len(images), 3, size, size, dtype=torch.uint8, device=device)
     for lo, hi in spans:
         hw = None if pad is None else pad(shapes[lo:hi])
-        batch = padded(images[lo:hi], shapes[lo:hi], hw, sides[lo:hi])
+        batch = padded(images[lo:hi], shapes[lo:hi], hw, sides_on[lo:hi], starts_on[lo:hi])
         resized = roi_align(batch, on_device[lo:hi], size, 1.0, -1, True)
         # a convex mix of uint8 values stays within [0, 255]: adding 0.5 and truncating rounds it
         chunk = _turned(resized.add_(0.5).to(torch.uint8), steps[lo:hi], flags[lo:hi])

@@ -3,10 +3,11 @@ the recipe's crop, resize and flip as a few batched ops on the GPU.
 
 The GPU path for users who cannot install DALI. DataLoader workers read the bytes, judge the header (size, EXIF
 orientation, pixel limit) and plan the crops, and hand each batch over as whole-batch arrays: the bytes in one
-shared-memory tensor, one row of label, key, orientation and stored size per sample, one crop box each. The
-training thread splits the bytes into views, decodes the whole batch on the GPU in one call on the loader's own
-stream, and crops, resizes, turns upright and flips it in a handful of batched ops (:mod:`.gpu_crop`). Files nvJPEG
-cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as fallbacks."""
+shared-memory tensor, one row of label, key, orientation and stored size per sample, one crop box each. A decode
+thread splits the bytes into views and decodes the whole batch on the GPU in one call, on streams of its own, one
+batch ahead (:mod:`.decode_ahead`: the decoder's host work, nvJPEG's Huffman pass, stays off the training thread);
+the training thread crops, resizes, turns upright and flips it in a handful of batched ops (:mod:`.gpu_crop`). Files
+nvJPEG cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as fallbacks."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import torch
 
 from .._system import resolve_device
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch, start_workers
-from ..data.upload import Reaper
 from ..errors import DecodeError
 from ..recipe import Recipe
+from .decode_ahead import DecodeAhead
 from .gpu_crop import PadSize, crop_resize_flip, stored_rois
 from .image import (
     ARITHMETIC_SOF,
@@ -126,6 +127,22 @@ class _Work(NamedTuple):
     errors: list[tuple[str, str]]
 
 
+class _Decoded(NamedTuple):
+    """A worker's batch after the decode thread: ``work`` without its bytes, each row's image on the device as stored
+    (None: it failed), the rows Pillow decoded upright after nvJPEG refused them (row -> (height, width)), how many
+    Pillow decoded, and the batch's errors so far."""
+
+    work: _Work
+    images: list[torch.Tensor | None]
+    upright: dict[int, tuple[int, int]]
+    fallbacks: int
+    errors: list[tuple[str, str]]
+
+
+def _tensors(decoded: _Decoded) -> list[torch.Tensor]:
+    return [img for img in decoded.images if img is not None]
+
+
 def _upright_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
     """EXIF orientation on a (3,H,W) tensor: the same transposes as PIL's ``exif_transpose``."""
     if orientation == 1:
@@ -213,7 +230,7 @@ class NvjpegLoader(Loader):
         self._data = _BytesDataset(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
         self._dataloader: torch.utils.data.DataLoader | None = None
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
-        self._reaper = Reaper()
+        self._ahead: DecodeAhead | None = None  # the pass's decode thread
         self._pad = PadSize()  # one padded size for every batch once the largest images were seen
 
     def decoder(self) -> Decode:
@@ -228,20 +245,35 @@ class NvjpegLoader(Loader):
             self._dataloader = torch.utils.data.DataLoader(
                 self._data, batch_sampler=self.sampler, collate_fn=self._data.collate, **kwargs
             )
+        if self._ahead is not None:
+            self._ahead.join()  # the last pass's decode thread is done with the DataLoader's iterator
         # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
         assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        for work in start_workers(self._dataloader):
-            batch = self._batch(epoch, work, decode)
-            self._reaper.drop(work)  # its shared-memory buffer, unmapped off this thread
-            del work
-            yield batch
+        ahead = DecodeAhead(
+            start_workers(self._dataloader), lambda work: self._decoded(work, decode), self.stage.device, _tensors
+        )
+        self._ahead = ahead
+        try:
+            for decoded in ahead:  # decoded on the decode thread, one batch ahead
+                yield self._cropped(epoch, decoded)
+        finally:
+            ahead.close()  # this pass's (a pass left early may be closed after the next one began)
 
     def _batch(self, epoch: int, work: _Work, decode: Decode) -> Batch:
-        """A worker's batch: decoded in one call, then cropped, resized, turned upright and flipped on the GPU in a
-        few batched ops. No tensor op per image on this thread (except for what nvJPEG or the worker refused)."""
-        device, size = self.stage.device, self.recipe.side(self._data.train, epoch)  # the epoch's (a schedule's)
+        """A worker's batch decoded and cropped on this thread (what the decode thread and this one do in turn)."""
+        return self._cropped(epoch, self._decoded(work, decode))
+
+    def _decoded(self, work: _Work, decode: Decode) -> _Decoded:
+        """A worker's batch decoded in one call (on the decode thread); its bytes are dropped there too."""
         errors = list(work.errors)
         images, upright, fallbacks = self._images(work, decode, errors)
+        return _Decoded(work._replace(encoded=None, cpu=[]), images, upright, fallbacks, errors)
+
+    def _cropped(self, epoch: int, decoded: _Decoded) -> Batch:
+        """A decoded batch cropped, resized, turned upright and flipped on the GPU in a few batched ops. No tensor op
+        per image on this thread (except for what nvJPEG or the worker refused)."""
+        device, size = self.stage.device, self.recipe.side(self._data.train, epoch)  # the epoch's (a schedule's)
+        work, images, upright, fallbacks, errors = decoded
         rows, rois, steps, shapes = work.rows, work.rois, work.steps, work.rows[:, 3:5]
         if upright:  # Pillow decoded these upright after nvJPEG refused them: their boxes planned again
             orientation, shapes = rows[:, 2].copy(), shapes.copy()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..api import build_loader
+from .eta import Eta
 from .records import Config, Result
 
 
@@ -65,7 +66,14 @@ def _train_rate(cfg: Config, backend: str, model: nn.Module) -> tuple[float, flo
     return images / elapsed, waited / elapsed
 
 
-def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float) -> list[Result]:
+def trained_backends(cfg: Config) -> list[str]:
+    """The backends trained end to end, in order: ``synthetic`` (the reference) first."""
+    return ["synthetic"] + [b for b in cfg.backends if b != "synthetic"]
+
+
+def run_end_to_end(
+    cfg: Config, progress: Callable[..., None], megapixels: float, eta: Eta | None = None
+) -> list[Result]:
     import timm
 
     from ..data.sources import open_source
@@ -75,10 +83,13 @@ def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float
     num_classes = len(open_source(cfg.data).classes)
     if cfg.device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    backends = ["synthetic"] + [b for b in cfg.backends if b != "synthetic"]
     rows = []
-    for b in backends:
-        progress(f"end-to-end {name} with {b}")
+    for b in trained_backends(cfg):
+        if eta is None:
+            progress(f"end-to-end {name} with {b}")
+        else:
+            progress(f"end-to-end {name} with {b}", eta.fraction(), left=eta.left())
+        t0 = time.monotonic()
         torch.manual_seed(0)
         model = timm.create_model(name, pretrained=False, num_classes=num_classes)
         model.to(cfg.device, memory_format=torch.channels_last).train()  # type: ignore[call-overload]  # (stubs)
@@ -96,6 +107,8 @@ def run_end_to_end(cfg: Config, progress: Callable[..., None], megapixels: float
                 extra={"data_wait": wait},
             )
         )
+        if eta is not None:
+            eta.modelled(time.monotonic() - t0)
     synthetic = rows[0].images_per_s
     for r in rows:
         r.extra["vs_synthetic"] = r.images_per_s / synthetic

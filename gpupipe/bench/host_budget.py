@@ -3,11 +3,11 @@
 A GPU loader keeps an H100 fed only if the thread that runs the training step spends little time in
 ``next(loader)``: DALI's own pipeline delivers a 256-image batch every ~12 ms on an H100, and the model's Python needs
 the same thread. This measures that thread's CPU time (``time.thread_time()`` around ``next()``: decode workers,
-DALI's threads and the pin thread are other threads or processes and are not counted), with the GPU's own work left
-out: the loader's device side targets the **meta device**, so every op it would launch on CUDA is dispatched (its
-host cost counted) and none computes. For ``nvjpeg`` the decode is a stand-in that parses each JPEG's frame header
-on the host and returns an empty tensor of the decoded shape (the Huffman pass nvJPEG's hybrid backend may run on
-the host is not counted). ``dali`` runs its CPU pipeline in its own threads and hands its output over as on CUDA.
+DALI's threads, nvjpeg's decode thread and the pin thread are other threads or processes and are not counted), with
+the GPU's own work left out: the loader's device side targets the **meta device**, so every op it would launch on
+CUDA is dispatched (its host cost counted) and none computes. For ``nvjpeg`` the decode is a stand-in that parses
+each JPEG's frame header on the host and returns an empty tensor of the decoded shape, on the loader's decode thread
+as the real decode. ``dali`` runs its CPU pipeline in its own threads and hands its output over as on CUDA.
 ``pillow`` is the CPU path feeding the same device side: its training-thread cost is taking finished batches from
 the workers and the device stage. Thread time is barely affected by other load on the machine (unlike throughput).
 
@@ -24,6 +24,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,8 +80,9 @@ class StandInNvjpegLoader(NvjpegLoader):
     """The nvjpeg loader with its device side on the meta device and its decode replaced by :func:`_stand_in_decode`.
 
     The stand-in parses each frame header in Python and makes each output tensor: work the real decoder does in one
-    C++ call. Its own thread time is kept in ``stand_in_s``, left out of the loader's time by :func:`thread_ms` and
-    reported beside it (the real call's host cost is what ``--device cuda`` measures)."""
+    C++ call. The loader runs it on its decode thread, so it is no part of the training thread's time; a call made on
+    the main thread (none, since the decode thread) would be kept in ``stand_in_s``, left out of the loader's time by
+    :func:`thread_ms` and reported beside it (the real call's host cost is what ``--device cuda`` measures)."""
 
     decode_devices = ("meta",)
     stand_in_s = 0.0
@@ -91,7 +93,8 @@ class StandInNvjpegLoader(NvjpegLoader):
             try:
                 return _stand_in_decode(data)
             finally:
-                self.stand_in_s += time.thread_time() - t0
+                if threading.current_thread() is threading.main_thread():
+                    self.stand_in_s += time.thread_time() - t0
 
         return timed
 

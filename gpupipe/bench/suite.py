@@ -11,7 +11,6 @@ import io
 import logging
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
@@ -27,7 +26,9 @@ from ..data.sources import Source, open_source
 from ..errors import DecodeError
 from ..recipe import Recipe
 from .baseline import baseline_counts
-from .eta import Eta
+from .end_to_end import run_end_to_end, trained_backends
+from .eta import Eta, RunShape, guess
+from .gpu_util import GpuSampler
 from .jobs import DECODE_JOBS, dali_reference_counts
 from .records import Config, Result
 
@@ -36,40 +37,6 @@ PIPELINES = ("decode", "floor", "train", "eval", "augment")
 # DCT scale each train crop allows; the train figure's ``vs_floor`` says how close the rest of the pipeline comes.
 # augment: the train pipeline with each of the config's recipe policies (--aa, repeatable; --color-jitter, --reprob),
 # beside plain train: one row per policy, with its cost in ms per image over plain train.
-
-
-class _GpuSampler:
-    """Samples GPU utilisation every 100 ms while a measurement runs, through ``torch.cuda.utilization`` (NVML, with
-    the CUDA index mapped to NVML's, so ``CUDA_VISIBLE_DEVICES`` cannot make it watch another GPU)."""
-
-    def __init__(self, device: torch.device):
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._device = None
-        if device.type == "cuda":
-            try:
-                torch.cuda.utilization(device)
-                self._device = device
-            except Exception:  # no nvidia-ml-py or no NVML driver: report no figure rather than fail
-                self._device = None
-
-    def __enter__(self):
-        self._stop = threading.Event()  # entered once per timed window
-        if self._device is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.1):
-            self.samples.append(torch.cuda.utilization(self._device))
-
-    def __exit__(self, *exc):
-        self._stop.set()
-
-    @property
-    def mean(self) -> float | None:
-        return sum(self.samples) / len(self.samples) if self.samples else None
 
 
 def _forever(make: Callable[[], Iterable]) -> Iterator:
@@ -224,7 +191,8 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
     hears of each job and window, with the fraction of the planned time done."""
     mp = mean_megapixels(cfg.data)
     jobs = _plan(cfg)
-    results = _time_interleaved(cfg, jobs, mp, progress)
+    eta = _eta(cfg, jobs)
+    results = _time_interleaved(cfg, jobs, mp, progress, eta)
     if cfg.skipped:
         first = sorted(cfg.skipped)[0]
         logging.getLogger("gpupipe").warning(
@@ -234,10 +202,28 @@ def run(cfg: Config, progress: Callable[..., None] = lambda text, fraction=None:
     results.sort(key=lambda r: cfg.pipelines.index(r.pipeline))  # stable: backends keep their order
     _add_ratios(results)
     if cfg.model:
-        from .end_to_end import run_end_to_end
-
-        results += run_end_to_end(cfg, progress, mp)
+        results += run_end_to_end(cfg, progress, mp, eta)
     return results
+
+
+def estimate(cfg: Config) -> float:
+    """Seconds the run of ``cfg`` is planned to take, before anything is measured (its first progress line)."""
+    return _eta(cfg, _plan(cfg)).left()
+
+
+def _eta(cfg: Config, jobs: list[_Job]) -> Eta:
+    shape = RunShape(
+        [job.backend for job in jobs],
+        trained_backends(cfg) if cfg.model else [],
+        cfg.workers,
+        cfg.batch_size,
+        cfg.seconds,
+        cfg.repeats,
+        len(open_source(cfg.data)),
+        cfg.device.type,
+    )
+    warm, models = max(1.0, cfg.seconds / 4), len(shape.end_to_end)
+    return Eta(len(jobs), warm, cfg.seconds / cfg.repeats, cfg.repeats, guess(shape), models)
 
 
 class _Job(NamedTuple):
@@ -309,7 +295,9 @@ def _backend_job(cfg: Config, backend: str, pipeline: str) -> Callable[[], Itera
     return lambda: _loader_counts(cfg, backend, pipeline == "train")
 
 
-def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callable[..., None]) -> list[Result]:
+def _time_interleaved(
+    cfg: Config, jobs: list[_Job], mp: float, progress: Callable[..., None], eta: Eta
+) -> list[Result]:
     """One Result per job, pipeline by pipeline. Interleaved: the jobs of one pipeline are all started, then timed
     in turns (one window each per round), so a slow patch of a noisy machine hits every backend alike and the ratios
     to the baseline hold. The floor and the augment policies are timed in the train rounds, as train figures are read
@@ -322,7 +310,6 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
     warm = max(1.0, cfg.seconds / 4)
-    eta = Eta(len(jobs), warm, window, cfg.repeats)
     report = lambda text: progress(text, eta.fraction(), left=eta.left())
     report(
         f"{len(jobs)} measurements (backend x pipeline), each: start-up, {warm:g} s warm-up, {cfg.repeats} timed "
@@ -340,7 +327,7 @@ def _time_interleaved(cfg: Config, jobs: list[_Job], mp: float, progress: Callab
             eta.started(time.monotonic() - t0)
         rates: list[list[float]] = [[] for _ in group]
         eta.round_of(len(group))
-        gpu_samplers = [_GpuSampler(cfg.device) for _ in group]
+        gpu_samplers = [GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
             for i, job in enumerate(group):
                 report(f"{job.pipeline}: {_name(job)}, window {r + 1}/{cfg.repeats}")

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,9 +114,19 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # fp16: fused, so that GradScaler hands the optimizer its inf check on the device and the step needs no host sync
+    # (precision.Precision.step); a device without fused kernels gets the default implementation
+    fused = {"fused": True} if cfg.precision == "fp16" else {}
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+        return _optimizer(torch.optim.AdamW, groups, fused, lr=cfg.lr)
+    return _optimizer(torch.optim.SGD, groups, fused, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+
+
+def _optimizer(cls: type[torch.optim.Optimizer], groups: list[dict], fused: dict, **kw: Any) -> torch.optim.Optimizer:
+    try:
+        return cls(groups, **kw, **fused)
+    except RuntimeError:  # "`fused=True` requires all the params to be floating point Tensors of supported devices"
+        return cls(groups, **kw)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:

@@ -73,13 +73,23 @@ def restore(saved: dict, state: TrainState) -> None:
     """Load a checkpoint (from :func:`load_for_resume`) into ``state`` and the global RNGs; the loader's position
     (``saved["loader"]``) and the running sums (``saved["running"]``) are the caller's."""
     state.model.load_state_dict(saved["model"])
-    state.optimizer.load_state_dict(saved["optimizer"])
+    load_optimizer(state.optimizer, saved["optimizer"])
     state.precision.load_state_dict(saved["scaler"])
     state.scheduler.load_state_dict(saved["scheduler"])
     set_rng_state(saved["rng"])
     state.step = saved["step"]
     if state.ema is not None:
         state.ema.module.load_state_dict(saved["model_ema"])
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The saved state and settings, but the implementation this run built (``fused``, ``foreach``): a checkpoint's
+    param groups carry those of the run that saved it, and an fp16 run's fused optimizer (GradScaler hands it the inf
+    check) turned back into a plain one by a checkpoint saved before fp16 was fused fails its first step."""
+    built: list[dict[str, Any]] = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, implementation in zip(optimizer.param_groups, built, strict=True):
+        group.update(implementation)
 
 
 def restore_rank_buffers(saved: dict, model: torch.nn.Module, rank: int, world_size: int) -> None:

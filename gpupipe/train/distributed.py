@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .._system import env_int, resolve_device
 
@@ -46,6 +47,7 @@ def _inconsistency(world: int | None, rank: int | None, local: int | None) -> st
 class Distributed:
     def __init__(self, device: str | None, timeout_s: int = 600):
         self.world_size, self.rank, self.local_rank = ranks_from_env()
+        self._averaged = False  # the buffers were just averaged: the next gather_buffers has nothing to gather
         # the one rule (gpupipe's loaders use it too): --device cuda:N is honoured, and a rank that sees only its own
         # GPU (CUDA_VISIBLE_DEVICES per rank) uses GPU 0, not GPU LOCAL_RANK, which it does not have
         self.device = resolve_device(device)
@@ -92,20 +94,29 @@ class Distributed:
         return t.tolist()
 
     def average_buffers(self, module: torch.nn.Module) -> None:
-        """Average floating-point buffers (BatchNorm running statistics) over ranks, as timm's ``distribute_bn``:
-        each rank's last forward updated its own, so without this the ranks (and the checkpoint) disagree."""
+        """Average floating-point buffers (BatchNorm's running statistics) over ranks, as timm's ``distribute_bn``:
+        each rank's last forward updated its own, so without this the ranks (and the checkpoint) disagree. One
+        all-reduce of the buffers flattened (one per dtype and device), not one per buffer."""
         if not self.enabled:
             return
-        for b in module.buffers():
-            if b.is_floating_point():
-                dist.all_reduce(b)
-                b.div_(self.world_size)
+        for group in _groups(_floating_buffers(module)):
+            flat = _flatten_dense_tensors(group)
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)  # the sum, then the division: each element as when reduced alone
+            with torch.no_grad():
+                for b, mean in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                    b.copy_(mean)
+        self._averaged = True  # until the next gather_buffers: the checkpoint saved right after
 
     def gather_buffers(self, module: torch.nn.Module) -> list[dict[str, torch.Tensor]] | None:
         """Every rank's floating-point buffers, on the CPU (BatchNorm's running statistics are each rank's own between
         two ``average_buffers``): a mid-epoch checkpoint keeps them all, so that each rank resumes with its own, as the
-        straight run goes on. A collective; None on one process."""
-        if not self.enabled:
+        straight run goes on. A collective; None on one process, and None (no collective) on the first call after
+        ``average_buffers``: the checkpoint the loop saves right after averaging, at an epoch's end, when every rank
+        holds the average (in the model's own state). Nothing may run the model in between: BatchNorm updates its
+        statistics in place without moving their version counters, so the buffers cannot tell it."""
+        averaged, self._averaged = self._averaged, False
+        if not self.enabled or averaged:
             return None
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world_size)]
         for name, b in module.named_buffers():
@@ -123,3 +134,15 @@ class Distributed:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _floating_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` by (dtype, device), in order: what one flat tensor can hold."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())

@@ -259,8 +259,8 @@ def forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, all_
 
 def optimizer_step(state: TrainState) -> None:
     """The optimizer step at the end of an accumulation, then the schedule, the step count and the EMA."""
-    if state.precision.step(state.optimizer):  # a step fp16's scaler skipped (inf/NaN gradients) leaves the LR too
-        state.scheduler.step()
+    state.precision.step(state.optimizer)  # fp16: a step its scaler skips (inf/NaN gradients) is counted on the GPU
+    state.scheduler.step()  # by optimizer steps, skipped ones too (telling them apart here would make the host wait)
     state.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     if state.ema is not None:
@@ -273,11 +273,14 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     metrics = epoch_metrics(epoch, meter, run.dist)
     run.dist.average_buffers(run.state.model)  # BatchNorm statistics agree on every rank before evaluation, saving
     run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
-    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)  # kept if validation fails
+    # kept if validation fails; right after the averaging, with no forward between: it gathers no rank's buffers
+    save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
     metrics.update(validate(run.run_model, run.state.ema, run.val_loader, run.state.precision, run.dist))
     metrics["lr"] = run.state.scheduler.get_last_lr()[0]
     metrics["skipped"] = len(run.train_loader.skipped)
     metrics["fallbacks"] = run.train_loader.fallbacks
+    if run.state.precision.scaler.is_enabled():
+        metrics["fp16_skipped_steps"] = run.state.precision.skipped_steps()  # read here, where the host waits anyway
     metrics["image_size"] = run.train_loader.recipe.train_size(epoch)  # the epoch's, under a resolution schedule
     skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)

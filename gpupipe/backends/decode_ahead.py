@@ -1,0 +1,142 @@
+"""A batched GPU decode run off the training thread: one thread takes each worker's batch, decodes it on a CUDA stream
+of its own and hands it over with an event, one batch ahead.
+
+torchvision's nvJPEG decode runs its Huffman pass on the calling thread (21 ms per 256-batch on an H100's host): on
+the training thread, every batch cost the model's Python that much. Here the training thread only waits for the
+event on its own stream (the GPU waits, the host does not) and crops the decoded batch. torch's ops release the GIL
+while they run, so the decode thread and the training thread run side by side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+
+import torch
+
+W = TypeVar("W")
+R = TypeVar("R")
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+class _Done(NamedTuple):
+    result: Any
+    ready: torch.cuda.Event | None  # recorded on the decode thread's stream after the batch's GPU work
+
+
+_END = object()
+
+
+class DecodeAhead(Generic[W, R]):
+    """``decode(work)`` for each of ``works``, on a thread of its own, at most ``depth`` batches waiting: iterate it
+    for the results, in order. On CUDA the thread's work goes to a stream of its own, and each result comes with an
+    event that the training thread's current stream waits for (a GPU wait: the host goes on); the tensors a result
+    holds (``tensors(result)``) are then recorded as used on that stream, so the caching allocator does not hand
+    their memory to the decode thread while the training stream still reads it. Errors are raised to the iterating
+    thread as raised in the decode thread. :meth:`close` ends the thread (a pass left early); at interpreter exit every
+    live one is ended (a daemon thread still in C++ code at finalization aborts the process, see
+    :class:`~gpupipe.data.upload.Reaper`)."""
+
+    _live: ClassVar[weakref.WeakSet[DecodeAhead]] = weakref.WeakSet()
+    _exit_hook = False
+
+    def __init__(
+        self,
+        works: Iterator[W],
+        decode: Callable[[W], R],
+        device: torch.device,
+        tensors: Callable[[R], list[torch.Tensor]],
+        depth: int = 1,
+    ):
+        self.device, self._tensors = device, tensors
+        self._queue: queue.Queue[Any] = queue.Queue(depth)
+        self._stop = threading.Event()
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(
+            target=_run, args=(works, decode, stream, self._queue, self._stop), daemon=True, name="gpupipe-decode"
+        )
+        self._thread.start()
+        cls = type(self)
+        cls._live.add(self)
+        if not cls._exit_hook:
+            cls._exit_hook = True
+            atexit.register(cls._close_all)
+
+    def __iter__(self) -> Iterator[R]:
+        while True:
+            item = self._next()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            if item.ready is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(item.ready)
+                for t in self._tensors(item.result):
+                    t.record_stream(current)
+            yield item.result
+
+    def _next(self) -> Any:
+        """The next item the thread put; an error if it ended without one (told to stop: iterated after close)."""
+        while True:
+            try:
+                return self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the decode thread was stopped before the end of its pass") from None
+
+    def close(self) -> None:
+        """Tell the thread to stop (it does once its current batch is done); what it holds is dropped."""
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()  # room for a put it may be waiting on
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (after :meth:`close`): its iterator is free for another pass."""
+        self.close()
+        self._thread.join(timeout)
+
+    @classmethod
+    def _close_all(cls) -> None:
+        for ahead in list(cls._live):
+            ahead.join(timeout=5)
+
+
+def _run(
+    works: Iterator, decode: Callable, stream: torch.cuda.Stream | None, out: queue.Queue, stop: threading.Event
+) -> None:
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for work in works:
+                if stop.is_set():
+                    return
+                result = decode(work)
+                ready = None
+                if stream is not None:
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+                if not _put(out, _Done(result, ready), stop):
+                    return
+        _put(out, _END, stop)
+    except BaseException as e:  # the iterating thread's next() raises it
+        _put(out, _Failed(e), stop)
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` once there is room; False if told to stop first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
