@@ -221,9 +221,14 @@ class FileStream:
         """The crop boxes of ``request`` and of the judged batches of its epoch behind it, drawn in one call: the
         draws' fixed cost (a few dozen array ops) is paid once for several batches."""
         run = [request]
-        for later, asked in self._ahead:
-            if later.epoch != request.epoch or asked is not None or len(run) == _CHUNK:
+        for k, (later, asked) in enumerate(self._ahead):
+            if later.epoch != request.epoch or len(run) == _CHUNK:
                 break
+            if asked is not None:  # a few of its samples were being judged: taken in once the verdicts are in
+                if not asked.verdicts.done():
+                    break
+                self.scanner.settle(asked, np.asarray(later.indices, dtype=np.int64))
+                self._ahead[k] = (later, None)
             if (self.table.kind[later.indices] == _UNKNOWN).any():
                 break
             run.append(later)
