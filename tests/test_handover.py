@@ -10,6 +10,7 @@ import torch
 from gpupipe.backends import handover
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.backends.pillow import PillowDecoder
+from gpupipe.data.device import HostBlocks
 from gpupipe.data.sources import open_source
 from gpupipe.recipe import Recipe
 
@@ -46,7 +47,7 @@ def test_a_workers_batch_reaches_pinned_memory_in_one_copy(dataset, monkeypatch)
 
         return call
 
-    monkeypatch.setattr(handover, "host_tensor", counted("host_tensor", handover.host_tensor), raising=False)
+    monkeypatch.setattr(handover._host_blocks, "take", counted("host", handover._host_blocks.take))
     stand_in = counted("pinned", lambda size, dtype: torch.empty(size, dtype=dtype))
     monkeypatch.setattr(handover, "pinned_tensor", stand_in, raising=False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", counted("Tensor.pin_memory", lambda self: self.clone()))
@@ -64,3 +65,39 @@ def test_an_unpinned_batch_is_copied_out_once_and_its_buffer_handed_back(dataset
     batch.own()
     assert batch.lease is None and batch.images.data_ptr() != lent.data_ptr()
     assert torch.equal(batch.images, _one_batch(dataset, workers=0).images)
+
+
+def test_a_batch_copied_out_for_the_cpu_lands_in_memory_written_before_never_in_one_still_held(dataset):
+    """Without pinning (a CPU or meta device) the batch is copied out on the training thread: into a block of an
+    earlier batch once nothing holds that one (no page faults on the copy), never into one a tensor, a view of it or
+    an array still holds."""
+    first = _one_batch(dataset, workers=1).own()
+    kept = first.images.permute(0, 3, 1, 2)  # a view: holds the memory
+    expected = first.images.clone()
+    del first
+    second = _one_batch(dataset, workers=1).own()
+    assert second.images.data_ptr() != kept.data_ptr()
+    assert torch.equal(kept.permute(0, 2, 3, 1), expected)
+    address = second.images.data_ptr()
+    del second
+    again = _one_batch(dataset, workers=1).own()
+    assert again.images.data_ptr() == address  # the second batch's block, free again
+    held = again.images.numpy()  # an array holds it too
+    del again
+    last = _one_batch(dataset, workers=1).own()
+    assert last.images.data_ptr() != held.ctypes.data
+    del kept
+    assert torch.equal(last.images, expected)  # the same samples, whatever block they landed in
+
+
+def test_host_blocks_reuse_only_what_no_one_holds():
+    blocks = HostBlocks(keep=2)
+    a = blocks.take((4, 8), torch.float32)
+    pa = a.data_ptr()
+    del a
+    b = blocks.take((4, 8), torch.float32)
+    assert b.data_ptr() == pa  # reused: nothing held it
+    c = blocks.take((4, 8), torch.float32)
+    assert c.data_ptr() != pa  # b holds that block
+    d = blocks.take((2, 2), torch.uint8)  # another size, no room, every block held: a new block, not kept
+    assert {d.data_ptr()} & {b.data_ptr(), c.data_ptr()} == set()

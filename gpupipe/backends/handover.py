@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from ..data.device import Layout, copy_into, host_tensor, pinned_tensor
+from ..data.device import HostBlocks, Layout, copy_into, pinned_tensor
 from ..data.loader import Batch
 
 _HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below
@@ -28,6 +28,7 @@ _pool: list[torch.Tensor] = []  # this worker's buffers (flat uint8, header incl
 # main process: the latest buffers stay mapped, so a reused one arrives without mmap and page faults (bounded: a
 # worker that exited leaves its buffers here until newer ones push them out)
 _mapped: deque[torch.Tensor] = deque(maxlen=2 * _POOL_SIZE)
+_host_blocks = HostBlocks()  # main process: the memory of batches copied out for a CPU or meta device, reused
 
 
 def buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -92,7 +93,7 @@ class _Lease:
     def copy_out(self, images: torch.Tensor, pinned: bool) -> torch.Tensor:
         """``images`` (in the lent buffer) copied once into new memory of this process's own (page-locked with
         ``pinned``, where the pin thread calls it), then the buffer handed back."""
-        out = (pinned_tensor if pinned else host_tensor)(tuple(images.shape), images.dtype)
+        out = (pinned_tensor if pinned else _host_blocks.take)(tuple(images.shape), images.dtype)
         copy_into(out, images)
         self.give_back()  # after the copy: the worker may write the buffer again
         return out
