@@ -18,6 +18,7 @@ from gpupipe.data.position import ResumeNotice
 
 from .common_utils import DECODERS, make_folder
 from .test_augment_feedback import _feedback
+from .test_nvjpeg import _CpuNvjpegLoader
 
 KW = dict(batch_size=4, image_size=32, device="cpu", normalize=False)
 
@@ -79,6 +80,29 @@ def test_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_bat
     got = _epochs_left_early(loader)
     assert dataloader_iterations[0] == 1  # was 3: one iter() a pass, each epoch opening cold
     _assert_same(got, _each_epoch_on_its_own(data, backend))
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batch"] == 0
+
+
+def _nvjpeg(data, workers: int, **kw) -> _CpuNvjpegLoader:
+    """nvjpeg's loader whole (workers reading bytes and headers, the decode thread, batched crops), on the CPU."""
+    return _CpuNvjpegLoader(gpupipe.build_loader(data, "pillow", num_workers=workers, **{**KW, **kw}).parts)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nvjpeg_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_batches(
+    data, workers, dataloader_iterations
+):
+    """nvjpeg's workers stream as the CPU decoders' do, its decode thread taking each pass's batches from the
+    stream (the one left early handed over to the next pass's)."""
+    loader = _nvjpeg(data, workers)
+    got = _epochs_left_early(loader)
+    assert dataloader_iterations[0] == 1  # was 3
+    expected = []
+    for epoch in range(3):
+        fresh = _nvjpeg(data, 0)
+        fresh.set_epoch(epoch)
+        expected += list(fresh)[:-1]
+    _assert_same(got, expected)
     assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batch"] == 0
 
 
