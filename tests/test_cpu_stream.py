@@ -88,6 +88,13 @@ def _nvjpeg(data, workers: int, **kw) -> _CpuNvjpegLoader:
     return _CpuNvjpegLoader(gpupipe.build_loader(data, "pillow", num_workers=workers, **{**KW, **kw}).parts)
 
 
+def _build(data, backend: str, workers: int, **kw):
+    """``backend``'s loader; nvjpeg's on the CPU (:func:`_nvjpeg`)."""
+    if backend == "nvjpeg":
+        return _nvjpeg(data, workers, **kw)
+    return gpupipe.build_loader(data, backend, num_workers=workers, **{**KW, **kw})
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_nvjpeg_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_batches(
     data, workers, dataloader_iterations
@@ -114,8 +121,9 @@ def test_workers_a_pass_when_asked_still_deliver_each_epochs_batches(data, datal
     _assert_same(got, _each_epoch_on_its_own(data, "pillow"))
 
 
-def test_an_eval_loader_streams_its_passes_unpadded(data, dataloader_iterations):
-    loader = gpupipe.build_loader(data, "pillow", num_workers=2, train=False, **{**KW, "batch_size": 5})
+@pytest.mark.parametrize("backend", ["pillow", "nvjpeg"])
+def test_an_eval_loader_streams_its_passes_unpadded(data, backend, dataloader_iterations):
+    loader = _build(data, backend, 2, train=False, batch_size=5)
     labels = [[int(v) for _, y in loader for v in y] for _ in range(3)]
     assert labels[0] == [label for _, label in loader.dataset.samples] and labels[1:] == labels[:2]
     assert [len(y) for _, y in loader] == [5, 5, 5, 5, 4]
@@ -182,14 +190,14 @@ def _resplit_state(data) -> dict:
     return pickle.loads(pickle.dumps(saver.state_dict()))
 
 
-@pytest.mark.parametrize("backend", DECODERS)
+@pytest.mark.parametrize("backend", [*DECODERS, "nvjpeg"])
 def test_batches_read_ahead_are_not_delivered_after_a_resume_that_re_splits_the_epoch(data, backend):
     state = _resplit_state(data)
-    fresh = gpupipe.build_loader(data, backend, num_workers=0, **KW)
+    fresh = _build(data, backend, 0)
     with pytest.warns(ResumeNotice):
         fresh.load_state_dict(state)
     expected = list(fresh)
-    streaming = gpupipe.build_loader(data, backend, num_workers=2, **KW)
+    streaming = _build(data, backend, 2)
     list(streaming)  # epoch 0 whole: epoch 1's first batches are read ahead, as the sampler dealt them then
     with pytest.warns(ResumeNotice):
         streaming.load_state_dict(state)

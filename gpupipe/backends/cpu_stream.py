@@ -276,11 +276,13 @@ class StreamedLoader(Loader):
     _the_stream: Stream | None = None
 
     def _batches(self, epoch: int, start: int) -> list[list[int]]:
+        self._hand_over()
         return self._stream().plan.batches(epoch, start)
 
     def _taken(self, epoch: int, start: int) -> Iterator[Made]:
         """The worker batches of a pass of ``epoch`` from batch ``start``, in order (what was made for it ahead, and
         is still what it asks for, kept)."""
+        self._hand_over()
         stream = self._stream()
         batches = stream.plan.batches(epoch, start)
         stream.begin(epoch, start, batches)
@@ -293,6 +295,10 @@ class StreamedLoader(Loader):
 
     def _open_stream(self) -> Stream:
         raise NotImplementedError
+
+    def _hand_over(self) -> None:
+        """Before a pass uses the stream: what took the last pass's items on a thread of its own is done with it (the
+        plan, which that thread's ``next()`` runs on, is then this thread's alone)."""
 
     def _streaming(
         self, data, collate: Callable, remake: Callable[[Task], Made], nicer: bool, clock=None, **settings

@@ -262,12 +262,12 @@ class NvjpegLoader(StreamedLoader):
         GPU); bytes: nothing to pin."""
         return self._streaming(self._data, _as_made, self._data.work, nicer=True, pin_memory=False)
 
-    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        if self._decode is None:
-            self._decode = self.decoder()
-        decode = self._decode
+    def _hand_over(self) -> None:
         if self._ahead is not None:
-            self._ahead.join()  # the last pass's decode thread is done with the stream
+            self._ahead.join()  # the last pass's decode thread (one left early: stopped after its batch)
+
+    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        decode = self._decode = self._decode or self.decoder()
         works: Iterator[_Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
         ahead = DecodeAhead(works, lambda work: self._decoded(work, decode), self.stage.device, _tensors)
         self._ahead = ahead
