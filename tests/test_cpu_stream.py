@@ -18,6 +18,7 @@ from gpupipe.data.position import ResumeNotice
 
 from .common_utils import DECODERS, make_folder
 from .test_augment_feedback import _feedback
+from .test_cpu_batch import _Logged
 from .test_nvjpeg import _CpuNvjpegLoader
 
 KW = dict(batch_size=4, image_size=32, device="cpu", normalize=False)
@@ -179,6 +180,19 @@ def test_the_next_epochs_first_batches_are_made_before_the_pass_is_left(data, ba
         left.append(time.monotonic_ns())
         loader.set_epoch(epoch + 1)
     assert firsts[1] < left[0] and firsts[2] < left[1]
+
+
+def test_nvjpeg_reads_the_next_epochs_first_batches_before_the_pass_is_left(data, tmp_path):
+    """nvjpeg's workers read the next epoch's first batches while a pass left one batch early ends: the first
+    ``next()`` of the epoch takes bytes already read, as one mid-epoch does."""
+    log = tmp_path / "read.log"
+    loader = _nvjpeg(data, 2)
+    loader._data.dataset = _Logged(loader._data.dataset, log)  # a line a file read
+    it = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(it)
+    _until_idle(log)
+    assert len(log.read_text().splitlines()) > len(loader) * KW["batch_size"]  # was the epoch's own files only
 
 
 def _resplit_state(data) -> dict:
