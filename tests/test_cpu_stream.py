@@ -16,7 +16,7 @@ import gpupipe
 from gpupipe import Recipe
 from gpupipe.data.position import ResumeNotice
 
-from .common_utils import DECODERS, make_folder
+from .common_utils import DECODERS, make_folder, photo
 from .test_augment_feedback import _feedback
 from .test_cpu_batch import _Logged
 from .test_nvjpeg import _CpuNvjpegLoader
@@ -193,6 +193,25 @@ def test_nvjpeg_reads_the_next_epochs_first_batches_before_the_pass_is_left(data
         next(it)
     _until_idle(log)
     assert len(log.read_text().splitlines()) > len(loader) * KW["batch_size"]  # was the epoch's own files only
+
+
+def test_nvjpeg_reads_a_file_changed_after_its_read_ahead_as_it_is_when_its_pass_runs(tmp_path):
+    root = make_folder(tmp_path / "data", 4, 6)
+    log = tmp_path / "read.log"
+    loader = _nvjpeg(root, 2)
+    loader._data.dataset = _Logged(loader._data.dataset, log)
+    it = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(it)
+    _until_idle(log)  # epoch 1's first batches read
+    assert len(log.read_text().splitlines()) > len(loader) * KW["batch_size"]
+    path = loader._data.dataset.samples[loader.sampler.batches(1)[0][0]][0]
+    photo(np.random.default_rng(7), 64, 80).save(path, quality=80)  # another image, another size
+    loader.set_epoch(1)
+    got = next(iter(loader))
+    fresh = _nvjpeg(root, 0)
+    fresh.set_epoch(1)
+    _assert_same([got], [next(iter(fresh))])
 
 
 def _resplit_state(data) -> dict:
