@@ -170,10 +170,17 @@ class _Logged:
         return getattr(self.dataset, name)
 
     def read_many(self, indices):
+        self._note()
+        return self.dataset.read_many(indices)
+
+    def read(self, index):  # nvjpeg's workers read one file at a time
+        self._note()
+        return self.dataset.read(index)
+
+    def _note(self) -> None:
         strategy = torch.multiprocessing.get_sharing_strategy()
         with open(self.log, "a") as f:
             f.write(f"{os.getpid()} {os.getpriority(os.PRIO_PROCESS, 0)} {strategy}\n")
-        return self.dataset.read_many(indices)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

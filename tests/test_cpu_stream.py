@@ -16,8 +16,10 @@ import gpupipe
 from gpupipe import Recipe
 from gpupipe.data.position import ResumeNotice
 
-from .common_utils import DECODERS, make_folder
+from .common_utils import DECODERS, make_folder, photo
 from .test_augment_feedback import _feedback
+from .test_cpu_batch import _Logged
+from .test_nvjpeg import _CpuNvjpegLoader
 
 KW = dict(batch_size=4, image_size=32, device="cpu", normalize=False)
 
@@ -82,6 +84,36 @@ def test_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_bat
     assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batch"] == 0
 
 
+def _nvjpeg(data, workers: int, **kw) -> _CpuNvjpegLoader:
+    """nvjpeg's loader whole (workers reading bytes and headers, the decode thread, batched crops), on the CPU."""
+    return _CpuNvjpegLoader(gpupipe.build_loader(data, "pillow", num_workers=workers, **{**KW, **kw}).parts)
+
+
+def _build(data, backend: str, workers: int, **kw):
+    """``backend``'s loader; nvjpeg's on the CPU (:func:`_nvjpeg`)."""
+    if backend == "nvjpeg":
+        return _nvjpeg(data, workers, **kw)
+    return gpupipe.build_loader(data, backend, num_workers=workers, **{**KW, **kw})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nvjpeg_passes_left_early_are_one_dataloader_iteration_with_each_epochs_own_batches(
+    data, workers, dataloader_iterations
+):
+    """nvjpeg's workers stream as the CPU decoders' do, its decode thread taking each pass's batches from the
+    stream (the one left early handed over to the next pass's)."""
+    loader = _nvjpeg(data, workers)
+    got = _epochs_left_early(loader)
+    assert dataloader_iterations[0] == 1  # was 3
+    expected = []
+    for epoch in range(3):
+        fresh = _nvjpeg(data, 0)
+        fresh.set_epoch(epoch)
+        expected += list(fresh)[:-1]
+    _assert_same(got, expected)
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["batch"] == 0
+
+
 def test_workers_a_pass_when_asked_still_deliver_each_epochs_batches(data, dataloader_iterations):
     """``persistent_workers=False``: the workers end with each pass, as asked, and a pass left early drops its rest."""
     loader = gpupipe.build_loader(data, "pillow", num_workers=2, persistent_workers=False, **KW)
@@ -90,8 +122,9 @@ def test_workers_a_pass_when_asked_still_deliver_each_epochs_batches(data, datal
     _assert_same(got, _each_epoch_on_its_own(data, "pillow"))
 
 
-def test_an_eval_loader_streams_its_passes_unpadded(data, dataloader_iterations):
-    loader = gpupipe.build_loader(data, "pillow", num_workers=2, train=False, **{**KW, "batch_size": 5})
+@pytest.mark.parametrize("backend", ["pillow", "nvjpeg"])
+def test_an_eval_loader_streams_its_passes_unpadded(data, backend, dataloader_iterations):
+    loader = _build(data, backend, 2, train=False, batch_size=5)
     labels = [[int(v) for _, y in loader for v in y] for _ in range(3)]
     assert labels[0] == [label for _, label in loader.dataset.samples] and labels[1:] == labels[:2]
     assert [len(y) for _, y in loader] == [5, 5, 5, 5, 4]
@@ -149,6 +182,38 @@ def test_the_next_epochs_first_batches_are_made_before_the_pass_is_left(data, ba
     assert firsts[1] < left[0] and firsts[2] < left[1]
 
 
+def test_nvjpeg_reads_the_next_epochs_first_batches_before_the_pass_is_left(data, tmp_path):
+    """nvjpeg's workers read the next epoch's first batches while a pass left one batch early ends: the first
+    ``next()`` of the epoch takes bytes already read, as one mid-epoch does."""
+    log = tmp_path / "read.log"
+    loader = _nvjpeg(data, 2)
+    loader._data.dataset = _Logged(loader._data.dataset, log)  # a line a file read
+    it = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(it)
+    _until_idle(log)
+    assert len(log.read_text().splitlines()) > len(loader) * KW["batch_size"]  # was the epoch's own files only
+
+
+def test_nvjpeg_reads_a_file_changed_after_its_read_ahead_as_it_is_when_its_pass_runs(tmp_path):
+    root = make_folder(tmp_path / "data", 4, 6)
+    log = tmp_path / "read.log"
+    loader = _nvjpeg(root, 2)
+    loader._data.dataset = _Logged(loader._data.dataset, log)
+    it = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(it)
+    _until_idle(log)  # epoch 1's first batches read
+    assert len(log.read_text().splitlines()) > len(loader) * KW["batch_size"]
+    path = loader._data.dataset.samples[loader.sampler.batches(1)[0][0]][0]
+    photo(np.random.default_rng(7), 64, 80).save(path, quality=80)  # another image, another size
+    loader.set_epoch(1)
+    got = next(iter(loader))
+    fresh = _nvjpeg(root, 0)
+    fresh.set_epoch(1)
+    _assert_same([got], [next(iter(fresh))])
+
+
 def _resplit_state(data) -> dict:
     """A state saved at epoch 1, sample 6, by a loader of batch 3: another batch size re-splits the epoch's rest."""
     saver = gpupipe.build_loader(data, "pillow", num_workers=0, **{**KW, "batch_size": 3})
@@ -158,14 +223,14 @@ def _resplit_state(data) -> dict:
     return pickle.loads(pickle.dumps(saver.state_dict()))
 
 
-@pytest.mark.parametrize("backend", DECODERS)
+@pytest.mark.parametrize("backend", [*DECODERS, "nvjpeg"])
 def test_batches_read_ahead_are_not_delivered_after_a_resume_that_re_splits_the_epoch(data, backend):
     state = _resplit_state(data)
-    fresh = gpupipe.build_loader(data, backend, num_workers=0, **KW)
+    fresh = _build(data, backend, 0)
     with pytest.warns(ResumeNotice):
         fresh.load_state_dict(state)
     expected = list(fresh)
-    streaming = gpupipe.build_loader(data, backend, num_workers=2, **KW)
+    streaming = _build(data, backend, 2)
     list(streaming)  # epoch 0 whole: epoch 1's first batches are read ahead, as the sampler dealt them then
     with pytest.warns(ResumeNotice):
         streaming.load_state_dict(state)

@@ -3,6 +3,7 @@ decode standing in for nvJPEG. The real decode runs in the gpu tests (test_api, 
 
 import gc
 import multiprocessing
+import os
 import threading
 import types
 import warnings
@@ -14,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.io import ImageReadMode, decode_jpeg
 
 import gpupipe
+from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import gpu_crop
 from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
 from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset, _upright_chw
@@ -22,6 +24,7 @@ from gpupipe.errors import DecodeError
 from gpupipe.recipe import Recipe
 
 from .common_utils import encoded, jpeg_bytes, jpeg_with_orientation, make_folder, photo
+from .test_cpu_batch import _Logged
 
 
 def _cpu_decode(data):
@@ -366,8 +369,8 @@ def test_the_decode_runs_off_the_training_thread(folder):
     assert not loader._ahead._thread.is_alive()
     reference = _recording(folder)
     data = reference._data
-    works = torch.utils.data.DataLoader(data, batch_sampler=reference.sampler, collate_fn=data.collate)
-    for (x, y), work in zip(got, works, strict=True):
+    for (x, y), keys in zip(got, reference.sampler, strict=True):
+        work = data.work(keys)
         batch = reference._batch(0, work, reference.decoder())
         assert torch.equal(x, batch.images) and torch.equal(y, batch.labels)
 
@@ -410,3 +413,17 @@ def test_an_error_in_the_decode_thread_reaches_the_caller(folder):
     loader._decode = broken
     with pytest.raises(MemoryError, match="the decode thread's own error"):
         next(iter(loader))
+
+
+def test_the_workers_run_nicer_than_the_training_process_and_send_batches_by_name(folder, tmp_path):
+    """nvjpeg's batches always go to a GPU, which the training thread only launches work on: its workers begin as the
+    CPU backends' do for a GPU (``worker_init``), below the training thread, sending batches by name."""
+    log = tmp_path / "nice.log"
+    args = dict(batch_size=4, image_size=24, num_workers=2, device="cpu")
+    loader = _CpuNvjpegLoader(gpupipe.build_loader(folder, "pillow", **args).parts)  # its device side on the CPU
+    loader._data.dataset = _Logged(loader._data.dataset, log)
+    list(loader)
+    seen = {tuple(line.split()) for line in log.read_text().splitlines()}
+    assert str(os.getpid()) not in {pid for pid, _, _ in seen}  # read in the workers
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+    assert {(int(n), strategy) for _, n, strategy in seen} == {(nice, "file_system")}

@@ -41,9 +41,25 @@ def test_a_dropped_loader_ends_its_workers_without_the_garbage_collector(folder,
     backend, kw = CASES[case]
     if backend not in gpupipe.available_backends():
         pytest.skip(f"no {backend}")
-    before = set(_children(os.getpid()))
     data = shards if backend == "dali" else folder  # dali's feed processes read shards (a folder: DALI's threads)
-    loader = gpupipe.build_loader(data, backend, batch_size=4, num_workers=1, device="cpu", **kw)
+    _ends_with_its_last_reference(
+        lambda: gpupipe.build_loader(data, backend, batch_size=4, num_workers=1, device="cpu", **kw)
+    )
+
+
+def test_a_dropped_nvjpeg_loader_ends_its_workers_without_the_garbage_collector(folder):
+    """nvjpeg's stream too, its decode thread left in the middle of a pass (the loader's device side on the CPU)."""
+    from .test_nvjpeg import _CpuNvjpegLoader
+
+    parts = gpupipe.build_loader(folder, "pillow", batch_size=4, num_workers=1, device="cpu", image_size=32).parts
+    _ends_with_its_last_reference(lambda: _CpuNvjpegLoader(parts))
+
+
+def _ends_with_its_last_reference(make) -> None:
+    """The loader ``make()`` builds, two batches of a pass taken, then it and its pass dropped with gc off: its
+    workers end."""
+    before = set(_children(os.getpid()))
+    loader = make()
     it = iter(loader)
     next(it)
     next(it)

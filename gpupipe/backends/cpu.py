@@ -4,22 +4,19 @@ crop and augment one image at a time in DataLoader workers, collate uint8 batche
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .._files import file_stamp
 from .._system import usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
-from ..data.workers import worker_init
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
-from .cpu_stream import Gate, Plan, Stream, Task
+from .cpu_stream import Gate, Stream, StreamedLoader, Task
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder
@@ -67,12 +64,9 @@ class _SampleDataset(torch.utils.data.Dataset):
         can (object storage: one round trip's latency for the batch), then each image made into its slot. For a
         :class:`Task` of the loader's stream, once its gate lets it (None: skipped), its files stamped first when it
         is read ahead of its pass."""
-        stamps = None
-        if isinstance(keys, Task):
-            if not self.gate.admit(keys):
-                return None
-            if keys.ahead and self.dataset.reads_files:
-                stamps = [file_stamp(self.dataset.samples[key[1]][0]) for key in keys]
+        made, stamps = self.gate.let_in(keys, self.dataset)
+        if not made:
+            return None
         batch = self._batch(keys)
         batch.stamps = stamps
         return batch
@@ -190,7 +184,7 @@ class _Remake:
         return batch
 
 
-class CpuLoader(Loader):
+class CpuLoader(StreamedLoader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
     def __init__(self, parts: LoaderParts, decoder: Decoder):
@@ -202,7 +196,6 @@ class CpuLoader(Loader):
         probe = self.ctaugment is not None and self.ctaugment.probe
         in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
-        self._the_stream: Stream | None = None
 
     @staticmethod
     def _drawn_ahead(parts: LoaderParts) -> int:
@@ -212,39 +205,17 @@ class CpuLoader(Loader):
             return 0
         return parts.workers * parts.dataloader.prefetch_factor  # DataLoader's queue (no prefetch with 0 workers)
 
-    def _batches(self, epoch: int, start: int) -> list[list[int]]:
-        return self._stream().plan.batches(epoch, start)
-
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        stream = self._stream()
-        batches = stream.plan.batches(epoch, start_batch)
-        stream.begin(epoch, start_batch, batches)
-        return stream.take(len(batches))
+        return self._taken(epoch, start_batch)  # type: ignore[return-value]  # the workers' Batches
 
-    def _stream(self) -> Stream:
-        """The loader's one stream of batches (made once: persistent workers and one DataLoader iteration outlive
-        epochs; see :mod:`.cpu_stream`)."""
-        if self._the_stream is None:
-            keyed = self._data.augment is not None and self.weights_clock is not None  # the workers draw CTAugment's
-            plan = Plan(self.sampler, self.weights_clock if keyed else None, ahead=self._read_ahead())
-            collate = self._collate()
-            dataloader = torch.utils.data.DataLoader(
-                self._data,
-                batch_sampler=plan,
-                collate_fn=collate,
-                **self.parts.dataloader.kwargs(self.parts.workers),
-                # nicer than the training thread where it only launches a device's work; batches sent by name
-                worker_init_fn=functools.partial(worker_init, nicer=self.stage.device.type != "cpu"),
-            )
-            remake = _Remake(self._data, collate)
-            self._the_stream = Stream(dataloader, plan, self._data.gate, remake, dataloader.pin_memory)
-        return self._the_stream
-
-    def _read_ahead(self) -> int:
-        """An epoch's first batches made before its pass begins: two per worker (each has the next one queued when
-        the pass begins and the rest of the epoch is let through), at most what the DataLoader keeps in flight."""
-        workers = max(1, self.parts.workers)
-        return min(2 * workers, workers * self.parts.dataloader.prefetch_factor)
+    def _open_stream(self) -> Stream:
+        """The loader's one stream of batches (persistent workers and one DataLoader iteration outlive epochs; see
+        :mod:`.cpu_stream`)."""
+        keyed = self._data.augment is not None and self.weights_clock is not None  # the workers draw CTAugment's
+        collate = self._collate()
+        nicer = self.stage.device.type != "cpu"  # where it only launches a device's work
+        clock = self.weights_clock if keyed else None
+        return self._streaming(self._data, collate, _Remake(self._data, collate), nicer, clock)
 
     def _collate(self) -> _Collate:
         """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise

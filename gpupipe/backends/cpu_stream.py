@@ -14,28 +14,43 @@ Files may change between two passes, and every backend reads a file as it is whe
 first batches (two per worker: what keeps every worker busy while the last pass ends) are read before their pass
 begins; their files are stamped before the read and checked when the batch is delivered (a changed one is made
 again); the later ones wait in the worker until the loader delivers their epoch (:class:`Gate`).
+
+The items streamed are a worker's batches as it hands them over: the CPU decoders' :class:`Batch`, nvjpeg's bytes
+batches (:class:`Made`). A backend's loader is a :class:`StreamedLoader`.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .._files import unchanged
-from ..data.loader import Batch
-from ..data.workers import start_workers
+from .._files import Stamp, file_stamp, unchanged
+from ..data.loader import Loader
+from ..data.workers import start_workers, worker_init
 
 if TYPE_CHECKING:
     from ..augment.ctaugment import CTWeights
     from ..augment.feedback import WeightsClock
     from ..data.sampler import ShardSampler
+    from ..data.scan import ImageList
 
 _NEVER = 1 << 62
+
+
+class Made(Protocol):
+    """A worker's batch as the stream hands it on: its files' stamps when read ahead of its pass (else None), and
+    itself in this process's own memory (``own``)."""
+
+    @property
+    def stamps(self) -> list[Stamp] | None: ...
+
+    def own(self, pinned: bool = False) -> Made: ...
 
 
 class Task(list):
@@ -84,6 +99,17 @@ class Gate:
             time.sleep(pause)
             pause = min(2 * pause, 0.005)
         return False
+
+    def let_in(self, keys: list[tuple], dataset: ImageList) -> tuple[bool, list[Stamp] | None]:
+        """In a worker, for a batch's keys (a :class:`Task`, or plain keys, made at once): whether to make it (False:
+        skipped, see :meth:`admit`), and its files' stamps, taken before the read, when it is read ahead of its pass."""
+        if not isinstance(keys, Task):
+            return True, None
+        if not self.admit(keys):
+            return False, None
+        if keys.ahead and dataset.reads_files:
+            return True, [file_stamp(dataset.samples[key[1]][0]) for key in keys]
+        return True, None
 
 
 class Plan:
@@ -167,7 +193,7 @@ class Stream:
         dataloader: torch.utils.data.DataLoader,
         plan: Plan,
         gate: Gate,
-        remake: Callable[[Task], Batch],
+        remake: Callable[[Task], Made],
         pinned: bool,
     ):
         self._dataloader, self.plan, self.gate, self._remake, self._pinned = dataloader, plan, gate, remake, pinned
@@ -210,7 +236,7 @@ class Stream:
                 return False
         return self.plan.follows(epoch)
 
-    def take(self, count: int) -> Iterator[Batch]:
+    def take(self, count: int) -> Iterator[Made]:
         """The pass's ``count`` batches, in order, each in this process's own memory."""
         for _ in range(count):
             task, batch = self._next()
@@ -221,7 +247,7 @@ class Stream:
                 continue
             yield batch.own()  # copied out of a worker's buffer here, unless the pin thread did (into pinned memory)
 
-    def _next(self) -> tuple[Task, Batch]:
+    def _next(self) -> tuple[Task, Made]:
         """The next wanted task and its batch; those before it are dropped as they arrive."""
         assert self._it is not None  # begin() first
         while True:
@@ -240,3 +266,60 @@ class Stream:
         iterates the DataLoader again (what it had dispatched is skipped)."""
         self.gate.want_from(self.plan.seq)
         self._it = None
+
+
+class StreamedLoader(Loader):
+    """A loader whose DataLoader is iterated once for its life, as one :class:`Stream` (made at its first pass, or
+    when its batches are first asked for): a backend provides :meth:`_open_stream` (see :meth:`_streaming`) and
+    takes each pass's items with :meth:`_taken`."""
+
+    _the_stream: Stream | None = None
+
+    def _batches(self, epoch: int, start: int) -> list[list[int]]:
+        self._hand_over()
+        return self._stream().plan.batches(epoch, start)
+
+    def _taken(self, epoch: int, start: int) -> Iterator[Made]:
+        """The worker batches of a pass of ``epoch`` from batch ``start``, in order (what was made for it ahead, and
+        is still what it asks for, kept)."""
+        self._hand_over()
+        stream = self._stream()
+        batches = stream.plan.batches(epoch, start)
+        stream.begin(epoch, start, batches)
+        return stream.take(len(batches))
+
+    def _stream(self) -> Stream:
+        if self._the_stream is None:
+            self._the_stream = self._open_stream()
+        return self._the_stream
+
+    def _open_stream(self) -> Stream:
+        raise NotImplementedError
+
+    def _hand_over(self) -> None:
+        """Before a pass uses the stream: what took the last pass's items on a thread of its own is done with it (the
+        plan, which that thread's ``next()`` runs on, is then this thread's alone)."""
+
+    def _streaming(
+        self, data, collate: Callable, remake: Callable[[Task], Made], nicer: bool, clock=None, **settings
+    ) -> Stream:
+        """The stream of a DataLoader over ``data`` (a dataset whose ``__getitems__`` makes a :class:`Task` once its
+        ``gate`` lets it, see :meth:`Gate.let_in`), its keys from a :class:`Plan` (with ``clock``: the CTAugment
+        snapshot each batch's draws use, for workers that draw), the loader's DataLoader settings (``settings``
+        override them), its workers begun by :func:`worker_init` (batches sent by name; with ``nicer``, below the
+        training thread: where batches go to a GPU, which that thread only launches work on)."""
+        plan = Plan(self.sampler, clock, ahead=self._read_ahead())
+        dataloader = torch.utils.data.DataLoader(
+            data,
+            batch_sampler=plan,
+            collate_fn=collate,
+            **{**self.parts.dataloader.kwargs(self.parts.workers), **settings},
+            worker_init_fn=functools.partial(worker_init, nicer=nicer),
+        )
+        return Stream(dataloader, plan, data.gate, remake, dataloader.pin_memory)
+
+    def _read_ahead(self) -> int:
+        """An epoch's first batches made before its pass begins: two per worker (each has the next one queued when
+        the pass begins and the rest of the epoch is let through), at most what the DataLoader keeps in flight."""
+        workers = max(1, self.parts.workers)
+        return min(2 * workers, workers * self.parts.dataloader.prefetch_factor)

@@ -1,13 +1,14 @@
 """Batched nvJPEG decode on CUDA (torchcodec's ``decode_jpeg``, or torchvision's where torchcodec is missing), with
 the recipe's crop, resize and flip as a few batched ops on the GPU.
 
-The GPU path for users who cannot install DALI. DataLoader workers read the bytes, judge the header (size, EXIF
-orientation, pixel limit) and plan the crops, and hand each batch over as whole-batch arrays: the bytes in one
-shared-memory tensor, one row of label, key, orientation and stored size per sample, one crop box each. A decode
-thread splits the bytes into views and decodes the whole batch on the GPU in one call, on streams of its own, one
-batch ahead (:mod:`.decode_ahead`: the decoder's host work, nvJPEG's Huffman pass, stays off the training thread);
-the training thread crops, resizes, turns upright and flips it in a handful of batched ops (:mod:`.gpu_crop`). Files
-nvJPEG cannot take (non-JPEG, CMYK) are decoded by Pillow in the worker and counted as fallbacks."""
+The GPU path for users who cannot install DALI. DataLoader workers (one stream of batches across epochs, as the CPU
+backends': :mod:`.cpu_stream`) read the bytes, judge the header (size, EXIF orientation, pixel limit) and plan the
+crops, and hand each batch over as whole-batch arrays: the bytes in one shared-memory tensor, one row of label, key,
+orientation and stored size per sample, one crop box each. A decode thread splits the bytes into views and decodes
+the whole batch on the GPU in one call, on streams of its own, one batch ahead (:mod:`.decode_ahead`: the decoder's
+host work, nvJPEG's Huffman pass, stays off the training thread); the training thread crops, resizes, turns upright
+and flips it in a handful of batched ops (:mod:`.gpu_crop`). Files nvJPEG cannot take (non-JPEG, CMYK) are decoded
+by Pillow in the worker and counted as fallbacks."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .._files import Stamp
 from .._system import resolve_device
-from ..data.loader import Batch, Loader, LoaderParts, empty_batch, start_workers
+from ..data.loader import Batch, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..recipe import Recipe
+from .cpu_stream import Gate, Stream, StreamedLoader
 from .decode_ahead import DecodeAhead
 from .gpu_crop import PadSize, crop_resize_flip, stored_rois
 from .image import (
@@ -65,6 +68,7 @@ class _BytesDataset(torch.utils.data.Dataset):
         self.dataset, self.recipe, self.train, self.seed = dataset, recipe, train, seed
         self.max_pixels = max_pixels
         self._fallback = PillowDecoder(max_pixels)  # for what nvJPEG cannot take; made once, not per sample
+        self.gate = Gate()  # when a Task of the loader's stream may be made, or is skipped
 
     def __len__(self):
         return len(self.dataset)
@@ -87,6 +91,15 @@ class _BytesDataset(torch.utils.data.Dataset):
             return _Item(path, label, index, None, False, 1, epoch, e.reason)
         except OSError as e:
             return _Item(path, label, index, None, False, 1, epoch, f"cannot read the file ({e.strerror or e})")
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> _Work | None:
+        """A batch (the DataLoader's fetcher calls this): a stream's task once its gate lets it (see Gate.let_in)."""
+        made, stamps = self.gate.let_in(keys, self.dataset)
+        return self.work(keys)._replace(stamps=stamps) if made else None
+
+    def work(self, keys: list[tuple[int, int]]) -> _Work:
+        """A batch's samples read and judged, as whole-batch arrays."""
+        return self.collate([self[key] for key in keys])
 
     def collate(self, items: list[_Item]) -> _Work:
         """The batch's items as whole-batch arrays, its crops planned at once from the samples' keys."""
@@ -125,6 +138,15 @@ class _Work(NamedTuple):
     lengths: list[int]  # each JPEG's byte count
     cpu: list[np.ndarray]  # (H, W, 3) RGB, upright: what Pillow decoded in the worker
     errors: list[tuple[str, str]]
+    stamps: list[Stamp] | None = None  # its files as they were before a read ahead of its pass (see .cpu_stream)
+
+    def own(self, pinned: bool = False) -> _Work:  # the decode thread reads its bytes where the worker put them
+        return self
+
+
+def _as_made(work: _Work | None) -> _Work | None:
+    """The DataLoader's collate: a batch as :meth:`_BytesDataset.__getitems__` made it (None: skipped)."""
+    return work
 
 
 class _Decoded(NamedTuple):
@@ -218,7 +240,7 @@ def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode
     return decode
 
 
-class NvjpegLoader(Loader):
+class NvjpegLoader(StreamedLoader):
     backend = "nvjpeg"
     decode_devices: tuple[str, ...] = ("cuda",)  # the host-budget benchmark adds the meta device, with a stand-in
 
@@ -228,7 +250,6 @@ class NvjpegLoader(Loader):
         super().__init__(parts)
         max_pixels = parts.max_pixels or default_max_pixels()
         self._data = _BytesDataset(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
-        self._dataloader: torch.utils.data.DataLoader | None = None
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
         self._ahead: DecodeAhead | None = None  # the pass's decode thread
         self._pad = PadSize()  # one padded size for every batch once the largest images were seen
@@ -236,22 +257,19 @@ class NvjpegLoader(Loader):
     def decoder(self) -> Decode:
         return decoder_on_stream(self.stage.device, torch.cuda.Stream(self.stage.device))
 
-    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        if self._decode is None:
-            self._decode = self.decoder()
-        decode = self._decode
-        if self._dataloader is None:
-            kwargs = {**self.parts.dataloader.kwargs(self.parts.workers), "pin_memory": False}  # bytes: no pinning
-            self._dataloader = torch.utils.data.DataLoader(
-                self._data, batch_sampler=self.sampler, collate_fn=self._data.collate, **kwargs
-            )
+    def _open_stream(self) -> Stream:
+        """The workers' batches, one stream across epochs; the workers below the training thread (batches go to a
+        GPU); bytes: nothing to pin."""
+        return self._streaming(self._data, _as_made, self._data.work, nicer=True, pin_memory=False)
+
+    def _hand_over(self) -> None:
         if self._ahead is not None:
-            self._ahead.join()  # the last pass's decode thread is done with the DataLoader's iterator
-        # the DataLoader's batch sampler yields the keys from the position on, read now: this pass's start
-        assert self.position.state_dict() == {"epoch": epoch, "batch": start_batch}
-        ahead = DecodeAhead(
-            start_workers(self._dataloader), lambda work: self._decoded(work, decode), self.stage.device, _tensors
-        )
+            self._ahead.join()  # the last pass's decode thread (one left early: stopped after its batch)
+
+    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        decode = self._decode = self._decode or self.decoder()
+        works: Iterator[_Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
+        ahead = DecodeAhead(works, lambda work: self._decoded(work, decode), self.stage.device, _tensors)
         self._ahead = ahead
         try:
             for decoded in ahead:  # decoded on the decode thread, one batch ahead
