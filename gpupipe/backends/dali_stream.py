@@ -17,7 +17,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..data.upload import Reaper
-from ..data.workers import start_workers, worker_init
+from ..data.workers import put_unless_stopped, start_workers, worker_init
 from .dali_feed import Feed, Gate, Request, Work
 
 
@@ -181,22 +181,11 @@ def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event) -> Non
     try:
         for work in it:
             work.prepare()
-            if not _put(out, work, stop):
+            if not put_unless_stopped(out, work, stop):
                 return
-        _put(out, _END, stop)
+        put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the caller's next get() raises it
-        _put(out, _Failed(e), stop)
-
-
-def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    """Put ``item`` once there is room; False if told to stop first."""
-    while not stop.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
+        put_unless_stopped(out, _Failed(e), stop)
 
 
 def _as_is(work: Work) -> Work:

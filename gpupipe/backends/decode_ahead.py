@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
+from ..data.workers import put_unless_stopped
+
 W = TypeVar("W")
 R = TypeVar("R")
 
@@ -124,19 +126,8 @@ def _run(
                 if stream is not None:
                     ready = torch.cuda.Event()
                     ready.record(stream)
-                if not _put(out, _Done(result, ready), stop):
+                if not put_unless_stopped(out, _Done(result, ready), stop):
                     return
-        _put(out, _END, stop)
+        put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the iterating thread's next() raises it
-        _put(out, _Failed(e), stop)
-
-
-def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    """Put ``item`` once there is room; False if told to stop first."""
-    while not stop.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
+        put_unless_stopped(out, _Failed(e), stop)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import queue
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -36,3 +39,14 @@ def start_workers(dataloader: torch.utils.data.DataLoader) -> Iterator:
         return iter(dataloader)
     finally:
         gc.unfreeze()
+
+
+def put_unless_stopped(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """A producer thread's put: ``item`` once ``out`` has room; False if told to ``stop`` first (the consumer gone)."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
