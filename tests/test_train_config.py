@@ -40,7 +40,7 @@ def test_help_explains_every_flag_and_booleans_turn_off(tmp_path, capsys):
         assert f"--{name.replace('_', '-')}" in text
     for choices in ("{fp32,bf16,fp16}", "{sgd,adamw}", "{raise,skip}", "{auto,pillow,"):
         assert choices in text
-    assert "--no-channels-last" in text and "(default None: every usable core)" in text
+    assert "--no-channels-last" in text and "(default None: the rank's share of the usable cores" in text
     f = tmp_path / "run.yaml"
     f.write_text("channels_last: true\ncompile: true\n")
     assert main(["train", "--config", str(f), "--no-channels-last", "--print-config"]) == 0

@@ -94,7 +94,9 @@ class TrainConfig:
     clip: float | None = opt(None, "clip the gradient norm to this (default None: no clipping)", resume="changeable")
     channels_last: bool = opt(False, "channels_last memory format for model and batches")
     compile: bool = opt(False, "torch.compile the model")
-    workers: int | None = opt(None, "decode workers per rank (default None: every usable core)")
+    workers: int | None = opt(
+        None, "decode workers per rank (default None: the rank's share of the usable cores, less one on CUDA)"
+    )
     shuffle_window: int | None = opt(
         None,
         "shards only: shuffle each epoch K shards at a time (the samples of K shards among themselves, each rank a "
