@@ -301,15 +301,15 @@ def test_loader_pixel_limit_from_the_header(tmp_path, backend):
     assert [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["zz_big.jpg"]
 
 
-def _in_a_small_dev_shm() -> list[str] | None:
-    """The command prefix that runs a command with a 1 MB ``/dev/shm`` of its own (a mount namespace: ``unshare -m``
-    as root, ``unshare -rm`` with user namespaces), or None where this machine cannot make one."""
+def _in_a_small_dev_shm(size: str = "1m") -> list[str] | None:
+    """The command prefix that runs a command with a ``size`` ``/dev/shm`` of its own (a mount namespace: ``unshare
+    -m`` as root, ``unshare -rm`` with user namespaces), or None where this machine cannot make one."""
     import shutil
     import subprocess
 
     if shutil.which("unshare") is None:
         return None
-    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"'
+    mount = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$@"'
     for unshare in (["unshare", "-m"], ["unshare", "-rm"]):
         prefix = [*unshare, "sh", "-c", mount]
         if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
@@ -340,6 +340,47 @@ def test_a_small_dev_shm_is_named_with_the_fix(folder):
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert last.startswith("WorkerLost: ") and "unable to allocate shared memory" in last and "No space left" in last
     assert "--shm-size" in last and "--ipc=host" in last and "fewer workers" in last
+
+
+_SHM_LEFT = """
+import gc, os, sys
+import gpupipe
+from gpupipe.data.loader import WorkerResourceError
+def run(steps, **kw):
+    loader = gpupipe.build_loader(sys.argv[1], "pillow", num_workers=2, device="cpu", **kw)
+    error = ""
+    try:
+        for k, _ in enumerate(loader):
+            if k + 1 == steps:
+                break
+    except WorkerResourceError as e:
+        error = str(e)
+    del loader
+    gc.collect()
+    print(repr((error, sorted(os.listdir("/dev/shm")))))
+run(None, batch_size=8, image_size=224)  # 16 buffers of 1.2 MB do not fit: WorkerResourceError
+run(3, batch_size=4, image_size=64)  # dropped mid-epoch
+run(None, batch_size=4, image_size=64)  # a whole pass, then dropped
+"""
+
+
+def test_no_shared_memory_is_left_behind(folder):
+    """With an 8 MB /dev/shm, the workers' batch buffers filled it: the run failed (rightly, naming /dev/shm) but left
+    sparse and full ``torch_*`` files there for the process's life: a partly made buffer, each worker's pool (killed
+    after 5 s, the iterator held by the failure's traceback), messages never read. Nothing is left on any exit path:
+    the failure, a loader dropped mid-epoch, a whole pass."""
+    import ast
+    import subprocess
+    import sys
+
+    prefix = _in_a_small_dev_shm("8m")
+    if prefix is None:
+        pytest.skip("cannot make a mount namespace here (unshare -m needs root or user namespaces)")
+    run = subprocess.run([*prefix, sys.executable, "-c", _SHM_LEFT, str(folder)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (error, left), *others = [ast.literal_eval(line) for line in run.stdout.splitlines()]
+    assert "\n" not in error and "/dev/shm is full or too small" in error and "--shm-size" in error, error
+    assert left == [] and others == [("", []), ("", [])]
 
 
 _CAUGHT_THEN_ANOTHER = """

@@ -33,6 +33,7 @@ import torch
 from .._files import Stamp, file_stamp, unchanged
 from ..data.loader import Loader
 from ..data.workers import start_workers, worker_init
+from .handover import let_go
 
 if TYPE_CHECKING:
     from ..augment.ctaugment import CTWeights
@@ -201,6 +202,7 @@ class Stream:
 
     def __del__(self) -> None:
         self.gate.close()  # before the iterator ends the workers: one waiting on the gate lets go at once
+        self._end()
 
     def begin(self, epoch: int, start: int, batches: list[list[int]]) -> None:
         """A pass of ``epoch`` from batch ``start`` (``batches``: its batches as the sampler says now) begins: the
@@ -265,7 +267,15 @@ class Stream:
         """The DataLoader's iterator failed (a worker died; an interrupt), or is not to outlive its pass: the next pass
         iterates the DataLoader again (what it had dispatched is skipped)."""
         self.gate.want_from(self.plan.seq)
-        self._it = None
+        self._end()
+
+    def _end(self) -> None:
+        """The DataLoader's iteration ends, its workers stopped now: a failure's traceback holds the iterator until the
+        garbage collector frees it, which closes its queues first (each worker then killed after 5 s, the shared memory
+        of its batch buffers left in /dev/shm); their files go with this process's mappings of them (handover.py)."""
+        it, self._it = self._it, None
+        getattr(it, "_shutdown_workers", lambda: None)()
+        let_go()
 
 
 class StreamedLoader(Loader):

@@ -8,12 +8,22 @@ says it is done with it: the batch arrives holding the buffer (``Batch.lease``),
 out once, into the memory they end in (``Batch.own``: page-locked memory on the DataLoader's pin thread, for the copy
 to a GPU; ordinary memory otherwise; a plain memory copy, a tenth of that cost), and sets the buffer's "free" byte,
 which the worker reads before it writes the buffer again.
+
+Torch shares such a buffer by name (a ``torch_*`` file in /dev/shm, the "file_system" strategy) and removes the file
+when the last reference to it goes: each process that maps it, and each message that carries it but was not read. So
+a worker, as it exits, lets go of its buffers and of the messages it sent that the main process will never read now
+(the loader's iteration ended); the main process lets go of its mappings when it ends the iteration
+(:func:`let_go`); and a buffer that /dev/shm had no room for is removed at once (torch leaves its file behind).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import threading
 from collections import deque
+from multiprocessing.util import Finalize
 
 import numpy as np
 import torch
@@ -21,7 +31,8 @@ import torch
 from ..data.device import HostBlocks, Layout, copy_into, pinned_tensor
 from ..data.loader import Batch
 
-_HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below
+_HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below, then:
+_SENT, _RECEIVED = 9, 10  # the worker sent it (pickled it); the main process received it
 _MAGIC = np.frombuffer(b"gpupipe!", dtype=np.uint8)
 _POOL_SIZE = 8  # per worker: more than the batches in flight (prefetch_factor per worker, the one being read)
 _pool: list[torch.Tensor] = []  # this worker's buffers (flat uint8, header included)
@@ -45,11 +56,12 @@ def _free_buffer(nbytes: int) -> torch.Tensor:
     for flat in _pool:
         head = flat.numpy()
         if head[0] == 1 and flat.numel() == _HEADER + nbytes:
-            head[0] = 0
+            head[0] = head[_SENT] = head[_RECEIVED] = 0
             return flat
-    storage = torch.UntypedStorage._new_shared(_HEADER + nbytes)
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (_HEADER + nbytes,), (1,))
-    flat.numpy()[: 1 + len(_MAGIC)] = np.concatenate([[0], _MAGIC])
+    flat = _new_buffer(_HEADER + nbytes)
+    flat.numpy()[:_HEADER] = np.concatenate([[0], _MAGIC, np.zeros(_HEADER - 1 - len(_MAGIC), np.uint8)])
+    if not _pool:
+        Finalize(None, _leave, exitpriority=0)  # run as the worker's process ends (multiprocessing's exit function)
     if len(_pool) < _POOL_SIZE:
         _pool.append(flat)
     elif (stale := next((i for i, f in enumerate(_pool) if f.numpy()[0] == 1), None)) is not None:
@@ -57,11 +69,51 @@ def _free_buffer(nbytes: int) -> torch.Tensor:
     return flat
 
 
+def _new_buffer(nbytes: int) -> torch.Tensor:
+    """A new shared-memory buffer; where /dev/shm has no room, torch's error, and the file it made removed (torch
+    leaves it, sparse, until the process tree ends)."""
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    except RuntimeError as e:
+        made = re.search(r"for file <(/torch_[^>/]+)>", str(e))
+        if made is not None:
+            try:
+                os.unlink(f"/dev/shm{made[1]}")
+            except OSError:
+                pass
+        raise
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+
+
+def _leave() -> None:
+    """A worker's last step: its buffers are let go of, with the reference each unread message holds (the main
+    process reads none once its workers exit), so that torch removes their files once the main process has unmapped
+    them too. The queue's feeder thread first sends what it holds (or blocks on a full pipe, its message pickled)."""
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":
+            thread.join(0.2)
+    for flat in _pool:
+        head = flat.numpy()
+        if head[_SENT] and not head[_RECEIVED]:
+            flat.untyped_storage()._shared_decref()
+    _pool.clear()
+
+
+def let_go() -> None:
+    """The main process, ending a DataLoader iteration, unmaps the buffers it keeps mapped: then each one's file goes
+    when its worker exits (or at once, if it has). Another loader's buffers, mapped here too, are mapped again as they
+    arrive."""
+    _mapped.clear()
+
+
 class WireBatch(Batch):
     """A worker's batch on its way to the main process: labels and keys travel as bytes in the message (a tensor
     would cost a shared-memory file and a file-descriptor round trip each)."""
 
     def __reduce__(self):
+        flat = _header(self.images)
+        if flat is not None:
+            flat.numpy()[_SENT] = 1
         keys = None if self.keys is None else self.keys.numpy()
         labels = self.labels.numpy()
         return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
@@ -74,6 +126,7 @@ def arrive(
     copies them out and hands the buffer back, ``Batch.drop`` hands it back uncopied."""
     flat = _header(images)
     if flat is not None:
+        flat.numpy()[_RECEIVED] = 1
         _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
     batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure, stamps=stamps)
