@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 
 
 class GpupipeError(Exception):
@@ -77,3 +79,14 @@ def error_line(e: BaseException) -> str:
     else:
         text = str(e) or type(e).__name__
     return one_line(text)
+
+
+def run_script(main: Callable[[], object]) -> None:
+    """``main()`` of a ``python -m gpupipe...`` script: its mistakes one line, as the gpupipe command says them (the
+    whole traceback with GPUPIPE_TRACEBACK set)."""
+    try:
+        main()
+    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:
+        if show_traceback():
+            raise
+        sys.exit(f"error: {error_line(e)}")

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from ..backends.nvjpeg import NvjpegLoader
 from ..data.device import DeviceStage
 from ..data.loader import Batch
 from ..data.upload import HostPack
-from ..errors import GpupipeError, error_line, show_traceback
+from ..errors import run_script
 from ..recipe import Recipe
 
 META = torch.device("meta")
@@ -262,9 +261,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:  # one line, as the gpupipe command says it
-        if show_traceback():
-            raise
-        sys.exit(f"error: {error_line(e)}")
+    run_script(main)

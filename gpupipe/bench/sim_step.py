@@ -24,7 +24,6 @@ import gc
 import json
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from .._system import default_workers
 from ..backends import available_backends
-from ..errors import GpupipeError, error_line, show_traceback
+from ..errors import run_script
 from ..recipe import Recipe
 from .host_budget import meta_loader
 
@@ -239,9 +238,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (GpupipeError, ValueError, OSError, ModuleNotFoundError) as e:  # one line, as the gpupipe command says it
-        if show_traceback():
-            raise
-        sys.exit(f"error: {error_line(e)}")
+    run_script(main)
