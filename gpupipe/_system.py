@@ -61,6 +61,24 @@ def lower_priority(worker_id: int | None = None) -> None:
         os.nice(WORKER_NICENESS)
 
 
+def thread_ids() -> set[int]:
+    """This process's threads (Linux task ids; empty elsewhere)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def lower_thread_priority(tids: set[int]) -> None:
+    """:func:`lower_priority` for threads of this process (a library's decode threads, such as DALI's, started in the
+    training process): on Linux a thread's niceness is its own. A thread already gone is skipped."""
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS))
+        except OSError:
+            continue
+
+
 def as_device(device: str | int | torch.device) -> torch.device:
     """``torch.device(device)``, or one line naming the argument and its valid values (torch's error lists every
     device type it was built to know)."""

@@ -29,10 +29,10 @@ def sample_keys(seed: int, epochs, indices) -> np.ndarray:
         return _mix(key + np.asarray(indices, np.int64).astype(np.uint64).reshape(-1))
 
 
-def uniforms(keys: np.ndarray, stream: int, count: int) -> np.ndarray:
-    """(N, count) float64 uniforms in [0, 1), 53 bits each: the first ``count`` numbers of each sample's ``stream``
-    (counters ``stream * 2**32 + 1, 2, ...`` of its key)."""
-    counters = (np.arange(1, count + 1, dtype=np.uint64) + np.uint64(stream << 32)) * _GOLDEN
+def uniforms(keys: np.ndarray, stream: int, count: int, skip: int = 0) -> np.ndarray:
+    """(N, count) float64 uniforms in [0, 1), 53 bits each: numbers ``skip`` to ``skip + count - 1`` of each sample's
+    ``stream`` (counters ``stream * 2**32 + skip + 1, ...`` of its key): any of them can be drawn on its own."""
+    counters = (np.arange(skip + 1, skip + count + 1, dtype=np.uint64) + np.uint64(stream << 32)) * _GOLDEN
     with np.errstate(over="ignore"):
         bits = _mix(keys[:, None] + counters[None, :])
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))

@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -197,11 +197,19 @@ class Recipe:
         batch, worker, rank or backend asks. Per attempt (``ATTEMPTS``, RandomResizedCrop's 10): the area fraction,
         the aspect ratio, and the uniforms of the top and left offsets; then the flip's uniform."""
         u = key_uniforms(seed, epoch, indices, DRAWS)
-        lo, hi = self.scale
-        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        u[:, 0 : 4 * ATTEMPTS : 4] = lo + (hi - lo) * u[:, 0 : 4 * ATTEMPTS : 4]
-        u[:, 1 : 4 * ATTEMPTS : 4] = np.exp(log_lo + (log_hi - log_lo) * u[:, 1 : 4 * ATTEMPTS : 4])
+        u[:, 0 : 4 * ATTEMPTS : 4] = self._areas(np.ascontiguousarray(u[:, 0 : 4 * ATTEMPTS : 4]))
+        u[:, 1 : 4 * ATTEMPTS : 4] = self._aspects(np.ascontiguousarray(u[:, 1 : 4 * ATTEMPTS : 4]))
         return u
+
+    def _areas(self, u: np.ndarray) -> np.ndarray:
+        """The area fractions drawn from uniforms (contiguous, so that every path takes the same SIMD loop)."""
+        lo, hi = self.scale
+        return lo + (hi - lo) * u
+
+    def _aspects(self, u: np.ndarray) -> np.ndarray:
+        """The aspect ratios drawn from uniforms, log-uniform (contiguous: see :meth:`_areas`)."""
+        log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        return np.exp(log_lo + (log_hi - log_lo) * u)
 
     def train_box(self, height: int, width: int, drawn: list[float]) -> Box:
         """torchvision ``RandomResizedCrop.get_params``' algorithm, plus the flip coin, from one row of
@@ -245,6 +253,40 @@ class Recipe:
             top[i], left[i] = (hh - h[i]) // 2, (ww - w[i]) // 2
         return np.stack([top, left, h, w, drawn[:, -1] < self.flip_p], 1).astype(np.float64)
 
+    def _drawn_boxes(self, keys: np.ndarray, heights, widths) -> np.ndarray:
+        """:meth:`train_boxes` of :meth:`train_draws`, to the bit, with fewer draws: the first ``_FIRST`` attempts for
+        every sample (nearly all fit by then), the others only for the samples none of those fitted."""
+        height, width = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+        out = np.empty((len(keys), 5), np.float64)
+        todo = np.arange(len(keys))
+        for first, count in ((0, _FIRST), (_FIRST, ATTEMPTS - _FIRST)):
+            fits = self._attempts(keys[todo], height[todo], width[todo], first, count)
+            out[todo[fits.found]] = fits.boxes
+            todo = todo[~fits.found]
+            if not len(todo):
+                break
+        for i, hh, ww in zip(todo.tolist(), height[todo].tolist(), width[todo].tolist(), strict=True):
+            h, w = self._fallback_size(hh, ww)
+            out[i, :4] = (hh - h) // 2, (ww - w) // 2, h, w
+        out[:, 4] = uniforms(keys, STREAM_CROP, 1, skip=DRAWS - 1)[:, 0] < self.flip_p
+        return out
+
+    def _attempts(self, keys: np.ndarray, height: np.ndarray, width: np.ndarray, first: int, count: int) -> _Fits:
+        """Attempts ``first`` to ``first + count - 1`` of each sample, as :meth:`train_boxes` makes them."""
+        u = uniforms(keys, STREAM_CROP, 4 * count, skip=4 * first)
+        target_area = (height * width)[:, None] * self._areas(np.ascontiguousarray(u[:, 0::4]))
+        aspect = self._aspects(np.ascontiguousarray(u[:, 1::4]))
+        w, h = np.round(np.sqrt(target_area * aspect)), np.round(np.sqrt(target_area / aspect))
+        fits = (w > 0) & (w <= width[:, None]) & (h > 0) & (h <= height[:, None])
+        found = fits.any(1)
+        rows, at = np.flatnonzero(found), fits.argmax(1)[found]
+        h, w, height, width = h[rows, at], w[rows, at], height[rows], width[rows]
+        boxes = np.empty((len(rows), 5), np.float64)
+        boxes[:, 0] = np.floor(u[rows, 4 * at + 2] * (height - h + 1))
+        boxes[:, 1] = np.floor(u[rows, 4 * at + 3] * (width - w + 1))
+        boxes[:, 2], boxes[:, 3] = h, w
+        return _Fits(found, boxes)
+
     def plan(self, train: bool, seed: int, epoch: int, index: int) -> Callable[[int, int], Box]:
         """``(height, width) -> Box`` for one sample: its train crop in this epoch (:meth:`train_draws`), or the
         eval crop. Decoders call it once they know the upright size."""
@@ -261,7 +303,7 @@ class Recipe:
     def plan_boxes(self, train: bool, seed: int, epoch: int, indices, heights, widths) -> np.ndarray:
         """(n, 5) float64 ``top, left, height, width, flip``: :meth:`plan` for a whole batch of upright sizes."""
         if train:
-            return self.train_boxes(heights, widths, self.train_draws(seed, epoch, indices))
+            return self._drawn_boxes(sample_keys(seed, epoch, indices), heights, widths)
         sizes = zip(np.asarray(heights).tolist(), np.asarray(widths).tolist(), strict=True)
         boxes = [self.eval_box(h, w) for h, w in sizes]
         return np.array([(b.top, b.left, b.height, b.width, b.flip) for b in boxes], np.float64).reshape(-1, 5)
@@ -289,7 +331,13 @@ class Recipe:
 
 
 ATTEMPTS = 10  # RandomResizedCrop's tries before its centre-crop fallback
+_FIRST = 3  # attempts drawn for every sample of a batch; the rest only for the few that none of these fitted
 DRAWS = 4 * ATTEMPTS + 1  # per try: area, aspect, top, left; then the flip
+
+
+class _Fits(NamedTuple):
+    found: np.ndarray  # bool (n,): an attempt fitted
+    boxes: np.ndarray  # (found.sum(), 5): their boxes (the flip column left for the caller)
 
 
 def key_uniforms(seed: int, epoch: int | Sequence[int], indices, count: int) -> np.ndarray:

@@ -194,13 +194,13 @@ def test_outputs_are_handed_to_torchs_current_stream(photos, device):
     it = iter(loader)
     first = next(it)[0]
     pipe = loader._pipe
-    share = pipe.share_outputs
+    share = pipe.share
 
-    def spy(cuda_stream=None):
-        streams.append(cuda_stream)
-        return share(cuda_stream=cuda_stream)
+    def spy(stream):
+        streams.append(stream)
+        return share(stream)
 
-    pipe.share_outputs = spy
+    pipe.share = spy
     images, _ = next(it)
     want = torch.cuda.current_stream(images.device) if images.is_cuda else None
     assert streams and all(s == want for s in streams)
@@ -317,3 +317,58 @@ def test_a_batch_the_feed_cannot_pad_reaches_dali_as_one_tensor_list(tmp_path, m
     assert len(fed) >= 2 and set(fed) == {"list"}
     for (a, la), (b, lb) in zip(batches, inline, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_batches_go_through_dalis_pipeline_object_not_its_python_wrapper(photos, monkeypatch):
+    """The installed DALI is driven per batch through its C++ pipeline directly: the Python wrapper's ``feed_input``,
+    ``schedule_run`` and ``share_outputs`` (about 0.5 ms of the training thread per batch, mostly checks that hold once
+    built) are never called; the batches are the wrapper's, pixel for pixel."""
+    from nvidia.dali.pipeline import Pipeline
+
+    def loader():
+        return gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu", seed=3)
+
+    wrapped = [[x.clone() for x in batch] for batch in loader()]
+    calls = []
+
+    def spied(name):
+        real = getattr(Pipeline, name)
+        return lambda self, *a, **k: calls.append(name) or real(self, *a, **k)
+
+    for name in ("feed_input", "schedule_run", "share_outputs", "release_outputs"):
+        monkeypatch.setattr(Pipeline, name, spied(name))
+    direct = loader()
+    batches = list(direct)
+    assert direct._pipe is not None and direct._pipe.direct is not None and not calls
+    for (a, la), (b, lb) in zip(wrapped, batches, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(photos):
+    """DALI decodes in threads of the training process: where batches go to a device other than the CPU they run
+    WORKER_NICENESS below it, as the decode workers of the other backends do, so the thread that launches the GPU's
+    work never waits behind a decode; on the CPU (the model computes beside them) they keep its priority."""
+    import dataclasses
+    import os
+
+    from gpupipe._system import WORKER_NICENESS, thread_ids
+    from gpupipe.backends import get
+    from gpupipe.data.device import DeviceStage
+    from gpupipe.recipe import Recipe
+
+    def dali_threads(device):
+        recipe = Recipe(32)
+        loader = gpupipe.build_loader(photos, "dali", batch_size=4, num_workers=2, device="cpu", recipe=recipe)
+        if device != "cpu":
+            stage = DeviceStage(torch.device(device), recipe)
+            loader = get("dali").make_loader(dataclasses.replace(loader.parts, stage=stage))
+        before = thread_ids()
+        next(iter(loader))
+        new = thread_ids() - before
+        names = {t: open(f"/proc/self/task/{t}/comm").read() for t in new if os.path.exists(f"/proc/self/task/{t}")}
+        return [os.getpriority(os.PRIO_PROCESS, t) for t, name in names.items() if "DALI" in name]
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert dali_threads("cpu") and all(p == base for p in dali_threads("cpu"))
+    lowered = dali_threads("meta")
+    assert lowered and all(p == min(19, base + WORKER_NICENESS) for p in lowered)

@@ -179,7 +179,8 @@ def test_a_loader_dropped_while_headers_are_judged_ends_the_scan_processes(folde
 
 
 def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
-    """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included."""
+    """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included; every row as
+    wide as the longest path, the last path of the buffer too (what follows a path in its row is sliced off by DALI)."""
     from gpupipe.backends.dali_files import FileTable
     from gpupipe.data.scan import ImageList
 
@@ -188,10 +189,12 @@ def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
     plain = ImageList(str(tmp_path), [("/a.jpg", 0), (odd, 1), ("/bb/c.png", 0)], ["0", "1"])
     for dataset in (folder, plain):
         table = FileTable(dataset, 10**8)
-        chosen = np.array([2, 0, 1, 2])
+        last = len(dataset.samples) - 1
+        chosen = np.array([2, 0, 1, last, 2])
         rows, lengths = table.paths(chosen)
+        assert rows.shape == (5, max(len(os.fsencode(p)) for p, _ in dataset.samples))
         for row, n, i in zip(rows, lengths[:, 0], chosen, strict=True):
-            assert row[:n].tobytes() == os.fsencode(dataset.samples[i][0]) and not row[n:].any()
+            assert row[:n].tobytes() == os.fsencode(dataset.samples[i][0])
 
 
 def test_crop_boxes_are_drawn_several_batches_at_a_time_while_samples_are_still_being_judged(tmp_path, monkeypatch):

@@ -50,6 +50,30 @@ def test_a_batch_of_boxes_is_each_sample_s_box_to_the_bit():
     ]
 
 
+def test_a_batch_draws_the_later_attempts_only_for_the_samples_that_need_them(monkeypatch):
+    """A batch's boxes draw each sample's first attempts and the flip, and the later attempts only where none of those
+    fitted: a few numbers a sample instead of RandomResizedCrop's 41 (the draws were most of the training thread's
+    share of a dali batch), with the boxes of all 41 to the bit."""
+    import gpupipe.recipe as recipe_module
+
+    recipe, rng = Recipe(224), np.random.default_rng(3)
+    n = 2048
+    indices, heights, widths = rng.integers(0, 10**9, n), rng.integers(300, 700, n), rng.integers(300, 700, n)
+    heights[:20] = 2  # the centre-crop fallback: every attempt drawn
+    drawn = []
+    real = recipe_module.uniforms
+
+    def counted(keys, stream, count, skip=0):
+        drawn.append(len(keys) * count)
+        return real(keys, stream, count, skip)
+
+    monkeypatch.setattr(recipe_module, "uniforms", counted)
+    boxes = recipe.plan_boxes(True, 1, 2, indices, heights, widths)
+    assert sum(drawn) < 15 * n
+    monkeypatch.setattr(recipe_module, "uniforms", real)
+    assert boxes.tolist() == recipe.train_boxes(heights, widths, recipe.train_draws(1, 2, indices)).tolist()
+
+
 def test_the_counter_based_draws_are_uniform_and_independent():
     u = key_uniforms(0, 0, range(20000), 3)
     assert u.shape == (20000, 3) and 0 <= u.min() and u.max() < 1

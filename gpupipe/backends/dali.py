@@ -15,19 +15,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
 from .._files import read_regular, unchanged
+from .._system import lower_thread_priority, thread_ids
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from .dali_feed import Feed, Work, decode_on_cpu
 from .dali_files import FileStream, FileTable
-from .dali_graph import build_pipeline, consumer_stream, dali_device_id, to_torch
+from .dali_graph import Driver, build_pipeline, consumer_stream, dali_device_id, to_torch
 from .dali_stream import FeedStream, plan
 from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
@@ -74,7 +74,7 @@ class DaliLoader(Loader):
         self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
         self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
         self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
-        self._pipe: Any = None  # a DALI pipeline (untyped), built on first use
+        self._pipe: Driver | None = None  # the DALI pipeline, built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
         # local files: DALI reads them (a path table, judged once); else a feed reads, judges and plans whole batches
@@ -85,18 +85,23 @@ class DaliLoader(Loader):
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
-    def _pipeline(self):
+    def _pipeline(self) -> Driver:
         if self._pipe is None:
-            self._pipe = build_pipeline(
-                self.recipe,
-                train=self.train,
-                batch_size=self.batch_size,
-                device=self.stage.device,
-                num_threads=self.num_threads,
-                hw_decoder_load=self.hw_decoder_load,
-                normalize=self._normalize_in_dali,
-                files=self._files,
+            before = thread_ids()
+            self._pipe = Driver(
+                build_pipeline(
+                    self.recipe,
+                    train=self.train,
+                    batch_size=self.batch_size,
+                    device=self.stage.device,
+                    num_threads=self.num_threads,
+                    hw_decoder_load=self.hw_decoder_load,
+                    normalize=self._normalize_in_dali,
+                    files=self._files,
+                )
             )
+            if self.device.type != "cpu":  # DALI's threads decode: below the training thread, as workers are
+                lower_thread_priority(thread_ids() - before)
             self.pipelines_built += 1
             self._scheduled = 0
         return self._pipe
@@ -108,11 +113,11 @@ class DaliLoader(Loader):
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
         if work.paths is not None:
-            pipe.feed_input("paths", work.paths)
+            pipe.feed("paths", work.paths)
         else:
-            pipe.feed_input("enc", work.batch())
-        pipe.feed_input("meta", work.rows)  # one (n, 6) array: the whole batch at once
-        pipe.schedule_run()
+            pipe.feed("enc", work.batch())
+        pipe.feed("meta", work.rows)  # one (n, 6) array: the whole batch at once
+        pipe.run()
         self._scheduled += 1
         work.scheduled = True
 
@@ -123,12 +128,13 @@ class DaliLoader(Loader):
         (``share_outputs``: "None means that the outputs are synchronized with the host"); with one, the consumer's
         stream waits for DALI's on the GPU, and the dynamic executor keeps the buffers until that stream is done with
         them (the torch tensor holds a reference)."""
+        assert self._pipe is not None  # a batch was scheduled on it
         self._scheduled -= 1
-        (out,) = self._pipe.share_outputs(cuda_stream=consumer_stream(self.stage.device))
+        (out,) = self._pipe.share(consumer_stream(self.stage.device))
         try:
             return to_torch(out, self.stage.device)
         finally:
-            self._pipe.release_outputs()
+            self._pipe.release()
 
     def _drain(self, keep: int = 0) -> None:
         """Fetch and drop what an earlier, unfinished pass left in the pipeline (the oldest first), until ``keep``

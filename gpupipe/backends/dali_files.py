@@ -21,12 +21,13 @@ import multiprocessing
 import os
 import stat
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
 from ..data.compact import PathList
@@ -91,8 +92,31 @@ def _verdict(path: str, entry: HeaderCheck, head: bytes, tail: bytes, max_pixels
     return Verdict(_DALI, entry.height, entry.width)
 
 
-def _judge_many(paths: list[str], max_pixels: int) -> list[Verdict]:
-    return [judge_file(p, max_pixels) for p in paths]
+class Verdicts(NamedTuple):
+    """Several samples' verdicts as arrays: what a scan worker sends back (a few hundred bytes a batch to unpickle)."""
+
+    kind: np.ndarray  # int8
+    sizes: np.ndarray  # int64 (n, 2): upright height, width
+    problems: dict[int, str]  # position -> why it is reported
+
+    @classmethod
+    def of(cls, verdicts: list[Verdict]) -> Verdicts:
+        kind = np.fromiter((v.kind for v in verdicts), np.int8, len(verdicts))
+        sizes = np.array([(v.height, v.width) for v in verdicts], np.int64).reshape(-1, 2)
+        return cls(kind, sizes, {k: v.problem for k, v in enumerate(verdicts) if v.problem is not None})
+
+
+_scanned = None  # the samples a scan worker judges: the table's, inherited when the pool forks (no pickling)
+
+
+def _scan_init(samples) -> None:
+    global _scanned
+    _scanned = samples
+
+
+def _judge_many(indices: np.ndarray, max_pixels: int) -> Verdicts:
+    assert _scanned is not None  # set by the pool's initializer
+    return Verdicts.of([judge_file(_scanned[i][0], max_pixels) for i in indices.tolist()])
 
 
 class Scanner:
@@ -109,11 +133,11 @@ class Scanner:
         if not len(todo) or self.workers < 1:
             return None
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"))
-        paths = [self.table.dataset.samples[i][0] for i in todo.tolist()]
+            context = multiprocessing.get_context("fork")
+            self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (self.table.dataset.samples,))
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
         try:
-            return Asked(todo, self._pool.submit(_judge_many, paths, self.table.max_pixels))
+            return Asked(todo, self._pool.submit(_judge_many, todo, self.table.max_pixels))
         finally:
             gc.unfreeze()
 
@@ -121,7 +145,7 @@ class Scanner:
         """Every sample of ``index`` judged: the workers' verdicts kept, what no worker was asked judged here."""
         if asked is not None:
             try:
-                self.table.set(asked.indices.tolist(), asked.verdicts.result())
+                self.table.set(asked.indices, asked.verdicts.result())
             except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
                 self.close()
         todo = index[self.table.kind[index] == _UNKNOWN].tolist()
@@ -157,29 +181,37 @@ class FileTable:
             self.lengths = np.fromiter(map(len, names), np.int64, len(names))
             self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
             self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
+        self.width = int(self.lengths.max(initial=1))  # every batch's path rows are this wide
+        # each path's row is a window of the buffer from its start (its length says where it ends): the buffer's last
+        # ``width`` bytes again, padded, for the paths that start near its end
+        self._tail_at = max(0, len(self._bytes) - self.width)
+        self._tail = np.concatenate([self._bytes[self._tail_at :], np.zeros(self.width, np.uint8)])
         self.targets = np.asarray(dataset.targets, dtype=np.int64)
         self.kind = np.full(len(samples), _UNKNOWN, np.int8)
         self.sizes = np.zeros((len(samples), 2), np.int64)
         self.problems: dict[int, str] = {}
 
     def paths(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The paths of samples ``chosen`` as (n, L) uint8, each zero-padded, and their lengths as (n, 1)."""
-        lengths = self.lengths[chosen]
-        cols = np.arange(int(lengths.max(initial=1)))
-        at = np.minimum(self.starts[chosen, None] + cols, len(self._bytes) - 1)
-        return np.where(cols < lengths[:, None], self._bytes[at], 0).astype(np.uint8), lengths[:, None]
+        """The paths of samples ``chosen`` as (n, W) uint8 rows, each a path's bytes and whatever follows them in the
+        buffer (DALI slices each row to its length), and their lengths as (n, 1): one gather for the batch."""
+        starts = self.starts[chosen]
+        rows = sliding_window_view(self._bytes, self.width)[np.minimum(starts, self._tail_at)]
+        late = np.flatnonzero(starts > self._tail_at)
+        if len(late):  # the last few paths of the buffer: from its padded tail
+            rows[late] = sliding_window_view(self._tail, self.width)[starts[late] - self._tail_at]
+        return rows, self.lengths[chosen, None]
 
-    def set(self, indices: Iterable[int], verdicts: list[Verdict]) -> None:
-        for i, v in zip(indices, verdicts, strict=True):
-            self.kind[i], self.sizes[i] = v.kind, (v.height, v.width)
-            if v.problem is not None:
-                self.problems[i] = v.problem
-            else:
-                self.problems.pop(i, None)
+    def set(self, indices: np.ndarray, verdicts: Verdicts) -> None:
+        self.kind[indices], self.sizes[indices] = verdicts.kind, verdicts.sizes
+        for i in indices[verdicts.kind != _BAD].tolist() if self.problems else ():
+            self.problems.pop(i, None)
+        self.problems.update({int(indices[k]): problem for k, problem in verdicts.problems.items()})
 
-    def rescan(self, indices: list[int]) -> None:
+    def rescan(self, indices: Sequence[int]) -> None:
         """Judge these samples again (their files changed)."""
-        self.set(indices, [judge_file(self.dataset.samples[i][0], self.max_pixels) for i in indices])
+        chosen = np.asarray(indices, dtype=np.int64)
+        verdicts = [judge_file(self.dataset.samples[i][0], self.max_pixels) for i in chosen.tolist()]
+        self.set(chosen, Verdicts.of(verdicts))
 
 
 class FileStream:
@@ -194,7 +226,7 @@ class FileStream:
         # batches taken from the plan ahead: their samples judged, their crops drawn together
         self._depth = max(_CHUNK, workers)
         self._requests: Iterator[Request] = iter(())
-        self._ahead: deque[tuple[Request, Asked | None]] = deque()
+        self._ahead: deque[tuple[Request, np.ndarray, Asked | None]] = deque()
         self._boxes: dict[tuple[int, int], np.ndarray] = {}  # (epoch, number) -> its DALI samples' crop boxes
 
     def restart(self, requests: Iterable[Request]) -> None:
@@ -208,31 +240,32 @@ class FileStream:
             request = next(self._requests, None)
             if request is None:
                 break
-            self._ahead.append((request, self.scanner.ask(np.asarray(request.indices, dtype=np.int64))))
+            index = np.asarray(request.indices, dtype=np.int64)
+            self._ahead.append((request, index, self.scanner.ask(index)))
         if not self._ahead:
             return None
-        request, asked = self._ahead.popleft()
-        self.scanner.settle(asked, np.asarray(request.indices, dtype=np.int64))
+        request, index, asked = self._ahead.popleft()
+        self.scanner.settle(asked, index)
         if self.train and (request.epoch, request.number) not in self._boxes:
-            self._draw_boxes(request)
-        return self.make(request)
+            self._draw_boxes(request, index)
+        return self.make(request, index)
 
-    def _draw_boxes(self, request: Request) -> None:
+    def _draw_boxes(self, request: Request, index: np.ndarray) -> None:
         """The crop boxes of ``request`` and of the judged batches of its epoch behind it, drawn in one call: the
         draws' fixed cost (a few dozen array ops) is paid once for several batches."""
-        run = [request]
-        for k, (later, asked) in enumerate(self._ahead):
+        run, chosen = [request], [self._dali_of(index)]
+        for k, (later, later_index, asked) in enumerate(self._ahead):
             if later.epoch != request.epoch or len(run) == _CHUNK:
                 break
             if asked is not None:  # a few of its samples were being judged: taken in once the verdicts are in
                 if not asked.verdicts.done():
                     break
-                self.scanner.settle(asked, np.asarray(later.indices, dtype=np.int64))
-                self._ahead[k] = (later, None)
-            if (self.table.kind[later.indices] == _UNKNOWN).any():
+                self.scanner.settle(asked, later_index)
+                self._ahead[k] = (later, later_index, None)
+            if (self.table.kind[later_index] == _UNKNOWN).any():
                 break
             run.append(later)
-        chosen = [self._dali_of(np.asarray(r.indices, dtype=np.int64)) for r in run]
+            chosen.append(self._dali_of(later_index))
         every = np.concatenate(chosen)
         sizes = self.table.sizes[every]
         boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, every, sizes[:, 0], sizes[:, 1])
@@ -249,15 +282,16 @@ class FileStream:
         """``work`` made again, its samples judged again (files changed after it was made ahead of its pass)."""
         self.table.rescan(work.indices)
         self._boxes.pop((work.epoch, work.number), None)  # drawn for the samples as they were judged
-        return self.make(Request(work.epoch, work.indices, work.number))
+        return self.make(Request(work.epoch, work.indices, work.number), work.index)
 
-    def make(self, request: Request) -> Work:
+    def make(self, request: Request, index: np.ndarray | None = None) -> Work:
         """One batch: the DALI samples' path rows and crop rows, Pillow's samples decoded, the bad ones reported."""
         t = self.table
         work = Work(request.epoch, request.indices, request.number)
         if request.ahead and request.epoch > self.gate.epoch:  # made before its pass begins: its files as they are now
             work.stamps = [file_stamp(t.dataset.samples[i][0]) for i in request.indices]
-        index = np.asarray(request.indices, dtype=np.int64)
+        if index is None:
+            index = np.asarray(request.indices, dtype=np.int64)
         work.index, work.labels = index, t.targets[index]
         kind = t.kind[index]
         dali = np.flatnonzero(kind == _DALI)
