@@ -103,6 +103,24 @@ def test_under_torchrun_rank_0_alone_says_it_stopped_and_the_resume_command_is_t
     assert stopped.endswith(f"resume with: {shlex.join(cmd)} --resume")
 
 
+def test_gpupipe_torchrun_sent_sigterm_ends_as_its_ranks_do_in_one_line(data, tmp_path):
+    """torchrun itself, sent the SIGTERM, ends with its own traceback and status 1 while its ranks save and exit 143;
+    gpupipe-torchrun (torchrun, the same arguments) ends with 143 and one line of its own, no traceback, and the ranks'
+    resume command is its command."""
+    launcher = [sys.executable, "-m", "gpupipe.train.launch", "--standalone", "--nproc_per_node", "2"]
+    cmd = [*launcher, *_cmd(data, tmp_path / "out", "--epochs", "50")[1:]]
+    proc = _start(cmd)
+    _wait_for(proc, "epoch 0  2/")
+    proc.send_signal(signal.SIGTERM)
+    code, lines = _finish(proc)
+    assert code == 128 + signal.SIGTERM, lines
+    assert not any("Traceback" in line or "SignalException" in line for line in lines), lines
+    assert lines[-1] == "gpupipe-torchrun: stopped by SIGTERM; the ranks were sent it and ended", lines
+    (stopped,) = [line for line in lines if line.startswith("stopped by SIGTERM")]
+    assert stopped.endswith(f"resume with: {shlex.join(cmd)} --resume")
+    assert (tmp_path / "out" / "checkpoints" / "last.pt").exists()
+
+
 def test_ctrl_c_saves_and_a_second_one_stops_at_once(data, tmp_path):
     """The first SIGINT asks for a save at the next optimizer step; with --accum 16 that is up to 15 micro-batches
     away, and the second SIGINT comes before it: the run stops at once, saving nothing more."""

@@ -105,6 +105,9 @@ def resume_command(out: str) -> str:
     return shlex.join([*_launcher(sys.argv[1:]), *args, "--resume"])
 
 
+_LAUNCHERS = ("torchrun", "gpupipe-torchrun")  # console scripts: a python running /venv/bin/NAME
+
+
 def _launcher(args: list[str]) -> list[str]:
     """What comes before this process's arguments in the command a user typed: ``gpupipe``, or under torchrun
     (``TORCHELASTIC_RUN_ID`` set) torchrun's own words (``torchrun --nproc-per-node 2 -m gpupipe``), read from its
@@ -120,8 +123,8 @@ def _launcher(args: list[str]) -> list[str]:
         nproc = os.environ.get("LOCAL_WORLD_SIZE", "1")
         return ["torchrun", f"--nproc-per-node={nproc}", "-m", "gpupipe"]
     words = parent[: len(parent) - len(args)]
-    if len(words) > 1 and os.path.basename(words[1]) == "torchrun":  # python /venv/bin/torchrun ...: as typed
-        words = ["torchrun", *words[2:]]
+    if len(words) > 1 and os.path.basename(words[1]) in _LAUNCHERS:  # python /venv/bin/torchrun ...: as typed
+        words = [os.path.basename(words[1]), *words[2:]]
     return words
 
 
