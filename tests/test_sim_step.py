@@ -60,3 +60,26 @@ def test_gpupipe_bench_runs_it(tmp_path):
     assert main([*argv, "--image-size", "16", "--workers", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert (row["backend"], row["batch"], row["size"], row["workers"]) == ("pillow", 2, 16, 1)
+
+
+def test_the_probe_times_the_training_thread_idle_and_beside_the_loaders_work_in_pairs():
+    """A ``take()`` that leaves a thread holding the GIL (a loader that crowds the training thread) makes the probe
+    after it slower than the one taken with nothing running; a take that starts nothing leaves both alike."""
+    import threading
+
+    n = sim_step.calibrate_probe(20.0)  # longer than the GIL's switch interval (5 ms)
+
+    def crowding():
+        running = threading.Event()
+
+        def crowd():
+            running.set()
+            sim_step.spin(0.2)
+
+        threading.Thread(target=crowd, daemon=True).start()
+        running.wait()
+
+    alone, loaded = sim_step.time_probe(n, 3, crowding, settle=0.25)
+    assert loaded > 1.3 * alone
+    alone, loaded = sim_step.time_probe(n, 3, lambda: None, settle=0.01)
+    assert loaded < 1.3 * alone

@@ -9,9 +9,10 @@ leaves an odd last batch), epoch starts included; the first ``next()`` of each e
 one. The loaders are built as for CUDA: a GPU rank's default workers (``--workers`` to set them), the device side on
 the meta device (every op dispatched, none computed: gpupipe.bench.host_budget), one warm-up epoch before.
 
-The **contention probe** is a fixed CPU task on the training thread (pure Python, ``--probe-ms`` alone), timed alone
-and between ``next()`` calls while the loader's processes and threads make batches: their ratio says how much the
-loader slows the training thread down.
+The **contention probe** is a fixed CPU task on the training thread (pure Python, ``--probe-ms`` alone), timed in
+pairs: once with the loader idle (its read-ahead full), once right after a ``next()``, while the loader's processes
+and threads make the next batch. The ratio of the medians says how much the loader slows the training thread down;
+pairing keeps the machine's drift (other load, clock changes) out of it.
 
     python -m gpupipe.bench.sim_step DATA [--backends pillow,turbojpeg,dali] [--batch 32] [--size 224]
         [--epochs 3] [--steps 30] [--json bench/results/sim-step-NAME-DATE.json]
@@ -80,16 +81,17 @@ def _timed(n: int) -> float:
     return time.perf_counter() - t0
 
 
-def time_probe(n: int, rounds: int, between=None) -> float:
-    """Median wall ms of the probe over ``rounds``, each after ``between()`` when given (a ``next()``)."""
-    took = []
+def time_probe(n: int, rounds: int, take, settle: float) -> tuple[float, float]:
+    """Median wall ms of the probe with the loader idle (``settle`` s after the last ``take()``: its read-ahead
+    refilled) and right after a ``take()`` (the loader making the next batch), over ``rounds`` pairs."""
+    alone, loaded = [], []
     for _ in range(rounds):
-        if between is not None:
-            between()
-        t0 = time.perf_counter()
-        probe_task(n)
-        took.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(took)
+        time.sleep(settle)
+        alone.append(_timed(n) * 1e3)
+        time.sleep(settle)
+        take()
+        loaded.append(_timed(n) * 1e3)
+    return statistics.median(alone), statistics.median(loaded)
 
 
 def forever(loader):
@@ -140,7 +142,6 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
     """The simulated step and the probe, for one backend."""
     gc.collect()
     time.sleep(1.0)  # the last backend's processes gone
-    alone = time_probe(probe_n, s.probe_rounds)
     workers = default_workers(torch.device("cuda")) if s.workers is None else s.workers
     loader = meta_loader(data, backend, Recipe(s.size), s.batch, workers)
     if len(loader) - 1 < s.steps:
@@ -154,7 +155,8 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
     run_epochs(loader, 1, 1, step_cpu, step_wait)  # warm-up: the stream as it runs from now on
     row = run_epochs(loader, 2, s.epochs, step_cpu, step_wait)
     batches = forever(loader)
-    loaded = time_probe(probe_n, s.probe_rounds, batches.__next__)
+    settle = max(0.1, 3 * alone_ms / 1e3)  # a batch's time alone, three times over: the read-ahead is refilled
+    alone, loaded = time_probe(probe_n, s.probe_rounds, batches.__next__, settle)
     del batches, loader  # its workers end now
     return {
         "backend": backend,
