@@ -226,7 +226,8 @@ def sim_step_report(rep: dict) -> list[str]:
     lines = [
         f"{_machine_line(rep)}. `{Path(str(rep['data'])).name}`, batch {cfg['batch']}, {cfg['size']} px, the step "
         f"{cfg['headroom']:g}x the loader's time alone ({cfg['cpu_share']:.0%} of it on the CPU), {cfg['epochs']} "
-        f"epochs each left one batch early; probe {cfg['probe_ms']:g} ms alone, median of {cfg['probe_rounds']}.",
+        f"epochs each left one batch early; probe {cfg['probe_ms']:g} ms alone, median of {cfg['probe_rounds']}"
+        f"{' pairs (the loader idle, then right after a next())' if rep.get('probe') == 'paired' else ''}.",
         "",
         "| backend | workers | step ms | data-wait | epoch starts, ms | median next(), ms | probe vs alone |",
         "|---|---:|---:|---:|---:|---:|---:|",

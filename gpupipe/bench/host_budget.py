@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -256,8 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     backends = [b for b in args.backends if (b == "nvjpeg" and args.device == "meta") or b in available_backends()]
     rows = run(args.data, args.sizes, args.batch, args.batches, args.workers, backends, args.device)
     if args.json:
+        from ..info import machine_info
+        from .sim_step import _commit
+
+        m = machine_info()
         meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "method": __doc__}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        meta["machine"] = f"{m['cpu']} ({m['cores_usable']} cores)"
+        meta["command"] = "python -m gpupipe.bench.host_budget " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "commit": _commit()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -207,6 +207,7 @@ def run(data: str, backends: list[str], s: Settings) -> dict:
         "machine": machine_info(),
         "data": data,
         "config": asdict(s),
+        "probe": "paired",  # idle and right after a next(), in pairs
         "results": results,
     }
 
