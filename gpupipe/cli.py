@@ -71,7 +71,7 @@ def _cmd_bench(args) -> int:
     from .api import _resolve_device
     from .bench import report, suite
     from .bench.eta import shown_progress
-    from .bench.records import Config, policy_recipes
+    from .bench.records import Config, bench_pipelines, policy_recipes
     from .sample_data import DEFAULT_DIR, make_sample_data
 
     if args.plot:  # before the benchmark, not after it
@@ -87,9 +87,7 @@ def _cmd_bench(args) -> int:
     backends, unavailable = _bench_backends(args.backends, device)
     if not backends:
         return 2
-    pipelines = args.pipelines.split(",")
-    if (args.aa or args.color_jitter or args.reprob) and "augment" not in pipelines:
-        pipelines.append("augment")  # the policies' cost: train with them, beside train without
+    pipelines = bench_pipelines(args.pipelines, args.model, bool(args.aa or args.color_jitter or args.reprob))
     cfg = Config(
         data,
         backends,
@@ -109,7 +107,7 @@ def _cmd_bench(args) -> int:
     with shown_progress(console) as progress:
         results = suite.run(cfg, progress=progress)
     if not results:
-        raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {args.pipelines}")
+        raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {pipelines}")
     _bench_outputs(cfg, results, args.json, args.plot, unavailable, since)
     return 0
 
@@ -321,9 +319,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", help="comma-separated (default: every available backend)")
     p.add_argument(
         "--pipelines",
-        default="decode,train,eval",
         help="comma-separated from decode, floor, train, eval (floor: the decode a train pipeline cannot "
-        "avoid, at the DCT scale its crops allow; train rows then say how close they come)",
+        "avoid, at the DCT scale its crops allow; train rows then say how close they come); default decode,train,eval, "
+        "train alone with --model or a policy",
     )
     p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")

@@ -287,3 +287,33 @@ def test_a_backend_that_cannot_run_is_a_row_saying_why_and_the_rest_are_measured
     assert "CUDA" in rep["unavailable"]["nvjpeg"]
     out = " ".join(capsys.readouterr().out.split())
     assert "nvjpeg │ unavailable: needs a CUDA GPU" in out or "nvjpeg unavailable" in out, out
+
+
+def test_the_gpu_modes_time_train_alone_and_fit_one_ten_minute_call(monkeypatch):
+    """``--model`` and a policy time the loaders in the train pipeline only (their rows are read against it), unless
+    ``--pipelines`` says more: the GPU check's two runs, every backend, on a 16-core GPU machine's defaults (15
+    workers, batch 256, 9,600 photos), are then planned at under 9 minutes each, where decode, train and eval made
+    them about 17 and 11."""
+    import dataclasses
+
+    from gpupipe.bench import suite
+    from gpupipe.bench.records import Config, bench_pipelines, policy_recipes
+
+    assert bench_pipelines(None, None, False) == ["decode", "train", "eval"]
+    assert bench_pipelines(None, "resnet50", False) == ["train"]
+    assert bench_pipelines(None, None, True) == ["train", "augment"]
+    assert bench_pipelines("decode,train", "resnet50", True) == ["decode", "train", "augment"]
+
+    class Photos(list):
+        reads_files = True
+
+    monkeypatch.setattr(suite, "open_source", lambda data: Photos(range(9600)))
+    cuda = torch.device("cuda")
+    augment = Config("photos", ["dali", "nvjpeg", "turbojpeg"], bench_pipelines(None, None, True), 15, cuda, 256, 8, 2)
+    augment.recipes = policy_recipes(224, ["rand-m9-mstd0.5-inc1"], None, 0.25)
+    model = Config("photos", ["dali", "turbojpeg", "synthetic"], bench_pipelines(None, "resnet50", False), 15, cuda)
+    model = dataclasses.replace(model, batch_size=256, seconds=6, repeats=1, model="resnet50")
+    for cfg in (augment, model):
+        assert suite.estimate(cfg) < 540
+        every = dataclasses.replace(cfg, pipelines=["decode", "train", "eval", *cfg.pipelines[1:]])
+        assert suite.estimate(every) > 600

@@ -36,6 +36,17 @@ class Config:
             self.image_size = self.image_sizes[0]
 
 
+def bench_pipelines(asked: str | None, model: str | None, augmenting: bool) -> list[str]:
+    """The pipelines a ``gpupipe bench`` times: those asked for (``--pipelines``), else decode, train and eval; with
+    ``--model`` or an augmentation policy, train alone (the rows those modes are read against: a GPU's check of every
+    backend then fits one 10-minute call), and augment beside it for a policy."""
+    if asked is not None:
+        pipelines = asked.split(",")
+    else:
+        pipelines = ["train"] if model or augmenting else ["decode", "train", "eval"]
+    return [*pipelines, "augment"] if augmenting and "augment" not in pipelines else pipelines
+
+
 @dataclass
 class Result:
     """One figure: a backend's images per second in one pipeline (median over the timed windows, with their
