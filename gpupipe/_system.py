@@ -69,6 +69,15 @@ def thread_ids() -> set[int]:
         return set()
 
 
+def thread_name(tid: int) -> str:
+    """A thread's name as the kernel keeps it (``/proc/self/task/TID/comm``); "" once it is gone, or elsewhere."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def lower_thread_priority(tids: set[int]) -> None:
     """:func:`lower_priority` for threads of this process (a library's decode threads, such as DALI's, started in the
     training process): on Linux a thread's niceness is its own. A thread already gone is skipped."""

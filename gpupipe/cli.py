@@ -107,7 +107,9 @@ def _cmd_bench(args) -> int:
     with shown_progress(console) as progress:
         results = suite.run(cfg, progress=progress)
     if not results:
-        raise ValueError(f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {pipelines}")
+        raise ValueError(
+            f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {','.join(pipelines)}"
+        )
     _bench_outputs(cfg, results, args.json, args.plot, unavailable, since)
     return 0
 

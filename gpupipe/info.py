@@ -144,3 +144,22 @@ def backend_status() -> dict[str, str | None]:
     from .backends import names, unavailable_reason
 
     return {name: unavailable_reason(name) for name in names()}
+
+
+def source_commit() -> str | None:
+    """The commit of the source tree this runs from (``git rev-parse --short HEAD`` where it is a git checkout), for
+    the figures a benchmark records; None elsewhere."""
+    import os
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

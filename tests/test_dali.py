@@ -325,10 +325,16 @@ def test_batches_go_through_dalis_pipeline_object_not_its_python_wrapper(photos,
     built) are never called; the batches are the wrapper's, pixel for pixel."""
     from nvidia.dali.pipeline import Pipeline
 
+    from gpupipe.backends.dali_graph import Driver
+
     def loader():
         return gpupipe.build_loader(photos, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu", seed=3)
 
-    wrapped = [[x.clone() for x in batch] for batch in loader()]
+    with monkeypatch.context() as m:
+        m.setattr(Driver, "_CALLS", ("NoSuchCall",))  # as with a DALI whose pipeline object lacks the calls
+        through_wrapper = loader()
+        wrapped = [[x.clone() for x in batch] for batch in through_wrapper]
+        assert through_wrapper._pipe is not None and through_wrapper._pipe.direct is None
     calls = []
 
     def spied(name):
@@ -351,7 +357,7 @@ def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(p
     import dataclasses
     import os
 
-    from gpupipe._system import WORKER_NICENESS, thread_ids
+    from gpupipe._system import WORKER_NICENESS, thread_ids, thread_name
     from gpupipe.backends import get
     from gpupipe.data.device import DeviceStage
     from gpupipe.recipe import Recipe
@@ -365,8 +371,7 @@ def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(p
         before = thread_ids()
         next(iter(loader))
         new = thread_ids() - before
-        names = {t: open(f"/proc/self/task/{t}/comm").read() for t in new if os.path.exists(f"/proc/self/task/{t}")}
-        return [os.getpriority(os.PRIO_PROCESS, t) for t, name in names.items() if "DALI" in name]
+        return [os.getpriority(os.PRIO_PROCESS, t) for t in new if "DALI" in thread_name(t)]
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert dali_threads("cpu") and all(p == base for p in dali_threads("cpu"))

@@ -115,7 +115,7 @@ def test_gpupipe_torchrun_sent_sigterm_ends_as_its_ranks_do_in_one_line(data, tm
     code, lines = _finish(proc)
     assert code == 128 + signal.SIGTERM, lines
     assert not any("Traceback" in line or "SignalException" in line for line in lines), lines
-    assert lines[-1] == "gpupipe-torchrun: stopped by SIGTERM; the ranks were sent it and ended", lines
+    assert lines[-1] == "gpupipe-torchrun: stopped by SIGTERM, which torchrun passed on to its ranks", lines
     (stopped,) = [line for line in lines if line.startswith("stopped by SIGTERM")]
     assert stopped.endswith(f"resume with: {shlex.join(cmd)} --resume")
     assert (tmp_path / "out" / "checkpoints" / "last.pt").exists()

@@ -108,6 +108,27 @@ def test_resume_command_repeats_the_command_with_resume(monkeypatch):
     assert resume_command("my run") == "gpupipe train --out 'my run' --epochs 3 --resume"
 
 
+@pytest.mark.parametrize("script", ["torchrun", "gpupipe-torchrun"])
+def test_under_a_launcher_script_the_resume_command_names_it_as_typed(monkeypatch, tmp_path, script):
+    """A console script's process is ``python /venv/bin/NAME ...``: the resume command starts with NAME, as typed."""
+    args = ["train", "--out", "o"]
+    parent = tmp_path / "cmdline"
+    parent.write_bytes(
+        b"\0".join(
+            a.encode()
+            for a in ["/venv/bin/python3", f"/venv/bin/{script}", "--nproc-per-node", "2", "-m", "gpupipe", *args]
+        )
+        + b"\0"
+    )
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda f, *a, **k: real_open(parent if str(f).startswith("/proc/") else f, *a, **k)
+    )
+    monkeypatch.setattr("sys.argv", ["/x/gpupipe", *args])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    assert resume_command("o") == f"{script} --nproc-per-node 2 -m gpupipe train --out o --resume"
+
+
 def test_a_stall_at_the_open_file_limit_is_named_as_such():
     """Under a low ``ulimit -n`` a loader stalled (a worker could not hand over its batch's file descriptor) and the
     run blamed "a hung read (a network file system?)"; a process at its limit is now named."""

@@ -21,7 +21,7 @@ import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
 from .._files import read_regular, unchanged
-from .._system import lower_thread_priority, thread_ids
+from .._system import lower_thread_priority, thread_ids, thread_name
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
@@ -101,7 +101,7 @@ class DaliLoader(Loader):
                 )
             )
             if self.device.type != "cpu":  # DALI's threads decode: below the training thread, as workers are
-                lower_thread_priority(thread_ids() - before)
+                lower_thread_priority({t for t in thread_ids() - before if "DALI" in thread_name(t)})
             self.pipelines_built += 1
             self._scheduled = 0
         return self._pipe

@@ -52,7 +52,7 @@ class Work:
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
     listed: Any = None  # the samples as one DALI TensorListCPU, made on the feed's thread (see ``prepare``)
     # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (len(dali), L), each
-    # DALI sample's path zero-padded (its length is the last column of ``rows``)
+    # DALI sample's path, then what follows it in the path table (its length is the last column of ``rows``)
     paths: np.ndarray | None = None
 
     def samples(self) -> list[np.ndarray]:

@@ -182,6 +182,8 @@ class FileTable:
             self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
             self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
         self.width = int(self.lengths.max(initial=1))  # every batch's path rows are this wide
+        if len(self._bytes) < self.width:  # no room for one window (no samples): padded
+            self._bytes = np.concatenate([self._bytes, np.zeros(self.width, np.uint8)])
         # each path's row is a window of the buffer from its start (its length says where it ends): the buffer's last
         # ``width`` bytes again, padded, for the paths that start near its end
         self._tail_at = max(0, len(self._bytes) - self.width)
@@ -203,7 +205,7 @@ class FileTable:
 
     def set(self, indices: np.ndarray, verdicts: Verdicts) -> None:
         self.kind[indices], self.sizes[indices] = verdicts.kind, verdicts.sizes
-        for i in indices[verdicts.kind != _BAD].tolist() if self.problems else ():
+        for i in indices.tolist() if self.problems else ():  # a verdict replaces the problem it had, if any
             self.problems.pop(i, None)
         self.problems.update({int(indices[k]): problem for k, problem in verdicts.problems.items()})
 

@@ -80,9 +80,9 @@ def build_pipeline(
 
 
 def _read_files(lengths):
-    """The encoded bytes of files named by ``paths`` (each a zero-padded row of the path's bytes, its length in
-    ``lengths``), read in DALI's threads. Plain reads, not a mapping: a file truncated while mapped would kill the
-    process (SIGBUS) where a read fails and the batch is narrowed to it."""
+    """The encoded bytes of files named by ``paths`` (each row a path's bytes, then whatever follows them in the path
+    table's buffer; its length in ``lengths``), read in DALI's threads. Plain reads, not a mapping: a file truncated
+    while mapped would kill the process (SIGBUS) where a read fails and the batch is narrowed to it."""
     from nvidia.dali import fn, types
 
     paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=True)
@@ -142,7 +142,8 @@ class Driver:
         self.pipe = pipe
         handle = getattr(pipe, "_pipe", None)
         self.direct = handle if all(callable(getattr(handle, c, None)) for c in self._CALLS) else None
-        self._as_list, self._stream_ptr = TensorListCPU, types._raw_cuda_stream_ptr
+        self._as_list = TensorListCPU
+        self._stream_ptr = types._raw_cuda_stream_ptr if self.direct is not None else None
 
     def feed(self, name: str, data) -> None:
         """One batch of input ``name``: a numpy array whose first axis is the batch, a ``TensorListCPU``, or a list of
@@ -163,6 +164,7 @@ class Driver:
         """The oldest scheduled batch's outputs, bound to ``stream`` (None: a CPU pipeline's)."""
         if self.direct is None:
             return self.pipe.share_outputs(cuda_stream=stream)
+        assert self._stream_ptr is not None  # looked up with ``direct``
         return self.direct.ShareOutputs(None if stream is None else self._stream_ptr(stream))
 
     def release(self) -> None:
@@ -173,7 +175,8 @@ class Driver:
 
 
 def to_torch(out, device: torch.device) -> torch.Tensor:
-    """A DALI batch of equal-shaped images as a torch tensor, through DLPack: no copy and no host wait. The dynamic
+    """A DALI batch of equal-shaped images as a torch tensor, without a copy or a host wait: through DLPack on CUDA,
+    numpy's buffer view on the host. The dynamic
     executor counts references to its buffers, so the tensor keeps DALI's output alive after ``release_outputs``;
     torch asks DALI, through the protocol's stream argument, to order the hand-over on the consumer's stream."""
     tensor = out.as_tensor()

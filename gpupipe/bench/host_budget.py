@@ -257,14 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     backends = [b for b in args.backends if (b == "nvjpeg" and args.device == "meta") or b in available_backends()]
     rows = run(args.data, args.sizes, args.batch, args.batches, args.workers, backends, args.device)
     if args.json:
-        from ..info import machine_info
-        from .sim_step import _commit
+        from ..info import machine_info, source_commit
 
         m = machine_info()
         meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "method": __doc__}
         meta["machine"] = f"{m['cpu']} ({m['cores_usable']} cores)"
         meta["command"] = "python -m gpupipe.bench.host_budget " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "commit": _commit()}, indent=1))
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "commit": source_commit()}, indent=1))
 
 
 if __name__ == "__main__":

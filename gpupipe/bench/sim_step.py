@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,7 +154,8 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
     run_epochs(loader, 1, 1, step_cpu, step_wait)  # warm-up: the stream as it runs from now on
     row = run_epochs(loader, 2, s.epochs, step_cpu, step_wait)
     batches = forever(loader)
-    settle = max(0.1, 3 * alone_ms / 1e3)  # a batch's time alone, three times over: the read-ahead is refilled
+    # a worker remakes the batch taken in ``workers`` batch times (they run side by side): twice that, refilled
+    settle = max(0.1, 2 * max(1, workers) * alone_ms / 1e3)
     alone, loaded = time_probe(probe_n, s.probe_rounds, batches.__next__, settle)
     del batches, loader  # its workers end now
     return {
@@ -184,16 +184,8 @@ def _line(r: dict) -> str:
     )
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
 def run(data: str, backends: list[str], s: Settings) -> dict:
-    from ..info import machine_info  # the machine beside every figure
+    from ..info import machine_info, source_commit  # the machine and the code beside every figure
 
     probe_n = calibrate_probe(s.probe_ms)
     results = []
@@ -203,7 +195,7 @@ def run(data: str, backends: list[str], s: Settings) -> dict:
     return {
         "kind": "sim-step",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
+        "commit": source_commit(),
         "machine": machine_info(),
         "data": data,
         "config": asdict(s),

@@ -3,7 +3,9 @@
 Sent SIGTERM (a scheduler's stop, a preemption) or Ctrl-C, torchrun passes the signal on to its ranks, which save a
 checkpoint at the step boundary and exit 143 (130), and then raises the signal as an exception of its own: a
 traceback and exit status 1, which a job script reads as a crash. This runs torchrun itself (``torch.distributed.run``,
-every argument as torchrun takes it) and ends such a stop in one line with the ranks' status, 128 + the signal."""
+every argument as torchrun takes it) and ends such a stop in one line with the status the ranks end with, 128 + the
+signal. (torchrun waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, 30 by default, for its ranks before it kills
+them: a rank's save at the step boundary takes far less.)"""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
         torchrun(argv)
     except SignalException as e:
         name = signal.Signals(e.sigval).name
-        print(f"gpupipe-torchrun: stopped by {name}; the ranks were sent it and ended", file=sys.stderr)
+        print(f"gpupipe-torchrun: stopped by {name}, which torchrun passed on to its ranks", file=sys.stderr)
         raise SystemExit(128 + int(e.sigval)) from None
 
 
