@@ -8,7 +8,7 @@ EXTRAS ?= all,dev
 # e.g. https://download.pytorch.org/whl/cpu: torch and torchvision from there first (a CPU-only torch: no CUDA wheels)
 TORCH_INDEX ?=
 
-.PHONY: setup system-deps demo test lint bench-cpu clean docker docker-test
+.PHONY: setup system-deps demo test lint check fast-tests bench-cpu clean docker docker-test
 
 # System packages, installed when run as root: TurboJPEG's C library (the turbojpeg backend loads it at run time)
 # and libjpeg-turbo's tools (the tests make an arithmetic-coded JPEG with jpegtran).
@@ -58,6 +58,14 @@ lint: setup
 
 test: setup lint
 	$(VENV)/bin/python -m pytest
+
+# The inner loop: lint beside the tests not marked slow (the full suite is `make test`, as CI runs it). One
+# backend's tests: `.venv/bin/python -m pytest -m dali` (markers: pillow, turbojpeg, dali, nvjpeg, synthetic).
+check: setup
+	$(MAKE) --no-print-directory -j2 lint fast-tests
+
+fast-tests: setup
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow"
 
 bench-cpu: setup $(DATA)/.complete
 	bash bench/run_cpu.sh

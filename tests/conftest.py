@@ -1,6 +1,8 @@
 """Hooks and fixtures only; shared helpers are in common_utils.py."""
 
+import functools
 import gc
+import inspect
 import random
 
 import numpy as np
@@ -10,13 +12,41 @@ import torch
 from .common_utils import INVALID, VALID, S3Server, make_folder, photo
 
 
+BACKEND_MARKS = ("pillow", "turbojpeg", "dali", "nvjpeg", "synthetic")  # `pytest -m dali`: every test of dali
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for backend in _backends_of(item):
+            item.add_marker(backend)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _backends_of(item) -> set[str]:
+    """The backends a test exercises: its module's (``test_dali_files.py``), a parameter's value (``backend="dali"``
+    among the cases), or a backend named in quotes in the test's own code."""
+    words = set(item.path.stem.split("_"))
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    values = {v for v in params.values() if isinstance(v, str)}
+    code = _source(getattr(item, "function", None))
+    return {
+        b
+        for b in BACKEND_MARKS
+        if b in words or b in values or f'"{b}"' in code or f"'{b}'" in code or f'backend="{b}' in code
+    }
+
+
+@functools.cache
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
 
 
 def pytest_sessionfinish(session, exitstatus):
