@@ -124,7 +124,8 @@ def describe(key: str, value) -> str:
     if key == "dali" and isinstance(value, dict):
         if not value.get("installed"):
             return "not installed"
-        return f"{value.get('package') or 'installed'} ({'GPU and CPU' if value.get('gpu') else 'CPU only: no GPU'})"
+        line = f"{value.get('package') or 'installed'} ({'GPU and CPU' if value.get('gpu') else 'CPU only: no GPU'})"
+        return line + (f"; {value['problem']}" if value.get("problem") else "")
     if key == "decode_workers" and isinstance(value, dict):
         return (
             f"{value['cpu']} on the CPU, {value['cuda']} with a GPU (the training thread keeps a core); "

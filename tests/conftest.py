@@ -11,7 +11,6 @@ import torch
 
 from .common_utils import INVALID, VALID, S3Server, make_folder, photo
 
-
 BACKEND_MARKS = ("pillow", "turbojpeg", "dali", "nvjpeg", "synthetic")  # `pytest -m dali`: every test of dali
 
 

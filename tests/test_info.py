@@ -102,6 +102,11 @@ def test_install_info_from_a_source_tree(monkeypatch):
             "nvidia-dali-cuda120 2.4 (GPU and CPU)",
         ),
         ("dali", {"installed": True, "gpu": False}, "installed (CPU only: no GPU)"),
+        (
+            "dali",
+            {"installed": True, "package": "nvidia-dali-cuda120 2.4", "gpu": False, "problem": "DALI for CUDA 12 ..."},
+            "nvidia-dali-cuda120 2.4 (CPU only: no GPU); DALI for CUDA 12 ...",
+        ),
         ("cuda_devices", [], "none"),
         ("cuda_devices", ["H100", "H100"], "H100, H100"),
         ("torch_cuda", None, "-"),
@@ -110,3 +115,26 @@ def test_install_info_from_a_source_tree(monkeypatch):
 )
 def test_describe_reads_as_one_line(key, value, line):
     assert info.describe(key, value) == line
+
+
+@pytest.mark.parametrize(
+    "torch_cuda, package, fix",
+    [
+        ("13.0", "nvidia-dali-cuda130 2.4.0", None),
+        ("12.8", "nvidia-dali-cuda120 2.4.0", None),
+        (None, "nvidia-dali-cuda120 2.4.0", None),  # a CPU torch: DALI's CPU pipelines run either way
+        ("13.0", "nvidia-dali-cuda120 2.4.0", '12 beside torch for CUDA 13: (.*) \\(pip install ".\\[dali\\]"\\)'),
+        ("12.8", "nvidia-dali-cuda130 2.4.0", '13 beside torch for CUDA 12: (.*) \\(pip install ".\\[dali-cu12\\]"\\)'),
+        ("11.8", "nvidia-dali-cuda120 2.4.0", "12 beside torch for CUDA 11: (.*) \\(install DALI for CUDA 11\\)"),
+    ],
+)
+def test_gpupipe_info_says_when_dali_was_built_for_another_cuda_than_torch(monkeypatch, torch_cuda, package, fix):
+    """The `[all]` extras once put DALI for CUDA 12 beside torch for CUDA 13: `gpupipe info` names the mismatch and the
+    extra that matches torch."""
+    import re
+
+    from gpupipe.backends import dali
+
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    problem = dali._cuda_mismatch(package)
+    assert problem is None if fix is None else re.fullmatch(f"DALI for CUDA {fix}", problem or "")

@@ -13,6 +13,7 @@ on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterator
 
@@ -55,7 +56,19 @@ def dali_info() -> dict:
             break
         except PackageNotFoundError:
             continue
-    return {"installed": True, "package": dist, "gpu": torch.cuda.is_available()}
+    return {"installed": True, "package": dist, "gpu": torch.cuda.is_available(), "problem": _cuda_mismatch(dist)}
+
+
+def _cuda_mismatch(package: str | None) -> str | None:
+    """Where DALI was built for another CUDA major than torch's: what to install instead (None when they agree, or
+    torch has no CUDA: DALI's CPU pipelines run either way)."""
+    built = re.search(r"cuda(\d+)0\b", package or "")
+    ours = (torch.version.cuda or "").split(".")[0]
+    if built is None or not ours or built.group(1) == ours:
+        return None
+    extra = {"13": "dali", "12": "dali-cu12"}.get(ours)
+    fix = f'pip install ".[{extra}]"' if extra else f"install DALI for CUDA {ours}"
+    return f"DALI for CUDA {built.group(1)} beside torch for CUDA {ours}: its GPU pipelines may not load ({fix})"
 
 
 def _unavailable() -> str | None:
