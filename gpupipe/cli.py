@@ -371,11 +371,12 @@ class _ConsoleHandler(logging.Handler):
 
 
 def _show_logs() -> None:
-    """The library logs its decisions (which backend ``auto`` chose, and why) to the ``gpupipe`` logger: show them."""
+    """The library logs its decisions (which backend ``auto`` chose, and why) to the ``gpupipe`` logger: show them;
+    under torchrun rank 0 alone says what every rank would (the others only their errors), as Lightning does."""
     log = logging.getLogger("gpupipe")
     if not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
         log.addHandler(_ConsoleHandler())
-        log.setLevel(logging.INFO)
+        log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

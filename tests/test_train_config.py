@@ -162,6 +162,24 @@ def test_a_schedule_that_cannot_finish_within_the_epochs_is_said_in_one_line(fla
     assert not caplog.records
 
 
+def test_under_torchrun_rank_0_alone_says_a_config_warning():
+    """Every rank printed the same config warning (and every other ``gpupipe`` log line): rank 0 now speaks for all."""
+    flags = ["-m", "gpupipe", "train", "--print-config", "--res-end", "288", "--epochs", "1"]
+    said = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO_ROOT),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+        }
+        out = subprocess.run([sys.executable, *flags], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        said.append("the resolution schedule reaches --res-end 288" in out.stdout + out.stderr)
+    assert said == [True, False]
+
+
 def test_the_cache_limit_is_parsed_and_said_when_it_has_no_effect(caplog):
     """--cache-limit banana trained normally (parsed only when a loader over a URL was built); --cache-limit 1GB over
     a local folder said nothing."""
