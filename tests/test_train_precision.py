@@ -92,6 +92,32 @@ def test_a_skipped_first_fused_sgd_step_leaves_no_uninitialised_momentum():
     torch.testing.assert_close(runs[1], runs[0])
 
 
+def test_the_momentum_buffers_are_checked_until_every_parameter_has_one_not_every_step(monkeypatch):
+    """The check loops over every parameter in Python: it ran before every fp16 step. Now it runs until each parameter
+    has its buffer (one without a gradient yet keeps it going), and again when a parameter is added."""
+    from gpupipe.train import precision as module
+
+    calls = []
+    real = module._zero_momentum
+    monkeypatch.setattr(module, "_zero_momentum", lambda optimizer: calls.append(1) or real(optimizer))
+    torch.manual_seed(0)
+    model, unused = nn.Linear(8, 2), nn.Linear(8, 2)
+    optimizer = torch.optim.SGD([*model.parameters(), *unused.parameters()], lr=0.1, momentum=0.9, fused=True)
+    precision = Precision("fp16", CPU)
+    for _ in range(3):
+        _step(precision, 1.0, model, optimizer)
+    assert len(calls) == 3  # ``unused`` has no gradient: not done
+    optimizer.param_groups[0]["params"] = list(model.parameters())  # every one has its buffer: the checks end
+    for _ in range(3):
+        _step(precision, 1.0, model, optimizer)
+    assert len(calls) == 3
+    extra = nn.Parameter(torch.zeros(2))
+    optimizer.add_param_group({"params": [extra]})
+    extra.grad = torch.zeros(2)
+    _step(precision, 1.0, model, optimizer)
+    assert len(calls) == 4 and optimizer.state[extra]["momentum_buffer"] is not None
+
+
 def test_clipping_bounds_the_gradient_norm():
     precision = Precision("fp32", CPU, clip=0.5)
     model = nn.Linear(4, 1, bias=False)

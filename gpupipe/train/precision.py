@@ -37,6 +37,7 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self._skipped: torch.Tensor | None = None  # steps the scaler skipped, counted on the device (fused optimizers)
         self._skipped_on_host = 0  # and on the host (an optimizer that left the decision to the scaler)
+        self._buffered = -1  # parameters that had a momentum buffer at the last check (see ``_zero_momentum``)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
@@ -62,8 +63,8 @@ class Precision:
         if not self.scaler.is_enabled():
             self.scaler.step(optimizer)
             return
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            _zero_momentum(optimizer)
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and self._buffered != _count(optimizer):
+            self._buffered = _zero_momentum(optimizer)  # until every parameter has one: a loop over them all
         stepped: list[bool] = []
         hooks = (
             optimizer.register_step_pre_hook(self._count_found_inf),
@@ -111,17 +112,27 @@ def _parameters(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def _zero_momentum(optimizer: torch.optim.Optimizer) -> None:
+def _count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _zero_momentum(optimizer: torch.optim.Optimizer) -> int:
     """Zero momentum buffers for parameters that have none yet, before a fused SGD step: torch's fused SGD makes them
     with ``empty_like`` on its first step and fills them in the kernel, which a skipped step never runs, so after a
     skipped first step (common in fp16: the first scale is often too high) the momentum would be uninitialised
-    memory. With dampening 0 a zero buffer gives the first step's update exactly (momentum x 0 + gradient)."""
+    memory. With dampening 0 a zero buffer gives the first step's update exactly (momentum x 0 + gradient). Returns
+    how many parameters need no more of this (all of them once each trainable one had a gradient; the caller then
+    stops calling until a parameter is added)."""
     if not isinstance(optimizer, torch.optim.SGD):
-        return
+        return _count(optimizer)
+    done = 0
     for group in optimizer.param_groups:
         if group["momentum"] == 0 or group["dampening"] != 0:
+            done += len(group["params"])
             continue
         for p in group["params"]:
             state = optimizer.state[p]
             if p.grad is not None and state.get("momentum_buffer") is None:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            done += state.get("momentum_buffer") is not None or not p.requires_grad  # a frozen one never steps
+    return done
