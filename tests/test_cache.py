@@ -319,6 +319,26 @@ def test_ranks_of_two_nodes_fill_one_small_cache_at_once_and_read_every_byte_rig
     assert held <= limit and not list(cache.glob("*.part"))
 
 
+def test_a_folder_left_over_its_limit_by_shards_in_use_is_trimmed_when_one_is_released(s3, prepared, tmp_path):
+    """A fetch that cannot evict (the shards in its way are in use) leaves the folder over its limit; the folder stayed
+    so after every reader was done (a 4-process run ended holding 4 shards in a 3-shard cache). The next release
+    evicts again, and the folder is back within its limit."""
+    url = s3.upload(prepared, "trim")
+    data = scan(Remote(url, cache_dir=str(tmp_path / "index")))
+    urls, sizes, etags = data.shard_paths[:2], data.cache.sizes[:2], data.cache.etags[:2]
+    cache = ShardCache(tmp_path / "cache", max(sizes))  # room for one shard
+    first = cache.pin(data.store, urls[0], sizes[0], etags[0])
+    second = cache.pin(data.store, urls[1], sizes[1], etags[1])  # the first in use: both stay
+    shards = lambda: sorted(p.name for p in (tmp_path / "cache").glob("*.tar"))
+    assert len(shards()) == 2 and (tmp_path / "cache" / ".over-limit").exists()
+    first.close()  # released, and the least recently used: evicted
+    assert shards() == [ShardCache.name(urls[1], sizes[1], etags[1])]
+    assert not (tmp_path / "cache" / ".over-limit").exists()
+    assert second.read(0, sizes[1]) == (prepared / os.path.basename(urls[1])).read_bytes()
+    second.close()
+    assert len(shards()) == 1
+
+
 def test_a_shard_another_process_reads_is_never_evicted_under_it(s3, prepared, tmp_path):
     url = s3.upload(prepared, "pinned")
     data = scan(Remote(url, cache_dir=str(tmp_path)))

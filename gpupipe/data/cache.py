@@ -23,7 +23,8 @@ folder on ``/dev/shm`` makes it a memory cache with no other code.
   (``/tmp``) is refused; a group shares one by choice (:func:`check_folder`).
 - **Bounded**: before a fetch, the least recently used shards (modification time, set on each use) are removed
   until the new one fits ``limit`` bytes; a shard a process is reading is pinned by its shared lock and never
-  removed (the folder may then exceed the limit by the shards in use at once).
+  removed (the folder may then exceed the limit by the shards in use at once, until they are released: the release
+  that finds the folder still over its limit evicts again).
 - **Read ahead** (:mod:`.cached`, which also decides when a loader reads through the cache): a thread of the
   process that iterates the loader fetches the shards the coming batches will need while the current ones train.
 """
@@ -48,6 +49,7 @@ from .cache_folder import CHOOSE, SHARE_FIX, check_folder, md5_in_etag, md5_of, 
 
 DEFAULT_SHARE = 0.5  # of the folder's free space (with what the cache already holds): the default limit
 _PART, _LOCK, _DIGEST = ".part", ".lock", ".sha256"
+_OVER = ".over-limit"  # a fetch left the folder over its limit (what it would have evicted was in use)
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file size limit
 _T = TypeVar("_T")
 
@@ -129,7 +131,7 @@ class ShardCache:
             try:
                 found = self._trusted(path, size, etag)
                 if found is not None:
-                    pinned = Pinned(fd, path, found)
+                    pinned = Pinned(fd, path, found, on_release=self._trim)
                     fd = -1
                     return pinned
                 fcntl.flock(fd, fcntl.LOCK_EX)  # converted: dropped, then taken (no deadlock between two)
@@ -138,6 +140,13 @@ class ShardCache:
             finally:
                 if fd >= 0:
                     _unlock(fd)
+
+    def _trim(self) -> None:
+        """After a shard is released: a folder that a fetch left over its limit is brought back under it, as far as
+        the shards still in use allow (the mark stays until it is)."""
+        over = self.folder / _OVER
+        if over.exists() and self.evict(0):
+            over.unlink(missing_ok=True)
 
     def ensure(self, store: Store, url: str, size: int, etag: str) -> None:
         """The shard fetched if this node has no copy (read ahead), not pinned."""
@@ -172,7 +181,7 @@ class ShardCache:
     def _fetch(self, store: Store, url: str, size: int, etag: str, path: Path) -> None:
         """The whole object into ``<path>.part``, checked, then renamed to ``path`` with its digest beside it (the
         caller holds its lock exclusive)."""
-        self.evict(size, keep=path.name)
+        fits = self.evict(size, keep=path.name)
         part = path.with_name(path.name + _PART)
         self._room(url, size)
         full: list[OSError] = []
@@ -202,6 +211,9 @@ class ShardCache:
         st = path.stat()
         self._checked.add((st.st_dev, st.st_ino, size, digest))
         self.fetches += 1
+        if not fits:  # marked once the shard is in place, so that a release after this sees it in the total
+            with contextlib.suppress(PermissionError):  # another user's mark: there already
+                (self.folder / _OVER).touch()
 
     def _checked_download(self, store: Store, url: str, size: int, etag: str, part: Path) -> str:
         """The downloaded bytes' sha256, once they are known to be the object's version the loader listed: its size,
@@ -241,9 +253,9 @@ class ShardCache:
             "space), or 0 (no cache folder: range reads)"
         )
 
-    def evict(self, need: int, keep: str = "") -> None:
+    def evict(self, need: int, keep: str = "") -> bool:
         """Remove least recently used shards, none pinned, until ``need`` more bytes fit the limit; leftovers of
-        killed fetches go first."""
+        killed fetches go first. Whether they fit (not when the shards in the way are in use)."""
         with contextlib.ExitStack() as stack:
             stack.callback(_unlock, _lock(self.folder / ".evict.lock", fcntl.LOCK_EX))
             entries = _entries(self.folder)
@@ -254,13 +266,16 @@ class ShardCache:
                 size = 0 if entry.name.endswith(_PART) else entry.stat().st_size  # cached by the listing
                 if entry.name.removesuffix(_PART) != keep and _remove(entry):  # else pinned, or being fetched
                     total -= size
+            return total + need <= self.limit
 
 
 class Pinned:
     """A cached shard mapped for reading, held by a shared lock so that no process evicts it meanwhile."""
 
-    def __init__(self, fd: int, path: Path, checked: os.stat_result | None = None):
-        self.fd, self.path = fd, path
+    def __init__(
+        self, fd: int, path: Path, checked: os.stat_result | None = None, on_release: Callable[[], None] | None = None
+    ):
+        self.fd, self.path, self._on_release = fd, path, on_release
         with contextlib.suppress(PermissionError):  # another user's file (a shared folder): its last use is theirs
             os.utime(path)  # last used: the LRU order
         self.map: mmap.mmap | None = None
@@ -286,6 +301,8 @@ class Pinned:
             self.map.close()
         if unlock:
             _unlock(self.fd)
+            if self._on_release is not None:
+                self._on_release()
         else:
             os.close(self.fd)
 
