@@ -236,22 +236,13 @@ class Recipe:
 
     def train_boxes(self, heights: np.ndarray, widths: np.ndarray, drawn: np.ndarray) -> np.ndarray:
         """(n, 5) float64 ``top, left, height, width, flip``: :meth:`train_box` for a batch in a few array ops."""
-        n = len(drawn)
-        height, width = np.asarray(heights, np.int64)[:, None], np.asarray(widths, np.int64)[:, None]
-        target_area = (height * width) * drawn[:, 0 : 4 * ATTEMPTS : 4]
-        aspect = drawn[:, 1 : 4 * ATTEMPTS : 4]
-        w, h = np.round(np.sqrt(target_area * aspect)), np.round(np.sqrt(target_area / aspect))
-        fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-        first, rows = fits.argmax(1), np.arange(n)
-        h, w = h[rows, first], w[rows, first]
-        height, width = height[:, 0], width[:, 0]
-        top = np.floor(drawn[rows, 4 * first + 2] * (height - h + 1))
-        left = np.floor(drawn[rows, 4 * first + 3] * (width - w + 1))
-        missed = np.flatnonzero(~fits.any(1))  # rare: RandomResizedCrop's fallback, one by one
-        for i, hh, ww in zip(missed.tolist(), height[missed].tolist(), width[missed].tolist(), strict=True):
-            h[i], w[i] = self._fallback_size(hh, ww)
-            top[i], left[i] = (hh - h[i]) // 2, (ww - w[i]) // 2
-        return np.stack([top, left, h, w, drawn[:, -1] < self.flip_p], 1).astype(np.float64)
+        height, width = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+        out = np.empty((len(drawn), 5), np.float64)
+        fits = self._fit(height, width, drawn[:, : 4 * ATTEMPTS])
+        out[fits.found] = fits.boxes
+        self._fall_back(out, np.flatnonzero(~fits.found), height, width)
+        out[:, 4] = drawn[:, -1] < self.flip_p
+        return out
 
     def _drawn_boxes(self, keys: np.ndarray, heights, widths) -> np.ndarray:
         """:meth:`train_boxes` of :meth:`train_draws`, to the bit, with fewer draws: the first ``_FIRST`` attempts for
@@ -260,32 +251,40 @@ class Recipe:
         out = np.empty((len(keys), 5), np.float64)
         todo = np.arange(len(keys))
         for first, count in ((0, _FIRST), (_FIRST, ATTEMPTS - _FIRST)):
-            fits = self._attempts(keys[todo], height[todo], width[todo], first, count)
+            u = uniforms(keys[todo], STREAM_CROP, 4 * count, skip=4 * first)
+            u[:, 0::4] = self._areas(np.ascontiguousarray(u[:, 0::4]))
+            u[:, 1::4] = self._aspects(np.ascontiguousarray(u[:, 1::4]))
+            fits = self._fit(height[todo], width[todo], u)
             out[todo[fits.found]] = fits.boxes
             todo = todo[~fits.found]
             if not len(todo):
                 break
-        for i, hh, ww in zip(todo.tolist(), height[todo].tolist(), width[todo].tolist(), strict=True):
-            h, w = self._fallback_size(hh, ww)
-            out[i, :4] = (hh - h) // 2, (ww - w) // 2, h, w
+        self._fall_back(out, todo, height, width)
         out[:, 4] = uniforms(keys, STREAM_CROP, 1, skip=DRAWS - 1)[:, 0] < self.flip_p
         return out
 
-    def _attempts(self, keys: np.ndarray, height: np.ndarray, width: np.ndarray, first: int, count: int) -> _Fits:
-        """Attempts ``first`` to ``first + count - 1`` of each sample, as :meth:`train_boxes` makes them."""
-        u = uniforms(keys, STREAM_CROP, 4 * count, skip=4 * first)
-        target_area = (height * width)[:, None] * self._areas(np.ascontiguousarray(u[:, 0::4]))
-        aspect = self._aspects(np.ascontiguousarray(u[:, 1::4]))
+    @staticmethod
+    def _fit(height: np.ndarray, width: np.ndarray, attempts: np.ndarray) -> _Fits:
+        """Each sample's first attempt that fits, from its (n, 4k) attempts (area fraction, aspect ratio, the top's
+        and the left's uniforms, per attempt), as RandomResizedCrop tries them."""
+        target_area = (height * width)[:, None] * attempts[:, 0::4]
+        aspect = attempts[:, 1::4]
         w, h = np.round(np.sqrt(target_area * aspect)), np.round(np.sqrt(target_area / aspect))
         fits = (w > 0) & (w <= width[:, None]) & (h > 0) & (h <= height[:, None])
         found = fits.any(1)
         rows, at = np.flatnonzero(found), fits.argmax(1)[found]
         h, w, height, width = h[rows, at], w[rows, at], height[rows], width[rows]
         boxes = np.empty((len(rows), 5), np.float64)
-        boxes[:, 0] = np.floor(u[rows, 4 * at + 2] * (height - h + 1))
-        boxes[:, 1] = np.floor(u[rows, 4 * at + 3] * (width - w + 1))
+        boxes[:, 0] = np.floor(attempts[rows, 4 * at + 2] * (height - h + 1))
+        boxes[:, 1] = np.floor(attempts[rows, 4 * at + 3] * (width - w + 1))
         boxes[:, 2], boxes[:, 3] = h, w
         return _Fits(found, boxes)
+
+    def _fall_back(self, out: np.ndarray, rows: np.ndarray, height: np.ndarray, width: np.ndarray) -> None:
+        """RandomResizedCrop's centre crop for the ``rows`` no attempt fitted (rare: one by one)."""
+        for i, hh, ww in zip(rows.tolist(), height[rows].tolist(), width[rows].tolist(), strict=True):
+            h, w = self._fallback_size(hh, ww)
+            out[i, :4] = (hh - h) // 2, (ww - w) // 2, h, w
 
     def plan(self, train: bool, seed: int, epoch: int, index: int) -> Callable[[int, int], Box]:
         """``(height, width) -> Box`` for one sample: its train crop in this epoch (:meth:`train_draws`), or the
