@@ -284,16 +284,16 @@ class FileStream:
         """``work`` made again, its samples judged again (files changed after it was made ahead of its pass)."""
         self.table.rescan(work.indices)
         self._boxes.pop((work.epoch, work.number), None)  # drawn for the samples as they were judged
+        assert work.index is not None  # set when it was made
         return self.make(Request(work.epoch, work.indices, work.number), work.index)
 
-    def make(self, request: Request, index: np.ndarray | None = None) -> Work:
-        """One batch: the DALI samples' path rows and crop rows, Pillow's samples decoded, the bad ones reported."""
+    def make(self, request: Request, index: np.ndarray) -> Work:
+        """One batch (``index``: its samples as an array): the DALI samples' path rows and crop rows, Pillow's samples
+        decoded, the bad ones reported."""
         t = self.table
         work = Work(request.epoch, request.indices, request.number)
         if request.ahead and request.epoch > self.gate.epoch:  # made before its pass begins: its files as they are now
             work.stamps = [file_stamp(t.dataset.samples[i][0]) for i in request.indices]
-        if index is None:
-            index = np.asarray(request.indices, dtype=np.int64)
         work.index, work.labels = index, t.targets[index]
         kind = t.kind[index]
         dali = np.flatnonzero(kind == _DALI)
