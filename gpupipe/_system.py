@@ -61,6 +61,11 @@ def lower_priority(worker_id: int | None = None) -> None:
         os.nice(WORKER_NICENESS)
 
 
+def is_main_rank() -> bool:
+    """Whether this process speaks for the run: rank 0, or the only one (torchrun's ``RANK``)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def thread_ids() -> set[int]:
     """This process's threads (Linux task ids; empty elsewhere)."""
     try:

@@ -15,6 +15,7 @@ from ._deps import require
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
 from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, positive_ints
 from ._parser import Parser
+from ._system import is_main_rank
 from ._version import __version__
 from .errors import GpupipeError, error_line, show_traceback
 from .train.cli import add_train_args, run_train
@@ -371,12 +372,11 @@ class _ConsoleHandler(logging.Handler):
 
 
 def _show_logs() -> None:
-    """The library logs its decisions (which backend ``auto`` chose, and why) to the ``gpupipe`` logger: show them;
-    under torchrun rank 0 alone says what every rank would (the others only their errors), as Lightning does."""
+    """Show the ``gpupipe`` logger's lines (``auto``'s choice, warnings); under torchrun rank 0's, others' errors."""
     log = logging.getLogger("gpupipe")
     if not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
         log.addHandler(_ConsoleHandler())
-        log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.ERROR)
+        log.setLevel(logging.INFO if is_main_rank() else logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

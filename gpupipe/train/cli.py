@@ -83,10 +83,11 @@ def run_train(args) -> int:
 
 
 def _train(cfg) -> int:
+    from .._system import is_main_rank
     from ..data.sampler import NoFullBatch
     from ..errors import DecodeError, GpupipeError
     from .loop import train
-    from .stop import Stopped, is_main_rank
+    from .stop import Stopped
 
     try:
         train(cfg)

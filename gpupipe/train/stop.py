@@ -91,11 +91,6 @@ class StopSignals:
         return self.signum is not None
 
 
-def is_main_rank() -> bool:
-    """Whether this process speaks for the run: rank 0, or the only one (torchrun's ``RANK``)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def resume_command(out: str) -> str:
     """The command line that resumes this run: the one given, ``--resume`` added once; under torchrun, the
     launcher's command (which started this process), not this rank's."""
