@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 def usable_cores() -> int:
@@ -91,6 +95,29 @@ def lower_thread_priority(tids: set[int]) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS))
         except OSError:
             continue
+
+
+def made_below(make: Callable[[], T]) -> T:
+    """``make()`` run on a short-lived thread WORKER_NICENESS below the caller: on Linux a thread starts at the
+    niceness of the thread that starts it, so the threads ``make`` starts (a library's decode threads, such as DALI's
+    pipeline's) run below the training thread from their first instruction, whatever their names and whenever
+    they are named. What ``make`` raises is raised here."""
+    out: list = []
+
+    def run() -> None:
+        lower_thread_priority({threading.get_native_id()})
+        try:
+            out.append((True, make()))
+        except BaseException as e:  # raised again on the calling thread
+            out.append((False, e))
+
+    thread = threading.Thread(target=run, name="gpupipe-below")
+    thread.start()
+    thread.join()
+    made, value = out[0]
+    if not made:
+        raise value
+    return value
 
 
 def as_device(device: str | int | torch.device) -> torch.device:

@@ -16,21 +16,22 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Iterator
+from functools import partial
 
-import numpy as np
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
 from .._files import read_regular, unchanged
-from .._system import lower_thread_priority, thread_ids, thread_name
+from .._system import made_below
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from .dali_feed import Feed, Work, decode_on_cpu
 from .dali_files import FileStream, FileTable
-from .dali_graph import Driver, build_pipeline, consumer_stream, dali_device_id, to_torch
+from .dali_graph import Driver, build_pipeline, consumer_stream, read_dali, to_torch
 from .dali_stream import FeedStream, plan
-from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
+from .decode_ahead import DecodeAhead
+from .image import default_max_pixels
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 
@@ -95,26 +96,25 @@ class DaliLoader(Loader):
         self._files = parts.dataset.reads_files
         self._feed: FeedStream | FileStream | None = None
         self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
+        self._ahead: DecodeAhead | None = None  # the pass's thread: it alone drives the pipeline while the pass runs
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
     def _pipeline(self) -> Driver:
         if self._pipe is None:
-            before = thread_ids()
-            self._pipe = Driver(
-                build_pipeline(
-                    self.recipe,
-                    train=self.train,
-                    batch_size=self.batch_size,
-                    device=self.stage.device,
-                    num_threads=self.num_threads,
-                    hw_decoder_load=self.hw_decoder_load,
-                    normalize=self._normalize_in_dali,
-                    files=self._files,
-                )
+            build = partial(
+                build_pipeline,
+                self.recipe,
+                train=self.train,
+                batch_size=self.batch_size,
+                device=self.stage.device,
+                num_threads=self.num_threads,
+                hw_decoder_load=self.hw_decoder_load,
+                normalize=self._normalize_in_dali,
+                files=self._files,
             )
-            if self.device.type != "cpu":  # DALI's threads decode: below the training thread, as workers are
-                lower_thread_priority({t for t in thread_ids() - before if "DALI" in thread_name(t)})
+            # DALI's threads decode: below the training thread where batches go to a GPU, as workers are
+            self._pipe = Driver(made_below(build) if self.device.type != "cpu" else build())
             self.pipelines_built += 1
             self._scheduled = 0
         return self._pipe
@@ -272,19 +272,42 @@ class DaliLoader(Loader):
         return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        """This pass's batches, ``_PREFETCH`` scheduled ahead. The stream of works runs across epochs: when this
-        epoch's last ones are in flight, the next epoch's first ones are scheduled too, so DALI never runs dry at the
-        edge, and the next pass goes on with them (:meth:`_continue`)."""
+        """This pass's batches, made on a thread of the loader's own (:class:`DecodeAhead`, one batch ahead): it feeds
+        DALI (each batch's rows and file paths, ``_PREFETCH`` batches scheduled ahead), fetches its outputs and
+        assembles them, so the training thread only takes finished batches. The stream of works runs across epochs:
+        when this epoch's last ones are in flight, the next epoch's first ones are scheduled too, so DALI never runs
+        dry at the edge, and the next pass goes on with them (:meth:`_continue`)."""
+        if self._ahead is not None:
+            self._ahead.join()  # the last pass's thread (one left early: stopped after its batch), before this one
+        import nvidia.dali.pipeline  # noqa: F401  # before the thread: its exit hook then runs before DALI's
+
+        works = self._works(epoch, start_batch)
+        ahead = DecodeAhead(works, self._deliver, self.stage.device, _tensors, name="gpupipe-dali", cpu=self.thread_cpu)
+        self._ahead = ahead
+        try:
+            yield from ahead
+        finally:
+            ahead.close()  # a pass left early: its batches made ahead are dropped (their works are done)
+
+    def _works(self, epoch: int, start_batch: int) -> Iterator[Work]:
+        """The pass's works in order, on the loader's thread, each scheduled in DALI before it comes."""
         pending = self._continue(epoch, start_batch)
         self._fill()
         while pending and pending[0].epoch == epoch:
-            work = pending.popleft()
-            decoded = self._decoded(work)
-            self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
-            batch = self._assemble(work, decoded)
-            self._release(work)
-            del work
-            yield batch
+            yield pending.popleft()
+
+    def _deliver(self, work: Work) -> Batch:
+        """One work's batch (on the loader's thread): fetched, the next works scheduled, assembled, released. On CUDA
+        DALI's output is copied into memory of torch's allocator on the thread's stream: the training stream then
+        reads it after an event, and the allocator keeps it from reuse until that stream is done (DALI's own buffer,
+        released here, is ordered on the thread's stream only); DALI's PyTorch iterator copies its outputs too."""
+        decoded = self._decoded(work)
+        self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
+        if decoded is not None and decoded.is_cuda:
+            decoded = decoded.clone()
+        batch = self._assemble(work, decoded)
+        self._release(work)
+        return batch
 
     def _take(self) -> bool:
         """The stream's next work, scheduled and appended to the pending ones; False when the plan has ended."""
@@ -329,6 +352,11 @@ class DaliLoader(Loader):
             return decoded
 
 
+def _tensors(batch: Batch) -> list[torch.Tensor]:
+    """A batch's tensors on the GPU (those the training stream must be recorded on)."""
+    return [t for t in (batch.images, batch.keys) if t is not None and t.is_cuda]
+
+
 def _helpers(workers: int) -> int:
     """Processes beside DALI (the header scan, the feed): a quarter of the loader's workers, at least one (reading
     and header parsing are light next to DALI's decode threads); none with no workers."""
@@ -357,32 +385,6 @@ def _narrow(work: Work, chosen: list[int]) -> None:
         views = work.samples()
         work.data = [views[k] for k in chosen]
     work.dali, work.rows = [work.dali[k] for k in chosen], work.rows[chosen]
-
-
-def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
-    """``read_image(backend="dali")``: a one-image pipeline on ``device`` (slow to start: for checks, not loops)."""
-    from nvidia.dali import fn, pipeline_def, types  # defer: heavy
-
-    header = probe(data, path, "dali", max_pixels or default_max_pixels())  # the pixel limit, before any decode
-    if header.image.format not in PIPELINE_FORMATS or header.image.mode in PILLOW_ONLY_MODES:
-        return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
-    gpu = device.type == "cuda"
-
-    @pipeline_def(batch_size=1, num_threads=1, device_id=dali_device_id(device), prefetch_queue_depth=1)
-    def pipe():
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
-        return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
-
-    p = pipe()
-    p.build()
-    p.feed_input("enc", [np.frombuffer(data, dtype=np.uint8)])
-    try:
-        (out,) = p.run()
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "DALI decode failed"
-        raise DecodeError(path, "dali", first) from None
-    arr = (out.as_cpu() if gpu else out).at(0)
-    return chw_tensor(np.array(arr)).to(device)
 
 
 SPEC = BackendSpec(

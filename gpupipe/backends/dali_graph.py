@@ -1,6 +1,6 @@
-"""DALI's graphs: the one pipeline a dali loader runs (:func:`build_pipeline`), the device id DALI takes, and the
-copy of a DALI batch into torch. Kept apart from :mod:`.dali` (the loader: feeding, failures, epochs) so that each
-reads on its own."""
+"""DALI's graphs: the one pipeline a dali loader runs (:func:`build_pipeline`), the one-image pipeline of
+``read_image(backend="dali")``, the device id DALI takes, and the hand-over of a DALI batch to torch. Kept apart from
+:mod:`.dali` (the loader: feeding, failures, epochs) so that each reads on its own."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import numpy as np
 import torch
 
 from .._system import resolve_device
+from ..errors import DecodeError
+from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
+from .pillow import PillowDecoder
 
 
 def dali_device_id(device: torch.device) -> int | None:
@@ -184,3 +187,29 @@ def to_torch(out, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(np.asarray(tensor))
     with torch.cuda.device(device):
         return torch.from_dlpack(tensor)
+
+
+def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
+    """``read_image(backend="dali")``: a one-image pipeline on ``device`` (slow to start: for checks, not loops)."""
+    from nvidia.dali import fn, pipeline_def, types  # defer: heavy
+
+    header = probe(data, path, "dali", max_pixels or default_max_pixels())  # the pixel limit, before any decode
+    if header.image.format not in PIPELINE_FORMATS or header.image.mode in PILLOW_ONLY_MODES:
+        return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
+    gpu = device.type == "cuda"
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=dali_device_id(device), prefetch_queue_depth=1)
+    def pipe():
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        return fn.decoders.image(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
+
+    p = pipe()
+    p.build()
+    p.feed_input("enc", [np.frombuffer(data, dtype=np.uint8)])
+    try:
+        (out,) = p.run()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "DALI decode failed"
+        raise DecodeError(path, "dali", first) from None
+    arr = (out.as_cpu() if gpu else out).at(0)
+    return chw_tensor(np.array(arr)).to(device)

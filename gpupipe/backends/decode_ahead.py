@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
@@ -38,17 +39,17 @@ _END = object()
 
 
 class DecodeAhead(Generic[W, R]):
-    """``decode(work)`` for each of ``works``, on a thread of its own, at most ``depth`` batches waiting: iterate it
-    for the results, in order. On CUDA the thread's work goes to a stream of its own, and each result comes with an
-    event that the training thread's current stream waits for (a GPU wait: the host goes on); the tensors a result
-    holds (``tensors(result)``) are then recorded as used on that stream, so the caching allocator does not hand
-    their memory to the decode thread while the training stream still reads it. Errors are raised to the iterating
-    thread as raised in the decode thread. :meth:`close` ends the thread (a pass left early); at interpreter exit every
-    live one is ended (a daemon thread still in C++ code at finalization aborts the process, see
-    :class:`~gpupipe.data.upload.Reaper`)."""
+    """``decode(work)`` for each of ``works``, on a thread of its own (``name``), at most ``depth`` batches waiting:
+    iterate it for the results, in order. On CUDA the thread's work goes to a stream of its own, and each result comes
+    with an event that the training thread's current stream waits for (a GPU wait: the host goes on); the tensors a
+    result holds (``tensors(result)``) are then recorded as used on that stream, so the caching allocator does not
+    hand their memory to the decode thread while the training stream still reads it. Errors are raised to the
+    iterating thread as raised in the decode thread. The thread's CPU seconds are added to ``cpu[0]`` as it goes
+    (what it takes of the training process beside the training thread). :meth:`close` ends the thread (a pass left
+    early); at interpreter exit every live one is ended (a daemon thread still in C++ code at finalization aborts the
+    process, see :class:`~gpupipe.data.upload.Reaper`)."""
 
     _live: ClassVar[weakref.WeakSet[DecodeAhead]] = weakref.WeakSet()
-    _exit_hook = False
 
     def __init__(
         self,
@@ -57,20 +58,24 @@ class DecodeAhead(Generic[W, R]):
         device: torch.device,
         tensors: Callable[[R], list[torch.Tensor]],
         depth: int = 1,
+        name: str = "gpupipe-decode",
+        cpu: list[float] | None = None,
     ):
         self.device, self._tensors = device, tensors
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        spent = cpu if cpu is not None else [0.0]
         self._thread = threading.Thread(
-            target=_run, args=(works, decode, stream, self._queue, self._stop), daemon=True, name="gpupipe-decode"
+            target=_run, args=(works, decode, self.stream, self._queue, self._stop, spent), daemon=True, name=name
         )
         self._thread.start()
         cls = type(self)
         cls._live.add(self)
-        if not cls._exit_hook:
-            cls._exit_hook = True
-            atexit.register(cls._close_all)
+        # registered again with each thread: hooks run last-registered first, so the threads end before the exit hooks
+        # of what they use and was imported since (DALI's shuts its pipelines down)
+        atexit.unregister(cls._close_all)
+        atexit.register(cls._close_all)
 
     def __iter__(self) -> Iterator[R]:
         while True:
@@ -114,8 +119,14 @@ class DecodeAhead(Generic[W, R]):
 
 
 def _run(
-    works: Iterator, decode: Callable, stream: torch.cuda.Stream | None, out: queue.Queue, stop: threading.Event
+    works: Iterator,
+    decode: Callable,
+    stream: torch.cuda.Stream | None,
+    out: queue.Queue,
+    stop: threading.Event,
+    spent: list[float],
 ) -> None:
+    clock = time.thread_time()
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for work in works:
@@ -126,6 +137,9 @@ def _run(
                 if stream is not None:
                     ready = torch.cuda.Event()
                     ready.record(stream)
+                now = time.thread_time()
+                spent[0] += now - clock
+                clock = now
                 if not put_unless_stopped(out, _Done(result, ready), stop):
                     return
         put_unless_stopped(out, _END, stop)

@@ -269,7 +269,7 @@ class NvjpegLoader(StreamedLoader):
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         decode = self._decode = self._decode or self.decoder()
         works: Iterator[_Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
-        ahead = DecodeAhead(works, lambda work: self._decoded(work, decode), self.stage.device, _tensors)
+        ahead = DecodeAhead(works, lambda w: self._decoded(w, decode), self.device, _tensors, cpu=self.thread_cpu)
         self._ahead = ahead
         try:
             for decoded in ahead:  # decoded on the decode thread, one batch ahead

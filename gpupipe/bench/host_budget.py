@@ -7,7 +7,9 @@ DALI's threads, nvjpeg's decode thread and the pin thread are other threads or p
 the GPU's own work left out: the loader's device side targets the **meta device**, so every op it would launch on
 CUDA is dispatched (its host cost counted) and none computes. For ``nvjpeg`` the decode is a stand-in that parses
 each JPEG's frame header on the host and returns an empty tensor of the decoded shape, on the loader's decode thread
-as the real decode. ``dali`` runs its CPU pipeline in its own threads and hands its output over as on CUDA.
+as the real decode. ``dali`` runs its CPU pipeline in its own threads and hands its output over as on CUDA; the
+loader's own thread feeds DALI and assembles its batches. Python threads in the training process, like that one and
+nvjpeg's decode thread, share its interpreter lock: their CPU time per batch is reported beside (``loader_thread_ms``).
 ``pillow`` is the CPU path feeding the same device side: its training-thread cost is taking finished batches from
 the workers and the device stage. Thread time is barely affected by other load on the machine (unlike throughput).
 
@@ -111,23 +113,30 @@ def meta_loader(root: str, backend: str, recipe: Recipe, batch: int, workers: in
     return get(backend).make_loader(parts)
 
 
-def thread_ms(loader, batches: int, warmup: int = 2) -> tuple[list[float], list[float]]:
+def thread_ms(loader, batches: int, warmup: int = 2) -> tuple[list[float], list[float], float]:
     """The training thread's CPU milliseconds in each ``next()``, over ``batches`` after ``warmup`` (across epochs),
-    less a decode stand-in's own time (``stand_in_s``), and that stand-in time per batch."""
+    less a decode stand-in's own time (``stand_in_s``), and that stand-in time per batch; with them, the mean CPU
+    milliseconds per batch of the loader's own threads in the training process (``thread_cpu``: they share its
+    interpreter)."""
 
     def forever() -> Iterator:
         while True:
             yield from loader
 
+    def beside() -> float:
+        return loader.thread_cpu[0]
+
     it, out, stand_in = forever(), [], []
     for k in range(warmup + batches):
+        if k == warmup:
+            before = beside()
         s0, t0 = getattr(loader, "stand_in_s", 0.0), time.thread_time()
         next(it)
         spent, excluded = time.thread_time() - t0, getattr(loader, "stand_in_s", 0.0) - s0
         if k >= warmup:
             out.append((spent - excluded) * 1e3)
             stand_in.append(excluded * 1e3)
-    return out, stand_in
+    return out, stand_in, (beside() - before) * 1e3 / batches
 
 
 def make_loader(root: str, backend: str, recipe: Recipe, batch: int, workers: int, device: str):
@@ -190,8 +199,9 @@ def run(
         for size in sizes:
             for backend in backends:
                 recipe = Recipe(size)
-                ms, stand_in = thread_ms(make_loader(root, backend, recipe, batch, workers, device), batches)
+                ms, stand_in, threads = thread_ms(make_loader(root, backend, recipe, batch, workers, device), batches)
                 rows.append(_row(root, device, size, backend, batch, statistics.median(ms), max(ms)))
+                rows[-1]["loader_thread_ms"] = round(threads, 3)  # beside the training thread, sharing its interpreter
                 if any(stand_in):  # left out above: the real decoder's one C++ call does this work
                     rows[-1]["stand_in_ms_excluded"] = round(statistics.median(stand_in), 3)
                 print(_line(rows[-1]), flush=True)
@@ -225,6 +235,8 @@ def _line(r: dict) -> str:
     excluded = ""
     if "stand_in_ms_excluded" in r:
         excluded = f"  (decode stand-in, left out: {r['stand_in_ms_excluded']:.2f} ms)"
+    if "loader_thread_ms" in r:
+        excluded += f"  (the loader's own thread: {r['loader_thread_ms']:.2f} ms)"
     return (
         f"{Path(r['data']).name:>18} {r['size']:>4}px {r['backend']:>28} {r['ms_per_batch']:8.2f} ms/batch "
         f"(max {r['ms_max']:.2f})  one-core ceiling {r['one_core_img_s']} img/s{excluded}  [{r['cpu']}]"

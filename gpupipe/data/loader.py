@@ -134,6 +134,7 @@ class Loader:
         self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
+        self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
         augment = parts.stage.augment
         policy = augment.policy if augment is not None else None
         # CTAugment: the weights it draws from and their feedback (``update``); None without it
