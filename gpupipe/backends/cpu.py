@@ -17,6 +17,7 @@ from ..data.scan import ImageList
 from ..errors import DecodeError, TransformError
 from ..recipe import Box, Recipe
 from .cpu_stream import Gate, Stream, StreamedLoader, Task
+from .decode_ahead import DecodeAhead
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder
@@ -196,6 +197,7 @@ class CpuLoader(StreamedLoader):
         probe = self.ctaugment is not None and self.ctaugment.probe
         in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
+        self._ahead: DecodeAhead | None = None  # the pass's thread taking batches off the workers (no pin thread)
 
     @staticmethod
     def _drawn_ahead(parts: LoaderParts) -> int:
@@ -206,7 +208,25 @@ class CpuLoader(StreamedLoader):
         return parts.workers * parts.dataloader.prefetch_factor  # DataLoader's queue (no prefetch with 0 workers)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        return self._taken(epoch, start_batch)  # type: ignore[return-value]  # the workers' Batches
+        taken: Iterator[Batch] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers' Batches
+        if self.stage.device.type == "cpu" or not self.parts.workers or self._stream()._pinned:
+            return taken
+        return self._taken_ahead(taken)
+
+    def _taken_ahead(self, taken: Iterator[Batch]) -> Iterator[Batch]:
+        """Batches for a device, with no pin thread (``pin_memory=False``, or a device torch pins nothing for, such as
+        the meta device that stands in for CUDA): what that thread does on CUDA, taking each batch off the workers'
+        queue (unpickling) and copying it out of the worker's buffer, is done on a thread of the loader's own, one
+        batch ahead, not on the training thread."""
+        ahead = self._ahead = DecodeAhead(taken, _as_is, self.device, _none, name="gpupipe-take", cpu=self.thread_cpu)
+        try:
+            yield from ahead
+        finally:
+            ahead.close()  # a pass left early: the batch taken ahead is dropped
+
+    def _hand_over(self) -> None:
+        if self._ahead is not None:
+            self._ahead.join()  # the last pass's thread (one left early: stopped after its batch)
 
     def _open_stream(self) -> Stream:
         """The loader's one stream of batches (persistent workers and one DataLoader iteration outlive epochs; see
@@ -237,6 +257,14 @@ class CpuLoader(StreamedLoader):
             (self.stage.mean, self.stage.inv_std) if in_workers else None,
             keys=per_sample_left,
         )
+
+
+def _as_is(batch: Batch) -> Batch:
+    return batch
+
+
+def _none(batch: Batch) -> list[torch.Tensor]:
+    return []  # host memory: nothing for a CUDA stream to record
 
 
 def cpu_decoder_spec(

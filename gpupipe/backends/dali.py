@@ -2,13 +2,14 @@
 with the A100/H100 hardware JPEG decoders) and batches never touch the host; ``device="cpu"`` builds a CPU-only
 pipeline.
 
-DALI is fed, not left to read: each batch's encoded bytes (``dataset.read``, in the shared :class:`ShardSampler`'s
-order) and each sample's crop from :meth:`Recipe.plan`, prepared a whole batch at a time in DataLoader workers
-(:mod:`.dali_feed`: nothing is read up front), go in through ``fn.external_source``, and
-``fn.decoders.image_slice`` decodes exactly that window. So DALI's geometry, order, labels, sharding and resume are
-every other backend's; only interpolation differs. Because the loader knows each batch's files, a batch DALI fails
-on is narrowed to its file(s) by Pillow; what only DALI cannot decode is decoded on the CPU and counted in
-``loader.fallbacks``.
+DALI is fed each batch in the shared :class:`ShardSampler`'s order with each sample's crop from
+:meth:`Recipe.plan`, through ``fn.external_source``, and ``fn.decoders.image_slice`` decodes exactly that window:
+from local files, their paths (DALI reads them in its own threads; :mod:`.dali_files`); from shards and object
+storage, their bytes, read a whole batch at a time in DataLoader workers (:mod:`.dali_feed`: nothing is read up
+front). A thread of the loader's own feeds DALI, fetches and assembles its batches, so the training thread only takes
+finished ones. So DALI's geometry, order, labels, sharding and resume are every other backend's; only interpolation
+differs. Because the loader knows each batch's files, a batch DALI fails on is narrowed to its file(s) by Pillow;
+what only DALI cannot decode is decoded on the CPU and counted in ``loader.fallbacks``.
 """
 
 from __future__ import annotations
