@@ -427,3 +427,23 @@ def test_a_process_that_exits_mid_pass_ends_the_loaders_thread_before_dali_shuts
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "left mid-pass" in done.stdout, done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_batches_for_a_device_reach_the_training_thread_on_it(photos, monkeypatch):
+    """For a device other than the CPU, the loader's thread puts each batch there (the labels copied from page-locked
+    memory on CUDA; DALI's images are there already, and on the meta device, which stands in for CUDA, its CPU
+    outputs are moved): the device stage on the training thread has no copy to make (host budget on a folder:
+    0.49 -> 0.13 ms a 256-batch on the meta device)."""
+    from gpupipe.bench.host_budget import meta_loader
+    from gpupipe.data.upload import HostPack
+    from gpupipe.recipe import Recipe
+
+    senders: list[str] = []
+    real = HostPack.send
+    monkeypatch.setattr(
+        HostPack, "send", lambda self, d: senders.append(threading.current_thread().name) or real(self, d)
+    )
+    loader = meta_loader(str(photos), "dali", Recipe(32), 4, 1)
+    batches = list(loader)
+    assert len(batches) == len(loader) and all(x.is_meta and y.is_meta for x, y in batches)
+    assert threading.current_thread().name not in senders

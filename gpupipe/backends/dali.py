@@ -234,7 +234,7 @@ class DaliLoader(Loader):
             except DecodeError as e:
                 work.errors.append((path, e.reason))
         if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
-            _narrow(work, [work.dali.index(pos) for pos in keep])
+            work.narrow([work.dali.index(pos) for pos in keep])
             if not work.dali:
                 return None
             try:
@@ -306,8 +306,19 @@ class DaliLoader(Loader):
         self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
         if decoded is not None and decoded.is_cuda:
             decoded = decoded.clone()
-        batch = self._assemble(work, decoded)
+        batch = self._on_device(self._assemble(work, decoded))
         self._release(work)
+        return batch
+
+    def _on_device(self, batch: Batch) -> Batch:
+        """A batch for a device other than the CPU, put there on this thread: its labels copied (on CUDA from
+        page-locked memory, non-blocking, on the thread's stream), so the training thread has no copy to make. DALI's
+        images are on CUDA already; on the meta device, which stands in for CUDA, its CPU outputs are moved too."""
+        if self.device.type == "cpu":
+            return batch
+        labels = batch.labels.pin_memory() if self.device.type == "cuda" else batch.labels
+        batch.labels = labels.to(self.device, non_blocking=True)
+        batch.images = batch.images.to(self.device, non_blocking=True)
         return batch
 
     def _take(self) -> bool:
@@ -355,7 +366,7 @@ class DaliLoader(Loader):
 
 def _tensors(batch: Batch) -> list[torch.Tensor]:
     """A batch's tensors on the GPU (those the training stream must be recorded on)."""
-    return [t for t in (batch.images, batch.keys) if t is not None and t.is_cuda]
+    return [t for t in (batch.images, batch.labels) if t.is_cuda]
 
 
 def _helpers(workers: int) -> int:
@@ -375,17 +386,6 @@ def _sample_bytes(work: Work, dataset) -> list[bytes | OSError]:
         except OSError as e:
             out.append(e)
     return out
-
-
-def _narrow(work: Work, chosen: list[int]) -> None:
-    """``work`` left with its DALI samples at ``chosen`` (positions in ``work.dali``)."""
-    assert work.rows is not None  # a work DALI failed on had rows
-    if work.paths is not None:
-        work.paths = work.paths[chosen]
-    else:
-        views = work.samples()
-        work.data = [views[k] for k in chosen]
-    work.dali, work.rows = [work.dali[k] for k in chosen], work.rows[chosen]
 
 
 SPEC = BackendSpec(

@@ -66,6 +66,16 @@ class Work:
             return [row[:n] for row, n in zip(enc, self.lengths.tolist(), strict=True)]
         return np.split(enc, np.cumsum(self.lengths)[:-1])
 
+    def narrow(self, chosen: list[int]) -> None:
+        """Left with its DALI samples at ``chosen`` (positions in ``self.dali``), for a retry after DALI failed."""
+        assert self.rows is not None  # a work DALI failed on had rows
+        if self.paths is not None:
+            self.paths = self.paths[chosen]
+        else:
+            views = self.samples()
+            self.data = [views[k] for k in chosen]
+        self.dali, self.rows = [self.dali[k] for k in chosen], self.rows[chosen]
+
     def batch(self) -> Any:
         """What DALI is fed: one (n, L) array when the feed padded the batch, else the samples as the TensorListCPU
         :meth:`prepare` made (no per-sample work on the training thread either way), else one view per sample."""
