@@ -14,7 +14,6 @@ import contextlib
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
@@ -49,7 +48,9 @@ class DecodeAhead(Generic[W, R]):
     early); at interpreter exit every live one is ended (a daemon thread still in C++ code at finalization aborts the
     process, see :class:`~gpupipe.data.upload.Reaper`)."""
 
-    _live: ClassVar[weakref.WeakSet[DecodeAhead]] = weakref.WeakSet()
+    # every thread still running, with its stop and queue: one may outlive its DecodeAhead (a pass dropped with its
+    # loader stops it, and it ends after its current batch), and the exit hook must still end it
+    _running: ClassVar[dict[threading.Thread, tuple[threading.Event, queue.Queue]]] = {}
 
     def __init__(
         self,
@@ -69,9 +70,9 @@ class DecodeAhead(Generic[W, R]):
         self._thread = threading.Thread(
             target=_run, args=(works, decode, self.stream, self._queue, self._stop, spent), daemon=True, name=name
         )
-        self._thread.start()
         cls = type(self)
-        cls._live.add(self)
+        cls._running[self._thread] = (self._stop, self._queue)
+        self._thread.start()
         # registered again with each thread: hooks run last-registered first, so the threads end before the exit hooks
         # of what they use and was imported since (DALI's shuts its pipelines down)
         atexit.unregister(cls._close_all)
@@ -100,12 +101,12 @@ class DecodeAhead(Generic[W, R]):
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the decode thread was stopped before the end of its pass") from None
 
+    def __del__(self) -> None:
+        self.close()  # dropped without its pass closed (a cycle): the thread still stops
+
     def close(self) -> None:
         """Tell the thread to stop (it does once its current batch is done); what it holds is dropped."""
-        self._stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()  # room for a put it may be waiting on
+        _stop(self._stop, self._queue)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the thread to end (after :meth:`close`): its iterator is free for another pass."""
@@ -114,8 +115,16 @@ class DecodeAhead(Generic[W, R]):
 
     @classmethod
     def _close_all(cls) -> None:
-        for ahead in list(cls._live):
-            ahead.join(timeout=5)
+        for thread, (stop, out) in list(cls._running.items()):
+            _stop(stop, out)
+            thread.join(timeout=5)
+
+
+def _stop(stop: threading.Event, out: queue.Queue) -> None:
+    stop.set()
+    with contextlib.suppress(queue.Empty):
+        while True:
+            out.get_nowait()  # room for a put the thread may be waiting on
 
 
 def _run(
@@ -145,3 +154,5 @@ def _run(
         put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the iterating thread's next() raises it
         put_unless_stopped(out, _Failed(e), stop)
+    finally:
+        DecodeAhead._running.pop(threading.current_thread(), None)
