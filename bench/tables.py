@@ -88,18 +88,24 @@ def peers_report(rep: dict) -> list[str]:
     return lines
 
 
-def _budget_rows(rows: list[dict]) -> list[str]:
+def _budget_rows(rows: list[dict], threads: bool = False) -> list[str]:
     return [
         f"| {r['backend']} | {Path(str(r['data'])).name} | {r['batch']} | {r['size']} | {r['ms_per_batch']:.2f} | "
-        f"{_f(r.get('one_core_img_s'))} |"
+        f"{_f(r.get('one_core_img_s'))} |" + (f" {_thread_ms(r)} |" if threads else "")
         for r in rows
     ]
 
 
+def _thread_ms(row: dict) -> str:
+    return f"{row['loader_thread_ms']:.2f}" if "loader_thread_ms" in row else "-"
+
+
 def host_budget_report(rep: dict) -> list[str]:
-    """`python -m gpupipe.bench.host_budget --json`: the training thread's CPU per batch."""
+    """`python -m gpupipe.bench.host_budget --json`: the training thread's CPU per batch (and, where the report has
+    it, that of the loader's own threads in the training process)."""
     meta = rep["meta"]
     head = "| path | data | batch | px | ms per batch | one-core img/s |"
+    rule = "|---|---|---:|---:|---:|---:|"
     machine = meta.get("machine", meta.get("cpu", ""))
     when = "" if meta["date"] in machine else f"{meta['date']}, "
     commit = "" if rep.get("commit") and rep["commit"] in machine else f"{_commit(rep)}; "
@@ -107,10 +113,13 @@ def host_budget_report(rep: dict) -> list[str]:
     if "before" in rep:  # two trees side by side (bench/host_budget_augment.sh)
         for side in ("before", "after"):
             label = f"code of commit {meta['before']}" if side == "before" else "this change"
-            lines += ["", f"{side.capitalize()} ({label}):", "", head, "|---|---|---:|---:|---:|---:|"]
+            lines += ["", f"{side.capitalize()} ({label}):", "", head, rule]
             lines += _budget_rows(rep[side])
         return lines
-    return [*lines, "", head, "|---|---|---:|---:|---:|---:|", *_budget_rows(rep["rows"])]
+    threads = any("loader_thread_ms" in r for r in rep["rows"])
+    if threads:
+        head, rule = head + " loader's own thread, ms per batch |", rule + "---:|"
+    return [*lines, "", head, rule, *_budget_rows(rep["rows"], threads)]
 
 
 def decode_paths_report(rep: dict) -> list[str]:

@@ -10,8 +10,9 @@ each JPEG's frame header on the host and returns an empty tensor of the decoded 
 as the real decode. ``dali`` runs its CPU pipeline in its own threads and hands its output over as on CUDA; the
 loader's own thread feeds DALI and assembles its batches. Python threads in the training process, like that one and
 nvjpeg's decode thread, share its interpreter lock: their CPU time per batch is reported beside (``loader_thread_ms``).
-``pillow`` is the CPU path feeding the same device side: its training-thread cost is taking finished batches from
-the workers and the device stage. Thread time is barely affected by other load on the machine (unlike throughput).
+``pillow`` is the CPU path feeding the same device side: a thread of the loader's own takes its batches off the
+workers and copies them out of their buffers (on CUDA, DataLoader's pin thread does), and the training thread's cost
+is the device stage. Thread time is barely affected by other load on the machine (unlike throughput).
 
     python -m gpupipe.bench.host_budget DATA [DATA ...] --sizes 224 32 --batch 256 [--device cuda]
 
