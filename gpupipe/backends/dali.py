@@ -304,7 +304,7 @@ class DaliLoader(Loader):
         released here, is ordered on the thread's stream only); DALI's PyTorch iterator copies its outputs too."""
         decoded = self._decoded(work)
         self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
-        if decoded is not None and decoded.is_cuda:
+        if decoded is not None and decoded.is_cuda and not work.cpu:  # (with Pillow's images: stacked anew)
             decoded = decoded.clone()
         batch = self._on_device(self._assemble(work, decoded))
         self._release(work)
@@ -312,7 +312,7 @@ class DaliLoader(Loader):
 
     def _on_device(self, batch: Batch) -> Batch:
         """A batch for a device other than the CPU, put there on this thread: its labels copied (on CUDA from
-        page-locked memory, non-blocking, on the thread's stream), so the training thread has no copy to make. DALI's
+        page-locked memory, non-blocking, on the thread's stream), so the training thread copies no batch there. DALI's
         images are on CUDA already; on the meta device, which stands in for CUDA, its CPU outputs are moved too."""
         if self.device.type == "cpu":
             return batch

@@ -65,7 +65,7 @@ class DecodeAhead(Generic[W, R]):
         self.device, self._tensors = device, tensors
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = _stream(device) if device.type == "cuda" else None
         spent = cpu if cpu is not None else [0.0]
         self._thread = threading.Thread(
             target=_run, args=(works, decode, self.stream, self._queue, self._stop, spent), daemon=True, name=name
@@ -102,7 +102,8 @@ class DecodeAhead(Generic[W, R]):
                     raise RuntimeError("the decode thread was stopped before the end of its pass") from None
 
     def __del__(self) -> None:
-        self.close()  # dropped without its pass closed (a cycle): the thread still stops
+        if hasattr(self, "_queue"):
+            self.close()  # dropped without its pass closed (a cycle): the thread still stops
 
     def close(self) -> None:
         """Tell the thread to stop (it does once its current batch is done); what it holds is dropped."""
@@ -118,6 +119,17 @@ class DecodeAhead(Generic[W, R]):
         for thread, (stop, out) in list(cls._running.items()):
             _stop(stop, out)
             thread.join(timeout=5)
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """The decode threads' one stream on ``device``, for the process's life: the caching allocator reuses a block only
+    on the stream it was made on, so a stream per pass would strand each pass's batches' memory."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
 
 
 def _stop(stop: threading.Event, out: queue.Queue) -> None:
@@ -138,9 +150,12 @@ def _run(
     clock = time.thread_time()
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for work in works:
-                if stop.is_set():
-                    return
+            # told to stop, the thread takes no further work; one it took is decoded (taking may have moved state
+            # that only its decode settles, such as a batch scheduled in DALI and not yet fetched)
+            while not stop.is_set():
+                work = next(works, _END)
+                if work is _END:
+                    break
                 result = decode(work)
                 ready = None
                 if stream is not None:
@@ -151,6 +166,8 @@ def _run(
                 clock = now
                 if not put_unless_stopped(out, _Done(result, ready), stop):
                     return
+            else:
+                return  # told to stop
         put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the iterating thread's next() raises it
         put_unless_stopped(out, _Failed(e), stop)
