@@ -26,3 +26,6 @@ def test_gpupipe_bench_host_budget_reports_every_path(folder, tmp_path):
     assert {(r["backend"], r["size"]) for r in rows} >= {("pillow", 16), ("nvjpeg", 32), ("policy: draw + pack", 16)}
     assert all(r["ms_per_batch"] > 0 and r["device"] in ("meta", "host") for r in rows)
     assert all(r["device_ops"] > 0 for r in rows if r["backend"].startswith("policy"))
+    # the loader's own threads in the training process, beside: nvjpeg's decode thread; none for pillow's 0 workers
+    threads = {(r["backend"], r["size"]): r.get("loader_thread_ms") for r in rows}
+    assert threads[("nvjpeg", 16)] > 0 and threads[("pillow", 16)] == 0
