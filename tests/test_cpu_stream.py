@@ -327,17 +327,24 @@ def test_without_a_pin_thread_batches_are_taken_off_the_workers_on_the_loaders_o
 def test_a_take_thread_outliving_its_dropped_loader_is_still_ended_at_exit(data):
     """A loader dropped mid-pass stops its take thread, which ends after the batch it waits for; the exit hook must
     still end it if the process exits first: a daemon thread inside torch's C++ copy when the interpreter finalizes
-    aborts the process ("terminate called without an active exception", status 134: seen 1 run in 5 before)."""
-    import gc
+    aborts the process ("terminate called without an active exception", status 134: seen 1 run in 5 before). Run in
+    a process of its own, where no other test's thread is running."""
+    import subprocess
+    import sys
 
-    from gpupipe.backends.decode_ahead import DecodeAhead
-    from gpupipe.bench.host_budget import meta_loader
-
-    loader = meta_loader(str(data), "pillow", Recipe(32), 4, 1)
-    it = iter(loader)
-    next(it)
-    thread = loader._ahead._thread
-    del it, loader
-    gc.collect()
-    DecodeAhead._close_all()  # what the exit hook runs
-    assert not thread.is_alive()
+    code = f"""
+import gc
+from gpupipe.backends.decode_ahead import DecodeAhead
+from gpupipe.bench.host_budget import meta_loader
+from gpupipe.recipe import Recipe
+loader = meta_loader({str(data)!r}, "pillow", Recipe(32), 4, 1)
+it = iter(loader)
+next(it)
+thread = loader._ahead._thread
+del it, loader
+gc.collect()
+DecodeAhead._close_all()  # what the exit hook runs
+print("alive" if thread.is_alive() else "ended")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["ended"], done.stderr

@@ -115,10 +115,14 @@ class DecodeAhead(Generic[W, R]):
         self._thread.join(timeout)
 
     @classmethod
-    def _close_all(cls) -> None:
-        for thread, (stop, out) in list(cls._running.items()):
+    def _close_all(cls, timeout: float = 5) -> None:
+        """Every running thread told to stop, then each waited for, ``timeout`` seconds in all."""
+        running = list(cls._running.items())
+        for _, (stop, out) in running:
             _stop(stop, out)
-            thread.join(timeout=5)
+        deadline = time.monotonic() + timeout
+        for thread, _ in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
