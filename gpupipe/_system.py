@@ -70,23 +70,6 @@ def is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def thread_ids() -> set[int]:
-    """This process's threads (Linux task ids; empty elsewhere)."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def thread_name(tid: int) -> str:
-    """A thread's name as the kernel keeps it (``/proc/self/task/TID/comm``); "" once it is gone, or elsewhere."""
-    try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def lower_thread_priority(tids: set[int]) -> None:
     """:func:`lower_priority` for threads of this process (a library's decode threads, such as DALI's, started in the
     training process): on Linux a thread's niceness is its own. A thread already gone is skipped."""

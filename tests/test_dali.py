@@ -361,7 +361,18 @@ def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(p
     import dataclasses
     import os
 
-    from gpupipe._system import WORKER_NICENESS, thread_ids, thread_name
+    from gpupipe._system import WORKER_NICENESS
+
+    def thread_ids() -> set[int]:  # this process's threads (Linux task ids)
+        return {int(t) for t in os.listdir("/proc/self/task")}
+
+    def thread_name(tid: int) -> str:  # as the kernel keeps it; "" once it is gone
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
     from gpupipe.backends import get
     from gpupipe.data.device import DeviceStage
     from gpupipe.recipe import Recipe

@@ -197,7 +197,6 @@ class CpuLoader(StreamedLoader):
         probe = self.ctaugment is not None and self.ctaugment.probe
         in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
-        self._ahead: DecodeAhead | None = None  # the pass's thread taking batches off the workers (no pin thread)
 
     @staticmethod
     def _drawn_ahead(parts: LoaderParts) -> int:
@@ -218,15 +217,8 @@ class CpuLoader(StreamedLoader):
         the meta device that stands in for CUDA): what that thread does on CUDA, taking each batch off the workers'
         queue (unpickling) and copying it out of the worker's buffer, is done on a thread of the loader's own, one
         batch ahead, not on the training thread."""
-        ahead = self._ahead = DecodeAhead(taken, _as_is, self.device, _none, name="gpupipe-take", cpu=self.thread_cpu)
-        try:
-            yield from ahead
-        finally:
-            ahead.close()  # a pass left early: the batch taken ahead is dropped
-
-    def _hand_over(self) -> None:
-        if self._ahead is not None:
-            self._ahead.join()  # the last pass's thread (one left early: stopped after its batch)
+        self._ahead = DecodeAhead(taken, _as_is, self.device, _none, name="gpupipe-take", cpu=self.thread_cpu)
+        return iter(self._ahead)
 
     def _open_stream(self) -> Stream:
         """The loader's one stream of batches (persistent workers and one DataLoader iteration outlive epochs; see

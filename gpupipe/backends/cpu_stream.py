@@ -33,6 +33,7 @@ import torch
 from .._files import Stamp, file_stamp, unchanged
 from ..data.loader import Loader
 from ..data.workers import start_workers, worker_init
+from .decode_ahead import DecodeAhead
 from .handover import let_go
 
 if TYPE_CHECKING:
@@ -284,6 +285,7 @@ class StreamedLoader(Loader):
     takes each pass's items with :meth:`_taken`."""
 
     _the_stream: Stream | None = None
+    _ahead: DecodeAhead | None = None  # the last pass's thread taking (or decoding) the stream's items, if any
 
     def _batches(self, epoch: int, start: int) -> list[list[int]]:
         self._hand_over()
@@ -307,8 +309,10 @@ class StreamedLoader(Loader):
         raise NotImplementedError
 
     def _hand_over(self) -> None:
-        """Before a pass uses the stream: what took the last pass's items on a thread of its own is done with it (the
-        plan, which that thread's ``next()`` runs on, is then this thread's alone)."""
+        """Before a pass uses the stream: what took the last pass's items on a thread of its own (``_ahead``) is done
+        with it (the plan, which that thread's ``next()`` runs on, is then this thread's alone)."""
+        if self._ahead is not None:
+            self._ahead.join()  # one left early: stopped after its batch
 
     def _streaming(
         self, data, collate: Callable, remake: Callable[[Task], Made], nicer: bool, clock=None, **settings

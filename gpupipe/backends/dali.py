@@ -285,10 +285,7 @@ class DaliLoader(Loader):
         works = self._works(epoch, start_batch)
         ahead = DecodeAhead(works, self._deliver, self.stage.device, _tensors, name="gpupipe-dali", cpu=self.thread_cpu)
         self._ahead = ahead
-        try:
-            yield from ahead
-        finally:
-            ahead.close()  # a pass left early: its batches made ahead are dropped (their works are done)
+        yield from ahead  # a pass left early closes it: its batches made ahead are dropped (their works are done)
 
     def _works(self, epoch: int, start_batch: int) -> Iterator[Work]:
         """The pass's works in order, on the loader's thread, each scheduled in DALI before it comes."""

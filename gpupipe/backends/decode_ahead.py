@@ -79,18 +79,22 @@ class DecodeAhead(Generic[W, R]):
         atexit.register(cls._close_all)
 
     def __iter__(self) -> Iterator[R]:
-        while True:
-            item = self._next()
-            if item is _END:
-                return
-            if isinstance(item, _Failed):
-                raise item.error
-            if item.ready is not None:
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(item.ready)
-                for t in self._tensors(item.result):
-                    t.record_stream(current)
-            yield item.result
+        """The results in order; an iteration left early (a pass left early, closed or dropped) closes the thread."""
+        try:
+            while True:
+                item = self._next()
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                if item.ready is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(item.ready)
+                    for t in self._tensors(item.result):
+                        t.record_stream(current)
+                yield item.result
+        finally:
+            self.close()  # what it made ahead is dropped
 
     def _next(self) -> Any:
         """The next item the thread put; an error if it ended without one (told to stop: iterated after close)."""

@@ -251,7 +251,6 @@ class NvjpegLoader(StreamedLoader):
         max_pixels = parts.max_pixels or default_max_pixels()
         self._data = _BytesDataset(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
-        self._ahead: DecodeAhead | None = None  # the pass's decode thread
         self._pad = PadSize()  # one padded size for every batch once the largest images were seen
 
     def decoder(self) -> Decode:
@@ -262,20 +261,12 @@ class NvjpegLoader(StreamedLoader):
         GPU); bytes: nothing to pin."""
         return self._streaming(self._data, _as_made, self._data.work, nicer=True, pin_memory=False)
 
-    def _hand_over(self) -> None:
-        if self._ahead is not None:
-            self._ahead.join()  # the last pass's decode thread (one left early: stopped after its batch)
-
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         decode = self._decode = self._decode or self.decoder()
         works: Iterator[_Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
-        ahead = DecodeAhead(works, lambda w: self._decoded(w, decode), self.device, _tensors, cpu=self.thread_cpu)
-        self._ahead = ahead
-        try:
-            for decoded in ahead:  # decoded on the decode thread, one batch ahead
-                yield self._cropped(epoch, decoded)
-        finally:
-            ahead.close()  # this pass's (a pass left early may be closed after the next one began)
+        self._ahead = DecodeAhead(works, lambda w: self._decoded(w, decode), self.device, _tensors, cpu=self.thread_cpu)
+        for decoded in self._ahead:  # decoded on the decode thread, one batch ahead
+            yield self._cropped(epoch, decoded)
 
     def _batch(self, epoch: int, work: _Work, decode: Decode) -> Batch:
         """A worker's batch decoded and cropped on this thread (what the decode thread and this one do in turn)."""
