@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -337,13 +338,14 @@ class S3Server:
 class HTTPFiles:
     """A real HTTP server on 127.0.0.1 (a thread of this process) that serves the files under ``root`` with range
     requests, as a static web server does, and as S3 does for a path-style GET (``/bucket/key``). ``fail(status,
-    body)`` queues answers given before any file (a 500, a 503 SlowDown); ``requests`` lists the paths asked."""
+    body)`` queues answers given before any file (a 500, a 503 SlowDown); ``late`` seconds pass before each answer;
+    ``requests`` lists the paths asked."""
 
     def __init__(self, root: Path):
         import http.server
         import threading
 
-        self.root, self.requests, self.faults = Path(root), [], []
+        self.root, self.requests, self.faults, self.late = Path(root), [], [], 0.0
         files = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -366,6 +368,7 @@ class HTTPFiles:
     def _answer(self, h, body: bool) -> None:
         path = h.path.split("?")[0]
         self.requests.append(path)
+        time.sleep(self.late)
         status, data, headers = self._reply(path, h.headers.get("Range"))
         h.send_response(status)
         for k, v in {**headers, "Content-Length": str(len(data))}.items():

@@ -53,6 +53,18 @@ def test_5xx_and_throttling_are_retried_until_the_object_comes(files, scheme):
     assert files.requests == ["/bucket/obj"] * 4  # one request per attempt: botocore's own retries are off
 
 
+def test_a_read_past_its_timeout_is_retried_by_the_store_alone(files):
+    """s3fs retried a timed-out call 5 times by itself, unseen: a GET the server was slow to answer was asked
+    again at once (a shard fetched twice), and each of the Store's attempts was 5."""
+    pytest.importorskip("s3fs", reason="s3fs is in the s3 extra")
+    files.late = 1.5
+    options = {"endpoint_url": files.url, "key": "k", "secret": "s", "config_kwargs": {"read_timeout": 0.5}}
+    store = Store(Remote("s3://bucket/obj", storage_options=options, backoff=0.01, retries=2), "s3://bucket/obj")
+    with pytest.raises(StorageError, match=r"bucket/obj: unreachable after 2 attempts .*timeout"):
+        store.read("s3://bucket/obj", 2, 4)
+    assert files.requests == ["/bucket/obj"] * 2  # one request per attempt
+
+
 @pytest.mark.parametrize("scheme", ["s3", "http"])
 def test_a_client_error_is_not_retried(files, scheme):
     url = _url(files, scheme)

@@ -100,6 +100,10 @@ class Store:
             import fsspec  # defer: only remote sources need it
 
             self._fs = fsspec.url_to_fs(self._url, **_options(self._url, self.remote.storage_options))[0]
+            if self._url.startswith(("s3://", "s3a://")):
+                # s3fs's own layer: 5 attempts per call on a timeout, and a ranged re-read of a body cut mid-way,
+                # neither seen by ours: a GET past its read timeout was asked again at once (the store served both)
+                self._fs.retries = 1
             self._pid = os.getpid()
         return self._fs
 
@@ -272,7 +276,8 @@ def _within(what: Callable[[], _T], seconds: float) -> _T:
 
 
 def _options(url: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The user's options; for S3, botocore's own retries off (ours are the one layer) unless they were set."""
+    """The user's options; for S3, botocore's own retries off (ours are the one layer) unless they were set (s3fs's
+    are turned off on the file system: :attr:`Store.fs`)."""
     options = dict(given)
     if url.startswith(("s3://", "s3a://")):
         config = dict(options.get("config_kwargs") or {})
