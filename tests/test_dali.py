@@ -180,7 +180,7 @@ def test_a_pass_left_one_batch_short_goes_on_into_the_next_epoch(photos, photo_s
     assert restarts.count(loader._feed) == 1 and loader.pipelines_built == 1
     ahead = [(w.epoch, w.number) for w in loader._pending]
     assert (3, 0) in ahead and min(ahead) >= (2, 4)  # the next epoch's start is made
-    assert loader._scheduled == sum(bool(w.dali) for w in loader._pending)  # none taken and lost
+    assert loader._scheduled == sum(bool(w.gpu) for w in loader._pending)  # none taken and lost
     loader.load_state_dict({"epoch": 3, "batch": 2})  # not where the stream stands: it restarts there
     straight.set_epoch(3)
     for (a, la), (b, lb) in zip(list(loader), list(straight)[2:], strict=True):
@@ -478,7 +478,7 @@ def test_a_pass_left_early_behind_a_slow_step_loses_no_scheduled_batch(photos, l
     loader.set_epoch(1)
     got = list(loader)
     loader._ahead.join()
-    assert loader._scheduled == sum(bool(w.dali) for w in loader._pending)
+    assert loader._scheduled == sum(bool(w.gpu) for w in loader._pending)
     fresh = gpupipe.build_loader(photos, "dali", **kw)
     fresh.set_epoch(1)
     for (a, la), (b, lb) in zip(got, list(fresh), strict=True):

@@ -18,7 +18,7 @@ import gpupipe
 from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import gpu_crop
 from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
-from gpupipe.backends.nvjpeg import NvjpegLoader, _BytesDataset, _upright_chw
+from gpupipe.backends.nvjpeg import NvjpegFeed, NvjpegLoader, _upright_chw
 from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError
 from gpupipe.recipe import Recipe
@@ -48,25 +48,27 @@ def _loader(dataset) -> NvjpegLoader:
     loader = NvjpegLoader.__new__(NvjpegLoader)  # its constructor insists on CUDA; _batch needs only these
     loader.stage = types.SimpleNamespace(device=torch.device("cpu"))
     loader.recipe = Recipe(16)
-    loader._data = _BytesDataset(dataset, loader.recipe, False, 0, 10**8)
+    loader._data = NvjpegFeed(dataset, loader.recipe, False, 0, 10**8)
     loader._pad = gpu_crop.PadSize()
     return loader
 
 
-def test_items_say_what_the_worker_did(files):
-    data = _BytesDataset(files, Recipe(16), False, 0, 10**8)
-    a, b, c, d = (data[(0, i)] for i in range(4))
-    assert (a.decoded_on_cpu, a.orientation, a.error) == (False, 1, None)
-    assert (b.decoded_on_cpu, b.orientation) == (False, 6)
-    assert c.decoded_on_cpu and c.data.shape == (40, 60, 3)
-    assert d.data is None and "empty" in d.error
-    assert [it.sample for it in (a, b, c, d)] == [0, 1, 2, 3]
+def test_the_feed_says_what_the_worker_did(files):
+    """One GPU row per JPEG nvJPEG takes, named: its box, EXIF orientation and stored size; the PNG decoded and
+    cropped by Pillow in the worker; the empty file an error naming it."""
+    work = NvjpegFeed(files, Recipe(16), False, 0, 10**8).work(0, [0, 1, 2, 3])
+    assert work.gpu == [0, 1] and work.lengths.tolist() == [len(files.read(0)), len(files.read(1))]
+    assert work.orientation.tolist() == [1, 6]
+    assert work.stored.tolist() == [[40, 60], [40, 60]]  # b.jpg is stored 40 x 60 and upright 60 x 40
+    assert work.boxes.shape == (2, 5) and work.encoded.dim() == 1  # one view per file: no padded rows
+    assert list(work.cpu) == [2] and work.cpu[2].shape == (3, 16, 16) and work.fallbacks == 1
+    assert [p.rsplit("/", 1)[-1] for p, _ in work.errors] == ["d.jpg"] and "empty" in work.errors[0][1]
+    assert work.labels.tolist() == [0, 0, 0, 0] and work.index.tolist() == [0, 1, 2, 3]
 
 
 def test_a_batch_is_decoded_turned_cropped_and_counted(files):
     loader = _loader(files)
-    items = loader._data.collate([loader._data[(0, i)] for i in range(4)])
-    batch = loader._batch(0, items, _cpu_decode)
+    batch = loader._batch(0, loader._data.work(0, [0, 1, 2, 3]), _cpu_decode)
     assert batch.images.shape == (3, 3, 16, 16) and batch.layout == "NCHW"
     assert batch.keys.tolist() == [[0, 0], [0, 1], [0, 2]]
     assert batch.fallbacks == 1
@@ -75,9 +77,8 @@ def test_a_batch_is_decoded_turned_cropped_and_counted(files):
 
 @pytest.mark.parametrize("refused", [0, 1])
 def test_what_nvjpeg_rejects_goes_to_pillow(files, refused):
-    """a.jpg (upright) or b.jpg (EXIF 6: Pillow turns it, so its box is planned again) refused by nvJPEG."""
+    """a.jpg (upright) or b.jpg (EXIF 6) refused by nvJPEG: the feed's fallback, Pillow, decodes and crops it."""
     loader = _loader(files)
-    items = loader._data.collate([loader._data[(0, i)] for i in range(4)])
     rejected = len(files.read(refused))
 
     def picky(data):  # fails the whole batch, then the refused file alone
@@ -85,24 +86,24 @@ def test_what_nvjpeg_rejects_goes_to_pillow(files, refused):
             raise RuntimeError("nvJPEG says no")
         return _cpu_decode(data)
 
-    batch = loader._batch(0, items, picky)
+    batch = loader._batch(0, loader._data.work(0, [0, 1, 2, 3]), picky)
     assert batch.keys.tolist() == [[0, 0], [0, 1], [0, 2]]
     assert batch.fallbacks == 2  # c.jpg in the worker, the refused one after nvJPEG
-    reference = loader._batch(0, items, _cpu_decode)
+    reference = loader._batch(0, loader._data.work(0, [0, 1, 2, 3]), _cpu_decode)
     assert (batch.images[refused].float() - reference.images[refused].float()).abs().mean() < 3
 
 
 def test_a_jpeg_neither_decoder_takes_is_an_error_naming_its_file(files, monkeypatch):
     loader = _loader(files)
-    work = loader._data.collate([loader._data[(0, i)] for i in range(4)])
+    work = loader._data.work(0, [0, 1, 2, 3])  # c.jpg decoded by Pillow in the worker, before the break
 
     def refuse(data):
         raise RuntimeError("nvJPEG says no")
 
-    def broken(data, path):
+    def broken(data, path, plan, size):
         raise DecodeError(path, "pillow", "broken")
 
-    monkeypatch.setattr(loader._data._fallback, "decode", broken)
+    monkeypatch.setattr(loader._data.check, "crop", broken)
     batch = loader._batch(0, work, refuse)
     assert batch.keys.tolist() == [[0, 2]] and batch.fallbacks == 1  # only c.jpg, decoded in the worker
     assert sorted(p.rsplit("/", 1)[-1] for p, _ in batch.errors) == ["a.jpg", "b.jpg", "d.jpg"]
@@ -211,18 +212,18 @@ def test_a_resolution_schedule_gives_each_epoch_its_size_from_the_same_workers(t
 
 def test_a_truncated_jpeg_is_judged_by_pillow_not_sent_to_nvjpeg(tmp_path):
     """nvJPEG may decode a truncated baseline JPEG into grey rows without an error: without its end-of-image marker a
-    file goes to Pillow in the worker, which refuses it (the file named), as the dali feed does."""
+    file is judged by Pillow in the worker, which refuses it (the file named): the feed dali shares."""
     d = tmp_path / "c00"
     d.mkdir()
     whole = jpeg_bytes(photo(np.random.default_rng(1), 64, 64), quality=95)
     (d / "whole.jpg").write_bytes(whole)
     (d / "cut.jpg").write_bytes(whole[: len(whole) * 2 // 3])
     (d / "tail.jpg").write_bytes(whole + b"\0" * 100)  # bytes after the marker: still whole
-    data = _BytesDataset(scan(tmp_path), Recipe(16), False, 0, 10**8)
-    items = {data[(0, i)].path.rsplit("/", 1)[-1]: data[(0, i)] for i in range(3)}
-    assert items["whole.jpg"].data is not None and not items["whole.jpg"].decoded_on_cpu
-    assert items["tail.jpg"].data is not None and not items["tail.jpg"].decoded_on_cpu
-    assert items["cut.jpg"].data is None and items["cut.jpg"].error
+    files = scan(tmp_path)
+    work = NvjpegFeed(files, Recipe(16), False, 0, 10**8).work(0, [0, 1, 2])
+    names = [p.rsplit("/", 1)[-1] for p, _ in files.samples]
+    assert sorted(names[pos] for pos in work.gpu) == ["tail.jpg", "whole.jpg"] and not work.cpu
+    assert [p.rsplit("/", 1)[-1] for p, _ in work.errors] == ["cut.jpg"] and work.errors[0][1]
 
 
 def test_padding_is_one_float_batch_with_each_images_edge_repeated_once():
@@ -370,7 +371,7 @@ def test_the_decode_runs_off_the_training_thread(folder):
     reference = _recording(folder)
     data = reference._data
     for (x, y), keys in zip(got, reference.sampler, strict=True):
-        work = data.work(keys)
+        work = data.remake(keys)
         batch = reference._batch(0, work, reference.decoder())
         assert torch.equal(x, batch.images) and torch.equal(y, batch.labels)
 

@@ -5,11 +5,12 @@ pipeline.
 DALI is fed each batch in the shared :class:`ShardSampler`'s order with each sample's crop from
 :meth:`Recipe.plan`, through ``fn.external_source``, and ``fn.decoders.image_slice`` decodes exactly that window:
 from local files, their paths (DALI reads them in its own threads; :mod:`.dali_files`); from shards and object
-storage, their bytes, read a whole batch at a time in DataLoader workers (:mod:`.dali_feed`: nothing is read up
-front). A thread of the loader's own feeds DALI, fetches and assembles its batches, so the training thread only takes
-finished ones. So DALI's geometry, order, labels, sharding and resume are every other backend's; only interpolation
-differs. Because the loader knows each batch's files, a batch DALI fails on is narrowed to its file(s) by Pillow;
-what only DALI cannot decode is decoded on the CPU and counted in ``loader.fallbacks``.
+storage, their bytes, read a whole batch at a time in DataLoader workers by the feed nvJPEG shares (:mod:`.gpu_feed`,
+:mod:`.dali_feed`: nothing is read up front). A thread of the loader's own feeds DALI, fetches and assembles its
+batches, so the training thread only takes finished ones. So DALI's geometry, order, labels, sharding and resume are
+every other backend's; only interpolation differs. Because the loader knows each batch's files, a batch DALI fails on
+is narrowed to its file(s) by Pillow; what only DALI cannot decode goes to the feed's fallback (Pillow, on the CPU),
+counted in ``loader.fallbacks``.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from .._system import made_below
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from .dali_feed import Feed, Work, decode_on_cpu
+from .dali_feed import DaliFeed
 from .dali_files import FileStream, FileTable
 from .dali_graph import Driver, build_pipeline, consumer_stream, read_dali, to_torch
 from .dali_stream import FeedStream, plan
 from .decode_ahead import DecodeAhead
+from .gpu_feed import Feed, Work
 from .image import default_max_pixels
-from .pillow import PillowDecoder
 from .registry import BackendSpec
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
@@ -88,7 +89,8 @@ class DaliLoader(Loader):
         augment = parts.stage.augment
         self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
         self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
-        self._check = PillowDecoder(self.max_pixels)  # decides about files DALI fails on, and decodes what it can't
+        # the feed's fallback: decides about files DALI fails on, and decodes what it cannot
+        self._fallback = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
         self._pipe: Driver | None = None  # the DALI pipeline, built on first use
         self.pipelines_built = 0  # one per loader unless a decode failure invalidated one
         self._scheduled = 0  # batches scheduled and not yet fetched, whichever iteration scheduled them
@@ -162,7 +164,7 @@ class DaliLoader(Loader):
     def _resubmit(self) -> None:
         """After DALI lost its pipeline: the works still waiting are scheduled again, in order, on a new one."""
         for work in self._pending:
-            if work.dali:
+            if work.gpu:
                 self._submit(work)
 
     def _continue(self, epoch: int, start_batch: int) -> deque[Work]:
@@ -197,7 +199,7 @@ class DaliLoader(Loader):
     def _recheck_ahead(self, epoch: int) -> None:
         """The works of ``epoch`` read before its pass began: one whose files changed since is read again (each file
         stat-ed once), and everything in flight is scheduled again behind it."""
-        changed = [any(w.stamps) and w.epoch == epoch and not unchanged(w.stamps) for w in self._pending]
+        changed = [bool(w.stamps and w.epoch == epoch and not unchanged(w.stamps)) for w in self._pending]
         if not any(changed):
             return
         assert self._feed is not None  # works with stamps came from the feed
@@ -214,50 +216,46 @@ class DaliLoader(Loader):
             table = FileTable(self.dataset, self.max_pixels)
             self._feed = FileStream(table, self.recipe, self.train, self.seed, _helpers(self.parts.workers))
         if self._feed is None:
-            feed = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
+            feed = DaliFeed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
             self._feed = FeedStream(feed, _helpers(self.parts.workers), nicer=self.device.type != "cpu")
         return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
-        decoded on the CPU. Returns DALI's images for the positions left in ``work.dali``, if any."""
+        decoded on the CPU. Returns DALI's images for the positions left in ``work.gpu``, if any."""
         keep, datas = [], []
-        for pos, data in zip(work.dali, _sample_bytes(work, self.dataset), strict=True):
+        for pos, data in zip(work.gpu, _sample_bytes(work, self.dataset), strict=True):
             path = self.dataset.samples[work.indices[pos]][0]
             try:
                 if isinstance(data, OSError):
                     raise DecodeError(path, self.backend, f"cannot read the file ({data.strerror or data})")
-                self._check.decode(data, path)
+                self._fallback.check.decode(data, path)
                 keep.append(pos)
                 datas.append(data)
             except DecodeError as e:
                 work.errors.append((path, e.reason))
-        if len(keep) < len(work.dali):  # the culprit is known: DALI may well decode the rest
-            work.narrow([work.dali.index(pos) for pos in keep])
-            if not work.dali:
+        if len(keep) < len(work.gpu):  # the culprit is known: DALI may well decode the rest
+            work.narrow([work.gpu.index(pos) for pos in keep])
+            if not work.gpu:
                 return None
             try:
                 self._submit(work)
                 return self._fetch()
             except RuntimeError:
                 self._discard_pipeline()
-        for pos, data in zip(work.dali, datas, strict=True):  # only DALI refuses these: Pillow decodes them
-            path = self.dataset.samples[work.indices[pos]][0]
-            plan = self.recipe.plan(self.train, self.seed, work.epoch, work.indices[pos])
-            decode_on_cpu(self._check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
-        work.dali, work.data, work.rows, work.paths = [], [], None, None
+        self._fallback.fallback(work, list(work.gpu), datas)  # only DALI refuses these: Pillow decodes them
         return None
 
     def _assemble(self, work: Work, decoded: torch.Tensor | None) -> Batch:
         """The batch in the sampler's order: DALI's images and Pillow's, less the failures."""
         device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # where DALI outputs
         if not work.cpu:
-            positions = work.dali
+            positions = work.gpu
             size = self.recipe.side(self.train, work.epoch)
             images = decoded if decoded is not None else empty_batch(size, device).images
         else:
-            parts = {pos: decoded[k] for k, pos in enumerate(work.dali)} if decoded is not None else {}
+            parts = {pos: decoded[k] for k, pos in enumerate(work.gpu)} if decoded is not None else {}
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
             positions = sorted(parts)
             images = torch.stack([parts[pos] for pos in positions])
@@ -323,7 +321,7 @@ class DaliLoader(Loader):
         work = self._feed_stream().next()
         if work is None:
             return False
-        if work.dali:
+        if work.gpu:
             self._submit(work)
         self._pending.append(work)
         return True
@@ -339,7 +337,7 @@ class DaliLoader(Loader):
 
     def _decoded_or_lost(self, work: Work) -> None:
         """Fetch and drop a work no pass delivers (a batch of a pass left early)."""
-        if work.dali and self._scheduled:
+        if work.gpu and self._scheduled:
             try:
                 self._fetch()
             except RuntimeError:
@@ -350,7 +348,7 @@ class DaliLoader(Loader):
     def _decoded(self, work: Work) -> torch.Tensor | None:
         """DALI's images of ``work``; after a failure, what :meth:`_recover` saves (the batches behind it, lost with
         the pipeline, are scheduled again, in order, on a new one)."""
-        if not work.dali:
+        if not work.gpu:
             return None
         try:
             return self._fetch()
@@ -377,7 +375,7 @@ def _sample_bytes(work: Work, dataset) -> list[bytes | OSError]:
     if work.paths is None:
         return [data.tobytes() for data in work.samples()]
     out: list[bytes | OSError] = []
-    for pos in work.dali:
+    for pos in work.gpu:
         try:
             out.append(read_regular(dataset.samples[work.indices[pos]][0]))
         except OSError as e:

@@ -2,7 +2,7 @@
 the batch's rows of a path table and the recipe's crop rows, and ``fn.io.file.read`` reads the files in DALI's own
 threads. No feed process, no receiving thread, no copy of the bytes in Python.
 
-What the feed judges from each file's bytes (:mod:`.dali_feed`: its upright size, whether only Pillow decodes it, why
+What the feed judges from each file's bytes (:mod:`.gpu_feed`: its upright size, whether only Pillow decodes it, why
 it cannot be decoded) is judged once per sample, from its header, in worker processes that run a few batches ahead of
 the stream the first time a sample comes (:class:`Scanner`: nothing is read up front, and once every sample is
 judged they end); the verdicts are kept in the path table (:class:`FileTable`). The scan opens each file
@@ -33,7 +33,8 @@ from .._files import file_stamp, read_regular
 from ..data.compact import PathList
 from ..errors import DecodeError
 from ..recipe import Recipe
-from .dali_feed import Gate, Request, Work, decode_on_cpu
+from .dali_feed import Gate, Request
+from .gpu_feed import Work, decode_on_cpu, eval_rows
 from .image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from .pillow import PillowDecoder
 
@@ -67,7 +68,7 @@ def _read_ends(path: str) -> tuple[bytes, bytes]:
 
 
 def judge_file(path: str, max_pixels: int) -> Verdict:
-    """What the feed decides from a sample's bytes (:meth:`.dali_feed.Feed._sample`), from its head and tail."""
+    """What the feed decides from a sample's bytes (:meth:`.gpu_feed.Feed._sample`), from its head and tail."""
     try:
         head, tail = _read_ends(path)
         entry = header_entry(head, max_pixels)
@@ -300,7 +301,7 @@ class FileStream:
         if len(dali) < len(index):
             self._others(work, np.flatnonzero(kind != _DALI).tolist())
         chosen = index[dali]
-        work.dali = dali.tolist()
+        work.gpu = dali.tolist()
         work.paths, lengths = t.paths(chosen)
         work.rows = self._rows(request, chosen, lengths)
         return work
@@ -335,15 +336,3 @@ class FileStream:
                 continue
             plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
             decode_on_cpu(self.check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
-
-
-def eval_rows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """(n, 4) int64: :meth:`Recipe.eval_offsets` for a batch in a few array ops, to the bit (the same float64
-    division, truncation and round-half-to-even)."""
-    size, side = recipe.resize_size, recipe.eval_side
-    short, long_ = np.minimum(heights, widths), np.maximum(heights, widths)
-    new_long = (size * long_ / short).astype(np.int64)
-    wide = heights <= widths
-    rh, rw = np.where(wide, size, new_long), np.where(wide, new_long, size)
-    top, left = np.round((rh - side) / 2.0), np.round((rw - side) / 2.0)
-    return np.stack([rh, rw, top, left], 1).astype(np.int64)

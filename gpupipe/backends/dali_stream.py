@@ -1,4 +1,4 @@
-"""The dali feed's stream: :class:`~.dali_feed.Feed`'s works, in the order of a plan that runs across epochs,
+"""The dali feed's stream: :class:`~.dali_feed.DaliFeed`'s works, in the order of a plan that runs across epochs,
 prepared in DataLoader workers and taken from them on a thread of their own (:class:`FeedStream`). The worker's side,
 what one batch's work holds and how it is made, is :mod:`.dali_feed`."""
 
@@ -18,7 +18,8 @@ import torch
 
 from ..data.upload import Reaper
 from ..data.workers import put_unless_stopped, start_workers, worker_init
-from .dali_feed import Feed, Gate, Request, Work
+from .dali_feed import DaliFeed, Gate, Request
+from .gpu_feed import Work
 
 
 class _Requests:
@@ -50,7 +51,7 @@ def plan(sampler, gate: Gate, epoch: int, start_batch: int, ahead: int) -> Itera
 
 
 class FeedStream:
-    """:class:`Feed` in ``workers`` DataLoader processes (persistent): the works of one plan, in order, across epochs.
+    """:class:`DaliFeed` in ``workers`` DataLoader processes (persistent): one plan's works, in order, across epochs.
 
     The DataLoader's iterator lives as long as the plan does, so an epoch edge costs nothing (a new ``iter()`` would
     drop and read again what the workers had started on, and make the training thread wait for each worker's answer).
@@ -58,7 +59,7 @@ class FeedStream:
     pin-memory thread does: receiving one (a pipe read, unpickling, mapping its shared memory) is no work for the
     training thread. With no workers, works are made when asked, on the caller's thread."""
 
-    def __init__(self, feed: Feed, workers: int, nicer: bool = True):
+    def __init__(self, feed: DaliFeed, workers: int, nicer: bool = True):
         self.feed = feed
         self._requests = _Requests()
         extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
@@ -67,7 +68,7 @@ class FeedStream:
         self._loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
             feed,
             batch_size=None,
-            sampler=self._requests,  # requests, not indices: Feed takes them
+            sampler=self._requests,  # requests, not indices: DaliFeed takes them
             collate_fn=_as_is,  # type: ignore[arg-type]  # no batching: one Work per request
             num_workers=workers,
             **extra,

@@ -10,7 +10,6 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -151,13 +150,15 @@ PILLOW_ONLY_MODES = frozenset({"F", "I"})  # 32-bit pixels: one rule on every ba
 
 
 class HeaderCheck(NamedTuple):
-    """One file judged from its header alone: its upright size and whether only Pillow should decode it, or why it
-    cannot be decoded (``problem``; then the size is 0 x 0)."""
+    """One file judged from its header alone: its upright size, whether only Pillow should decode it, its EXIF
+    orientation and PIL mode, or why it cannot be decoded (``problem``; then the size is 0 x 0)."""
 
     height: int = 0
     width: int = 0
     pillow_only: bool = False
     problem: str | None = None
+    orientation: int = 1
+    mode: str = ""
 
 
 def header_entry(src: str | bytes, max_pixels: int) -> HeaderCheck:
@@ -169,11 +170,11 @@ def header_entry(src: str | bytes, max_pixels: int) -> HeaderCheck:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(src if isinstance(src, str) else io.BytesIO(src)) as img:
-                width, height = img.size
-                if (reason := float_image_reason(img.mode)) is not None:
+                (width, height), mode = img.size, img.mode
+                if (reason := float_image_reason(mode)) is not None:
                     return HeaderCheck(problem=reason)
                 orientation = orientation_to_apply(img)
-                pillow_only = img.format not in PIPELINE_FORMATS or img.mode in PILLOW_ONLY_MODES
+                pillow_only = img.format not in PIPELINE_FORMATS or mode in PILLOW_ONLY_MODES
     except Image.DecompressionBombError:
         return HeaderCheck(problem="more pixels than PIL allows (decompression bomb)")
     except OSError as e:
@@ -186,7 +187,7 @@ def header_entry(src: str | bytes, max_pixels: int) -> HeaderCheck:
         return HeaderCheck(problem=_unreadable(e))
     if (reason := pixel_limit_reason(width, height, max_pixels)) is not None:
         return HeaderCheck(problem=reason)
-    return HeaderCheck(*upright_hw(height, width, orientation), pillow_only)
+    return HeaderCheck(*upright_hw(height, width, orientation), pillow_only, None, orientation, mode)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -389,7 +390,7 @@ def jpeg_exif_orientation(data: bytes) -> int:
     header walk: no PIL open, no scan of the pixel data; 1 without one."""
     for marker, at, length in _jpeg_segments(data):
         if marker == 0xE1 and data[at : at + 6] == b"Exif\x00\x00":
-            return _orientation(partial(_exif_from_block, data[at : at + length]))
+            return _orientation(functools.partial(_exif_from_block, data[at : at + length]))
     return 1
 
 
