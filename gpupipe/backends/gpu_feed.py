@@ -39,8 +39,7 @@ _PAD_RATIO = 4.0  # padded rows cost at most this many times the bytes themselve
 @dataclass
 class Work:
     """One batch on its way through the pipeline: which samples the GPU decodes, which Pillow decoded, which failed.
-    The arrays with one row per GPU sample (``lengths``, ``rows``, ``boxes``, ``orientation``, ``stored``, ``paths``)
-    follow ``gpu``'s order."""
+    The arrays with one row per GPU sample (``lengths``, ``paths`` and the crop layouts) follow ``gpu``'s order."""
 
     epoch: int
     indices: list[int]  # the sampler's batch, in order
@@ -52,10 +51,13 @@ class Work:
     # pixels and the epoch's output side), or for eval (n, 4) the resize's offsets (Recipe.eval_offsets)
     rows: np.ndarray | None = None
     # nvJPEG's: float64 (n, 5) top, left, height, width, flip in upright pixels (Recipe.plan_boxes); each image's EXIF
-    # orientation, applied after the decode, int64 (n,); its (height, width) as stored, int64 (n, 2)
+    # orientation, applied after the decode, int64 (n,); its (height, width) as stored, int64 (n, 2); the box in stored
+    # pixels, float64 (n, 4), and the steps that turn it upright, bool (n, 3) (gpu_crop.stored_rois)
     boxes: np.ndarray | None = None
     orientation: np.ndarray | None = None
     stored: np.ndarray | None = None
+    rois: np.ndarray | None = None
+    steps: np.ndarray | None = None
     cpu: dict[int, np.ndarray] = field(default_factory=dict)  # position -> (3, S, S) uint8 Pillow decoded and cropped
     errors: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: int = 0
@@ -87,7 +89,7 @@ class Work:
         else:
             views = self.samples()
             self.data = [views[k] for k in chosen]
-        for name in ("rows", "boxes", "orientation", "stored"):
+        for name in ("rows", "boxes", "orientation", "stored", "rois", "steps"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[chosen])
         self.gpu = [self.gpu[k] for k in chosen]

@@ -80,6 +80,7 @@ class NvjpegFeed(Feed, torch.utils.data.Dataset):
         work.orientation = orientation
         turned = orientation >= 5  # stored (height, width): the upright size transposed back
         work.stored = np.stack([np.where(turned, widths, heights), np.where(turned, heights, widths)], 1)
+        work.rois, work.steps = stored_rois(work.boxes, orientation, work.stored)
 
 
 def _as_made(work: Work | None) -> Work | None:
@@ -88,9 +89,9 @@ def _as_made(work: Work | None) -> Work | None:
 
 
 class _Decoded(NamedTuple):
-    """A worker's batch after the decode thread: ``work`` without its bytes (the samples nvJPEG and Pillow both refused
-    gone, those only Pillow decoded in ``work.cpu``), each GPU sample's image on the device as stored, and the crops in
-    stored pixels (:func:`~.gpu_crop.stored_rois`)."""
+    """A worker's batch after the decode thread: ``work`` without its bytes (the samples nvJPEG refused gone: Pillow's
+    crops or errors), each GPU sample's image on the device as stored, and their crops in stored pixels (the worker's
+    :func:`~.gpu_crop.stored_rois`)."""
 
     work: Work
     images: list[torch.Tensor]
@@ -212,14 +213,13 @@ class NvjpegLoader(StreamedLoader):
 
     def _decoded(self, work: Work, decode: Decode) -> _Decoded:
         """A worker's batch decoded in one call (on the decode thread), what nvJPEG refuses handed to the feed's
-        fallback, the crops turned into stored pixels, Pillow's crops sent to the device; its bytes are dropped."""
+        fallback, Pillow's crops sent to the device; its bytes are dropped."""
         images = self._decode_jpegs(work, decode)
-        assert work.boxes is not None and work.orientation is not None and work.stored is not None  # the feed's
-        rois, steps = stored_rois(work.boxes, work.orientation, work.stored)
+        assert work.rois is not None and work.steps is not None  # the feed's
         device = self.stage.device
         cpu = {pos: torch.from_numpy(img).to(device, non_blocking=True) for pos, img in work.cpu.items()}
         work.encoded, work.data, work.cpu = None, None, {}
-        return _Decoded(work, images, rois, steps, cpu)
+        return _Decoded(work, images, work.rois, work.steps, cpu)
 
     def _cropped(self, epoch: int, decoded: _Decoded) -> Batch:
         """A decoded batch cropped, resized, turned upright and flipped on the GPU in a few batched ops, with Pillow's
