@@ -116,8 +116,7 @@ def _cmd_bench(args) -> int:
 
 
 def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str]]:
-    """The backends to measure: those asked for (``--backends a,b``) that can run here, or every one that runs on
-    ``device`` here; and those asked for that cannot, with the reason (printed; their rows say so)."""
+    """The backends to measure (``--backends a,b``, else all that run on ``device``), and those asked that cannot."""
     from .backends import available_backends, check_name, get, names, unavailable_reason
 
     avail = available_backends()
@@ -144,7 +143,8 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
     """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
     import torch
 
-    from .bench import report, store
+    from . import results as store
+    from .bench import report
     from .info import machine_info
 
     settings = {

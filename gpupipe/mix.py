@@ -7,7 +7,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .data.upload import HostPack
+from .plumbing.host_pack import HostPack
 
 
 def soft_targets(

@@ -334,7 +334,7 @@ def test_a_take_thread_outliving_its_dropped_loader_is_still_ended_at_exit(data)
 
     code = f"""
 import gc
-from gpupipe.backends.decode_ahead import DecodeAhead
+from gpupipe.plumbing.decode_ahead import DecodeAhead
 from gpupipe.bench.host_budget import meta_loader
 from gpupipe.recipe import Recipe
 loader = meta_loader({str(data)!r}, "pillow", Recipe(32), 4, 1)

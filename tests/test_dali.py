@@ -447,7 +447,7 @@ def test_batches_for_a_device_reach_the_training_thread_on_it(photos, monkeypatc
     outputs are moved): the device stage on the training thread copies no batch (host budget on a folder:
     0.49 -> 0.13 ms a 256-batch on the meta device)."""
     from gpupipe.bench.host_budget import meta_loader
-    from gpupipe.data.upload import HostPack
+    from gpupipe.plumbing.host_pack import HostPack
     from gpupipe.recipe import Recipe
 
     senders: list[str] = []

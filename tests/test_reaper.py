@@ -1,4 +1,4 @@
-"""data/upload.py's Reaper: one thread per process for every loader, ended at interpreter exit and not inherited
+"""plumbing/reaper.py's Reaper: one thread per process for every loader, ended at interpreter exit and not inherited
 by a forked child (a daemon thread left in C++ code at shutdown aborts the process after a run that went well)."""
 
 import os
@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from gpupipe.data.upload import Reaper
+from gpupipe.plumbing.reaper import Reaper
 
 from .common_utils import REPO_ROOT
 
@@ -43,7 +43,7 @@ def test_the_thread_is_joined_before_the_interpreter_finalizes():
     code = (
         "import atexit, threading, torch\n"
         "atexit.register(lambda: print('alive', [t.name for t in threading.enumerate()]))\n"  # LIFO: after stop
-        "from gpupipe.data.upload import Reaper\n"
+        "from gpupipe.plumbing.reaper import Reaper\n"
         "for _ in range(100): Reaper().drop(torch.zeros(100_000))\n"
     )
     r = subprocess.run(

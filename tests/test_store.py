@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import gpupipe
+from gpupipe import results as store
 from gpupipe.backends.auto import best_backend
-from gpupipe.bench import store
 
 
 def _report(date, *rows):

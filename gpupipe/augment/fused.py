@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..data.upload import HostPack, Slot
+from ..plumbing.host_pack import HostPack, Slot
 from . import kernels as K
 from .ops import OPS
 from .plan import Column

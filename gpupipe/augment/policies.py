@@ -13,8 +13,8 @@ from typing import ClassVar, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from ..data.upload import HostPack
 from ..draws import STREAM_AUTO_AUGMENT, STREAM_ERASING, sample_keys, uniforms
+from ..plumbing.host_pack import HostPack
 from . import fused
 from .ctaugment import CTAugment, CTWeights
 from .fused import Step

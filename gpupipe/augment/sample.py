@@ -10,8 +10,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
-from ..data.upload import HostPack
 from ..errors import TransformError
+from ..plumbing.host_pack import HostPack
 from .ctaugment import CTWeights
 from .policies import Policy, Step
 

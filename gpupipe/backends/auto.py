@@ -1,5 +1,5 @@
 """``backend="auto"``: the fastest backend in the latest ``gpupipe bench`` result for this machine and data set
-(:mod:`gpupipe.bench.store`), else a stated rule of thumb."""
+(:mod:`gpupipe.results`), else a stated rule of thumb."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from ..bench.store import load_rows, result_path
+from ..results import load_rows, result_path
 from . import available_backends
 
 log = logging.getLogger("gpupipe")

@@ -15,9 +15,9 @@ from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..data.scan import ImageList
 from ..errors import DecodeError, TransformError
+from ..plumbing.decode_ahead import DecodeAhead
 from ..recipe import Box, Recipe
 from .cpu_stream import Gate, Stream, StreamedLoader, Task
-from .decode_ahead import DecodeAhead
 from .handover import WireBatch, buffer, release
 from .image import chw_tensor
 from .registry import BackendSpec, Decoder

@@ -32,8 +32,8 @@ import torch
 
 from .._files import Stamp, file_stamp, unchanged
 from ..data.loader import Loader
-from ..data.workers import start_workers, worker_init
-from .decode_ahead import DecodeAhead
+from ..plumbing.decode_ahead import DecodeAhead
+from ..plumbing.workers import start_workers, worker_init
 from .handover import let_go
 
 if TYPE_CHECKING:

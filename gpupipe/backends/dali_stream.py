@@ -16,8 +16,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..data.upload import Reaper
-from ..data.workers import put_unless_stopped, start_workers, worker_init
+from ..plumbing.reaper import Reaper
+from ..plumbing.workers import put_unless_stopped, start_workers, worker_init
 from .dali_feed import DaliFeed, Gate, Request
 from .gpu_feed import Work
 
@@ -122,7 +122,7 @@ class _Receiver:
     """Takes works from a DataLoader iterator on a thread of its own and hands them over one at a time (``depth``
     waiting at most: each holds a batch's bytes in shared memory). Errors reach the caller as raised there. The
     thread ends when :meth:`stop` is called, when its stream is garbage, or at interpreter exit (``atexit``: a daemon
-    thread still in C++ code at finalization aborts the process, see :class:`~gpupipe.data.upload.Reaper`)."""
+    thread still in C++ code at finalization aborts the process, see :class:`~gpupipe.plumbing.reaper.Reaper`)."""
 
     _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
     _exit_hook = False

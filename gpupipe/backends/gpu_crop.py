@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..data.upload import HostPack
+from ..plumbing.host_pack import HostPack
 from .image import ORIENT_STEPS
 
 # (transpose, mirror, flip) of each EXIF orientation, indexed by it (0 and 1: upright)

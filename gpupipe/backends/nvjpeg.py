@@ -23,9 +23,9 @@ import torch
 from .._system import resolve_device
 from ..data.loader import Batch, LoaderParts, empty_batch
 from ..errors import DecodeError
+from ..plumbing.decode_ahead import DecodeAhead
 from ..recipe import Recipe
 from .cpu_stream import Gate, Stream, StreamedLoader
-from .decode_ahead import DecodeAhead
 from .gpu_crop import PadSize, crop_resize_flip, stored_rois
 from .gpu_feed import Feed, Work, nvjpeg_takes
 from .image import (

@@ -42,8 +42,8 @@ from ..backends import available_backends, get
 from ..backends.nvjpeg import NvjpegLoader
 from ..data.device import DeviceStage
 from ..data.loader import Batch
-from ..data.upload import HostPack
 from ..errors import run_script
+from ..plumbing.host_pack import HostPack
 from ..recipe import Recipe
 
 META = torch.device("meta")

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import numpy as np
 import torch
 
+from ..plumbing.host_pack import HostPack
 from ..recipe import Recipe
-from .upload import HostPack
 
 if TYPE_CHECKING:
     from ..augment import CTWeights, SampleAugment

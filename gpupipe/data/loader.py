@@ -25,7 +25,6 @@ from .device import DeviceStage, Layout
 from .position import Pass, ResumeNotice
 from .sampler import ShardSampler
 from .scan import ImageList
-from .workers import start_workers  # noqa: F401  # where the backends have imported it from
 
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
-from ..data.workers import put_unless_stopped
+from .workers import put_unless_stopped
 
 W = TypeVar("W")
 R = TypeVar("R")
@@ -46,7 +46,7 @@ class DecodeAhead(Generic[W, R]):
     iterating thread as raised in the decode thread. The thread's CPU seconds are added to ``cpu[0]`` as it goes
     (what it takes of the training process beside the training thread). :meth:`close` ends the thread (a pass left
     early); at interpreter exit every live one is ended (a daemon thread still in C++ code at finalization aborts the
-    process, see :class:`~gpupipe.data.upload.Reaper`)."""
+    process, see :class:`~gpupipe.plumbing.reaper.Reaper`)."""
 
     # every thread still running, with its stop and queue: one may outlive its DecodeAhead (a pass dropped with its
     # loader stops it, and it ends after its current batch), and the exit hook must still end it
