@@ -116,7 +116,8 @@ def _cmd_bench(args) -> int:
 
 
 def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str]]:
-    """The backends to measure (``--backends a,b``, else all that run on ``device``), and those asked that cannot."""
+    """The backends to measure: those asked for (``--backends a,b``) that can run here, or every one that runs on
+    ``device`` here; and those asked for that cannot, with the reason (printed; their rows say so)."""
     from .backends import available_backends, check_name, get, names, unavailable_reason
 
     avail = available_backends()

@@ -1,5 +1,3 @@
-# Over 400 lines: one command read top to bottom (options, per-image conversion, the shard writer, resume), whose parts
-# share its options and records and are used nowhere else.
 """``gpupipe prepare SRC OUT``: convert a data set to tar shards in the WebDataset layout, with an index and
 metadata, so that loading needs no directory scan, no header reads and no slow JPEG variants.
 

@@ -1,5 +1,3 @@
-# Over 400 lines: one small kernel per op of the OPS table (ops.py) and the few helpers they share; split by family,
-# the table would import from several modules what it lists in one place.
 """The batched pixel kernels: each takes a (N,3,H,W) uint8 batch, one row of arguments per image (an (N, k) float64
 tensor **on the batch's device**, from the batch's one host-to-device copy) and the policy's :class:`KernelContext`,
 and returns the batch with each image changed by its own arguments. The maths are torchvision v2's tensor kernels

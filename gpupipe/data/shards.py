@@ -1,5 +1,3 @@
-# Over 400 lines: one storage format, read (ShardImageList, local or remote) and indexed (tar walk, cached index),
-# whose halves share the index layout and are used nowhere else; the index half may move out when it grows.
 """Tar shards in the WebDataset layout as an :class:`ImageList`: a folder written by ``gpupipe prepare`` (metadata,
 index, shards), or ``.tar`` shards written by other tools (webdataset, img2dataset), indexed once from their tar
 headers and cached. A sample is read by random access through the index (an mmap of its shard), so every backend
