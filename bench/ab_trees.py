@@ -44,8 +44,8 @@ def _batches(data: str, decoder: str, kind: str, workers: int, batch: int):
     if kind == "floor":
         from gpupipe.backends import get
         from gpupipe.bench.suite import _DecodeOnly
-        from gpupipe.data.sources import open_source
         from gpupipe.recipe import Recipe
+        from gpupipe.sources.open import open_source
 
         ds = _DecodeOnly(open_source(data), get(decoder).decoder(None, True), Recipe(224))  # type: ignore[misc]
         dl = torch.utils.data.DataLoader(

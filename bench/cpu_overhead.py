@@ -47,8 +47,8 @@ from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.data.loader import Batch
 from gpupipe.data.sampler import ShardSampler
-from gpupipe.data.sources import open_source
 from gpupipe.recipe import Recipe
+from gpupipe.sources.open import open_source
 
 
 def _old_resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
@@ -57,7 +57,7 @@ def _old_resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
 
 
 def _old_crop(decoder, data: bytes, path: str, plan, size: int) -> np.ndarray:
-    """The crop + resize as it was before issue 24 (backends/image.py crop_resize and resize_box, train boxes)."""
+    """The crop + resize as it was before issue 24 (gpupipe/image.py crop_resize and resize_box, train boxes)."""
     img, box, upright_hw, _ = decoder.decode_for_crop(data, path, plan, size)
     h, w = (img.height, img.width) if isinstance(img, Image.Image) else img.shape[:2]
     sy, sx = h / upright_hw[0], w / upright_hw[1]

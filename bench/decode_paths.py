@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from turbojpeg import TJFLAG_FASTDCT, TJFLAG_FASTUPSAMPLE, TJPF_RGB, TJPF_RGBX, TurboJPEG
 
-from gpupipe.backends.image import _resize_into
+from gpupipe.image import _resize_into
 
 SIZE = 224
 

@@ -29,7 +29,7 @@ import torch
 import gpupipe
 from gpupipe.bench.end_to_end import _train_rate
 from gpupipe.bench.records import Config
-from gpupipe.data.sources import open_source
+from gpupipe.sources.open import open_source
 
 
 def _loader(args, backend: str):

@@ -25,8 +25,8 @@ from pathlib import Path
 from s3bench import local_s3
 from shards import _report  # bench/shards.py and s3bench.py, beside this script
 
-from gpupipe.data.sources import open_source
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources.open import open_source
 
 _FIRST_BATCH = """
 import json, sys, time

@@ -17,7 +17,7 @@ import numpy as np
 
 import gpupipe
 from gpupipe.backends import cpu_decoders
-from gpupipe.data.sources import open_source
+from gpupipe.sources.open import open_source
 
 
 def read_path(shards: Path, url: str, batch_size: int) -> list[dict]:

@@ -1,6 +1,6 @@
 """What one node asks of object storage per epoch: 2 local ranks x 2 DataLoader workers (turbojpeg, a train loader
 with ``shuffle_window``) reading prepared shards from a local S3-compatible server (moto's ``moto_server``) through a
-counting proxy, with the node's shard cache (``gpupipe/data/cache.py``), without it (each process keeps its own
+counting proxy, with the node's shard cache (``gpupipe/sources/cache.py``), without it (each process keeps its own
 blocks in ``memory_cache``), and from the same shards on the disk.
 
     python bench/s3cache.py DATA [--prepared DIR] [--shard-size MiB] [--memory-cache MiB] [--shuffle-window K]

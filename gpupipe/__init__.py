@@ -14,15 +14,15 @@ from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageE
 if TYPE_CHECKING:
     from .api import build_loader, read_image
     from .backends import available_backends
-    from .data.objstore import Remote
     from .mix import Mix
     from .recipe import Recipe, ResolutionSchedule
+    from .sources.objstore import Remote
 
 _LAZY = {
     "build_loader": ".api",
     "read_image": ".api",
     "available_backends": ".backends",
-    "Remote": ".data.objstore",
+    "Remote": ".sources.objstore",
     "Mix": ".mix",
     "Recipe": ".recipe",
     "ResolutionSchedule": ".recipe",

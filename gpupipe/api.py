@@ -16,12 +16,12 @@ from .backends import BackendName, BackendSpec, check_name, get, names, require_
 from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
-from .data.remote import RemoteShardImageList
 from .data.sampler import ShardSampler, window_mixing
-from .data.scan import ImageList
-from .data.shards import ShardImageList
-from .data.sources import Source, open_source
 from .recipe import DefaultSize, Recipe
+from .sources.open import Source, open_source
+from .sources.remote import RemoteShardImageList
+from .sources.scan import ImageList
+from .sources.shards import ShardImageList
 
 __all__ = ["as_device", "build_loader", "read_image", "usable_cores"]
 
@@ -120,7 +120,7 @@ def build_loader(
             Set for a backend that does not use them (dali, synthetic), or without workers, they are refused.
         allow_outside_root: let a CSV list name files outside its folder.
         class_to_idx: label with these classes (a training set's, for its held-out set); see
-            :func:`gpupipe.data.sources.open_source`.
+            :func:`gpupipe.sources.open.open_source`.
     """
     name = check_name(backend)
     _check(on_error, batch_size, num_workers, recipe, image_size)

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 from ._files import read_regular
 from ._pool import ordered_map
-from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, is_jpeg, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
-from .data.scan import ImageList
 from .errors import DecodeError
+from .image import ARITHMETIC_SOF, Header, default_max_pixels, is_jpeg, jpeg_sof, probe
+from .sources.scan import ImageList
 
 TINY = 32  # shorter side below this: valid, but a 224 crop of it is mostly interpolation
 ELONGATED = 4.0  # aspect ratio above this: valid, but RandomResizedCrop falls back to a centre crop

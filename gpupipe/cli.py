@@ -175,7 +175,7 @@ def _cmd_check(args) -> int:
 
     from ._system import usable_cores
     from .check import check_source
-    from .data.sources import open_source
+    from .sources.open import open_source
 
     source = open_source(args.dir, allow_outside_root=args.allow_outside_root)
     workers = usable_cores() if args.workers is None else args.workers

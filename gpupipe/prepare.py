@@ -5,7 +5,7 @@ Every file is decoded once on the way (``gpupipe check``'s test): bad ones are r
 already fit are copied byte for byte; the rest (not JPEG, progressive, arithmetic-coded, CMYK, EXIF-rotated, over
 ``max_side``, 4:4:4/4:2:2 with ``subsampling="420"``) are re-encoded to baseline RGB JPEG with Pillow.
 
-Layout of ``OUT`` (see :mod:`gpupipe.data.shards` for the reader)::
+Layout of ``OUT`` (see :mod:`gpupipe.sources.shards` for the reader)::
 
     shard-000000.tar   members {index:08d}.jpg and {index:08d}.cls (the label as ASCII digits), index = sample
     shard-000000.json  the shard's manifest: byte size, sha256, its samples' rows and source range, files left out
@@ -24,33 +24,29 @@ import io
 import json
 import os
 import re
-import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from itertools import count
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from PIL import Image, JpegImagePlugin
 
-from ._files import create_exclusive, naming, read_regular, write_atomic
+from ._files import read_regular
 from ._options import PREPARE_DEFAULTS
 from ._pool import ordered_map
 from ._runlock import LOCK_NAME, RunLock
-from .backends.image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
 from .backends.pillow import PillowDecoder
-from .data.remote import is_url
-from .data.scan import ImageList
-from .data.shards import FORMAT, INDEX, META, VERSION
-from .data.sources import open_source
 from .errors import DecodeError, GpupipeError
+from .image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
+from .sources.open import open_source
+from .sources.remote import is_url
+from .sources.scan import ImageList
+from .sources.shard_writer import BLOCK, ShardWriter, complete_shards, write_durably
+from .sources.shards import FORMAT, INDEX, META, VERSION
 
 PLAN = ".prepare-plan.json"  # what an unfinished prepare in this folder was asked to do
-_SHARD = "shard-{:06d}"
-_BLOCK = 512
-_END = b"\0" * (2 * _BLOCK)  # a tar's end-of-archive marker
 _SAMPLINGS = {0: "4:4:4", 1: "4:2:2", 2: "4:2:0"}  # Pillow's JpegImagePlugin.get_sampling codes
 
 
@@ -74,8 +70,8 @@ class PrepareOptions:
             raise ValueError(f"max_side must be >= 1, got {self.max_side}")
         if not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be in [1, 100], got {self.quality}")
-        if self.shard_size < 4 * _BLOCK:
-            raise ValueError(f"shard_size must be at least {4 * _BLOCK} bytes, got {self.shard_size}")
+        if self.shard_size < 4 * BLOCK:
+            raise ValueError(f"shard_size must be at least {4 * BLOCK} bytes, got {self.shard_size}")
         if self.subsampling not in ("keep", "420"):
             raise ValueError(f"subsampling must be 'keep' or '420', got {self.subsampling!r}")
         if self.order not in ("source", "shuffled"):
@@ -214,110 +210,6 @@ def _results(
     )
 
 
-def _member(name: str, data: bytes) -> bytes:
-    """One tar member, header and padded data, with fixed metadata (mtime 0, root, 0644): the same bytes every run."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    return info.tobuf(tarfile.USTAR_FORMAT) + data + b"\0" * (-len(data) % _BLOCK)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    write_atomic(path, data)  # an exclusive temp file: no link planted at a predictable name is followed
-
-
-class _ShardWriter:
-    """One shard: written to a hidden temporary file, renamed when complete, then its manifest written."""
-
-    def __init__(self, out: Path, number: int, source_start: int, first: int, left_out: list[dict]):
-        self.out, self.name = out, _SHARD.format(number)
-        self.tmp = out / f".{self.name}.tar.tmp"
-        self.tmp.unlink(missing_ok=True)  # an earlier run's, or a link someone put there
-        self.file = create_exclusive(self.tmp)  # closed in close(), once the shard is complete
-        self.sha, self.bytes = hashlib.sha256(), 0
-        self.source_start, self.first, self.left_out = source_start, first, left_out
-        self.rows: dict[str, list] = {k: [] for k in ("offset", "size", "label", "height", "width", "source")}
-        self.changes: Counter = Counter()
-        self.copied = 0
-
-    def __len__(self) -> int:
-        return len(self.rows["label"])
-
-    def fits(self, size: int, limit: int) -> bool:
-        return not len(self) or self.bytes + _sample_bytes(size) + len(_END) <= limit
-
-    def add(self, sample: Converted, label: int, source: str) -> None:
-        assert sample.data is not None  # a sample left out is never added
-        key = f"{self.first + len(self):08d}"
-        for k, v in zip(
-            self.rows, (self.bytes + _BLOCK, len(sample.data), label, sample.height, sample.width, source), strict=True
-        ):
-            self.rows[k].append(v)
-        self.changes.update(sample.changes)
-        self.copied += not sample.changes
-        self._write(_member(f"{key}.jpg", sample.data) + _member(f"{key}.cls", str(label).encode()))
-
-    def _write(self, data: bytes) -> None:
-        with naming(self.tmp):
-            self.file.write(data)
-        self.sha.update(data)
-        self.bytes += len(data)
-
-    def close(self, source_end: int) -> dict:
-        self._write(_END)
-        with naming(self.tmp):
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-        os.replace(self.tmp, self.out / f"{self.name}.tar")
-        manifest = {
-            "shard": f"{self.name}.tar",
-            "bytes": self.bytes,
-            "sha256": self.sha.hexdigest(),
-            "source_start": self.source_start,
-            "source_end": source_end,
-            "first": self.first,
-            "count": len(self),
-            "copied": self.copied,
-            "reencoded": dict(sorted(self.changes.items())),
-            "left_out": self.left_out,
-            **self.rows,
-        }
-        _write_durably(self.out / f"{self.name}.json", json.dumps(manifest).encode())
-        return manifest
-
-
-def _sample_bytes(size: int) -> int:
-    return _BLOCK + size + (-size % _BLOCK) + 2 * _BLOCK  # .jpg header + padded data, .cls header + one block
-
-
-def _complete_shards(out: Path) -> list[dict]:
-    """The manifests of the shards an earlier run finished (each checked against its bytes), in order; every later
-    or partial shard file of that run is removed, so it is written again."""
-    done = []
-    for k in count():
-        tar, man = out / f"{_SHARD.format(k)}.tar", out / f"{_SHARD.format(k)}.json"
-        if not (tar.is_file() and man.is_file()):
-            break
-        m = json.loads(man.read_text())
-        if tar.stat().st_size != m["bytes"] or _sha256(tar) != m["sha256"]:
-            break
-        done.append(m)
-    for p in out.glob("shard-*"):
-        if re.fullmatch(r"shard-(\d{6})\.(tar|json)", p.name) and int(p.name[6:12]) >= len(done):
-            p.unlink()
-    for p in out.glob(".shard-*.tmp"):
-        p.unlink()
-    return done
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fingerprint(source: ImageList) -> str:
     """Which samples, labels and classes the source holds: a resumed run must read the same data set."""
     h = hashlib.sha256(json.dumps(source.classes).encode())
@@ -347,7 +239,7 @@ def prepare(
     Args:
         src: an ImageFolder, a CSV list, or shards.
         out: an empty folder (made if missing), or one this function was interrupted in, with the same source and
-            options: it then resumes. Or a URL (``s3://bucket/prefix``): see :mod:`gpupipe.data.publish`.
+            options: it then resumes. Or a URL (``s3://bucket/prefix``): see :mod:`gpupipe.sources.publish`.
         workers: processes that read, check and re-encode; the shards are written in dataset order by this one.
         on_progress: called with (source samples done, total) as the work advances.
         storage_options: for a URL ``out``, passed to its fsspec file system (credentials, endpoint).
@@ -379,7 +271,7 @@ def _prepare_locked(
         return _up_to_date(out, plan)
     try:
         _start_or_resume(out, plan)
-        manifests = _complete_shards(out)
+        manifests = complete_shards(out)
         start = manifests[-1]["source_end"] if manifests else 0
         pending = _write_shards(out, source, options, manifests, start, workers, on_progress)
         return _finish(out, source, plan, manifests, pending, start)
@@ -415,7 +307,7 @@ def _prepare_to_url(
     storage_options: dict[str, Any] | None,
 ) -> Summary:
     """:func:`prepare` into object storage, through a local staging folder that holds one shard at a time."""
-    from .data.publish import Upload  # defer: fsspec and its store are needed only here
+    from .sources.publish import Upload  # defer: fsspec and its store are needed only here
 
     upload, plan = Upload(url, storage_options), _plan(source, src, options)
     meta = upload.json(META)
@@ -471,7 +363,7 @@ def _start_or_resume(out: Path, plan: dict) -> None:
     elif any(p.name != LOCK_NAME for p in out.iterdir()):
         raise FileExistsError(f"{out}: not empty; prepare writes into an empty folder (or resumes its own)")
     else:
-        _write_durably(out / PLAN, json.dumps(plan).encode())
+        write_durably(out / PLAN, json.dumps(plan).encode())
 
 
 def _write_shards(
@@ -491,7 +383,7 @@ def _write_shards(
     total = len(source)
     if on_progress:
         on_progress(start, total)
-    writer: _ShardWriter | None = None
+    writer: ShardWriter | None = None
     pending: list[dict] = []  # files left out before the next shard opens
     first = sum(m["count"] for m in manifests)
     order = options.sample_order(total)
@@ -507,7 +399,7 @@ def _write_shards(
                 first += len(writer)
                 writer = None
             if writer is None:
-                writer, pending = _ShardWriter(out, len(manifests), index, first, pending), []
+                writer, pending = ShardWriter(out, len(manifests), index, first, pending), []
             writer.add(sample, label, name)
         if on_progress:
             on_progress(index + 1, total)
@@ -538,7 +430,7 @@ def _finish(
     }
     buf = io.BytesIO()
     np.savez(buf, **index)
-    _write_durably(out / INDEX, buf.getvalue())
+    write_durably(out / INDEX, buf.getvalue())
     reencoded: Counter[str] = Counter()
     for m in manifests:
         reencoded.update(m["reencoded"])
@@ -553,6 +445,6 @@ def _finish(
         "reencoded": dict(sorted(reencoded.items())),
         "left_out": left_out,
     }
-    _write_durably(out / META, json.dumps(meta, indent=1).encode())
+    write_durably(out / META, json.dumps(meta, indent=1).encode())
     (out / PLAN).unlink()
     return Summary(out, samples, len(manifests), meta["copied"], meta["reencoded"], left_out, resumed_at)

@@ -1,4 +1,4 @@
-"""The node's shard cache (gpupipe/data/cache.py) against the tests' real S3-compatible server, seen through a
+"""The node's shard cache (gpupipe/sources/cache.py) against the tests' real S3-compatible server, seen through a
 counting proxy (what the server is asked): one fetch per shard per node for 2 ranks x 2 workers, the least recently
 used shards evicted at the limit and pinned ones kept, a limit smaller than the window refused, a changed object
 fetched again, a fetch killed mid-way fetched again (and a truncated copy never read), the next shards read ahead."""
@@ -15,10 +15,10 @@ import torch
 
 import gpupipe
 from gpupipe import Remote
-from gpupipe.data.cache import ShardCache, parse_limit
-from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import StorageError
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources.cache import ShardCache, parse_limit
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import REPO_ROOT, CountingProxy, S3Server
 
@@ -138,8 +138,8 @@ def test_a_set_prepared_again_in_place_is_read_anew(s3, prepared, unique_folder,
 
 _PIN = """
 import sys
-from gpupipe.data.cache import ShardCache
-from gpupipe.data.objstore import Remote, Store
+from gpupipe.sources.cache import ShardCache
+from gpupipe.sources.objstore import Remote, Store
 url, endpoint, cache, size, etag = sys.argv[1:]
 store = Store(Remote(url, storage_options={"endpoint_url": endpoint}, retries=1), url)
 ShardCache(cache, 1 << 30).pin(store, url, int(size), etag)
@@ -287,7 +287,7 @@ def test_a_cache_limit_below_the_shuffle_window_through_the_cli_is_one_line_with
 _FILL = """
 import random, sys
 from gpupipe import Remote
-from gpupipe.data.sources import open_source
+from gpupipe.sources.open import open_source
 url, cache, limit, local, seed = sys.argv[1:]
 data = open_source(Remote(url, cache_dir=cache, cache_limit=int(limit)))
 data.cached, data.cache.keep = True, 1  # every read through the cache, one shard pinned at a time
@@ -353,7 +353,7 @@ def test_a_shard_another_process_reads_is_never_evicted_under_it(s3, prepared, t
     expected = (prepared / "shard-000000.tar").read_bytes()
     reader = ShardCache(tmp_path, 1 << 30)
     with reader.pin(data.store, shard, size, etag) as pinned:
-        evict = [sys.executable, "-c", "import sys; from gpupipe.data.cache import ShardCache; "
+        evict = [sys.executable, "-c", "import sys; from gpupipe.sources.cache import ShardCache; "
                  "ShardCache(sys.argv[1], 0).evict(1 << 30)", str(tmp_path)]  # fmt: skip
         subprocess.run(evict, check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
         assert pinned.read(0, size) == expected and pinned.path.exists()

@@ -1,4 +1,4 @@
-"""The node's shard cache (gpupipe/data/cache.py, cache_folder.py) used by several users of one machine, each a real
+"""The node's shard cache (gpupipe/sources/cache.py, cache_folder.py) used by several users of one machine, each a real
 uid (the test runs as root and starts the other users' processes under their uids; skipped otherwise): a folder
 every user may write is refused, a shard another user planted or altered is fetched again and never read, and the
 members of a group that shares a folder read each other's shards, with every failure one line naming the folder."""
@@ -17,10 +17,10 @@ import pytest
 
 import gpupipe
 from gpupipe import Remote
-from gpupipe.data.cache import ShardCache
-from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import StorageError
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources.cache import ShardCache
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import REPO_ROOT
 

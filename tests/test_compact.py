@@ -1,4 +1,4 @@
-"""data/compact.py: folder and CSV sample lists held in one buffer and two arrays, equal to torchvision's lists."""
+"""sources/compact.py: folder and CSV sample lists held in one buffer and two arrays, equal to torchvision's lists."""
 
 import gc
 
@@ -6,8 +6,8 @@ import pytest
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
-from gpupipe.data.compact import PathList
-from gpupipe.data.walk import walk_folder
+from gpupipe.sources.compact import PathList
+from gpupipe.sources.walk import walk_folder
 
 from .common_utils import jpeg_bytes, photo
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import gpupipe
-from gpupipe.data import shards
-from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources import shards
+from gpupipe.sources.open import open_source as scan
 
 from .test_shards import _tar
 

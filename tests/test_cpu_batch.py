@@ -16,10 +16,10 @@ import gpupipe
 from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import get
 from gpupipe.backends.cpu import _Collate, _SampleDataset
-from gpupipe.backends.image import crop_resize, crop_resize_into, resize_box, resize_box_into
 from gpupipe.data.device import DeviceStage, host_tensor, normalize, normalize_on_cpu
-from gpupipe.data.sources import open_source
+from gpupipe.image import crop_resize, crop_resize_into, resize_box, resize_box_into
 from gpupipe.recipe import Box, Recipe
+from gpupipe.sources.open import open_source
 
 from .common_utils import make_folder
 

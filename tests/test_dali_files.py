@@ -13,7 +13,7 @@ from PIL import Image
 
 import gpupipe
 from gpupipe.backends.dali import DaliLoader
-from gpupipe.data.scan import ImageList
+from gpupipe.sources.scan import ImageList
 
 from .common_utils import make_folder, photo
 
@@ -101,7 +101,7 @@ def test_no_image_bytes_are_read_in_python_and_no_process_or_thread_outlives_the
 def test_headers_judged_in_processes_as_in_this_one_and_the_processes_end_when_all_are(mixed):
     from gpupipe.backends.dali_files import FileTable, Scanner
 
-    dataset = gpupipe.data.sources.open_source(mixed)
+    dataset = gpupipe.sources.open.open_source(mixed)
     here, there = FileTable(dataset, 10**8), FileTable(dataset, 10**8)
     index = np.arange(len(dataset))
     Scanner(here, 0).settle(None, index)
@@ -182,9 +182,9 @@ def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
     """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included; every row as
     wide as the longest path, the last path of the buffer too (what follows a path in its row is sliced off by DALI)."""
     from gpupipe.backends.dali_files import FileTable
-    from gpupipe.data.scan import ImageList
+    from gpupipe.sources.scan import ImageList
 
-    folder = gpupipe.data.sources.open_source(mixed)
+    folder = gpupipe.sources.open.open_source(mixed)
     odd = os.fsdecode(bytes(tmp_path) + b"/caf\xe9.jpg")
     plain = ImageList(str(tmp_path), [("/a.jpg", 0), (odd, 1), ("/bb/c.png", 0)], ["0", "1"])
     for dataset in (folder, plain):

@@ -1,4 +1,4 @@
-"""The CPU decoders (backends/pillow.py, backends/turbojpeg.py, backends/image.py) and ``read_image`` on every
+"""The CPU decoders (backends/pillow.py, backends/turbojpeg.py, gpupipe/image.py) and ``read_image`` on every
 backend: one policy for bad and unusual files, EXIF orientation, reduced (DCT-scaled) decoding."""
 
 import io
@@ -130,8 +130,8 @@ def test_reasons_do_not_name_python_objects(backend):
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_orientation_on_arrays_and_tensors_matches_pil(base, orientation):
     """The crop path's numpy views and the nvJPEG path's tensor ops turn an image as PIL's exif_transpose does."""
-    from gpupipe.backends.image import upright_array
     from gpupipe.backends.nvjpeg import _upright_chw
+    from gpupipe.image import upright_array
 
     data = jpeg_with_orientation(base, orientation)
     want = np.asarray(exif_upright(data))

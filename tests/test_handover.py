@@ -11,8 +11,8 @@ from gpupipe.backends import handover
 from gpupipe.backends.cpu import _Collate, _SampleDataset
 from gpupipe.backends.pillow import PillowDecoder
 from gpupipe.data.device import HostBlocks
-from gpupipe.data.sources import open_source
 from gpupipe.recipe import Recipe
+from gpupipe.sources.open import open_source
 
 from .common_utils import make_folder
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from gpupipe.cli import main
-from gpupipe.data.sources import open_source
 from gpupipe.errors import GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources.open import open_source
 
 from .common_utils import make_folder
 from .test_shards import _tar

@@ -19,9 +19,9 @@ from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import gpu_crop
 from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
 from gpupipe.backends.nvjpeg import NvjpegFeed, NvjpegLoader, _upright_chw
-from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError
 from gpupipe.recipe import Recipe
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import encoded, jpeg_bytes, jpeg_with_orientation, make_folder, photo
 from .test_cpu_batch import _Logged

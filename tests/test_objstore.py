@@ -1,4 +1,4 @@
-"""gpupipe/data/objstore.py: the Store's retries against real servers on 127.0.0.1 (a small HTTP server that
+"""gpupipe/sources/objstore.py: the Store's retries against real servers on 127.0.0.1 (a small HTTP server that
 answers as S3 and as a web server do, with the faults queued; a socket that never answers): what is retried, what
 is not, and the deadline over all attempts."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gpupipe import Remote, StorageError
-from gpupipe.data.objstore import Store
+from gpupipe.sources.objstore import Store
 
 from .common_utils import BlackHole, HTTPFiles
 

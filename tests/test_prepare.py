@@ -17,10 +17,10 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 import gpupipe
-from gpupipe.backends.image import jpeg_sof
 from gpupipe.cli import main
-from gpupipe.data.sources import open_source as scan
+from gpupipe.image import jpeg_sof
 from gpupipe.prepare import PrepareOptions, convert, parse_size, prepare
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import (
     ORIENTED_FORMATS,
@@ -175,13 +175,13 @@ _KILLED_RUN = """
 import os, signal, sys
 import gpupipe.prepare as p
 
-add, written = p._ShardWriter.add, []
+add, written = p.ShardWriter.add, []
 def add_then_die(self, *args):
     add(self, *args)
     written.append(1)
     if len(written) == {kill_at}:  # mid-shard: SIGKILL, no clean-up of any kind
         os.kill(os.getpid(), signal.SIGKILL)
-p._ShardWriter.add = add_then_die
+p.ShardWriter.add = add_then_die
 p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}, order="{order}"))
 """
 
@@ -209,12 +209,12 @@ _PAUSED_RUN = """
 import sys, time
 import gpupipe.prepare as p
 
-add = p._ShardWriter.add
+add = p.ShardWriter.add
 def add_then_wait(self, *args):
     add(self, *args)
     print("writing", flush=True)
     time.sleep(120)
-p._ShardWriter.add = add_then_wait
+p.ShardWriter.add = add_then_wait
 p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}))
 """
 

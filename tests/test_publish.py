@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, parse_size, prepare
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import S3Server, gpupipe_cli
 
@@ -48,13 +48,13 @@ _KILLED_RUN = """
 import os, signal, sys
 import gpupipe.prepare as p
 written = []
-add = p._ShardWriter.add
+add = p.ShardWriter.add
 def add_then_die(self, *a):
     written.append(1)
     add(self, *a)
     if len(written) == {kill_at}:  # mid-shard, some shards uploaded: SIGKILL, no clean-up of any kind
         os.kill(os.getpid(), signal.SIGKILL)
-p._ShardWriter.add = add_then_die
+p.ShardWriter.add = add_then_die
 p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}))
 """
 

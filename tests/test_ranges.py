@@ -1,4 +1,4 @@
-"""A batch read from object storage in few requests (gpupipe/data/ranges.py: the node's shard cache off,
+"""A batch read from object storage in few requests (gpupipe/sources/ranges.py: the node's shard cache off,
 ``cache_limit=0``), against the tests' real S3-compatible
 server: kept blocks and coalesced ranges give exactly the bytes the same shards give on disk, in the batch's order,
 with far fewer requests than samples; a fault in a block or a coalesced range still names the URL (after the retries
@@ -12,10 +12,10 @@ import torch
 
 import gpupipe
 from gpupipe import Remote, StorageError
-from gpupipe.data import ranges
-from gpupipe.data.ranges import Span, coalesce
-from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources import ranges
+from gpupipe.sources.open import open_source as scan
+from gpupipe.sources.ranges import Span, coalesce
 
 from .common_utils import S3Server
 

@@ -13,12 +13,12 @@ import torch
 
 import gpupipe
 from gpupipe import Remote, StorageError
-from gpupipe.data import remote
-from gpupipe.data.objstore import Store
-from gpupipe.data.remote import expand_braces
-from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources import remote
+from gpupipe.sources.objstore import Store
+from gpupipe.sources.open import open_source as scan
+from gpupipe.sources.remote import expand_braces
 
 from .common_utils import CPU_LOADER_BACKENDS, HTTPFiles, S3Server, assert_resume_is_exact, photo, two_rank_epochs
 

@@ -1,7 +1,7 @@
 import pytest
 from torchvision.datasets import ImageFolder
 
-from gpupipe.data.sources import open_source as scan
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import photo
 

@@ -12,10 +12,10 @@ import torch
 from torchvision.datasets import ImageFolder
 
 import gpupipe
-from gpupipe.data import shards
-from gpupipe.data.sources import open_source as scan
 from gpupipe.errors import DecodeError, GpupipeError
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources import shards
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import (
     CPU_LOADER_BACKENDS,
@@ -253,7 +253,7 @@ def test_dali_reads_no_sample_before_training_and_only_what_it_schedules(wds_sha
     folder, DALI reads the files itself: Python reads none (their headers are judged as their batches come)."""
     pytest.importorskip("nvidia.dali")
     from gpupipe.backends.dali import _PREFETCH
-    from gpupipe.data.scan import ImageList
+    from gpupipe.sources.scan import ImageList
 
     reads: list[tuple] = []  # (image list, index): another test's loader may still be reading ahead on its threads
     for cls in (ImageList, shards.ShardImageList):

@@ -11,8 +11,8 @@ import pytest
 
 import gpupipe
 from gpupipe.check import check
-from gpupipe.data.sources import open_source as scan
 from gpupipe.prepare import PrepareOptions, prepare
+from gpupipe.sources.open import open_source as scan
 
 from .common_utils import make_folder
 

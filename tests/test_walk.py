@@ -1,4 +1,4 @@
-"""The folder walk (data/walk.py) on ordinary and hostile trees, built as the probe built them: real symlinks,
+"""The folder walk (sources/walk.py) on ordinary and hostile trees, built as the probe built them: real symlinks,
 fifos, a folder a non-root reader cannot open, a tree 1,500 folders deep."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torchvision.datasets import ImageFolder
 
-from gpupipe.data.walk import walk_folder
+from gpupipe.sources.walk import walk_folder
 
 from .common_utils import make_folder
 

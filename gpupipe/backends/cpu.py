@@ -13,13 +13,13 @@ import torch
 from .._system import usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
-from ..data.scan import ImageList
 from ..errors import DecodeError, TransformError
+from ..image import chw_tensor
 from ..plumbing.decode_ahead import DecodeAhead
 from ..recipe import Box, Recipe
+from ..sources.scan import ImageList
 from .cpu_stream import Gate, Stream, StreamedLoader, Task
 from .handover import WireBatch, buffer, release
-from .image import chw_tensor
 from .registry import BackendSpec, Decoder
 
 

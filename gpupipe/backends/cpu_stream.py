@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..augment.ctaugment import CTWeights
     from ..augment.feedback import WeightsClock
     from ..data.sampler import ShardSampler
-    from ..data.scan import ImageList
+    from ..sources.scan import ImageList
 
 _NEVER = 1 << 62
 

@@ -28,13 +28,13 @@ from .._system import made_below
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
+from ..image import default_max_pixels
 from ..plumbing.decode_ahead import DecodeAhead
 from .dali_feed import DaliFeed
 from .dali_files import FileStream, FileTable
 from .dali_graph import Driver, build_pipeline, consumer_stream, read_dali, to_torch
 from .dali_stream import FeedStream, plan
 from .gpu_feed import Feed, Work
-from .image import default_max_pixels
 from .registry import BackendSpec
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run

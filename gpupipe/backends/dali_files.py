@@ -30,12 +30,12 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
-from ..data.compact import PathList
 from ..errors import DecodeError
+from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from ..recipe import Recipe
+from ..sources.compact import PathList
 from .dali_feed import Gate, Request
 from .gpu_feed import Work, decode_on_cpu, eval_rows
-from .image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from .pillow import PillowDecoder
 
 # a sample's verdict: not judged yet; DALI reads and decodes it; Pillow decodes it; it is reported

@@ -9,7 +9,7 @@ import torch
 
 from .._system import resolve_device
 from ..errors import DecodeError
-from .image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
+from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
 from .pillow import PillowDecoder
 
 

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from ..image import ORIENT_STEPS
 from ..plumbing.host_pack import HostPack
-from .image import ORIENT_STEPS
 
 # (transpose, mirror, flip) of each EXIF orientation, indexed by it (0 and 1: upright)
 _STEPS = np.array([(False, False, False)] * 2 + [ORIENT_STEPS[o] for o in range(2, 9)], dtype=bool)

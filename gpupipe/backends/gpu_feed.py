@@ -29,8 +29,8 @@ import torch
 
 from .._files import Stamp
 from ..errors import DecodeError
+from ..image import ARITHMETIC_SOF, HeaderCheck, ends_whole, header_entry, is_jpeg, jpeg_sof, pixel_limit_reason
 from ..recipe import Recipe
-from .image import ARITHMETIC_SOF, HeaderCheck, ends_whole, header_entry, is_jpeg, jpeg_sof, pixel_limit_reason
 from .pillow import PillowDecoder
 
 _PAD_RATIO = 4.0  # padded rows cost at most this many times the bytes themselves

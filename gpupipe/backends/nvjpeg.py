@@ -23,12 +23,7 @@ import torch
 from .._system import resolve_device
 from ..data.loader import Batch, LoaderParts, empty_batch
 from ..errors import DecodeError
-from ..plumbing.decode_ahead import DecodeAhead
-from ..recipe import Recipe
-from .cpu_stream import Gate, Stream, StreamedLoader
-from .gpu_crop import PadSize, crop_resize_flip, stored_rois
-from .gpu_feed import Feed, Work, nvjpeg_takes
-from .image import (
+from ..image import (
     ARITHMETIC_SOF,
     ORIENT_STEPS,
     chw_tensor,
@@ -38,6 +33,11 @@ from .image import (
     jpeg_sof,
     probe,
 )
+from ..plumbing.decode_ahead import DecodeAhead
+from ..recipe import Recipe
+from .cpu_stream import Gate, Stream, StreamedLoader
+from .gpu_crop import PadSize, crop_resize_flip, stored_rois
+from .gpu_feed import Feed, Work, nvjpeg_takes
 from .pillow import PillowDecoder
 from .registry import BackendSpec
 

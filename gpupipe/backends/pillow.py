@@ -10,9 +10,7 @@ import torch
 from PIL import Image
 
 from ..errors import DecodeError
-from ..recipe import Box, dct_scale
-from .cpu import cpu_decoder_spec
-from .image import (
+from ..image import (
     ForCrop,
     Header,
     crop_resize_into,
@@ -22,6 +20,8 @@ from .image import (
     to_rgb,
     upright,
 )
+from ..recipe import Box, dct_scale
+from .cpu import cpu_decoder_spec
 
 
 def pil_is_simd() -> bool:

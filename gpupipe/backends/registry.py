@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from ..data.loader import Loader, LoaderParts
+    from ..image import ForCrop
     from ..recipe import Box
-    from .image import ForCrop
 
 
 class Decoder(Protocol):

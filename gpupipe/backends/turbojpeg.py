@@ -16,9 +16,7 @@ from PIL import Image
 
 from .._deps import require
 from ..errors import DecodeError
-from ..recipe import Box, dct_scale
-from .cpu import cpu_decoder_spec
-from .image import (
+from ..image import (
     ForCrop,
     crop_resize_into,
     default_max_pixels,
@@ -28,6 +26,8 @@ from .image import (
     upright_array,
     upright_hw,
 )
+from ..recipe import Box, dct_scale
+from .cpu import cpu_decoder_spec
 from .pillow import PillowDecoder
 
 

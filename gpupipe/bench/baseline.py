@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import torch
 from PIL import Image
 
-from ..data.scan import ImageList
-from ..data.sources import open_source
+from ..sources.open import open_source
+from ..sources.scan import ImageList
 from .records import Config
 
 

@@ -76,7 +76,7 @@ def run_end_to_end(
 ) -> list[Result]:
     import timm
 
-    from ..data.sources import open_source
+    from ..sources.open import open_source
 
     name = cfg.model
     assert name is not None  # suite.run calls this only with a model

@@ -15,10 +15,10 @@ import torch
 from PIL import Image
 
 from ..backends.dali_graph import dali_device_id
-from ..backends.image import is_jpeg
 from ..backends.nvjpeg import decoder_on_stream
-from ..data.scan import ImageList
+from ..image import is_jpeg
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
+from ..sources.scan import ImageList
 
 _DALI_PREFETCH = 2  # batches in flight in DALI's decode job
 

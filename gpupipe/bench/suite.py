@@ -22,9 +22,9 @@ from PIL import Image
 from .._system import usable_cores
 from ..api import build_loader
 from ..backends import get
-from ..data.sources import Source, open_source
 from ..errors import DecodeError
 from ..recipe import Recipe
+from ..sources.open import Source, open_source
 from .baseline import baseline_counts
 from .end_to_end import run_end_to_end, trained_backends
 from .eta import Eta, RunShape, guess

@@ -21,10 +21,10 @@ from ..augment.ctaugment import CTAugment, CTRecord, CTWeights
 from ..augment.feedback import LoaderFeedback, WeightsClock, lag_for
 from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
+from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
 from .position import Pass, ResumeNotice
 from .sampler import ShardSampler
-from .scan import ImageList
 
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 

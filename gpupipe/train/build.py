@@ -14,10 +14,10 @@ from torch import nn
 
 from ..api import build_loader
 from ..data.loader import Loader
-from ..data.objstore import Remote
-from ..data.remote import is_url
 from ..mix import Mix
 from ..recipe import Recipe
+from ..sources.objstore import Remote
+from ..sources.remote import is_url
 from .checkpoint import TrainState
 from .config import TrainConfig
 from .feedback import CTFeedback

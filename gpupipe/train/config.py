@@ -193,7 +193,7 @@ class TrainConfig:
         """``--cache-limit``: a size, parsed here (not when a loader is built); one line where it has no effect."""
         if self.cache_limit is None:
             return
-        from ..data.cache import parse_limit  # no torch
+        from ..sources.cache import parse_limit  # no torch
 
         try:
             parse_limit(self.cache_limit)

@@ -86,7 +86,7 @@ def run_eval(args) -> int:
 
 def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
     """The checkpoint (one line for a missing, broken or foreign file) and the classes that label ``--data``."""
-    from ..data.sources import open_source
+    from ..sources.open import open_source
     from . import checkpoint
 
     if not Path(args.checkpoint).is_file():  # not "cannot resume from it": eval resumes nothing

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ..errors import DecodeError
-from ..recipe import Box
+from .errors import DecodeError
+from .recipe import Box
 
 # EXIF orientation -> the transpose that makes the image upright (PIL.ImageOps.exif_transpose's table)
 _ORIENT = {

@@ -1,6 +1,6 @@
 """The one place a source is opened: whatever ``root`` names (an ImageFolder directory, a CSV file list, tar shards:
 a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them, on a disk or at a URL),
-:func:`open_source` returns the :class:`~gpupipe.data.scan.ImageList` every backend reads. A new kind of source is
+:func:`open_source` returns the :class:`~gpupipe.sources.scan.ImageList` every backend reads. A new kind of source is
 one more branch here and a module that builds its ``ImageList`` (a subclass when its bytes are not plain files)."""
 
 from __future__ import annotations

@@ -39,17 +39,17 @@ class Remote:
         url: a prepared folder (``s3://bucket/imagenet/train``), a shard, a glob or brace pattern, or a list of them.
         storage_options: passed to the fsspec file system (s3fs: ``key``, ``secret``, ``endpoint_url``,
             ``client_kwargs``...); by default credentials and endpoint come from the environment and config files.
-        cache_dir: the node's shard cache folder (:mod:`gpupipe.data.cache`), shared by every worker, rank and run
+        cache_dir: the node's shard cache folder (:mod:`gpupipe.sources.cache`), shared by every worker, rank and run
             of the user on the node: each shard is fetched whole once per node, read ahead, checked against the
             object's size, ETag and digest. Default: ``$GPUPIPE_CACHE``, else ``$XDG_CACHE_HOME/gpupipe/shards``
             (``~/.cache/...``, the user's own, mode 0700). Users share a folder of a group they belong to (mode
-            2770); one every user may write is refused (:mod:`gpupipe.data.cache_folder`).
+            2770); one every user may write is refused (:mod:`gpupipe.sources.cache_folder`).
         cache_limit: bytes the cache folder may hold (``"50GB"``, or a number), least recently used shards evicted
             first; default half the free space of its disk (plus what it holds). 0: no cache folder (range reads).
         memory_cache: bytes of shards each process (each DataLoader worker) may keep in memory. When the data set's
             shards fit, or a train loader's ``shuffle_window`` of K shards does, they are read in 8 MiB blocks, each
             once (per epoch, with the window), and kept; otherwise a batch's samples are read by range, those of one
-            shard less than 256 KiB apart in one request (:mod:`gpupipe.data.ranges`). 0: never keep.
+            shard less than 256 KiB apart in one request (:mod:`gpupipe.sources.ranges`). 0: never keep.
         retries: attempts per read on transient errors (connection lost, 5xx, throttling) before a StorageError.
         backoff: the first wait in seconds; it doubles per attempt (with jitter), capped at 30 s.
         deadline: seconds one read may take, its attempts and waits included, before a StorageError that says so (an

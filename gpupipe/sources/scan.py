@@ -1,5 +1,5 @@
 """What every backend reads (:class:`ImageList`), and the scans of an ImageFolder directory (torchvision's semantics)
-and of a CSV file list. :func:`gpupipe.data.sources.open_source` picks the scan for a source."""
+and of a CSV file list. :func:`gpupipe.sources.open.open_source` picks the scan for a source."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class ImageList:
     class_to_idx: dict[str, int] = field(default_factory=dict)
     sizes: Sequence[tuple[int, int]] | None = None
     missing: list[str] = field(default_factory=list)  # a file list's rows that name no file, as "list.csv:LINE: path"
-    problems: list[tuple[str, str]] = field(default_factory=list)  # (path, why) the scan left out (data/walk.py)
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (path, why) the scan left out (sources/walk.py)
     reads_files: ClassVar[bool] = True  # samples[i][0] is a file read whole by read(); False for other layouts
 
     def __len__(self) -> int:
