@@ -9,7 +9,8 @@ import torch
 
 import gpupipe
 from gpupipe.augment import CTAugment, Policy
-from gpupipe.augment.feedback import WeightsClock, lag_for
+from gpupipe.augment.adaptive import lag_for
+from gpupipe.augment.ctaugment.feedback import WeightsClock
 from gpupipe.bench.host_budget import meta_loader
 from gpupipe.recipe import Recipe
 
@@ -51,7 +52,7 @@ def _run(loader, epochs, saves=None):
         loader.set_epoch(epoch)
         for images, _ in loader:
             g = epoch * len(loader) + loader.state_dict()["batch"] - 1
-            out.append((g, images, loader.weights_clock.for_batch(g)))
+            out.append((g, images, loader.snapshots.for_batch(g)))
             _feedback(loader.ctaugment, g)
             if saves is not None:
                 saves[g] = pickle.loads(pickle.dumps(loader.state_dict()))
@@ -67,7 +68,7 @@ def test_each_batch_draws_from_its_snapshot_on_every_backend_and_path(folder, ba
     decode worker (the snapshot sent with the keys) or on the device (sent with the batch); the updates reach the
     draws within the clock's lag."""
     loader = _loader(folder, backend, device_path=device_path, num_workers=workers)
-    assert loader.weights_clock.lag == lag_for(0 if device_path else workers * 1)  # prefetch_factor 1
+    assert loader.snapshots.lag == lag_for(0 if device_path else workers * 1)  # prefetch_factor 1
     ran = _run(loader, [0, 1])
     plain = _loader(folder, backend, aa=None)
     policy = Policy(Recipe(SIZE, auto_augment="ctaugment"))
@@ -105,7 +106,7 @@ def test_a_resumed_run_draws_exactly_as_the_straight_one(folder, backend):
     assert resumed.ctaugment.rates == straight.ctaugment.rates
     # the rates alone would not do: the batches in flight at the save drew from older snapshots
     assert (
-        saved["ctaugment"]["clock"]["snapshots"][at - 1 - resumed.weights_clock.lag].tolist()
+        saved["ctaugment"]["clock"]["snapshots"][at - 1 - resumed.snapshots.lag].tolist()
         != saved["ctaugment"]["policy"]["rates"].tolist()
     )
 
@@ -113,7 +114,7 @@ def test_a_resumed_run_draws_exactly_as_the_straight_one(folder, backend):
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_a_probe_loader_records_what_it_applied(folder, backend):
     probe = _loader(folder, backend, aa="ctaugment-probe")
-    assert probe.weights_clock is None and "ctaugment" not in probe.state_dict()
+    assert probe.snapshots is None and "ctaugment" not in probe.state_dict()
     plain = _loader(folder, backend, aa=None)
     policy = Policy(Recipe(SIZE, auto_augment="ctaugment-probe"))
     keys = plain.sampler.batches(0)
@@ -184,7 +185,7 @@ def test_off_the_cpu_the_device_stage_draws_with_its_lag_whatever_the_workers(fo
     3, and its rates differed from the CUDA loader's)."""
     recipe = Recipe(SIZE, auto_augment="ctaugment")
     meta = meta_loader(str(folder), backend, recipe, batch=4, workers=workers)
-    assert meta.device.type == "meta" and meta.weights_clock.lag == lag_for(0)
+    assert meta.device.type == "meta" and meta.snapshots.lag == lag_for(0)
     reference = _run(_device_path_reference(folder), [0, 1])
     for (g, _, wa), (h, images, wb) in zip(reference, _run(meta, [0, 1]), strict=True):
         assert g == h and wa.rates == wb.rates, g

@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from gpupipe.augment import Policy
-from gpupipe.augment.ctaugment import (
-    CT_OPS,
-    NUM_RATES,
-    CTAugment,
-    CTWeights,
-    _to_op,
-    encode_records,
-)
-from gpupipe.augment.ctupdate import proximity
+from gpupipe.augment.ctaugment import CT_OPS, NUM_RATES, CTAugment, CTWeights, encode_records, proximity
+from gpupipe.augment.ctaugment.policy import _to_op
 from gpupipe.recipe import Recipe
 
 ROTATE = [name for name, _ in CT_OPS].index("rotate")

@@ -37,8 +37,7 @@ recipe mean (0 after normalization, as timm), ``rand``/``pixel`` with normal noi
 (sample, channel, row, column) looked up in a normal quantile table, so it is the same on any device and batch.
 """
 
-from .ctaugment import CTAugment, CTWeights
-from .ctupdate import proximity
+from .ctaugment import CTAugment, CTWeights, proximity
 from .ops import OPS, Op, OpSpec, Record
 from .policies import AutoAugment, ColorJitter, Policy, RandAugment, RandomErasing, TrivialAugment
 from .sample import SampleAugment, TransformsMode, as_transform

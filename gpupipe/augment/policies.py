@@ -16,7 +16,8 @@ import torch
 from ..draws import STREAM_AUTO_AUGMENT, STREAM_ERASING, sample_keys, uniforms
 from ..plumbing.host_pack import HostPack
 from . import fused
-from .ctaugment import CTAugment, CTWeights
+from .adaptive import Adaptive
+from .ctaugment import CTAdaptive, CTAugment, CTWeights
 from .fused import Step
 from .kernels import KernelContext
 from .ops import LEVEL_DENOM, Op, Record, level_args, level_table, level_values
@@ -307,8 +308,10 @@ class Policy:
         self.drawers: tuple[Drawer, ...] = tuple(
             d for d in (self.auto_augment, self.jitter, self.erasing) if d is not None
         )
-        # CTAugment: the weights it draws from, updated by its feedback (None for the other policies)
+        # CTAugment: the weights it draws from, updated by its feedback (None for the other policies); as an adaptive
+        # policy, what loaders take of it (gpupipe.augment.adaptive)
         self.ctaugment = self.auto_augment if isinstance(self.auto_augment, CTAugment) else None
+        self.adaptive: Adaptive | None = CTAdaptive(self.ctaugment) if self.ctaugment is not None else None
         mean255 = tuple(m * 255 for m in recipe.mean)
         if isinstance(self.auto_augment, (TrivialAugment, CTAugment)):  # torchvision's defaults; FixMatch's PIL's
             fill: tuple[float, ...] = (0.0, 0.0, 0.0)

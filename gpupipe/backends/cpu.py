@@ -102,7 +102,7 @@ class _SampleDataset(torch.utils.data.Dataset):
     ) -> tuple[str | None, bool]:
         """Decode sample ``key`` (its bytes, or why they could not be read) into ``out`` ((S, S, 3) uint8) with its
         ``plan`` (the recipe's, when not given): (why it failed or None, whether it fell back)."""
-        epoch, index, *weights = key  # with CTAugment, the snapshot the sample's batch draws from (_KeysWithWeights)
+        epoch, index, *snapshot = key  # with an adaptive policy, the state the sample's batch draws from
         path = self.dataset.samples[index][0]
         try:
             if isinstance(data, Exception):
@@ -111,7 +111,7 @@ class _SampleDataset(torch.utils.data.Dataset):
             fell_back = _crop_into(self.decoder, data, path, plan, out)
             if self.augment is not None:
                 chw = torch.as_tensor(out).permute(2, 0, 1)
-                chw.copy_(self.augment.one(chw.clone(), epoch, index, *weights))
+                chw.copy_(self.augment.one(chw.clone(), epoch, index, *snapshot))
             return None, fell_back
         except DecodeError as e:
             return e.reason, False
@@ -193,9 +193,10 @@ class CpuLoader(StreamedLoader):
         self.backend = decoder.name
         self.decoder = decoder
         # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU; and
-        # CTAugment's probe batches (small), so their records come from the keys the device stage gets.
-        probe = self.ctaugment is not None and self.ctaugment.probe
-        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not probe else None
+        # an adaptive policy that reads the keys of the batches handed out (a probe loader's: small batches), so the
+        # keys reach the device stage.
+        keyed = self.adaptive is not None and self.adaptive.needs_keys
+        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not keyed else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
 
     @staticmethod
@@ -223,10 +224,10 @@ class CpuLoader(StreamedLoader):
     def _open_stream(self) -> Stream:
         """The loader's one stream of batches (persistent workers and one DataLoader iteration outlive epochs; see
         :mod:`.cpu_stream`)."""
-        keyed = self._data.augment is not None and self.weights_clock is not None  # the workers draw CTAugment's
+        keyed = self._data.augment is not None and self.snapshots is not None  # the workers draw the policy's
         collate = self._collate()
         nicer = self.stage.device.type != "cpu"  # where it only launches a device's work
-        clock = self.weights_clock if keyed else None
+        clock = self.snapshots if keyed else None
         return self._streaming(self._data, collate, _Remake(self._data, collate), nicer, clock)
 
     def _collate(self) -> _Collate:
@@ -234,7 +235,7 @@ class CpuLoader(StreamedLoader):
         idle), and by the workers, in parallel, once they take every core."""
         workers = self.parts.workers
         augment = self.stage.augment
-        # what the device stage still does on uint8: the per-sample part the workers left (CTAugment's probe
+        # what the device stage still does on uint8: the per-sample part the workers left (an adaptive policy's keyed
         # batches, or a CUDA device) and the batch-wise transforms; then the batch must reach it as uint8
         per_sample_left = augment is not None and self._data.augment is None
         stage_augments = per_sample_left or (augment is not None and augment.batch_transforms is not None)

@@ -7,7 +7,7 @@ will ask (the next epoch's batches are dispatched, and made, while this one ends
 is heading takes its batches as they come; one that starts elsewhere (a pass left early, ``load_state_dict``,
 ``set_epoch``) drops what was dispatched before its first batch: the workers skip those not begun (:class:`Gate`),
 and the plan goes on from the pass's start. Batches already dispatched are kept only when they are exactly what the
-pass would ask for now (the same indices, the same CTAugment snapshot): a resumed re-split or reloaded weights
+pass would ask for now (the same indices, the same adaptive policy's snapshot): a resumed re-split or a reloaded state
 redo them.
 
 Files may change between two passes, and every backend reads a file as it is when its pass runs. So only an epoch's
@@ -26,7 +26,7 @@ import multiprocessing
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,8 +37,7 @@ from ..plumbing.workers import start_workers, worker_init
 from .handover import let_go
 
 if TYPE_CHECKING:
-    from ..augment.ctaugment import CTWeights
-    from ..augment.feedback import WeightsClock
+    from ..augment.adaptive import Snapshots
     from ..data.sampler import ShardSampler
     from ..sources.scan import ImageList
 
@@ -64,7 +63,7 @@ class Task(list):
         self.ahead = ahead  # dispatched before its epoch's pass began: its files are stamped before the read
         self.wait = wait  # made only once the loader delivers its epoch
         self.indices: list[int] = []  # the sample indices (main process only: what the pass is compared with)
-        self.weights: CTWeights | None = None  # the CTAugment snapshot its draws use, when the workers draw
+        self.snapshot: Any = None  # the adaptive policy's state its draws use, when the workers draw
 
     def __reduce__(self):  # to a worker: the keys and what the worker reads, not the main process's bookkeeping
         return Task, (list(self), self.seq, self.epoch, self.batch, self.ahead, self.wait)
@@ -118,10 +117,11 @@ class Plan:
     """The DataLoader's batch sampler: the loader's batches from a place on, epoch after epoch, as :class:`Task`\\ s.
 
     Iterated by the DataLoader on the training thread, one task each time it dispatches a batch. It holds the sampler
-    and CTAugment's clock, never the loader (the loader holds the DataLoader that holds this: a cycle would leave the
-    workers to the garbage collector, which closes their queues before the DataLoader can stop them: 5 s a worker)."""
+    and the adaptive policy's snapshots, never the loader (the loader holds the DataLoader that holds this: a cycle
+    would leave the workers to the garbage collector, which closes their queues before the DataLoader can stop them:
+    5 s a worker)."""
 
-    def __init__(self, sampler: ShardSampler, clock: WeightsClock | None, ahead: int):
+    def __init__(self, sampler: ShardSampler, clock: Snapshots | None, ahead: int):
         self.sampler, self.clock, self.ahead = sampler, clock, ahead
         self.sent: deque[Task] = deque()  # dispatched, not yet taken, in order
         self.seq = 0  # the next task's place in the stream
@@ -173,12 +173,12 @@ class Plan:
     def _task(self, indices: list[int]) -> Task:
         epoch, batch = self._at
         self._at = (epoch, batch + 1)
-        weights = None if self.clock is None else self.clock.for_batch(epoch * len(self.sampler) + batch)
-        keys = [(epoch, i) for i in indices] if weights is None else [(epoch, i, weights) for i in indices]
+        snapshot = None if self.clock is None else self.clock.for_batch(epoch * len(self.sampler) + batch)
+        keys = [(epoch, i) for i in indices] if snapshot is None else [(epoch, i, snapshot) for i in indices]
         ahead = epoch > self.delivering
         self._early += ahead
         task = Task(keys, self.seq, epoch, batch, ahead, wait=ahead and self._early > self.ahead)
-        task.indices, task.weights = indices, weights
+        task.indices, task.snapshot = indices, snapshot
         self.seq += 1
         self.sent.append(task)
         return task
@@ -227,7 +227,7 @@ class Stream:
     def _on_course(self, sent: list[Task], epoch: int, start: int, batches: list[list[int]]) -> bool:
         """Whether the tasks dispatched from the pass's first batch on, and the plan's course for the rest of the
         epoch, are the pass's batches as it would ask for them now: the same samples (a resumed re-split changes
-        them), and, where the workers draw CTAugment's ops, the same weights snapshot (a loaded state changes it)."""
+        them), and, where the workers draw an adaptive policy's ops, the same snapshot (a loaded state changes it)."""
         clock = self.plan.clock
         for task in sent:
             if task.epoch != epoch:
@@ -235,7 +235,7 @@ class Stream:
             k = task.batch - start
             if k >= len(batches) or task.indices != batches[k]:
                 return False
-            if clock is not None and task.weights != clock.for_batch(epoch * len(self.plan) + task.batch):
+            if clock is not None and task.snapshot != clock.for_batch(epoch * len(self.plan) + task.batch):
                 return False
         return self.plan.follows(epoch)
 
@@ -318,8 +318,8 @@ class StreamedLoader(Loader):
         self, data, collate: Callable, remake: Callable[[Task], Made], nicer: bool, clock=None, **settings
     ) -> Stream:
         """The stream of a DataLoader over ``data`` (a dataset whose ``__getitems__`` makes a :class:`Task` once its
-        ``gate`` lets it, see :meth:`Gate.let_in`), its keys from a :class:`Plan` (with ``clock``: the CTAugment
-        snapshot each batch's draws use, for workers that draw), the loader's DataLoader settings (``settings``
+        ``gate`` lets it, see :meth:`Gate.let_in`), its keys from a :class:`Plan` (with ``clock``: the adaptive
+        policy's snapshot each batch's draws use, for workers that draw), the loader's DataLoader settings (``settings``
         override them), its workers begun by :func:`worker_init` (batches sent by name; with ``nicer``, below the
         training thread: where batches go to a GPU, which that thread only launches work on)."""
         plan = Plan(self.sampler, clock, ahead=self._read_ahead())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from ..plumbing.host_pack import HostPack
 from ..recipe import Recipe
 
 if TYPE_CHECKING:
-    from ..augment import CTWeights, SampleAugment
+    from ..augment import SampleAugment
 
 
 Layout = Literal["NHWC", "NCHW"]  # a batch's uint8 images: (n,H,W,3) or (n,3,H,W)
@@ -28,7 +28,7 @@ class BatchLike(Protocol):
     labels: torch.Tensor
     layout: Layout
     keys: torch.Tensor | None
-    weights: CTWeights | None  # CTAugment's snapshot the batch draws from
+    snapshot: Any  # an adaptive policy's state the batch draws from (augment/adaptive.py), or None
 
 
 def normalize(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
@@ -190,7 +190,7 @@ class DeviceStage:
         job = None
         if self.augment is not None and b.keys is not None:
             hw = b.images.shape[1:3] if b.layout == "NHWC" else b.images.shape[2:]
-            job = self.augment.prepare(b.keys, pack, b.weights, hw)
+            job = self.augment.prepare(b.keys, pack, b.snapshot, hw)
         if label_slot is not None or job is not None:
             pack.send(self.device)
         labels = b.labels if label_slot is None else pack.get(label_slot)

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from .._options import OnError
-from ..augment.ctaugment import CTAugment, CTRecord, CTWeights
-from ..augment.feedback import LoaderFeedback, WeightsClock, lag_for
+from ..augment.adaptive import LOADER_NAMES, LoaderHook, Snapshots, lag_for
 from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from ..sources.scan import ImageList
@@ -42,7 +41,7 @@ class Batch:
     # per-image transforms) is still to do; the device stage does it from these keys. None: done (or none to do).
     keys: torch.Tensor | None = None
     failure: GpupipeError | None = None  # raised in the main process whatever on_error says (a transform's bug)
-    weights: CTWeights | None = None  # CTAugment's snapshot the device stage draws this batch from
+    snapshot: Any = None  # an adaptive policy's state the device stage draws this batch from (augment/adaptive.py)
     # the images are still in a buffer a decode worker lent (backends/handover.py): ``own`` copies them out and hands
     # it back; None once the batch is in this process's own memory
     lease: Any = None
@@ -135,27 +134,37 @@ class Loader:
         self.fallbacks = 0
         self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
         augment = parts.stage.augment
-        policy = augment.policy if augment is not None else None
-        # CTAugment: the weights it draws from and their feedback (``update``); None without it
-        self.ctaugment: CTAugment | None = policy.ctaugment if policy is not None else None
-        # a probe loader's records of the batch last delivered, one per image (what ``ctaugment.update`` takes)
-        self.records: list[CTRecord] = []
-        self._feedback = (
-            None
-            if self.ctaugment is None
-            else LoaderFeedback(self.ctaugment, parts.seed, lag_for(self._drawn_ahead(parts)))
-        )
+        adaptive = augment.policy.adaptive if augment is not None and augment.policy is not None else None
+        # an adaptive policy's hook (augment/adaptive.py): it tags each batch, hears it handed out, keeps its state
+        self.adaptive: LoaderHook | None = None
+        self._names: dict[str, Any] = {}  # what that policy adds to this loader's API (see __getattr__)
+        self._state_key = ""
+        if adaptive is not None:
+            self.adaptive = adaptive.loader_hook(parts.seed, lag_for(self._drawn_ahead(parts)))
+            self._names, self._state_key = adaptive.loader_names(), adaptive.state_key
+        # what the policy recorded of the batch last handed out, one per image (a probe loader's), else empty
+        self.records: list = []
+
+    def __getattr__(self, name: str) -> Any:
+        """A name an adaptive policy adds to loaders (``augment.adaptive.LOADER_NAMES``): its value, or its value for
+        a loader without that policy."""
+        names = self.__dict__.get("_names", {})
+        if name in names:
+            return names[name]
+        if name in LOADER_NAMES:
+            return LOADER_NAMES[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @staticmethod
     def _drawn_ahead(parts: LoaderParts) -> int:
         """How many batches' augmentation may be drawn before the batch before them is handed out, beyond the device
-        stage's one (CTAugment's lag): none where the device stage draws; loaders whose decode workers draw say."""
+        stage's one (an adaptive policy's lag): none where the device stage draws; loaders whose workers draw say."""
         return 0
 
     @property
-    def weights_clock(self) -> WeightsClock | None:
-        """Which CTAugment weights each batch draws from (None without CTAugment, or for a probe loader)."""
-        return None if self._feedback is None else self._feedback.clock
+    def snapshots(self) -> Snapshots | None:
+        """Which state of an adaptive policy each batch draws from (None without one, or for a probe loader)."""
+        return None if self.adaptive is None else self.adaptive.snapshots
 
     @property
     def batch_size(self) -> int:
@@ -177,11 +186,12 @@ class Loader:
     def state_dict(self) -> dict:
         """The position after the batches delivered so far (never those prefetched); after a full pass, the start of
         the next epoch (:meth:`position_at`). ``load_state_dict`` resumes there, on a loader built alike or under
-        another number of ranks or batch size. With CTAugment, also its weights and the snapshots the next batches
-        draw from (``"ctaugment"``)."""
+        another number of ranks or batch size. With an adaptive policy, also its state (say, its weights and the
+        snapshots the next batches draw from), under the policy's ``state_key``."""
         state = self.position_at(self.position.epoch, self.position.batch)
-        if self._feedback is not None and self._feedback.clock is not None:
-            state["ctaugment"] = self._feedback.state_dict()
+        kept = self.adaptive.state_dict() if self.adaptive is not None else {}
+        if kept:
+            state[self._state_key] = kept
         return state
 
     def position_at(self, epoch: int, batch: int) -> dict:
@@ -203,8 +213,8 @@ class Loader:
         epoch's rest (a :class:`~gpupipe.data.position.ResumeNotice` says so). Another data set, seed or window is
         a ``ValueError`` naming it. A state of only ``{"epoch", "batch"}`` (earlier versions) counts this loader's
         batches: load it with the ranks and batch size it was saved with."""
-        if self._feedback is not None and "ctaugment" in state:
-            self._feedback.load_state_dict(state["ctaugment"])
+        if self.adaptive is not None and self._state_key in state:
+            self.adaptive.load_state_dict(state[self._state_key])
         if "samples" not in state:
             self.position.load_state_dict(state)
             return
@@ -256,16 +266,16 @@ class Loader:
         self.skipped, self.fallbacks = [], 0
         sizes = [len(b) for b in self._batches(epoch, start)]
         batches = self._with_policy(self._source(epoch, start), sizes)
-        if self._feedback is None:
+        if self.adaptive is None:
             return self.stage.iterate(batches)
-        first = epoch * len(self) + start  # CTAugment's batch count, over epochs
-        return self._delivering(self.stage.iterate(self._feedback.tag(batches, first)), first)
+        first = epoch * len(self) + start  # the batches' numbers over epochs
+        return self._delivering(self.stage.iterate(self.adaptive.tag(batches, first)), first)
 
     def _delivering(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], first: int):
-        """The batches, CTAugment's clock told as each is handed out (a probe loader's ``records`` set)."""
-        assert self._feedback is not None  # only with CTAugment
+        """The batches, the adaptive policy told as each is handed out (``records``: what it returns)."""
+        assert self.adaptive is not None  # only with one
         for g, batch in enumerate(batches, first):
-            self.records = self._feedback.delivered(g) or []
+            self.records = self.adaptive.delivered(g) or []
             yield batch
 
     def _batches(self, epoch: int, start: int) -> list[list[int]]:
@@ -385,15 +395,15 @@ def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[
 def _cat(a: Batch, b: Batch) -> Batch:
     if len(a.labels) == 0 or len(b.labels) == 0:  # a batch of failures only: nothing to join (nor its layout)
         a = b if len(a.labels) == 0 else a
-        return Batch(a.images, a.labels, a.layout, keys=a.keys, weights=a.weights)
+        return Batch(a.images, a.labels, a.layout, keys=a.keys, snapshot=a.snapshot)
     keys = None if a.keys is None or b.keys is None else torch.cat([a.keys, b.keys])
     cat = torch.cat
-    return Batch(cat([a.images, b.images]), cat([a.labels, b.labels]), a.layout, keys=keys, weights=a.weights)
+    return Batch(cat([a.images, b.images]), cat([a.labels, b.labels]), a.layout, keys=keys, snapshot=a.snapshot)
 
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
     k = (None, None) if b.keys is None else (b.keys[:n], b.keys[n:])
     return (
-        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0], weights=b.weights),
-        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1], weights=b.weights),
+        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0], snapshot=b.snapshot),
+        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1], snapshot=b.snapshot),
     )

@@ -32,9 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-from .ctupdate import PendingUpdate, gather_rows, score_rows
-from .ops import Op
-from .parse import CTAugmentConfig, parse_ctaugment
+from ..ops import Op
+from ..parse import CTAugmentConfig, parse_ctaugment
+from .update import PendingUpdate, gather_rows, score_rows
 
 CT_OPS: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("autocontrast", (17,)),

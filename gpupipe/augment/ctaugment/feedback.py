@@ -1,30 +1,39 @@
-"""CTAugment's feedback loop on the loader side: which weights each batch draws from, and the probe records.
+"""CTAugment's side of a loader (its :class:`~gpupipe.augment.adaptive.LoaderHook`): which weights each batch draws
+from, and the probe records.
 
-Decode workers run ahead of training (DataLoader queues ``workers * prefetch_factor`` batches), so "the current
-weights" would depend on timing, and a resumed run (which refills that queue at once) would draw differently. So a
-loader numbers its batches over epochs (``epoch * len(loader) + batch``) and batch ``g`` draws from the weights as
-they were when batch ``g - lag`` was handed out, ``lag`` being at least how far ahead the draws can run
-(:func:`lag_for`: 2 where the device stage draws, ``workers * prefetch_factor + 2`` where decode workers do): an
-update made after step ``g`` reaches the draws of batch ``g + lag + 1`` and later, the same in every run. The
-snapshots (303 floats each) travel with each batch's keys to the workers (pickled once per batch), or with the batch
-to the device stage, and the last ``lag + 2`` are part of the loader's state.
-"""
+Decode workers run ahead of training (DataLoader queues ``workers * prefetch_factor`` batches), so "the current weights"
+would depend on timing, and a resumed run (which refills that queue at once) would draw differently. So a loader numbers
+its batches over epochs (``epoch * len(loader) + batch``) and batch ``g`` draws from the weights as they were when batch
+``g - lag`` was handed out, ``lag`` being at least how far ahead the draws can run
+(:func:`~gpupipe.augment.adaptive.lag_for`: 2 where the device stage draws, ``workers * prefetch_factor + 2`` where
+decode workers do): an update made after step ``g`` reaches the draws of batch ``g + lag + 1`` and later, the same in
+every run. The snapshots (303 floats each) travel with each batch's keys to the workers (pickled once per batch), or
+with the batch to the device stage, and the last ``lag + 2`` are part of the loader's state."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from .ctaugment import CTAugment, CTRecord, CTWeights
+from .policy import CTAugment, CTRecord, CTWeights
 
 
-def lag_for(workers_ahead: int) -> int:
-    """Batches between an update and the first draw that sees it: the batches whose draws are made before they are
-    handed out (``workers_ahead``: the DataLoader's queue, ``workers * prefetch_factor``, where decode workers draw;
-    0 where the device stage does) plus the device stage's one batch ahead and the one being delivered."""
-    return max(workers_ahead, 0) + 2
+class CTAdaptive:
+    """CTAugment as an adaptive policy (:class:`~gpupipe.augment.adaptive.Adaptive`): what loaders get of it."""
+
+    state_key = "ctaugment"
+
+    def __init__(self, policy: CTAugment):
+        self.policy = policy
+
+    def loader_hook(self, seed: int, lag: int) -> LoaderFeedback:
+        return LoaderFeedback(self.policy, seed, lag)
+
+    def loader_names(self) -> dict[str, Any]:
+        return {"ctaugment": self.policy}  # the weights and their ``update``, as ``loader.ctaugment``
 
 
 class WeightsClock:
@@ -69,6 +78,8 @@ class LoaderFeedback:
     def __init__(self, policy: CTAugment, seed: int, lag: int):
         self.policy, self.seed = policy, seed
         self.clock = None if policy.probe else WeightsClock(policy, lag)
+        self.snapshots = self.clock  # what the loader's batches (and its decode workers) draw from
+        self.needs_keys = policy.probe  # a probe's records come from the keys of the batches handed out
         self._keys: deque[list[tuple[int, int]]] = deque()
 
     def tag(self, batches: Iterator, first: int) -> Iterator:
@@ -77,7 +88,7 @@ class LoaderFeedback:
         self._keys.clear()
         for g, b in enumerate(batches, first):
             if self.clock is not None:
-                b.weights = self.clock.for_batch(g)
+                b.snapshot = self.clock.for_batch(g)
             else:
                 self._keys.append([] if b.keys is None else b.keys.tolist())
             yield b
