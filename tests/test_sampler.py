@@ -2,6 +2,7 @@
 
 import pytest
 
+from gpupipe.data.position import LoaderState
 from gpupipe.data.sampler import ShardSampler
 
 
@@ -87,11 +88,11 @@ def test_a_position_in_samples_carries_over_to_other_layouts(window, drop_last):
         whole, stream = steps(saving), saving[0].stream(1)
         assert [i for s in whole for i in s] == stream
         for k in range(1, len(whole) + 1):
-            samples = saving[0].samples_at(1, k)
+            samples = LoaderState(saving[0], []).samples_at(1, k)
             for new_world, new_batch in layouts:
                 resumed = ranks(new_world, new_batch)
                 for s in resumed:
-                    s.resume(1, samples, saving[0].layout)
+                    LoaderState(s, []).resume(1, samples, saving[0].layout)
                 rest = steps(resumed)
                 assert {s.position.batch for s in resumed} == {resumed[0].num_batches - len(rest)}
                 g = new_world * new_batch

@@ -4,16 +4,13 @@ with one policy for bad files (raise in the main process, or skip, refill and re
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import resource
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._options import OnError
@@ -22,7 +19,7 @@ from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
-from .position import Pass, ResumeNotice
+from .position import LoaderState, Pass, ResumeNotice
 from .sampler import ShardSampler
 
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
@@ -128,6 +125,7 @@ class Loader:
         self.parts = parts
         self.dataset, self.sampler, self.stage, self.recipe = parts.dataset, parts.sampler, parts.stage, parts.recipe
         self.position = parts.sampler.position
+        self._state = LoaderState(parts.sampler, parts.dataset.targets)  # the one owner of what state_dict holds
         self.on_error, self.seed = parts.on_error, parts.seed
         self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
@@ -188,7 +186,7 @@ class Loader:
         the next epoch (:meth:`position_at`). ``load_state_dict`` resumes there, on a loader built alike or under
         another number of ranks or batch size. With an adaptive policy, also its state (say, its weights and the
         snapshots the next batches draw from), under the policy's ``state_key``."""
-        state = self.position_at(self.position.epoch, self.position.batch)
+        state = self._state.state_dict()
         kept = self.adaptive.state_dict() if self.adaptive is not None else {}
         if kept:
             state[self._state_key] = kept
@@ -198,14 +196,7 @@ class Loader:
         """The state of the position after ``batch`` batches of ``epoch``: ``epoch`` and ``batch`` (this loader's
         count), ``samples`` (of the epoch's stream, :mod:`.sampler`), the ``layout`` that stream is dealt by, and
         what the ``order`` depends on (seed, the data's sample count and label digest, shuffle window)."""
-        world, batch_size, drop_last = self.sampler.stream_layout(epoch)
-        return {
-            "epoch": epoch,
-            "batch": batch,
-            "samples": self.sampler.samples_at(epoch, batch),
-            "layout": {"world_size": world, "batch_size": batch_size, "drop_last": drop_last},
-            "order": dict(self._order),
-        }
+        return self._state.at(epoch, batch)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` (from :meth:`state_dict`). Under another number of ranks or batch size, at the same
@@ -215,48 +206,9 @@ class Loader:
         batches: load it with the ranks and batch size it was saved with."""
         if self.adaptive is not None and self._state_key in state:
             self.adaptive.load_state_dict(state[self._state_key])
-        if "samples" not in state:
-            self.position.load_state_dict(state)
-            return
-        self._check_order(state.get("order", {}))
-        layout = state["layout"]
-        saved = (int(layout["world_size"]), int(layout["batch_size"]), bool(layout["drop_last"]))
-        if not self.sampler.equal_steps:  # evaluation: ranks take unequal shares, counted in their own batches
-            if saved != self.sampler.layout and int(state["batch"]) > 0:
-                raise ValueError(
-                    f"cannot resume this evaluation loader mid-epoch: its state was saved with {saved[0]} rank(s) x "
-                    f"batch {saved[1]}, this loader has {self.sampler.world_size} x {self.batch_size}"
-                )
-            self.position.load_state_dict(state)
-            return
-        notice = self.sampler.resume(int(state["epoch"]), int(state["samples"]), saved)
+        notice = self._state.load_state_dict(state)
         if notice is not None:
             warnings.warn(notice, ResumeNotice, stacklevel=2)
-
-    @cached_property
-    def _order(self) -> dict:
-        """What the epochs' order depends on besides the epoch: compared by ``load_state_dict``."""
-        digest = hashlib.sha256(np.asarray(self.dataset.targets, np.int64).tobytes())
-        if self.sampler.window is not None and self.sampler.shards is not None:
-            digest.update(np.asarray(self.sampler.shards, np.int64).tobytes())
-        return {
-            "seed": self.sampler.seed,
-            "num_samples": self.sampler.num_samples,
-            "shuffle": self.sampler.shuffle,
-            "window": self.sampler.window,
-            "digest": digest.hexdigest()[:16],
-        }
-
-    def _check_order(self, saved: dict) -> None:
-        """A one-line ``ValueError`` naming what differs, where the state's order is not this loader's."""
-        names = {"seed": "seed", "num_samples": "samples", "shuffle": "shuffle", "window": "shuffle_window"}
-        names["digest"] = "data (digest of the labels and shards)"
-        diff = [f"{names[k]} {saved[k]!r} -> {v!r}" for k, v in self._order.items() if k in saved and saved[k] != v]
-        if diff:
-            raise ValueError(
-                f"cannot resume from this loader state: {'; '.join(diff)}: the epoch's order differs, so its position "
-                "does not carry over (build the loader as it was, or start the epoch anew)"
-            )
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
         return Pass(self.position, self._pass)

@@ -1,4 +1,4 @@
-"""Where a loader stands: the one owner of its position.
+"""Where a loader stands, and how it is saved and resumed: the one owner of a loader's state.
 
 A loader's position is ``(epoch, batch)``: the epoch whose order it follows and how many of that epoch's batches were
 delivered to the caller. It lives here, in one :class:`Position` per loader, shared by the loader and its sampler
@@ -17,6 +17,10 @@ The calls frameworks make, in whatever order they make them:
   ranks or another batch size resumes at the same sample: then the epoch's remaining samples are re-split into this
   loader's batches (a :class:`Resplit`), numbered so that the epoch still ends at batch ``num_batches``.
 - ``load_state_dict(state)``: the next pass starts there, including an iterator made but not yet started.
+
+:class:`LoaderState` owns what a loader's ``state_dict`` holds besides the position (the position in samples, the
+layout its epoch's stream follows, what the order depends on) and what loading one does (the order checked, an epoch
+resumed from another layout re-split); the sampler only orders and deals.
 - ``set_epoch(e)``, the loader's or its sampler's (Lightning calls ``loader.sampler.set_epoch``): when no pass is under
   way and the position is already in epoch ``e`` (just loaded, or where the loader moved on to) it is kept; otherwise
   the next pass is epoch ``e`` from its start.
@@ -26,9 +30,13 @@ The calls frameworks make, in whatever order they make them:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from functools import cached_property
+from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 from ..errors import GpupipeError
 
@@ -45,7 +53,7 @@ class Resplit:
     """The rest of an epoch resumed from a state of another layout (ranks, batch size): the samples the saving layout
     had not consumed (``start`` of its ``total``, in the order its steps take them), re-split into this rank's
     ``batches``, which are the epoch's batches ``first`` to the last; ``sizes`` holds each step's samples over all
-    ranks. Made by the sampler, kept by the position for that ``epoch`` only."""
+    ranks. Made by :class:`LoaderState`, kept by the position for that ``epoch`` only; the sampler deals by it."""
 
     epoch: int
     layout: tuple[int, int, bool]  # (world_size, batch_size, drop_last) of the run whose order this epoch follows
@@ -124,6 +132,134 @@ class Position:
         """``token`` delivered its epoch's last batch: the next pass is the next epoch, from its start."""
         if token is self._running:
             self.epoch, self.batch, self._running, self.resplit = self.epoch + 1, 0, None, None
+
+
+class LoaderState:
+    """A loader's state, saved and loaded: its position (in its own batches and in samples of the epoch's stream, the
+    layout that stream follows) and what its order depends on. ``sampler``: the loader's
+    :class:`~gpupipe.data.sampler.ShardSampler` (its ``position`` is the one this reads and moves); ``targets``: the
+    data set's labels (part of the order's digest)."""
+
+    def __init__(self, sampler: Any, targets):
+        self.sampler, self.position, self._targets = sampler, sampler.position, targets
+
+    def state_dict(self) -> dict:
+        return self.at(self.position.epoch, self.position.batch)
+
+    def at(self, epoch: int, batch: int) -> dict:
+        """The state after ``batch`` batches of ``epoch``: ``epoch`` and ``batch`` (this loader's count), ``samples``
+        (of the epoch's stream, :mod:`.sampler`), the ``layout`` that stream is dealt by, and what the ``order``
+        depends on (seed, the data's sample count and label digest, shuffle window)."""
+        world, batch_size, drop_last = self.stream_layout(epoch)
+        return {
+            "epoch": epoch,
+            "batch": batch,
+            "samples": self.samples_at(epoch, batch),
+            "layout": {"world_size": world, "batch_size": batch_size, "drop_last": drop_last},
+            "order": dict(self.order),
+        }
+
+    def load_state_dict(self, state: dict) -> str | None:
+        """Resume at ``state`` (see ``Loader.load_state_dict``); a one-line notice when the global batch differs."""
+        if "samples" not in state:
+            self.position.load_state_dict(state)
+            return None
+        self.check_order(state.get("order", {}))
+        layout = state["layout"]
+        saved = (int(layout["world_size"]), int(layout["batch_size"]), bool(layout["drop_last"]))
+        sampler = self.sampler
+        if not sampler.equal_steps:  # evaluation: ranks take unequal shares, counted in their own batches
+            if saved != sampler.layout and int(state["batch"]) > 0:
+                raise ValueError(
+                    f"cannot resume this evaluation loader mid-epoch: its state was saved with {saved[0]} rank(s) x "
+                    f"batch {saved[1]}, this loader has {sampler.world_size} x {sampler.batch_size}"
+                )
+            self.position.load_state_dict(state)
+            return None
+        return self.resume(int(state["epoch"]), int(state["samples"]), saved)
+
+    @cached_property
+    def order(self) -> dict:
+        """What the epochs' order depends on besides the epoch: compared by :meth:`load_state_dict`."""
+        sampler = self.sampler
+        digest = hashlib.sha256(np.asarray(self._targets, np.int64).tobytes())
+        if sampler.window is not None and sampler.shards is not None:
+            digest.update(np.asarray(sampler.shards, np.int64).tobytes())
+        return {
+            "seed": sampler.seed,
+            "num_samples": sampler.num_samples,
+            "shuffle": sampler.shuffle,
+            "window": sampler.window,
+            "digest": digest.hexdigest()[:16],
+        }
+
+    def check_order(self, saved: dict) -> None:
+        """A one-line ``ValueError`` naming what differs, where the state's order is not this loader's."""
+        names = {"seed": "seed", "num_samples": "samples", "shuffle": "shuffle", "window": "shuffle_window"}
+        names["digest"] = "data (digest of the labels and shards)"
+        diff = [f"{names[k]} {saved[k]!r} -> {v!r}" for k, v in self.order.items() if k in saved and saved[k] != v]
+        if diff:
+            raise ValueError(
+                f"cannot resume from this loader state: {'; '.join(diff)}: the epoch's order differs, so its position "
+                "does not carry over (build the loader as it was, or start the epoch anew)"
+            )
+
+    # -- the position in samples, across layouts ---------------------------------------------------------------------
+
+    def stream_layout(self, epoch: int) -> tuple[int, int, bool]:
+        """The layout whose stream ``epoch`` follows: the one it was resumed from, else the sampler's."""
+        plan = self.sampler.resplit(epoch)
+        return plan.layout if plan is not None else self.sampler.layout
+
+    def samples_at(self, epoch: int, batch: int) -> int:
+        """Samples of ``epoch``'s stream consumed by every rank's first ``batch`` batches."""
+        plan, s = self.sampler.resplit(epoch), self.sampler
+        if plan is not None:
+            return min(plan.start + sum(plan.sizes[: max(batch - plan.first, 0)]), plan.total)
+        share = s.num_batches * s.batch_size if s.drop_last else s.per_rank
+        return min(batch * s.batch_size, share) * s.world_size
+
+    def resume(self, epoch: int, samples: int, layout: tuple[int, int, bool]) -> str | None:
+        """Place the position at sample ``samples`` of ``epoch``'s stream under ``layout`` (a train sampler's). The
+        same layout at a step boundary resumes at that batch; another goes on with the rest of that stream re-split
+        into this layout's batches (:class:`Resplit`). Returns a one-line notice when the global batch differs, else
+        None."""
+        s = self.sampler
+        world, batch_size, _ = layout
+        g = s.batch_size * s.world_size
+        # an epoch's start is the same steps under any layout of a global order (not of a windowed one's parts)
+        if (layout == s.layout and samples % g == 0) or (samples == 0 and s.window is None):
+            self.position.load_state_dict({"epoch": epoch, "batch": min(samples // g, s.num_batches)})
+            return None
+        stream = s.stream(epoch, layout)  # the saving run's layout of this order
+        plan = self._resplit(epoch, layout, stream, samples)
+        self.position.place(plan)
+        if batch_size * world == g:
+            return None
+        return (
+            f"epoch {epoch} resumed at sample {min(samples, len(stream))} of {len(stream)}: saved with {world} rank(s) "
+            f"x batch {batch_size} (global batch {batch_size * world}), now {s.world_size} x {s.batch_size} "
+            f"(global batch {g}): its remaining samples go on in {len(plan.sizes)} step(s) of up to {g}"
+        )
+
+    def _resplit(self, epoch: int, layout: tuple[int, int, bool], stream: list[int], start: int) -> Resplit:
+        """The rest of ``stream`` from ``start``, in steps of this layout's global batch (the last one cut with
+        ``drop_last``, else padded by wrapping around to a multiple of the ranks), each split in equal parts over
+        the ranks in rank order. They are at most this layout's batches an epoch: the rest of a stream resumed past
+        its start holds fewer samples than the data set."""
+        s = self.sampler
+        g, world = s.batch_size * s.world_size, s.world_size
+        rest = stream[start:][: s.num_batches * g]  # past that, only another layout's padding (from a start)
+        if s.drop_last:
+            rest = rest[: len(rest) // g * g]
+        elif rest and len(rest) % world:
+            pad = world - len(rest) % world
+            rest = rest + (rest * pad)[:pad]
+        steps = [rest[i : i + g] for i in range(0, len(rest), g)]
+        mine = tuple(tuple(step[s.rank * len(step) // world : (s.rank + 1) * len(step) // world]) for step in steps)
+        sizes = tuple(len(step) for step in steps)
+        first = s.num_batches - len(steps)
+        return Resplit(epoch, layout, min(start, len(stream)), len(stream), first, mine, sizes)
 
 
 def _epoch(value, what: str) -> int:

@@ -8,8 +8,8 @@ kept (:mod:`.ranges`), as Mosaic streaming and litdata order their samples.
 
 An epoch's *stream* is its samples in the order a layout (ranks, batch size, ``drop_last``) consumes them: step by
 step and, within a step, rank by rank. A position in samples of that stream carries over to another layout
-(:meth:`ShardSampler.resume`): with the same global batch each step takes what the saving run's step would have, with
-another the rest of the stream is re-split into this layout's steps.
+(:class:`~gpupipe.data.position.LoaderState`): with the same global batch each step takes what the saving run's step
+would have, with another the rest of the stream is re-split into this layout's steps.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class ShardSampler:
         b = self.batch_size
         return [idx[i : i + b] for i in range(start_batch * b, len(idx), b)]
 
-    # -- the position in samples, across layouts ---------------------------------------------------------------------
+    # -- the layout, and an epoch resumed from another (the loader's state, data/position.py, re-splits it) -----------
 
     @property
     def layout(self) -> tuple[int, int, bool]:
@@ -166,76 +166,25 @@ class ShardSampler:
         plan = self.position.resplit
         return plan if plan is not None and plan.epoch == epoch else None
 
-    def stream_layout(self, epoch: int) -> tuple[int, int, bool]:
-        """The layout whose stream ``epoch`` follows: the one it was resumed from, else this sampler's."""
-        plan = self.resplit(epoch)
-        return plan.layout if plan is not None else self.layout
-
-    def samples_at(self, epoch: int, batch: int) -> int:
-        """Samples of ``epoch``'s stream consumed by every rank's first ``batch`` batches."""
-        plan = self.resplit(epoch)
-        if plan is not None:
-            return min(plan.start + sum(plan.sizes[: max(batch - plan.first, 0)]), plan.total)
-        return min(batch * self.batch_size, self._share_size()) * self.world_size
-
-    def _share_size(self) -> int:
-        return self.num_batches * self.batch_size if self.drop_last else self.per_rank
-
-    def stream(self, epoch: int) -> list[int]:
-        """``epoch``'s samples as this layout's steps take them: step by step, rank by rank within a step."""
+    def stream(self, epoch: int, layout: tuple[int, int, bool] | None = None) -> list[int]:
+        """``epoch``'s samples as the steps of this sampler's layout (or of ``layout``: ``(world_size, batch_size,
+        drop_last)``) take them: step by step, rank by rank within a step."""
+        if layout is not None and layout != self.layout:
+            world, batch_size, drop_last = layout
+            other = ShardSampler(
+                self.num_samples,
+                batch_size,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                world_size=world,
+                drop_last=drop_last,
+                shards=self.shards,
+                window=self.window,
+            )
+            return other.stream(epoch)
         order, b = self.order(epoch), self.batch_size
         shares = [self._share(list(order), r) for r in range(self.world_size)]
         return [i for j in range(0, len(shares[0]), b) for share in shares for i in share[j : j + b]]
-
-    def resume(self, epoch: int, samples: int, layout: tuple[int, int, bool]) -> str | None:
-        """Place the position at sample ``samples`` of ``epoch``'s stream under ``layout`` (a train sampler's). The
-        same layout at a step boundary resumes at that batch; another goes on with the rest of that stream re-split
-        into this layout's batches (:class:`~gpupipe.data.position.Resplit`). Returns a one-line notice when the
-        global batch differs, else None."""
-        world, batch_size, drop_last = layout
-        g = self.batch_size * self.world_size
-        # an epoch's start is the same steps under any layout of a global order (not of a windowed one's parts)
-        if (layout == self.layout and samples % g == 0) or (samples == 0 and self.window is None):
-            self.position.load_state_dict({"epoch": epoch, "batch": min(samples // g, self.num_batches)})
-            return None
-        saved = ShardSampler(  # the saving run's layout of this order
-            self.num_samples,
-            batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            world_size=world,
-            drop_last=drop_last,
-            shards=self.shards,
-            window=self.window,
-        )
-        stream = saved.stream(epoch)
-        plan = self._resplit(epoch, layout, stream, samples)
-        self.position.place(plan)
-        if batch_size * world == g:
-            return None
-        return (
-            f"epoch {epoch} resumed at sample {min(samples, len(stream))} of {len(stream)}: saved with {world} rank(s) "
-            f"x batch {batch_size} (global batch {batch_size * world}), now {self.world_size} x {self.batch_size} "
-            f"(global batch {g}): its remaining samples go on in {len(plan.sizes)} step(s) of up to {g}"
-        )
-
-    def _resplit(self, epoch: int, layout: tuple[int, int, bool], stream: list[int], start: int) -> Resplit:
-        """The rest of ``stream`` from ``start``, in steps of this layout's global batch (the last one cut with
-        ``drop_last``, else padded by wrapping around to a multiple of the ranks), each split in equal parts over
-        the ranks in rank order. They are at most this layout's batches an epoch: the rest of a stream resumed past
-        its start holds fewer samples than the data set."""
-        g, world = self.batch_size * self.world_size, self.world_size
-        rest = stream[start:][: self.num_batches * g]  # past that, only another layout's padding (from a start)
-        if self.drop_last:
-            rest = rest[: len(rest) // g * g]
-        elif rest and len(rest) % world:
-            pad = world - len(rest) % world
-            rest = rest + (rest * pad)[:pad]
-        steps = [rest[i : i + g] for i in range(0, len(rest), g)]
-        mine = tuple(tuple(s[self.rank * len(s) // world : (self.rank + 1) * len(s) // world]) for s in steps)
-        sizes = tuple(len(s) for s in steps)
-        first = self.num_batches - len(steps)
-        return Resplit(epoch, layout, min(start, len(stream)), len(stream), first, mine, sizes)
 
     def keys(self, epoch: int, start_batch: int = 0) -> list[Keys]:
         """:meth:`batches` as ``(epoch, index)`` keys: what persistent workers are handed, so they see the epoch."""
