@@ -145,6 +145,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_gets_no_error(tmp_path):
     """``gpupipe info --json | head``: the pipe closed before the report is written is no error to print."""
     cmd = f"{sys.executable} -m gpupipe info --json | true; echo $? ${{PIPESTATUS[0]}}"

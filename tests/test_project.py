@@ -50,6 +50,7 @@ def test_installed_dali_is_for_torchs_cuda():
     )
 
 
+@pytest.mark.slow
 def test_nvjpeg_tests_print_no_deprecation_warning():
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_nvjpeg.py")],
