@@ -59,7 +59,8 @@ lint: setup
 test: setup lint
 	$(VENV)/bin/python -m pytest
 
-# The inner loop: lint beside the tests not marked slow (the full suite is `make test`, as CI runs it). One
+# The inner loop: lint beside the tests not marked slow (the full suite is `make test`, as CI runs it), meant to take
+# at most 5 minutes on a clean 2-core machine (a test over a few seconds is marked slow: CONTRIBUTING.md). One
 # backend's tests: `.venv/bin/python -m pytest -m dali` (markers: pillow, turbojpeg, dali, nvjpeg, synthetic).
 check: setup
 	$(MAKE) --no-print-directory -j2 lint fast-tests

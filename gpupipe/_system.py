@@ -59,8 +59,9 @@ WORKER_NICENESS = 10  # decode workers for a GPU run this much nicer than the tr
 def lower_priority(worker_id: int | None = None) -> None:
     """Lower this process's CPU priority by :data:`WORKER_NICENESS` (a DataLoader ``worker_init_fn``, or the first
     thing a loader's helper process does): a worker then takes a core only when the training thread is not using
-    it, so the step never waits behind a decode (a worker's own batches are made ahead, in its idle time). A fixed 7 ms
-    task on the training thread took 14-20 ms beside two workers at its priority and 7 ms with them at +10."""
+    it, so the step never waits behind a decode (a worker's own batches are made ahead, in its idle time). Beside
+    workers at its own priority a fixed task on the training thread took much longer than alone; with them niced, as
+    long as alone (bench/README.md: figures behind the code)."""
     if hasattr(os, "nice"):
         os.nice(WORKER_NICENESS)
 

@@ -243,12 +243,14 @@ def _bench(tmp_path, folder, monkeypatch, *flags: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("aa", [RA, "ctaugment"])
+@pytest.mark.slow
 def test_bench_adds_an_augment_pipeline(tmp_path, folder, monkeypatch, aa):
     rows = _bench(tmp_path, folder, monkeypatch, "--aa", aa, "--reprob", "0.25")
     got = {(r["backend"], r["pipeline"]) for r in rows}
     assert {("pillow", "train"), ("pillow", "augment")} <= got
 
 
+@pytest.mark.slow
 def test_bench_reports_each_policys_cost_beside_the_others(tmp_path, folder, monkeypatch, capsys):
     rows = _bench(tmp_path, folder, monkeypatch, "--aa", "ctaugment", "--aa", RA)
     train = next(r for r in rows if r["pipeline"] == "train" and r["backend"] == "pillow")

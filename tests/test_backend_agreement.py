@@ -1,8 +1,8 @@
 """How far DALI's pixels are from Pillow's at every image size from 32 to 512, as a user comparing backends sees
 it. The resampling is the same (antialiased bilinear: DALI's ``INTERP_LINEAR`` + ``antialias``, torch's
 ``interpolate``): on lossless files the two agree within 0.5/255 at every size. On JPEGs the CPU backends decode at
-a reduced DCT scale when the image is much larger than the output (the speed-up of the CPU path), and the README's
-table gives the measured mean difference per size; this test holds the sample data to it."""
+a reduced DCT scale when the image is much larger than the output (the speed-up of the CPU path), and the table in
+docs/loader.md gives the measured mean difference per size; this test holds the sample data to it."""
 
 from pathlib import Path
 
@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="needs DALI"),
     pytest.mark.slow,
 ]
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "loader.md"
 SIZES = (32, 64, 128, 224, 512)
 
 
@@ -39,8 +39,8 @@ def _first_batch(root, backend: str, size: int, train: bool) -> torch.Tensor:
 
 
 def _readme_bounds() -> dict[str, dict[int, float]]:
-    """The README's table: mean |dali - pillow| per pipeline and size, in 1/255."""
-    lines = README.read_text().splitlines()
+    """docs/loader.md's table: mean |dali - pillow| per pipeline and size, in 1/255."""
+    lines = PAGE.read_text().splitlines()
 
     def cells(start: str) -> list[str]:
         line = next(line for line in lines if line.startswith(start))
@@ -68,4 +68,4 @@ def test_dali_and_pillow_on_jpegs_stay_within_the_readme_bound_per_size(tmp_path
     assert set(SIZES) <= set(bounds)
     for size in SIZES:
         diff = (_first_batch(root, "dali", size, train) - _first_batch(root, "pillow", size, train)).abs().mean()
-        assert diff <= 1.25 * bounds[size] + 0.1, (size, float(diff), bounds[size])  # 20 images, not the README's 100
+        assert diff <= 1.25 * bounds[size] + 0.1, (size, float(diff), bounds[size])  # 20 images, not the table's 100

@@ -40,6 +40,7 @@ def test_bench_backends_auto_is_a_clear_error(folder):
     assert r.returncode == 2 and "auto is not a backend" in r.stderr and "None" not in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_shows_progress_and_time_left_in_a_log(tmp_path, folder):
     r = gpupipe_cli(
         "bench",
@@ -159,6 +160,7 @@ def test_run_gpu_script_part_2_runs_small_on_the_cpu(tmp_path):
     assert all(row["images_per_s"] > 0 and 0 <= row["data_wait"] <= 1 for row in report["rows"])
 
 
+@pytest.mark.slow
 def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
     monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path / "cache"))
     backends = [b for b in ("pillow", "turbojpeg", "dali", "synthetic") if b in gpupipe.available_backends()]
@@ -242,6 +244,7 @@ def test_windows_wait_for_the_other_jobs_prefetch_to_stop(monkeypatch):
     assert polls == []
 
 
+@pytest.mark.slow
 def test_bench_data_takes_shards_and_urls(tmp_path, folder, s3, monkeypatch, capsys):
     """``--data`` accepts what build_loader accepts: a prepared folder on a disk and on a local S3 server, with the
     torchvision baseline run over the same bytes."""
@@ -259,6 +262,7 @@ def test_bench_data_takes_shards_and_urls(tmp_path, folder, s3, monkeypatch, cap
         assert {r["backend"] for r in rows} == {"baseline", "pillow"} and all(r["images_per_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_several_image_sizes_give_a_row_each_timed_in_the_same_rounds(folder, tmp_path, capsys, monkeypatch):
     """--image-size 16,24: train, floor and eval at each size, each against the baseline at its own size; decode
     (full size) once; a size column in the table."""

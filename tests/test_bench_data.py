@@ -83,6 +83,7 @@ def test_time_left_is_costed_from_the_start_ups_and_windows_measured(monkeypatch
 
 
 @pytest.mark.parametrize("model", [None, "test_resnet"])
+@pytest.mark.slow
 def test_the_estimate_is_no_shorter_than_a_small_real_run(tmp_path, model):
     """The estimate before anything is measured (the run's first progress line) against the run itself: at least as
     long, and within a sane factor. It once said 2 minutes for GPU runs that had not ended after 80-100 s: it left out

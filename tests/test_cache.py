@@ -68,6 +68,7 @@ for epoch in range(2):
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_of_two_workers_fetch_each_shard_once(s3, prepared, proxy, tmp_path):
     """Two processes (two local ranks) of two DataLoader workers each, started together, two epochs: each shard is
     asked of the server once, whole."""
@@ -267,6 +268,7 @@ def test_the_default_folder_is_the_users_own(s3, prepared, tmp_path, monkeypatch
     assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
 
 
+@pytest.mark.slow
 def test_a_cache_limit_below_the_shuffle_window_through_the_cli_is_one_line_with_both_flags(s3, prepared, tmp_path):
     """``gpupipe train --shuffle-window 2 --cache-limit 20KB``: refused before training, in one line naming both flags
     and sizes as they are (it said "cache_limit=0.0 MiB ... the largest 2 hold 0.0 MiB")."""
@@ -300,6 +302,7 @@ print(len(order), len(bad), data.cache.cache.fetches)
 """
 
 
+@pytest.mark.slow
 def test_ranks_of_two_nodes_fill_one_small_cache_at_once_and_read_every_byte_right(s3, prepared, tmp_path):
     """Four processes (two "nodes" of two ranks, one shared folder, as on a shared file system) read every sample
     three times in orders of their own through a cache that holds three shards: shards are fetched, evicted and

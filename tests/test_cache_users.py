@@ -153,6 +153,7 @@ def test_a_folder_every_user_may_write_is_refused_and_a_planted_shard_never_read
     assert "chmod 2770" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_shard_another_user_planted_or_altered_is_fetched_again_never_read(s3, prepared, place):
     """A group-shared folder: B (a member) plants an altered shard with a digest to match: root, no member, trusts
     none of B's files. B replaces the shard root fetched again, its digest kept: C, a member, trusts B's file, but
@@ -178,6 +179,7 @@ def test_a_shard_another_user_planted_or_altered_is_fetched_again_never_read(s3,
         assert os.stat(folder / name).st_uid == reader  # fetched again over the planted file
 
 
+@pytest.mark.slow
 def test_the_members_of_a_sharing_group_read_each_others_shards(s3, prepared, place):
     """B fetches into a folder its group shares (files 0644 under the usual umask); C, a member too, reads every
     sample from B's copies, fetching nothing, even with on_error="skip" (no permission error turned into skipped
@@ -197,6 +199,7 @@ def test_the_members_of_a_sharing_group_read_each_others_shards(s3, prepared, pl
     assert "chmod 2770" in outsider.stdout
 
 
+@pytest.mark.slow
 def test_another_users_leftover_the_sticky_bit_keeps_is_the_folders_error_not_the_stores(s3, prepared, place):
     """A shared folder with the sticky bit (mode 3770): a fetch B left half done cannot be removed by C. C's run stops
     in one line naming the cache folder, the file and the fix (it blamed the store's credentials)."""

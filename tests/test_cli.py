@@ -88,12 +88,13 @@ def test_info_names_each_library_and_reads_well(capsys, monkeypatch):
 
 
 def test_no_install_command_asks_the_index_for_gpupipe():
-    """The name gpupipe on the package index is another project: README, hints and Dockerfile install by path/URL."""
+    """The name gpupipe on the package index is another project: README, docs, hints, Dockerfile install by path/URL."""
     import re
 
     index_install = re.compile(r"""pip install (-U |--upgrade )?["']?gpupipe(\[[^]]*\])?["']?(?! @)(\s|$)""")
     files = [
         REPO_ROOT / "README.md",
+        *(REPO_ROOT / "docs").glob("*.md"),
         REPO_ROOT / "docker" / "Dockerfile",
         REPO_ROOT / "Makefile",
         *(REPO_ROOT / "gpupipe").rglob("*.py"),
@@ -144,6 +145,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_gets_no_error(tmp_path):
     """``gpupipe info --json | head``: the pipe closed before the report is written is no error to print."""
     cmd = f"{sys.executable} -m gpupipe info --json | true; echo $? ${{PIPESTATUS[0]}}"

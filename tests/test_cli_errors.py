@@ -98,6 +98,7 @@ def test_train_and_eval_without_the_train_extra_name_it(command):
     ], r.stderr
 
 
+@pytest.mark.slow
 def test_bench_plot_without_matplotlib_is_refused_before_the_benchmark(tmp_path):
     """The probe: the whole benchmark ran, then --plot failed. Here --data does not exist: the plot is checked first."""
     r = _without({"matplotlib"}, "bench", "--data", tmp_path / "nowhere", "--plot", tmp_path / "b.png")

@@ -19,6 +19,7 @@ def _dirty(tmp_path):
     return root
 
 
+@pytest.mark.slow
 def test_check_to_a_pipe_prints_whole_lines_and_names_as_written(tmp_path):
     root = _dirty(tmp_path)
     r = gpupipe_cli("check", root, "--workers", 0)
@@ -31,6 +32,7 @@ def test_check_to_a_pipe_prints_whole_lines_and_names_as_written(tmp_path):
     assert lines[-1] == "6 files: 2 unreadable, 0 unusual but usable"
 
 
+@pytest.mark.slow
 def test_prepare_to_a_pipe_prints_whole_lines_and_names_as_written(tmp_path):
     root = _dirty(tmp_path)
     out = tmp_path / "shards [v1]"
@@ -66,6 +68,7 @@ def test_import_gpupipe_gives_the_public_api():
     assert gpupipe.build_loader is gpupipe.api.build_loader and callable(gpupipe.read_image)
 
 
+@pytest.mark.slow
 def test_check_and_prepare_to_a_pipe_print_no_empty_line(tmp_path):
     """The probe: both began with an empty line (the progress display's, in a pipe)."""
     root = make_folder(tmp_path / "data", 2, 2)

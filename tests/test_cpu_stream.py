@@ -324,6 +324,7 @@ def test_without_a_pin_thread_batches_are_taken_off_the_workers_on_the_loaders_o
     assert len(list(no_workers)) == len(no_workers) and set(takers) == {threading.current_thread().name}
 
 
+@pytest.mark.slow
 def test_a_take_thread_outliving_its_dropped_loader_is_still_ended_at_exit(data):
     """A loader dropped mid-pass stops its take thread, which ends after the batch it waits for; the exit hook must
     still end it if the process exits first: a daemon thread inside torch's C++ copy when the interpreter finalizes

@@ -7,10 +7,13 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
 from .common_utils import REPO_ROOT, make_folder
 from .test_train_checkpoint import small_disk
 
 
+@pytest.mark.slow
 def test_prepare_on_a_full_disk_is_one_line_and_resumes(tmp_path):
     src = make_folder(tmp_path / "src", 3, 12)  # about 200 KB of JPEGs
     with small_disk(tmp_path, 96 << 10) as (disk, limit):

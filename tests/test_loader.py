@@ -317,6 +317,7 @@ def _in_a_small_dev_shm(size: str = "1m") -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_small_dev_shm_is_named_with_the_fix(folder):
     """1 MB of /dev/shm: torch's worker error ("Caught RuntimeError in DataLoader worker process 0") hid the cause on
     the last line of a traceback; now one line names it and the fix."""
@@ -364,6 +365,7 @@ run(None, batch_size=4, image_size=64)  # a whole pass, then dropped
 """
 
 
+@pytest.mark.slow
 def test_no_shared_memory_is_left_behind(folder):
     """With an 8 MB /dev/shm, the workers' batch buffers filled it: the run failed (rightly, naming /dev/shm) but left
     sparse and full ``torch_*`` files there for the process's life: a partly made buffer, each worker's pool (killed
@@ -399,6 +401,7 @@ print(len(list(loader)) == len(loader))
 """
 
 
+@pytest.mark.slow
 def test_a_caught_transform_error_leaves_no_iterator_for_the_next_workers_to_stop(folder):
     """A user's script: the failed loader's DataLoader iterator is left in a reference cycle (the error's
     traceback); a worker of the next loader that collects garbage must not run its ``__del__`` ("Exception ignored

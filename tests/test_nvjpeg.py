@@ -392,6 +392,7 @@ def test_a_pass_left_early_then_the_next_epoch_whole(folder):
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.slow
 def test_a_pass_left_early_and_closed_late_leaves_the_next_pass_alone(folder):
     """The first pass's iterator is closed (garbage) only after the next pass began: closing it ends its own decode
     thread, not the next pass's, which would then wait for ever."""

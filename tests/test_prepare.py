@@ -247,6 +247,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
+@pytest.mark.slow
 def test_shuffled_order_spreads_the_classes_over_the_shards_and_resumes(folder, tmp_path):
     """``order="shuffled"``: the shards hold the samples in one fixed random order (each sample once, its label kept),
     so a shard holds more classes than in the source's class-by-class order; an interrupted run resumes to the same

@@ -50,6 +50,7 @@ def test_installed_dali_is_for_torchs_cuda():
     )
 
 
+@pytest.mark.slow
 def test_nvjpeg_tests_print_no_deprecation_warning():
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_nvjpeg.py")],
@@ -62,10 +63,13 @@ def test_nvjpeg_tests_print_no_deprecation_warning():
     assert "DeprecationWarning" not in out.stdout  # torchvision 0.29's notice about its image codecs
 
 
-def test_readme_api_section_names_every_public_name():
+def test_the_api_pages_name_every_public_name():
+    """The README's `backend=` switch and docs/loader.md's API section between them."""
     import gpupipe
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## The `backend=` switch") : text.index("## Augmentation")]
+    readme = (ROOT / "README.md").read_text()
+    loader = (ROOT / "docs" / "loader.md").read_text()
+    section = readme[readme.index("## The `backend=` switch") : readme.index("## Train")]
+    section += loader[: loader.index("## Workers and the training thread")]
     assert "gpupipe.read_image(" in section  # was missing from the API section
     assert [n for n in gpupipe.__all__ if f"gpupipe.{n}" not in section] == []

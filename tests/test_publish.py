@@ -32,6 +32,7 @@ def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.slow
 def test_prepare_writes_to_s3_what_it_writes_to_a_disk(s3, folder, local):
     url = f"s3://{S3Server.BUCKET}/cli-prepared"
     run = gpupipe_cli("prepare", folder, url, "--shard-size", "16KB", "--workers", "1")
@@ -77,6 +78,7 @@ def test_an_interrupted_upload_resumes_to_the_same_objects(s3, folder, local):
     assert _objects(s3, "killed-upload") == _files(local)  # byte for byte what an uninterrupted local run writes
 
 
+@pytest.mark.slow
 def test_prepare_refuses_a_prefix_it_did_not_write(s3, folder):
     s3.client().pipe(f"{S3Server.BUCKET}/taken/notes.txt", b"mine")
     with pytest.raises(FileExistsError, match="not empty"):

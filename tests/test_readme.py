@@ -1,7 +1,8 @@
-"""The README's Python examples, run as a user runs them after ``make demo`` (the sample data under ``data/``), with
-the default workers (every usable core: 2 in CI). Only the batch size is capped (the data here is 24 images) and the
-names a snippet leaves to the reader (``model``, ``resuming``, ...) are given; the GPU-only, Lightning, Accelerate
-and object-storage snippets have their own tests (test_lightning.py, test_accelerate.py, test_remote.py)."""
+"""The Python examples of the README and docs/ that need names from their text, run as a user runs them after
+``make demo`` (the sample data under ``data/``), with the default workers (every usable core: 2 in CI). Only the batch
+size is capped (the data here is 24 images) and the names a snippet leaves to the reader (``model``, ``resuming``,
+...) are given; the GPU-only, Lightning, Accelerate and object-storage snippets have their own tests
+(test_lightning.py, test_accelerate.py, test_remote.py), and the whole blocks marked runnable run in test_docs.py."""
 
 from __future__ import annotations
 
@@ -15,17 +16,18 @@ import torch
 import gpupipe
 from gpupipe.sample_data import make_sample_data
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    return [b for page in PAGES for b in re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)]
 
 
 def _block(first_line: str) -> str:
-    """The README's Python block that starts with ``first_line``."""
+    """The Python block of the README or a docs/ page that starts with ``first_line``."""
     found = [b for b in _blocks() if b.lstrip().startswith(first_line)]
-    assert len(found) == 1, f"the README has {len(found)} Python blocks starting {first_line!r}"
+    assert len(found) == 1, f"the README and docs/ have {len(found)} Python blocks starting {first_line!r}"
     return found[0]
 
 

@@ -51,6 +51,7 @@ def test_too_few_batches_for_the_steps_asked_is_one_line(data):
         sim_step.run(str(data), ["pillow"], s)
 
 
+@pytest.mark.slow
 def test_gpupipe_bench_runs_it(tmp_path):
     """``gpupipe bench --simulate-step``: the same report, from the bench's own flags (30 steps an epoch)."""
     from gpupipe.cli import main

@@ -49,12 +49,14 @@ def test_accumulation_equals_one_big_batch(data, tmp_path):
         torch.testing.assert_close(big[k], micro[k], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_with_clipping_run(data, tmp_path):
     for p in ("bf16", "fp16"):
         metrics = train(_cfg(data, tmp_path / p, precision=p, clip=1.0, epochs=1))
         assert metrics["train_loss"] == metrics["train_loss"]  # not NaN
 
 
+@pytest.mark.slow
 def test_outputs_and_refusing_to_overwrite(data, tmp_path):
     out = tmp_path / "run"
     metrics = train(_cfg(data, out, val=str(data), epochs=1))
@@ -68,6 +70,7 @@ def test_outputs_and_refusing_to_overwrite(data, tmp_path):
 
 
 @pytest.mark.parametrize("save_every", [0, 3])
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_straight_runs_weights(data, tmp_path, save_every):
     subprocess.run(train_cli(data, tmp_path / "straight", save_every=save_every), check=True)
     out = tmp_path / "killed"
@@ -90,6 +93,7 @@ def _one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     out = tmp_path / "run"
     err = _one_error_line(_run(*train_cli(data, out, resume=True, epochs=1)).stderr)
@@ -115,6 +119,7 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     assert len(kept) == 1 and kept[0].read_text() == first_config and "epochs: 2" in (out / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_corrected_retry(data, tmp_path):
     """The first unreadable file stops the run with how to go on; the retry with --on-error skip starts in the same
     folder (nothing was saved to lose), keeping the failed run's config beside its own."""
@@ -132,6 +137,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_correc
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage", "truncated"])
+@pytest.mark.slow
 def test_a_broken_checkpoint_is_one_line_naming_it(data, tmp_path, content):
     out = tmp_path / "run"
     ckpt = out / "checkpoints" / "last.pt"
@@ -144,6 +150,7 @@ def test_a_broken_checkpoint_is_one_line_naming_it(data, tmp_path, content):
     assert f"{ckpt}: cannot resume from it" in err and "delete it" in err
 
 
+@pytest.mark.slow
 def test_validation_uses_the_training_classes_and_logs_stay_whole(data, tmp_path):
     import shutil
 
@@ -160,6 +167,7 @@ def test_validation_uses_the_training_classes_and_logs_stay_whole(data, tmp_path
     assert "classes not in the training set: zebra" in err
 
 
+@pytest.mark.slow
 def test_skipped_files_are_named(data, tmp_path):
     import shutil
 
@@ -180,6 +188,7 @@ def _torchrun(*args, timeout=300):
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_ddp_no_sync_accumulation_equals_one_big_batch(data, tmp_path):
     """2 ranks x 2 micro-batches of 4 under gloo DDP == one process with batches of 16 (float64, 1e-6); gradients
     are all-reduced once per optimizer step (no_sync on the other micro-batches), not once per micro-batch."""
@@ -204,6 +213,7 @@ def test_ddp_no_sync_accumulation_equals_one_big_batch(data, tmp_path):
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks(data, tmp_path):
     """``torchrun ... -m gpupipe train --device cpu``: disjoint shards, identical parameters, rank 0 alone logs."""
     out = tmp_path / "ddp"
@@ -233,6 +243,7 @@ def _probe(*args):
     return [sys.executable, os.path.join(os.path.dirname(__file__), "probe.py"), *args]
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_keeps_the_previous_one(data, tmp_path):
     """SIGKILL in the middle of the 3rd checkpoint write: the 2nd stays loadable, and resuming from it ends with the
     straight run's weights."""
@@ -274,6 +285,7 @@ def _two_ranks(probe_args: list[str], train: list[str]) -> list[subprocess.Popen
     return procs
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
     """Rank 1 exits after 2 batches; rank 0, blocked in an all-reduce, must fail with an error well within its
     --dist-timeout-s, not wait forever."""
@@ -288,6 +300,7 @@ def test_a_rank_that_dies_stops_the_other_in_bounded_time(data, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_a_rank_that_loses_its_loader_worker_saves_a_checkpoint_alone(data, tmp_path):
     """Under DDP, the rank whose DataLoader worker is killed writes the checkpoint itself (the others wait for it
     in an all-reduce and cannot), says so in one line, and the run resumes from it."""
@@ -361,6 +374,7 @@ def test_a_resolution_schedule_trains_each_epoch_at_its_size_and_resumes_mid_epo
 @pytest.mark.parametrize(
     "precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("fp16", marks=pytest.mark.slow)]
 )
+@pytest.mark.slow
 def test_a_ddp_training_step_makes_the_host_wait_for_nothing(data, tmp_path, precision):
     """Two gloo ranks, the sync counter of tests/test_sync.py on every micro-batch (the CPU is the device): no host
     sync and no collective beyond DDP's gradient all-reduce, in every precision (fp16's fused optimizer takes the

@@ -33,6 +33,7 @@ def _cli(data, out, **overrides):
     return train_cli(data, out, "--smoothing", "0.1", **{**timm_flags, **overrides})
 
 
+@pytest.mark.slow
 def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
     out = tmp_path / "run"
     subprocess.run(_cli(data, out), check=True)
@@ -49,11 +50,13 @@ def test_trains_with_timm_flags_and_checkpoints_the_ema(data, tmp_path):
     assert '"ema_val_acc"' in metrics and '"val_acc"' in metrics
 
 
+@pytest.mark.slow
 def test_bad_policy_is_a_clear_error(data, tmp_path):
     proc = subprocess.run(_cli(data, tmp_path / "bad", aa="rand-q3"), capture_output=True, text=True)
     assert proc.returncode == 2 and "unsupported RandAugment" in proc.stderr
 
 
+@pytest.mark.slow
 def test_killed_augmented_run_resumes_to_the_straight_runs_weights(data, tmp_path):
     """RandAugment, erasing and MixUp/CutMix are keyed by sample and step, the EMA is checkpointed: a run killed
     mid-epoch and resumed ends where the straight run does."""

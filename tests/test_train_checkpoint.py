@@ -187,6 +187,7 @@ def small_disk(tmp_path, size: int = 1 << 20):
         yield mnt, limit
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     script = tmp_path / "write.py"
     script.write_text(_WRITE_UNTIL_FULL.format(repo=str(REPO_ROOT)))

@@ -162,6 +162,7 @@ def test_a_schedule_that_cannot_finish_within_the_epochs_is_said_in_one_line(fla
     assert not caplog.records
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank_0_alone_says_a_config_warning():
     """Every rank printed the same config warning (and every other ``gpupipe`` log line): rank 0 now speaks for all."""
     flags = ["-m", "gpupipe", "train", "--print-config", "--res-end", "288", "--epochs", "1"]
@@ -217,6 +218,7 @@ def lowest_omegaconf(tmp_path_factory) -> tuple[str, Path]:
     return version, target
 
 
+@pytest.mark.slow
 def test_the_config_works_with_the_lowest_omegaconf_the_extra_allows(lowest_omegaconf, tmp_path):
     """The probe: beside hydra-core (omegaconf < 2.4) every `gpupipe train` stopped at `Unexpected type annotation:
     Literal[fp32, bf16, fp16]`. The same config, file and errors with omegaconf 2.3 as with the one installed."""

@@ -61,6 +61,7 @@ def test_a_launcher_variable_that_is_no_number_is_named(monkeypatch, name):
         Distributed("cpu")
 
 
+@pytest.mark.slow
 def test_a_stray_rank_is_one_line_before_anything_is_written(tmp_path):
     """``RANK=1`` left in a shell, no ``WORLD_SIZE``: not a run as rank 1 that trains, saves nothing and exits 0."""
     data, out = make_folder(tmp_path / "data", 2, 2), tmp_path / "run"
@@ -81,6 +82,7 @@ def _count_collectives(data, out, **overrides) -> list[list[str]]:
     return [collectives for _, collectives in torch.load(out / "count-rank0.pt", weights_only=True)["steps"]]
 
 
+@pytest.mark.slow
 def test_an_epoch_end_averages_the_buffers_in_one_all_reduce_and_gathers_none(tmp_path):
     """timm's test_resnet (BatchNorm: 2 floating buffers per norm layer) on two ranks: the epoch's end was one
     all-reduce per buffer, then one all-gather per buffer for the checkpoint. Now: the epoch's metrics, one flat

@@ -44,6 +44,7 @@ def test_training_moves_the_weights_and_checkpoints_them(data, tmp_path):
     assert loader.ctaugment.rates == rates.tolist()
 
 
+@pytest.mark.slow
 def test_a_killed_ctaugment_run_resumes_to_the_straight_runs_weights_and_rates(data, tmp_path):
     """The feedback's update is applied one step late (its scores reach the host without the host waiting for the
     GPU); the one still waiting is in the checkpoint, so a run killed mid-epoch and resumed ends with the straight

@@ -135,6 +135,7 @@ def test_an_fp16_resume_from_a_run_without_a_scaler_starts_a_fresh_one():
     assert fp16.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
 
 
+@pytest.mark.slow
 def test_an_fp16_run_resumed_mid_epoch_ends_with_the_straight_runs_weights_and_scale(folder, tmp_path):
     """The fused optimizer's state, the scaler's scale and growth tracker and the schedule (which counts skipped steps)
     are in the checkpoint: resumed from a mid-epoch one, the run ends as the straight one, bit for bit."""

@@ -73,6 +73,7 @@ def test_a_stopped_worker_is_an_error_naming_it_within_the_timeout():
     assert f"worker pid {pid} is stopped (SIGSTOP, or a debugger), and was ended" in msg
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_one_line_naming_it_in_next_never_in_the_middle_of_a_step():
     """torch's SIGCHLD handler would raise in whatever the main thread is doing (here: a busy loop standing for an
     optimizer step); with it off, the loss shows in next_batch."""
@@ -168,6 +169,7 @@ def _rank_checks_stop(rank: int, port: int, out: str) -> None:
     torch.save({"stopped_at": stopped_at, "all_reduces": len(reduces)}, f"{out}/rank{rank}.pt")
 
 
+@pytest.mark.slow
 def test_ddp_ranks_agree_on_a_stop_without_a_collective_every_step(tmp_path):
     """A SIGTERM to one rank stops both at the same step, the first multiple of STOP_EVERY after it; until then the
     ranks made one all-reduce every STOP_EVERY steps, not one a step."""

@@ -132,7 +132,7 @@ class Driver:
     """A built pipeline run a batch at a time (feed, run, share, release) through DALI's C++ pipeline object, which
     its Python ``Pipeline`` wraps. The wrapper's per-call work (``feed_input`` scans every op for the input's name,
     the scheduled-API calls make a context-manager class each, inputs go through a converter for every kind of
-    array) cost the training thread about 0.5 ms per batch, five times the calls themselves; the checks it makes
+    array) cost the training thread more than the calls themselves (bench/README.md); the checks it makes
     hold once the pipeline is built (one ``external_source`` per name, fed only here, numpy arrays in). Where the C++
     object is not there as expected (another DALI), the wrapper's public calls are used."""
 

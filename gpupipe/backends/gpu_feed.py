@@ -7,7 +7,7 @@ each sample (its upright size, EXIF orientation, pixel limit, whether the GPU de
 read or from the sizes a prepared data set recorded, draws each crop, and hands the batch over as named arrays: the
 bytes in **one** uint8 tensor (shared memory, not pickled; zero-padded rows when the batch is all JPEG), one row per
 sample the GPU decodes, the images Pillow had to take, the failures. Before it, the training thread read every file
-and judged every header for DALI (11-18 ms of its CPU per 256-image batch), and nvJPEG had a feed of its own.
+and judged every header for DALI (most of its CPU per batch: bench/README.md), and nvJPEG had a feed of its own.
 
 **One fallback**: a file the GPU decoder does not take (a format or mode it lacks, CMYK, 16-bit) is decoded and
 cropped by Pillow in the worker, and so is one it refuses when decoding (:meth:`Feed.fallback`, on the loader's
@@ -105,8 +105,8 @@ class Work:
 
     def prepare(self) -> None:
         """On the feed's thread: the samples of a batch the feed could not pad as one DALI TensorListCPU (a copy),
-        which DALI takes as it is. Given as a list, DALI converts each sample on the thread that feeds it: about
-        3 ms a 256-batch, more than the rest of the training thread's part (bench/host_budget.py)."""
+        which DALI takes as it is. Given as a list, DALI converts each sample on the thread that feeds it, which cost
+        the training thread more than the rest of its part did (bench/README.md: figures behind the code)."""
         if self.encoded is not None and self.encoded.dim() == 1 and self.data is None:
             from nvidia.dali.tensors import TensorListCPU  # defer: this module is imported without DALI too
 

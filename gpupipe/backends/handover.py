@@ -2,7 +2,7 @@
 reuses, the labels and keys as bytes in the message.
 
 A fresh shared-memory buffer costs a page fault per 4 KiB on its first write (about as much as resizing the images
-into it on a 2-core VM: ~0.14 ms per 224x224 image, measured in bench/README.md), and a tensor handed over from
+into it: bench/README.md), and a tensor handed over from
 ordinary memory is first copied into one. So each worker keeps a few buffers and reuses one once the main process
 says it is done with it: the batch arrives holding the buffer (``Batch.lease``), the main process copies the images
 out once, into the memory they end in (``Batch.own``: page-locked memory on the DataLoader's pin thread, for the copy

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.markup import escape
 
-GUESS_START_S = 3.0  # a loader's start-up before the first measurement shows the real one (2-core machine: 1-5 s)
+GUESS_START_S = 3.0  # a loader's start-up before the first measurement shows the real one (errs long on 2 cores)
 GUESS_END_S = 0.5  # stopping a job: its workers and pipeline
 GUESS_WINDOW_EXTRA = 2.0  # per window, the quiet wait (at most 2 windows: a busy machine) ...
 GUESS_DRAIN_S = 0.5  # ... and the drain of the prefetched batches
@@ -116,7 +116,7 @@ def shown_progress(console: Console) -> Iterator[Callable[..., None]]:
 # than one that ends late): a job's start-up, warm-up and first batch, every window's quiet wait at its bound, the
 # prefetched batches it drains at a CPU decoder's rate, and each epoch start the batches run into (one worker builds
 # a whole batch, so an epoch's first batch costs a batch's decode on one core).
-IMAGE_CPU_S = 0.006  # one 224-px train image on one core (decode of a ~500x375 JPEG, crop, collate): 150-400 img/s
+IMAGE_CPU_S = 0.006  # one 224-px train image on one core (decode of a ~500x375 JPEG, crop, collate), erring slow
 PROCESS_S = 0.3  # a worker process started (forked, with torch imported) and its first request answered
 BASE_START_S = 1.5  # a loader built: the source opened (a folder scanned, an index read), the sampler, the first call
 GPU_BUILD_S = 8.0  # a GPU pipeline before its first batch: DALI's graph and threads, nvJPEG's handles, CUDA streams

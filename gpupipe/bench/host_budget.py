@@ -1,18 +1,19 @@
 """The host budget: how much of the training thread each GPU path takes per batch, measured on any machine.
 
-A GPU loader keeps an H100 fed only if the thread that runs the training step spends little time in
-``next(loader)``: DALI's own pipeline delivers a 256-image batch every ~12 ms on an H100, and the model's Python needs
-the same thread. This measures that thread's CPU time (``time.thread_time()`` around ``next()``: decode workers,
-DALI's threads, nvjpeg's decode thread and the pin thread are other threads or processes and are not counted), with
-the GPU's own work left out: the loader's device side targets the **meta device**, so every op it would launch on
-CUDA is dispatched (its host cost counted) and none computes. For ``nvjpeg`` the decode is a stand-in that parses
-each JPEG's frame header on the host and returns an empty tensor of the decoded shape, on the loader's decode thread
-as the real decode. ``dali`` runs its CPU pipeline in its own threads and hands its output over as on CUDA; the
-loader's own thread feeds DALI and assembles its batches. Python threads in the training process, like that one and
-nvjpeg's decode thread, share its interpreter lock: their CPU time per batch is reported beside (``loader_thread_ms``).
-``pillow`` is the CPU path feeding the same device side: a thread of the loader's own takes its batches off the
-workers and copies them out of their buffers (on CUDA, DataLoader's pin thread does), and the training thread's cost
-is the device stage. Thread time is barely affected by other load on the machine (unlike throughput).
+A GPU loader keeps an H100 fed only if the thread that runs the training step spends little time in ``next(loader)``:
+DALI's own pipeline delivers a 256-image batch every few milliseconds on an H100 (bench/README.md: the training thread's
+CPU per batch), and the model's Python needs the same thread. This measures that thread's CPU time
+(``time.thread_time()`` around ``next()``: decode workers, DALI's threads, nvjpeg's decode thread and the pin thread are
+other threads or processes and are not counted), with the GPU's own work left out: the loader's device side targets the
+**meta device**, so every op it would launch on CUDA is dispatched (its host cost counted) and none computes. For
+``nvjpeg`` the decode is a stand-in that parses each JPEG's frame header on the host and returns an empty tensor of the
+decoded shape, on the loader's decode thread as the real decode. ``dali`` runs its CPU pipeline in its own threads and
+hands its output over as on CUDA; the loader's own thread feeds DALI and assembles its batches. Python threads in the
+training process, like that one and nvjpeg's decode thread, share its interpreter lock: their CPU time per batch is
+reported beside (``loader_thread_ms``). ``pillow`` is the CPU path feeding the same device side: a thread of the
+loader's own takes its batches off the workers and copies them out of their buffers (on CUDA, DataLoader's pin thread
+does), and the training thread's cost is the device stage. Thread time is barely affected by other load on the machine
+(unlike throughput).
 
     python -m gpupipe.bench.host_budget DATA [DATA ...] --sizes 224 32 --batch 256 [--device cuda]
 

@@ -41,8 +41,9 @@ _HUGE_MIN = 32 << 20  # bytes: glibc's largest mmap threshold; smaller blocks co
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A new, uninitialised CPU tensor for a whole batch. Over 32 MiB (a float32 batch of 64 at 224 is 38.5 MB),
-    glibc maps every block afresh, and its first write then takes a page fault per 4 KiB (~0.18 ms per image on a
-    2-core VM): such a batch gets its own anonymous mapping advised for transparent huge pages, one fault per 2 MiB.
+    glibc maps every block afresh, and its first write then takes a page fault per 4 KiB (a cost per image:
+    bench/README.md): such a batch gets its own anonymous mapping advised for transparent huge pages, one fault per
+    2 MiB.
     Without THP (or mmap's ``madvise``), the same 4 KiB pages as ``torch.empty``; smaller batches are ``torch.empty``
     (malloc reuses their memory without faults)."""
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
@@ -58,10 +59,10 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class HostBlocks:
     """Batch-sized CPU memory handed out again once nothing but this pool holds it: a fresh block costs a page fault
-    per 4 KiB on its first write (a 32-batch at 224 px: 2-3 ms to copy into, against 0.5 ms into memory written
-    before), and the batches a loader copies out of its workers' buffers for a CPU or meta device come and go at one
-    size. A block is reused only when no tensor (a view included) or array but the pool's own refers to its memory
-    (the storage's use count); at most ``keep`` are kept."""
+    per 4 KiB on its first write (copying a batch into fresh memory costs several times a copy into memory written
+    before: bench/README.md), and the batches a loader copies out of its workers' buffers for a CPU or meta device
+    come and go at one size. A block is reused only when no tensor (a view included) or array but the pool's own
+    refers to its memory (the storage's use count); at most ``keep`` are kept."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep

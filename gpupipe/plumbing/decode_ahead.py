@@ -1,9 +1,10 @@
-"""A batched GPU decode run off the training thread: one thread takes each worker's batch, decodes it on a CUDA stream
-of its own and hands it over with an event, one batch ahead.
+"""Work made off the training thread, one batch ahead: one thread takes each item (a worker's batch), makes it (a
+batched GPU decode, DALI's feed and fetch, a copy out of a worker's buffer) on a CUDA stream of its own and hands it
+over with an event.
 
-torchvision's nvJPEG decode runs its Huffman pass on the calling thread (21 ms per 256-batch on an H100's host): on
+torchvision's nvJPEG decode runs its Huffman pass on the calling thread (bench/README.md: figures behind the code): on
 the training thread, every batch cost the model's Python that much. Here the training thread only waits for the
-event on its own stream (the GPU waits, the host does not) and crops the decoded batch. torch's ops release the GIL
+event on its own stream (the GPU waits, the host does not) and takes the made batch. torch's ops release the GIL
 while they run, so the decode thread and the training thread run side by side.
 """
 

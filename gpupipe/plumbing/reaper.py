@@ -11,8 +11,8 @@ from typing import Any
 
 
 class Reaper:
-    """Drops objects on a thread of its own: a batch's shared-memory buffer costs the thread that frees it 0.5-1.5 ms
-    (unmapping), time the training thread need not spend.
+    """Drops objects on a thread of its own: freeing a batch's shared-memory buffer costs the thread that frees it
+    the unmapping (bench/README.md: figures behind the code), time the training thread need not spend.
 
     One thread per process, shared by every loader, and ended at interpreter exit (``atexit``: what is still queued
     is dropped, then the thread is joined). A daemon thread still running C++ code when the interpreter finalizes

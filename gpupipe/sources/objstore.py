@@ -206,8 +206,8 @@ class Store:
         os.replace(tmp, target)
 
     def put(self, local: Path, url: str) -> None:
-        """One upload: an object appears whole or not at all (S3 PUTs are atomic). A large one may take longer than
-        the deadline, at 1 MiB/s."""
+        """One upload: an object appears whole or not at all (S3 PUTs are atomic). A large one gets a second per MiB
+        where that is longer than the deadline."""
         deadline = max(self.remote.deadline, local.stat().st_size / (1 << 20))
         self.call(url, lambda: self.fs.put_file(str(local), self.path(url)), deadline)
 

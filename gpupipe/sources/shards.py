@@ -261,7 +261,8 @@ def load_tars(paths: list[str]) -> ShardImageList:
 
 def index_all(paths: list[str], index: Callable[[str], dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """``index(p)`` of every shard, in order; in a pool of processes when there are several (walking tar headers is
-    Python work: 12.6 s per 100k samples in one process), so a first use of 1.28M samples takes minutes no more."""
+    Python work, slow in one process at ImageNet's size: bench/README.md), so a first use of 1.28M samples is spread
+    over the cores."""
     parts = [_cached_index(p) for p in paths]
     missing = [i for i, part in enumerate(parts) if part is None]
     if len(missing) < 2:
