@@ -57,7 +57,7 @@ class _Toy:
     def loader_hook(self, seed: int, lag: int) -> _Hook:
         return _Hook(self, seed, lag)
 
-    def loader_names(self) -> dict:
+    def loader_names(self, hook: _Hook) -> dict:
         return {"toy": self}
 
 
@@ -113,6 +113,6 @@ def test_a_toy_policys_state_is_saved_and_loaded_with_the_loaders(folder):
 def test_a_loader_without_the_policy_has_none_of_its_names(folder):
     plain = gpupipe.build_loader(folder, "pillow", batch_size=4, image_size=24, num_workers=0, device="cpu")
     assert plain.adaptive is None and plain.snapshots is None and "toy" not in plain.state_dict()
-    assert plain.ctaugment is None  # a name CTAugment adds, with its value for a loader without it
+    assert plain.ctaugment is None and plain.weights_clock is None  # CTAugment's names, their values without it
     with pytest.raises(AttributeError, match="'toy'"):
         plain.toy  # noqa: B018

@@ -69,6 +69,7 @@ def test_each_batch_draws_from_its_snapshot_on_every_backend_and_path(folder, ba
     draws within the clock's lag."""
     loader = _loader(folder, backend, device_path=device_path, num_workers=workers)
     assert loader.snapshots.lag == lag_for(0 if device_path else workers * 1)  # prefetch_factor 1
+    assert loader.weights_clock is loader.snapshots  # its public name
     ran = _run(loader, [0, 1])
     plain = _loader(folder, backend, aa=None)
     policy = Policy(Recipe(SIZE, auto_augment="ctaugment"))

@@ -66,4 +66,4 @@ class Adaptive(Protocol):
 
     def loader_hook(self, seed: int, lag: int) -> LoaderHook: ...
 
-    def loader_names(self) -> dict[str, Any]: ...  # what it adds to the loader's API (see LOADER_NAMES)
+    def loader_names(self, hook: LoaderHook) -> dict[str, Any]: ...  # what it adds to that loader's API (LOADER_NAMES)

@@ -139,7 +139,7 @@ class Loader:
         self._state_key = ""
         if adaptive is not None:
             self.adaptive = adaptive.loader_hook(parts.seed, lag_for(self._drawn_ahead(parts)))
-            self._names, self._state_key = adaptive.loader_names(), adaptive.state_key
+            self._names, self._state_key = adaptive.loader_names(self.adaptive), adaptive.state_key
         # what the policy recorded of the batch last handed out, one per image (a probe loader's), else empty
         self.records: list = []
 

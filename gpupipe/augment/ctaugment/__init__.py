@@ -7,7 +7,8 @@ from .feedback import CTAdaptive
 from .policy import CT_OPS, NUM_RATES, CTAugment, CTDraw, CTRecord, CTWeights, encode_records
 from .update import proximity
 
-LOADER_NAMES["ctaugment"] = None  # ``loader.ctaugment``: the policy, or None for a loader without it
+# ``loader.ctaugment``: the policy; ``loader.weights_clock``: which weights each batch draws from (None without it)
+LOADER_NAMES.update(ctaugment=None, weights_clock=None)
 
 __all__ = [
     "CT_OPS",

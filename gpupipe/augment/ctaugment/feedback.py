@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..adaptive import LoaderHook
 from .policy import CTAugment, CTRecord, CTWeights
 
 
@@ -32,8 +33,9 @@ class CTAdaptive:
     def loader_hook(self, seed: int, lag: int) -> LoaderFeedback:
         return LoaderFeedback(self.policy, seed, lag)
 
-    def loader_names(self) -> dict[str, Any]:
-        return {"ctaugment": self.policy}  # the weights and their ``update``, as ``loader.ctaugment``
+    def loader_names(self, hook: LoaderHook) -> dict[str, Any]:
+        # the weights and their ``update``; which snapshot each batch draws from (None for a probe loader)
+        return {"ctaugment": self.policy, "weights_clock": hook.snapshots}
 
 
 class WeightsClock:
