@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _backends_of(item) -> set[str]:
     """The backends a test exercises: its module's (``test_dali_files.py``), a parameter's value (``backend="dali"``
-    among the cases), or a backend named in quotes in the test's own code."""
+    among the cases), a backend named in quotes in the test's own code, or a helper named for one (``_nvjpeg(``)."""
     words = set(item.path.stem.split("_"))
     params = getattr(getattr(item, "callspec", None), "params", {})
     values = {v for v in params.values() if isinstance(v, str)}
@@ -36,7 +36,12 @@ def _backends_of(item) -> set[str]:
     return {
         b
         for b in BACKEND_MARKS
-        if b in words or b in values or f'"{b}"' in code or f"'{b}'" in code or f'backend="{b}' in code
+        if b in words
+        or b in values
+        or f'"{b}"' in code
+        or f"'{b}'" in code
+        or f'backend="{b}' in code
+        or f"_{b}(" in code  # a helper that builds one: test_cpu_stream.py's _nvjpeg(...)
     }
 
 
