@@ -73,7 +73,7 @@ class NvjpegFeed(Feed, torch.utils.data.Dataset):
 
     def remake(self, keys: list[tuple[int, int]]) -> Work:
         """A batch's samples (of one epoch) read, judged and planned."""
-        return self.work(keys[0][0], [key[1] for key in keys]) if len(keys) else Work(0, [])
+        return self.work(keys[0][0] if len(keys) else 0, [key[1] for key in keys])
 
     def crops(self, work: Work, heights: np.ndarray, widths: np.ndarray, orientation: np.ndarray) -> None:
         work.boxes = self.boxes(work, heights, widths)
