@@ -426,7 +426,8 @@ class BlackHole:
 
 class CountingProxy:
     """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (an S3 server) that counts, per request ``(method,
-    path)``, the requests and the body bytes answered: what a store is asked, seen from the server's side. A GET of a
+    path)``, the requests and the body bytes answered (``log``: each in order, with its Range): what a store is asked,
+    seen from the server's side. A GET of a
     path in ``stall`` answers half its body, sets ``stalled`` and waits for ``release`` (a fetch cut mid-way)."""
 
     def __init__(self, upstream: str):
@@ -439,6 +440,7 @@ class CountingProxy:
         host, port = urlsplit(upstream).hostname, urlsplit(upstream).port
         self.requests: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
+        self.log: list[tuple[str, str, str | None, int]] = []  # (method, path, Range, bytes answered), in order
         self.stall: set[str] = set()
         self.stalled, self.release = threading.Event(), threading.Event()
         proxy = self
@@ -459,6 +461,7 @@ class CountingProxy:
                 path = self.path.split("?")[0]
                 proxy.requests[self.command, path] += 1
                 proxy.bytes[self.command, path] += len(data)
+                proxy.log.append((self.command, path, self.headers.get("Range"), len(data)))
                 self.send_response(answer.status)
                 for k, v in answer.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

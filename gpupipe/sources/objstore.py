@@ -15,6 +15,7 @@ turned off unless ``storage_options`` set them), so the time to give up is known
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import threading
@@ -27,6 +28,8 @@ from typing import Any, TypeVar, cast
 from .._deps import require
 from ..errors import StorageError
 from .cache import parse_limit
+
+_log = logging.getLogger(__name__)  # each retry, at DEBUG: what failed and how often
 
 _T = TypeVar("_T")
 
@@ -128,6 +131,7 @@ class Store:
                 if permanent is not None:
                     raise permanent from None
                 last = e
+                _log.debug("retry %s: attempt %d failed (%s)", url, attempt + 1, _cause(e))
             if not self._wait(attempt, clock):
                 raise clock.missed(url, attempt + 1, last)
         raise self._gave_up(url, clock.started, last)
@@ -167,6 +171,7 @@ class Store:
                 if out[k] is None:
                     retry.append(k)
                     last = cast(Exception, r)
+                    _log.debug("retry %s: attempt %d failed (%s)", urls[k], attempt + 1, _cause(last))
             pending = retry
             if not pending:
                 break
