@@ -163,10 +163,9 @@ class Feed:
         work.labels = self._targets[work.index]  # here, not on the training thread
         chunks: list[bytes] = []
         judged: list[Judged] = []
-        plans = self.recipe.plans(self.train, self.seed, [(epoch, i) for i in indices])  # for Pillow's samples
         read = self.dataset.read_many(work.indices)  # together: object storage serves a batch in few requests
-        for pos, (i, plan, data) in enumerate(zip(work.indices, plans, read, strict=True)):
-            entry = self._sample(work, pos, i, plan, data)
+        for pos, (i, data) in enumerate(zip(work.indices, read, strict=True)):
+            entry = self._sample(work, pos, i, data)
             if entry is not None:
                 work.gpu.append(pos)
                 chunks.append(data)  # bytes: the sample was read
@@ -204,7 +203,7 @@ class Feed:
             decode_on_cpu(self.check, size, work, pos, self.dataset.samples[i][0], data, plan, refused)
         work.narrow([k for k, pos in enumerate(work.gpu) if pos not in set(positions)])
 
-    def _sample(self, work: Work, pos: int, i: int, plan: Callable, data: bytes | Exception) -> Judged | None:
+    def _sample(self, work: Work, pos: int, i: int, data: bytes | Exception) -> Judged | None:
         """The sample judged, for the GPU; None: it failed (in ``work.errors``) or Pillow decoded it."""
         path = self.dataset.samples[i][0]
         if isinstance(data, OSError):
@@ -223,6 +222,7 @@ class Feed:
                 work.errors.append((path, e.reason))
                 return None
         if not entry.takes:
+            plan = self.recipe.plan(self.train, self.seed, work.epoch, i)  # drawn here only: the GPU's are batched
             decode_on_cpu(self.check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
             return None
         return entry
