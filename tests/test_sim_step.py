@@ -80,7 +80,11 @@ def test_the_probe_times_the_training_thread_idle_and_beside_the_loaders_work_in
         threading.Thread(target=crowd, daemon=True).start()
         running.wait()
 
-    alone, loaded = sim_step.time_probe(n, 3, crowding, settle=0.25)
-    assert loaded > 1.3 * alone
-    alone, loaded = sim_step.time_probe(n, 3, lambda: None, settle=0.01)
-    assert loaded < 1.3 * alone
+    def ratios(take, settle):
+        """loaded / alone, for up to 3 tries of 5 pairs (a busy machine only adds noise to one try)."""
+        for _ in range(3):
+            alone, loaded = sim_step.time_probe(n, 5, take, settle=settle)
+            yield loaded / alone
+
+    assert any(r > 1.3 for r in ratios(crowding, 0.25))  # two threads share the GIL: about 2x
+    assert any(r < 1.3 for r in ratios(lambda: None, 0.01))
