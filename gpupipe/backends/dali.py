@@ -217,7 +217,8 @@ class DaliLoader(Loader):
             self._feed = FileStream(table, self.recipe, self.train, self.seed, _helpers(self.parts.workers))
         if self._feed is None:
             feed = DaliFeed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
-            self._feed = FeedStream(feed, _helpers(self.parts.workers), nicer=self.device.type != "cpu")
+            nicer = self.device.type != "cpu"
+            self._feed = FeedStream(feed, _helpers(self.parts.workers), nicer=nicer, cpu=self.thread_cpu)
         return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:

@@ -136,23 +136,27 @@ class Driver:
     hold once the pipeline is built (one ``external_source`` per name, fed only here, numpy arrays in). Where the C++
     object is not there as expected (another DALI), the wrapper's public calls are used."""
 
-    _CALLS = ("SetExternalTLInput", "Run", "ShareOutputs", "ReleaseOutputs")
+    _CALLS = ("SetExternalTLInput", "SetExternalTensorInput", "Run", "ShareOutputs", "ReleaseOutputs")
 
     def __init__(self, pipe):
         from nvidia.dali import types
-        from nvidia.dali.backend import TensorListCPU
+        from nvidia.dali.backend import TensorCPU, TensorListCPU
 
         self.pipe = pipe
         handle = getattr(pipe, "_pipe", None)
         self.direct = handle if all(callable(getattr(handle, c, None)) for c in self._CALLS) else None
-        self._as_list = TensorListCPU
+        self._as_list, self._as_sample = TensorListCPU, TensorCPU
         self._stream_ptr = types._raw_cuda_stream_ptr if self.direct is not None else None
 
     def feed(self, name: str, data) -> None:
         """One batch of input ``name``: a numpy array whose first axis is the batch, a ``TensorListCPU``, or a list of
-        samples (kept alive by the caller until its batch is fetched: the pipeline's inputs are ``no_copy``)."""
-        if self.direct is None or isinstance(data, list):
+        samples, numpy arrays or ``TensorCPU``\ s (kept alive by the caller until its batch is fetched: the
+        pipeline's inputs are ``no_copy``, so DALI reads each sample where it is, as it reads a dense batch)."""
+        if self.direct is None:
             self.pipe.feed_input(name, data)
+        elif isinstance(data, list):
+            samples = [x if isinstance(x, self._as_sample) else self._as_sample(x, "") for x in data]
+            self.direct.SetExternalTensorInput(name, samples, None, False)
         else:
             listed = data if isinstance(data, self._as_list) else self._as_list(data, "")
             self.direct.SetExternalTLInput(name, listed, None, False)

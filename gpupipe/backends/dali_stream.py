@@ -59,8 +59,9 @@ class FeedStream:
     pin-memory thread does: receiving one (a pipe read, unpickling, mapping its shared memory) is no work for the
     training thread. With no workers, works are made when asked, on the caller's thread."""
 
-    def __init__(self, feed: DaliFeed, workers: int, nicer: bool = True):
+    def __init__(self, feed: DaliFeed, workers: int, nicer: bool = True, cpu: list[float] | None = None):
         self.feed = feed
+        self._cpu = cpu if cpu is not None else [0.0]  # the receiving thread's CPU seconds (it shares the interpreter)
         self._requests = _Requests()
         extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
         if workers > 0:
@@ -84,7 +85,7 @@ class FeedStream:
         self._source = None
         self._requests.plan = requests
         it = start_workers(self._loader)
-        self._source = _Receiver(it, self.feed.gate) if self._loader.num_workers > 0 else it
+        self._source = _Receiver(it, self.feed.gate, self._cpu) if self._loader.num_workers > 0 else it
 
     @property
     def gate(self) -> Gate:
@@ -127,13 +128,13 @@ class _Receiver:
     _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
     _exit_hook = False
 
-    def __init__(self, it: Iterator[Work], gate: Gate, depth: int = 1):
+    def __init__(self, it: Iterator[Work], gate: Gate, cpu: list[float], depth: int = 1):
         self._gate = gate
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
         self._ended = False
         self._thread = threading.Thread(
-            target=_receive, args=(it, self._queue, self._stop), daemon=True, name="gpupipe-dali-feed"
+            target=_receive, args=(it, self._queue, self._stop, cpu), daemon=True, name="gpupipe-dali-feed"
         )
         self._thread.start()
         weakref.finalize(self, _abandon, self._stop, gate)
@@ -178,12 +179,16 @@ def _abandon(stop: threading.Event, gate: Gate) -> None:
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
 
 
-def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event) -> None:
+def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event, cpu: list[float]) -> None:
+    """The thread's loop; its CPU seconds (receiving and preparing each work, not waiting) are added to ``cpu[0]``."""
     try:
+        began = time.thread_time()
         for work in it:
             work.prepare()
+            cpu[0] += time.thread_time() - began
             if not put_unless_stopped(out, work, stop):
                 return
+            began = time.thread_time()
         put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the caller's next get() raises it
         put_unless_stopped(out, _Failed(e), stop)

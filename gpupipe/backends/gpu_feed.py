@@ -66,7 +66,7 @@ class Work:
     index: np.ndarray | None = None  # int64 (len(indices),): ``indices`` as an array, made in the worker
     labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
-    listed: Any = None  # the samples as one DALI TensorListCPU, made on the feed's thread (see ``prepare``)
+    listed: Any = None  # the samples as DALI TensorCPUs over their bytes (no copy), made on the feed's thread
     # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (n, L), each GPU
     # sample's path, then what follows it in the path table (its length is the last column of ``rows``)
     paths: np.ndarray | None = None
@@ -95,7 +95,7 @@ class Work:
         self.gpu = [self.gpu[k] for k in chosen]
 
     def batch(self) -> Any:
-        """What DALI is fed: one (n, L) array when the feed padded the batch, else the samples as the TensorListCPU
+        """What DALI is fed: one (n, L) array when the feed padded the batch, else the samples as the TensorCPUs
         :meth:`prepare` made (no per-sample work on the training thread either way), else one view per sample."""
         if self.data is None and self.encoded is not None and self.encoded.dim() == 2:
             return self.encoded.numpy()
@@ -104,13 +104,14 @@ class Work:
         return self.samples()
 
     def prepare(self) -> None:
-        """On the feed's thread: the samples of a batch the feed could not pad as one DALI TensorListCPU (a copy),
-        which DALI takes as it is. Given as a list, DALI converts each sample on the thread that feeds it, which cost
-        the training thread more than the rest of its part did (bench/README.md: figures behind the code)."""
+        """On the feed's thread: the samples of a batch the feed could not pad as DALI TensorCPUs over their bytes
+        where the worker put them (no copy; the pipeline's inputs are ``no_copy``, and this work holds the buffer
+        until its batch is fetched). A ``TensorListCPU`` made from the list copies every byte with the GIL held
+        (about 7 ms a 256-batch: bench/README.md), in the training process."""
         if self.encoded is not None and self.encoded.dim() == 1 and self.data is None:
-            from nvidia.dali.tensors import TensorListCPU  # defer: this module is imported without DALI too
+            from nvidia.dali.tensors import TensorCPU  # defer: this module is imported without DALI too
 
-            self.listed = TensorListCPU(self.samples(), "")
+            self.listed = [TensorCPU(view, "") for view in self.samples()]
 
     def own(self, pinned: bool = False) -> Work:
         """As taken off the stream (:mod:`.cpu_stream`): the decode thread reads the bytes where the worker put them."""
