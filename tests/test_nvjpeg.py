@@ -5,6 +5,7 @@ import gc
 import multiprocessing
 import os
 import threading
+import time
 import types
 import warnings
 
@@ -362,13 +363,13 @@ def _recording(folder, **kw) -> _RecordingNvjpegLoader:
 def test_the_decode_runs_off_the_training_thread(folder):
     """torchvision's nvJPEG decode runs its Huffman pass on the calling thread (21 ms a 256-batch on an H100's host):
     called from ``next()``, it was the training thread's. The decode runs on the loader's decode thread, the batches
-    are what decoding on the training thread gives (the same calls, in turn, ``_batch``), and the thread ends with the
-    pass."""
+    are what decoding on the training thread gives (the same calls, in turn, ``_batch``), and the thread ends when
+    told (it holds the next epoch's first batch, decoded)."""
     loader = _recording(folder)
     got = list(loader)
     assert len(got) == len(loader) and loader.decoded_on
     assert threading.get_ident() not in loader.decoded_on
-    loader._ahead._thread.join(timeout=10)
+    loader._ahead.join(timeout=10)
     assert not loader._ahead._thread.is_alive()
     reference = _recording(folder)
     data = reference._data
@@ -376,6 +377,35 @@ def test_the_decode_runs_off_the_training_thread(folder):
         work = data.remake(keys)
         batch = reference._batch(0, work, reference.decoder())
         assert torch.equal(x, batch.images) and torch.equal(y, batch.labels)
+
+
+def _decodes(loader, count: int) -> int:
+    """The loader's decode calls once its thread made ``count`` (or after 10 s)."""
+    deadline = time.monotonic() + 10
+    while len(loader.decoded_on) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(loader.decoded_on)
+
+
+@pytest.mark.parametrize("left", [0, 1])
+def test_the_next_epochs_first_batch_is_decoded_while_this_pass_ends(folder, left):
+    """The decode thread runs on past a pass's last batch into the next epoch's first one (its workers read it ahead),
+    also after a pass left ``left`` batches short (an accumulation's remainder): the next pass starts with it decoded,
+    no decode of its own, and its batches are a fresh loader's."""
+    loader = _recording(folder)
+    count = len(loader)
+    first = iter(loader)
+    for _ in range(count - left):
+        next(first)
+    assert _decodes(loader, count + 1) == count + 1  # the pass's, and epoch 1's first
+    loader.set_epoch(1)
+    got = list(loader)
+    assert _decodes(loader, 2 * count + 2) == 2 * count + 1  # epoch 1's first not decoded again (+ epoch 2's first)
+    fresh = _recording(folder)
+    fresh.set_epoch(1)
+    want = list(fresh)
+    assert len(got) == len(want) == count
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
 
 
 def test_a_pass_left_early_then_the_next_epoch_whole(folder):

@@ -200,6 +200,7 @@ class Stream:
     ):
         self._dataloader, self.plan, self.gate, self._remake, self._pinned = dataloader, plan, gate, remake, pinned
         self._it: Iterator | None = None  # the DataLoader's one iteration (again only after a failure)
+        self._peeked: tuple[Task, Made] | None = None  # the next epoch's first batch, taken before its pass (peek)
 
     def __del__(self) -> None:
         self.gate.close()  # before the iterator ends the workers: one waiting on the gate lets go at once
@@ -213,12 +214,13 @@ class Stream:
         self.gate.deliver(epoch)
         if self._it is not None and self._dataloader.num_workers and not self._dataloader.persistent_workers:
             self._broken()  # workers a pass, as asked (persistent_workers=False): this pass starts new ones
-        live = [t for t in plan.sent if t.seq >= self.gate.wanted()]
+        live = [t for t in self._queued() if t.seq >= self.gate.wanted()]
         first = next((k for k, t in enumerate(live) if (t.epoch, t.batch) == (epoch, start)), None)
         if self._it is not None and first is not None and self._on_course(live[first:], epoch, start, batches):
             self.gate.want_from(live[first].seq)
         else:
             self.gate.want_from(plan.seq)  # everything dispatched so far is skipped
+            self._peeked = None
             plan.go_to(epoch, start)
         if self._it is None:
             plan.sent.clear()
@@ -239,6 +241,21 @@ class Stream:
                 return False
         return self.plan.follows(epoch)
 
+    def _queued(self) -> list[Task]:
+        """The tasks dispatched and not yet taken by a pass, in order (a peeked one first)."""
+        return ([self._peeked[0]] if self._peeked is not None else []) + list(self.plan.sent)
+
+    def peek(self, epoch: int) -> Made | None:
+        """Batch 0 of ``epoch`` (the next one), taken now, before its pass begins, when the workers were sent it: the
+        same object is then the first that pass takes, if it starts there (else it is dropped). Its files are checked
+        when the pass takes it, as any read-ahead batch's. None when it was not sent yet (nothing waits here for the
+        gate) or the stream heads elsewhere."""
+        live = [t for t in self.plan.sent if t.seq >= self.gate.wanted()]
+        if self._it is None or self._peeked is not None or not live or (live[0].epoch, live[0].batch) != (epoch, 0):
+            return None
+        self._peeked = self._next()
+        return self._peeked[1]
+
     def take(self, count: int) -> Iterator[Made]:
         """The pass's ``count`` batches, in order, each in this process's own memory."""
         for _ in range(count):
@@ -252,6 +269,10 @@ class Stream:
 
     def _next(self) -> tuple[Task, Made]:
         """The next wanted task and its batch; those before it are dropped as they arrive."""
+        if self._peeked is not None:
+            peeked, self._peeked = self._peeked, None
+            if peeked[0].seq >= self.gate.wanted():
+                return peeked
         assert self._it is not None  # begin() first
         while True:
             try:
@@ -268,6 +289,7 @@ class Stream:
         """The DataLoader's iterator failed (a worker died; an interrupt), or is not to outlive its pass: the next pass
         iterates the DataLoader again (what it had dispatched is skipped)."""
         self.gate.want_from(self.plan.seq)
+        self._peeked = None
         self._end()
 
     def _end(self) -> None:

@@ -150,7 +150,7 @@ class Driver:
 
     def feed(self, name: str, data) -> None:
         """One batch of input ``name``: a numpy array whose first axis is the batch, a ``TensorListCPU``, or a list of
-        samples, numpy arrays or ``TensorCPU``\ s (kept alive by the caller until its batch is fetched: the
+        samples, numpy arrays or ``TensorCPU`` objects (kept alive by the caller until its batch is fetched: the
         pipeline's inputs are ``no_copy``, so DALI reads each sample where it is, as it reads a dense batch)."""
         if self.direct is None:
             self.pipe.feed_input(name, data)

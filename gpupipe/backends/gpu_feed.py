@@ -106,8 +106,8 @@ class Work:
     def prepare(self) -> None:
         """On the feed's thread: the samples of a batch the feed could not pad as DALI TensorCPUs over their bytes
         where the worker put them (no copy; the pipeline's inputs are ``no_copy``, and this work holds the buffer
-        until its batch is fetched). A ``TensorListCPU`` made from the list copies every byte with the GIL held
-        (about 7 ms a 256-batch: bench/README.md), in the training process."""
+        until its batch is fetched). A ``TensorListCPU`` made from the list copies every byte with the GIL held, in
+        the training process (bench/README.md: figures behind the code)."""
         if self.encoded is not None and self.encoded.dim() == 1 and self.data is None:
             from nvidia.dali.tensors import TensorCPU  # defer: this module is imported without DALI too
 

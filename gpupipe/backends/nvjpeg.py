@@ -13,6 +13,7 @@ worker, or on the decode thread), counted as a fallback."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -179,6 +180,9 @@ def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode
     return decode
 
 
+_LEFT_OVER = 2  # batches a pass may leave (an accumulation's remainder) and the next still goes on from the last's
+
+
 class NvjpegLoader(StreamedLoader):
     backend = "nvjpeg"
     decode_devices: tuple[str, ...] = ("cuda",)  # the host-budget benchmark adds the meta device, with a stand-in
@@ -191,6 +195,8 @@ class NvjpegLoader(StreamedLoader):
         self._data = NvjpegFeed(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
         self._pad = PadSize()  # one padded size for every batch once the largest images were seen
+        self._left: tuple[int, int] | None = None  # the last pass's epoch and how many of its batches it left
+        self._early: _Decoded | None = None  # the next epoch's first batch, decoded by the last pass's thread
 
     def decoder(self) -> Decode:
         return decoder_on_stream(self.stage.device, torch.cuda.Stream(self.stage.device))
@@ -201,11 +207,48 @@ class NvjpegLoader(StreamedLoader):
         return self._streaming(self._data, _as_made, self._data.remake, nicer=True, pin_memory=False)
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        """The pass's batches, decoded on the loader's decode thread one batch ahead. The thread runs on past the
+        pass's last batch into the next epoch's first (read ahead by the workers, :meth:`.cpu_stream.Stream.peek`), so
+        the next pass, when it starts there, finds it decoded (:meth:`_hand_over`), also after a pass left a few
+        batches short of its end: no epoch starts cold."""
         decode = self._decode = self._decode or self.decoder()
+        count = len(self._batches(epoch, start_batch))  # the last pass's thread handed over (see _hand_over)
+        early, self._early = self._early, None
         works: Iterator[Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
-        self._ahead = DecodeAhead(works, lambda w: self._decoded(w, decode), self.device, _tensors, cpu=self.thread_cpu)
-        for decoded in self._ahead:  # decoded on the decode thread, one batch ahead
-            yield self._cropped(epoch, decoded)
+
+        def decoded(work: Work) -> _Decoded:
+            return early if early is not None and work is early.work else self._decoded(work, decode)
+
+        ahead = self._ahead = DecodeAhead(
+            itertools.chain(works, self._peeked(epoch + 1)), decoded, self.device, _tensors, cpu=self.thread_cpu
+        )
+        self._left = (epoch, count)  # the batches of ``epoch`` the thread makes that this pass has not taken
+        for batch in ahead.take(count, keep=True):  # left early, the thread goes on (the next pass may drop the rest)
+            self._left = (epoch, self._left[1] - 1)
+            yield self._cropped(epoch, batch)
+
+    def _peeked(self, epoch: int) -> Iterator[Work]:
+        """On the decode thread, once the pass's works are taken: batch 0 of ``epoch``, if the workers were sent it."""
+        work = self._stream().peek(epoch)
+        if work is not None:
+            yield work  # type: ignore[misc]  # the workers' Work
+
+    def _hand_over(self) -> None:
+        """Before the last pass's thread is joined: the next epoch's first batch it decoded, kept for the next pass."""
+        self._early = self._early or self._decoded_early()
+        super()._hand_over()
+
+    def _decoded_early(self) -> _Decoded | None:
+        """Batch 0 of the epoch after the last pass's, as that pass's thread decoded it, when the pass left at most
+        ``_LEFT_OVER`` of its batches (dropped here). A pass uses it if the stream hands it the same work (it starts at
+        that batch, whose files did not change since)."""
+        ahead, left, self._left = self._ahead, self._left, None
+        if ahead is None or left is None or left[1] > _LEFT_OVER:
+            return None
+        for decoded in ahead.take(left[1] + 1, keep=True):
+            if decoded.work.epoch == left[0] + 1:
+                return decoded
+        return None
 
     def _batch(self, epoch: int, work: Work, decode: Decode) -> Batch:
         """A worker's batch decoded and cropped on this thread (what the decode thread and this one do in turn)."""

@@ -82,20 +82,36 @@ class DecodeAhead(Generic[W, R]):
     def __iter__(self) -> Iterator[R]:
         """The results in order; an iteration left early (a pass left early, closed or dropped) closes the thread."""
         try:
-            while True:
-                item = self._next()
-                if item is _END:
-                    return
-                if isinstance(item, _Failed):
-                    raise item.error
-                if item.ready is not None:
-                    current = torch.cuda.current_stream(self.device)
-                    current.wait_event(item.ready)
-                    for t in self._tensors(item.result):
-                        t.record_stream(current)
-                yield item.result
+            while (result := self._result()) is not _END:
+                yield result
         finally:
             self.close()  # what it made ahead is dropped
+
+    def take(self, count: int, keep: bool = False) -> Iterator[R]:
+        """The next ``count`` results (fewer if the works end first); the thread goes on, and what it makes next is
+        kept for a later call. Left early, the thread is closed, unless ``keep`` (a later call takes on from there)."""
+        taken = 0
+        try:
+            while taken < count and (result := self._result()) is not _END:
+                taken += 1
+                yield result
+        finally:
+            if taken < count and not keep:
+                self.close()
+
+    def _result(self) -> Any:
+        """The next result, ready for the current stream (which waits for its event on the GPU), or ``_END``."""
+        item = self._next()
+        if item is _END:
+            return _END
+        if isinstance(item, _Failed):
+            raise item.error
+        if item.ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(item.ready)
+            for t in self._tensors(item.result):
+                t.record_stream(current)
+        return item.result
 
     def _next(self) -> Any:
         """The next item the thread put; an error if it ended without one (told to stop: iterated after close)."""
