@@ -4,8 +4,12 @@ thread), the buffer then handed back to the worker."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from gpupipe.backends import handover
 from gpupipe.backends.cpu import _Collate, _SampleDataset
@@ -101,3 +105,39 @@ def test_host_blocks_reuse_only_what_no_one_holds():
     assert c.data_ptr() != pa  # b holds that block
     d = blocks.take((2, 2), torch.uint8)  # another size, no room, every block held: a new block, not kept
     assert {d.data_ptr()} & {b.data_ptr(), c.data_ptr()} == set()
+
+
+def test_a_gpu_feeds_worker_reuses_its_buffers_for_batches_of_changing_size(tmp_path):
+    """A GPU feed's batch of encoded files (its byte count changes with every batch) is written into one of its
+    worker's shared-memory buffers with room for it, which the worker writes again once the main process has dropped
+    the batch: a few buffers for many batches (a new one each made the worker fault in every page, and the training
+    process map and unmap it), and the bytes are those read in this process."""
+    from gpupipe.backends.dali_feed import DaliFeed, Request
+    from gpupipe.backends.dali_stream import _as_is
+    from gpupipe.plumbing.workers import worker_init  # batches sent by name, as the feed's workers send them
+
+    rng = np.random.default_rng(0)
+    for i in range(24):  # noisy photos, one in six many times the others' bytes
+        (tmp_path / "d" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        side = 160 if i % 6 == 0 else 24 + i
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
+            tmp_path / "d" / f"c{i % 2}" / f"{i}.jpg"
+        )
+    feed = DaliFeed(open_source(tmp_path / "d"), Recipe(SIZE), True, 0, 10**8)
+    large = [k for k, (path, _) in enumerate(feed.dataset.samples) if os.path.getsize(path) > 10_000]
+    small = [k for k in range(24) if k not in large]
+    # batches of 5 small ones (padded: the bytes as rows) and of a large one among 5 small (not padded: one after the
+    # other), in turn
+    requests = [Request(e, small[:5] if e % 2 else [large[e % 4], *small[5:10]], 0) for e in range(16)]
+    dl = torch.utils.data.DataLoader(
+        feed, batch_size=None, sampler=requests, collate_fn=_as_is, num_workers=1, worker_init_fn=worker_init
+    )
+    names, padded = set(), set()
+    for request, work in zip(requests, dl, strict=True):
+        assert work.lease is not None  # in a worker's buffer
+        names.add(work.encoded.untyped_storage()._share_filename_cpu_()[1])
+        padded.add(work.encoded.dim())
+        alone = feed[request]  # made here: ordinary memory
+        assert all(bytes(a) == bytes(b) for a, b in zip(work.samples(), alone.samples(), strict=True))
+        del work  # handed back
+    assert padded == {1, 2} and len(names) <= 4 < len(requests)

@@ -31,6 +31,7 @@ from .._files import Stamp
 from ..errors import DecodeError
 from ..image import ARITHMETIC_SOF, HeaderCheck, ends_whole, header_entry, is_jpeg, jpeg_sof, pixel_limit_reason
 from ..recipe import Recipe
+from .handover import arrived, handed, lent
 from .pillow import PillowDecoder
 
 _PAD_RATIO = 4.0  # padded rows cost at most this many times the bytes themselves
@@ -70,6 +71,18 @@ class Work:
     # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (n, L), each GPU
     # sample's path, then what follows it in the path table (its length is the last column of ``rows``)
     paths: np.ndarray | None = None
+    # in the main process: the worker's buffer that holds ``encoded``, handed back to it when given back (or dropped)
+    lease: Any = None
+
+    def __getstate__(self) -> dict:
+        if self.encoded is not None:
+            handed(self.encoded)  # in a worker, as the work is sent: its buffer is on its way
+        return self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.encoded is not None:
+            self.lease = arrived(self.encoded)  # the worker reuses the buffer once the work is done with (dropped)
 
     def samples(self) -> list[np.ndarray]:
         """Each GPU sample's bytes, as views (no copy)."""
@@ -244,17 +257,21 @@ class Feed:
 
 
 def _encoded(chunks: list[bytes], lengths: np.ndarray, pad: bool) -> torch.Tensor:
-    """The batch's bytes as one tensor. All JPEGs, and padding costs under half the bytes: an (n, L) array, each row
-    a file followed by zeros (JPEG decoders stop at the end-of-image marker), which DALI takes as one dense batch
-    with no per-sample work on the training thread. Otherwise the files one after the other (1-D)."""
-    longest = int(lengths.max())
-    if pad and all(is_jpeg(c) for c in chunks) and longest * len(chunks) <= _PAD_RATIO * lengths.sum():
-        out = torch.zeros(len(chunks), longest, dtype=torch.uint8)
+    """The batch's bytes as one tensor, in a buffer the worker reuses (:func:`.handover.lent`: no new shared memory
+    and no page faults each batch). All JPEGs, and padding costs under half the bytes: an (n, L) array, each row a
+    file followed by zeros (JPEG decoders stop at the end-of-image marker), which DALI takes as one dense batch with
+    no per-sample work on the training thread. Otherwise the files one after the other (1-D)."""
+    longest, n = int(lengths.max()), len(chunks)
+    if pad and all(is_jpeg(c) for c in chunks) and longest * n <= _PAD_RATIO * lengths.sum():
+        out = lent(n * longest).view(n, longest)
         rows = out.numpy()
         for k, c in enumerate(chunks):
             rows[k, : len(c)] = np.frombuffer(c, np.uint8)
+            rows[k, len(c) :] = 0  # the buffer held an earlier batch
         return out
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    out = lent(int(lengths.sum()))
+    np.concatenate([np.frombuffer(c, np.uint8) for c in chunks], out=out.numpy())
+    return out
 
 
 def eval_rows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""How a CPU decode worker hands a batch to the main process: written once into a shared-memory buffer that the worker
-reuses, the labels and keys as bytes in the message.
+"""How a decode worker hands a batch to the main process: written once into a shared-memory buffer that the worker
+reuses, the labels and keys as bytes in the message. A CPU decoder's images (:func:`buffer`, :class:`WireBatch`), and
+a GPU feed's encoded files, whose byte count changes each batch (:func:`lent`, :func:`arrived`).
 
 A fresh shared-memory buffer costs a page fault per 4 KiB on its first write (about as much as resizing the images
 into it: bench/README.md), and a tensor handed over from
@@ -34,6 +35,7 @@ from ..data.loader import Batch
 _HEADER = 64  # bytes before the data: [0] free flag (1: the main process is done), [1:9] the magic below, then:
 _SENT, _RECEIVED = 9, 10  # the worker sent it (pickled it); the main process received it
 _MAGIC = np.frombuffer(b"gpupipe!", dtype=np.uint8)
+_ROOM_STEP = 1 << 20  # a roomy buffer's size is a multiple of this
 _POOL_SIZE = 8  # per worker: more than the batches in flight (prefetch_factor per worker, the one being read)
 _pool: list[torch.Tensor] = []  # this worker's buffers (flat uint8, header included)
 # main process: the latest buffers stay mapped, so a reused one arrives without mmap and page faults (bounded: a
@@ -52,13 +54,26 @@ def buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return flat[_HEADER:].view(dtype).view(shape)
 
 
-def _free_buffer(nbytes: int) -> torch.Tensor:
+def lent(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uninitialised uint8 bytes, for a count that changes from batch to batch (a GPU feed's encoded files):
+    in a DataLoader worker, in one of the worker's shared-memory buffers with room for them (one at most twice their
+    size; a new one is made a quarter larger), handed over without a copy and reused once the main process is done
+    with it (:func:`arrived`); in the main process, ordinary memory."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    flat = _free_buffer(nbytes, roomy=True)
+    return flat[_HEADER : _HEADER + nbytes]
+
+
+def _free_buffer(nbytes: int, roomy: bool = False) -> torch.Tensor:
+    """A free buffer of the pool for ``nbytes`` (exactly that size; with ``roomy``, room for them), else a new one."""
     for flat in _pool:
-        head = flat.numpy()
-        if head[0] == 1 and flat.numel() == _HEADER + nbytes:
+        head, room = flat.numpy(), flat.numel() - _HEADER
+        if head[0] == 1 and (room == nbytes or (roomy and nbytes <= room <= 2 * nbytes + _ROOM_STEP)):
             head[0] = head[_SENT] = head[_RECEIVED] = 0
             return flat
-    flat = _new_buffer(_HEADER + nbytes)
+    made = _ROOM_STEP * math.ceil(1.25 * nbytes / _ROOM_STEP) if roomy else nbytes
+    flat = _new_buffer(_HEADER + made)
     flat.numpy()[:_HEADER] = np.concatenate([[0], _MAGIC, np.zeros(_HEADER - 1 - len(_MAGIC), np.uint8)])
     if not _pool:
         Finalize(None, _leave, exitpriority=0)  # run as the worker's process ends (multiprocessing's exit function)
@@ -111,9 +126,7 @@ class WireBatch(Batch):
     would cost a shared-memory file and a file-descriptor round trip each)."""
 
     def __reduce__(self):
-        flat = _header(self.images)
-        if flat is not None:
-            flat.numpy()[_SENT] = 1
+        handed(self.images)
         keys = None if self.keys is None else self.keys.numpy()
         labels = self.labels.numpy()
         return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
@@ -124,14 +137,28 @@ def arrive(
 ) -> Batch:
     """The batch in the main process, its images still in the worker's buffer: ``Batch.own`` (or ``pin_memory``)
     copies them out and hands the buffer back, ``Batch.drop`` hands it back uncopied."""
-    flat = _header(images)
-    if flat is not None:
-        flat.numpy()[_RECEIVED] = 1
-        _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
     batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure, stamps=stamps)
-    batch.lease = None if flat is None else _Lease(flat)
+    batch.lease = arrived(images)
     return batch
+
+
+def handed(data: torch.Tensor) -> None:
+    """In a worker, as a message holding ``data`` is pickled: its buffer (if one of the pool's) was sent."""
+    flat = _header(data)
+    if flat is not None:
+        flat.numpy()[_SENT] = 1
+
+
+def arrived(data: torch.Tensor) -> _Lease | None:
+    """In the main process, as a message holding ``data`` is unpickled: the lease of its worker's buffer (None if it
+    is in no such buffer), which hands the buffer back once given back or dropped."""
+    flat = _header(data)
+    if flat is None:
+        return None
+    flat.numpy()[_RECEIVED] = 1
+    _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
+    return _Lease(flat)
 
 
 class _Lease:

@@ -262,6 +262,8 @@ class NvjpegLoader(StreamedLoader):
         device = self.stage.device
         cpu = {pos: torch.from_numpy(img).to(device, non_blocking=True) for pos, img in work.cpu.items()}
         work.encoded, work.data, work.cpu = None, None, {}
+        if work.lease is not None:  # nvJPEG has read the bytes: the worker may write its buffer again
+            work.lease.give_back()
         return _Decoded(work, images, work.rois, work.steps, cpu)
 
     def _cropped(self, epoch: int, decoded: _Decoded) -> Batch:
