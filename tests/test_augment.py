@@ -160,7 +160,7 @@ def _timm_draws(config: str, n: int) -> list[tuple[str, tuple]]:
     return seen
 
 
-@pytest.mark.parametrize("config", [RA, "rand-m7-n3-mstd1-p0.7"])
+@pytest.mark.parametrize("config", [RA, pytest.param("rand-m7-n3-mstd1-p0.7", marks=pytest.mark.slow)])
 def test_randaugment_op_choice_and_magnitudes_match_timm(config):
     """Over 20,000 images: each op's frequency within 0.01 of timm's (about 4 standard errors), and its argument's
     distribution within a two-sample Kolmogorov-Smirnov distance of 0.08 of timm's (~1,300 draws per op and side:

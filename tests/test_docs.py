@@ -232,3 +232,44 @@ def test_the_temporary_allow_list_holds_only_figures_still_there():
 def test_the_timing_rule(text, hit):
     m = TIMING.search(text)
     assert (m.group(0).strip() if m else None) == hit
+
+
+# ---- CONTRIBUTING.md's map of the code -----------------------------------------------------------------------------
+
+
+_MAP_NAMES = re.compile(r"((?:[\w.]+(?:/|\.py))(?:, [\w.]+(?:/|\.py))*)(?:\s|$)")
+
+
+def layout_map() -> list[str]:
+    """The paths under gpupipe/ that CONTRIBUTING.md's Layout block names, as written (repeats kept). An entry is a
+    line indented less than 10 spaces that starts with the files (``a.py``) or the folder (``name/``) it is about,
+    several separated by ``, ``; each two spaces of indent are one folder deeper. Deeper lines go on with the entry
+    above (its words name no file)."""
+    text = (ROOT / "CONTRIBUTING.md").read_text().split("## Layout", 1)[1]
+    block = text.split("```", 2)[1]
+    found, folders = [], []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent >= 10:
+            continue
+        depth, names = indent // 2, _MAP_NAMES.match(line.strip())
+        assert names, f"CONTRIBUTING.md's layout: an entry that names no file or folder: {line!r}"
+        for name in names.group(1).split(", "):
+            path = "/".join([*folders[:depth], name])
+            if name.endswith("/"):
+                folders = [*folders[:depth], name.rstrip("/")]
+            if path.startswith("gpupipe/") and path != "gpupipe/":
+                found.append(path)
+    return found
+
+
+def test_the_layout_map_names_every_module_once_and_nothing_else():
+    """Every module under gpupipe/ is on the map (a package's ``__init__.py`` may go unnamed, but gpupipe's own),
+    once, and every file or folder it names exists: a move or a new module updates the map in the same change."""
+    named = layout_map()
+    tree = {str(p.relative_to(ROOT)) for p in (ROOT / "gpupipe").rglob("*.py") if "__pycache__" not in p.parts}
+    faces = {p for p in tree if p.endswith("/__init__.py") and p != "gpupipe/__init__.py"}
+    files = [p for p in named if p.endswith(".py")]
+    assert not [p for p in named if not (ROOT / p).exists()], "the map names what is not there"
+    assert sorted(tree - faces - set(files)) == [], "modules missing from CONTRIBUTING.md's layout"
+    assert [p for p, n in Counter(named).items() if n > 1] == [], "named twice in CONTRIBUTING.md's layout"

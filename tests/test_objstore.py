@@ -65,7 +65,7 @@ def test_a_read_past_its_timeout_is_retried_by_the_store_alone(files):
     assert files.requests == ["/bucket/obj"] * 2  # one request per attempt
 
 
-@pytest.mark.parametrize("scheme", ["s3", "http"])
+@pytest.mark.parametrize("scheme", [pytest.param("s3", marks=pytest.mark.slow), "http"])
 def test_a_client_error_is_not_retried(files, scheme):
     url = _url(files, scheme)
     files.fail(400, BAD)
@@ -74,7 +74,7 @@ def test_a_client_error_is_not_retried(files, scheme):
     assert "unreachable" not in str(e.value) and files.requests == ["/bucket/obj"]
 
 
-@pytest.mark.parametrize("scheme", ["s3", "http"])
+@pytest.mark.parametrize("scheme", [pytest.param("s3", marks=pytest.mark.slow), "http"])
 def test_an_endpoint_that_never_answers_ends_at_the_deadline(scheme):
     """A server that accepts and never answers held a read for ~16 minutes (6 attempts, each through the client's
     own timeouts and retries); the deadline bounds them all, and the error states it."""

@@ -125,7 +125,6 @@ class Loader:
         self.parts = parts
         self.dataset, self.sampler, self.stage, self.recipe = parts.dataset, parts.sampler, parts.stage, parts.recipe
         self.position = parts.sampler.position
-        self._state = LoaderState(parts.sampler, parts.dataset.targets)  # the one owner of what state_dict holds
         self.on_error, self.seed = parts.on_error, parts.seed
         self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
@@ -136,10 +135,12 @@ class Loader:
         # an adaptive policy's hook (augment/adaptive.py): it tags each batch, hears it handed out, keeps its state
         self.adaptive: LoaderHook | None = None
         self._names: dict[str, Any] = {}  # what that policy adds to this loader's API (see __getattr__)
-        self._state_key = ""
+        key = ""
         if adaptive is not None:
             self.adaptive = adaptive.loader_hook(parts.seed, lag_for(self._drawn_ahead(parts)))
-            self._names, self._state_key = adaptive.loader_names(self.adaptive), adaptive.state_key
+            self._names, key = adaptive.loader_names(self.adaptive), adaptive.state_key
+        # the one owner of what state_dict holds, the adaptive policy's part included
+        self._state = LoaderState(parts.sampler, parts.dataset.targets, self.adaptive, key)
         # what the policy recorded of the batch last handed out, one per image (a probe loader's), else empty
         self.records: list = []
 
@@ -186,11 +187,7 @@ class Loader:
         the next epoch (:meth:`position_at`). ``load_state_dict`` resumes there, on a loader built alike or under
         another number of ranks or batch size. With an adaptive policy, also its state (say, its weights and the
         snapshots the next batches draw from), under the policy's ``state_key``."""
-        state = self._state.state_dict()
-        kept = self.adaptive.state_dict() if self.adaptive is not None else {}
-        if kept:
-            state[self._state_key] = kept
-        return state
+        return self._state.state_dict()
 
     def position_at(self, epoch: int, batch: int) -> dict:
         """The state of the position after ``batch`` batches of ``epoch``: ``epoch`` and ``batch`` (this loader's
@@ -204,8 +201,6 @@ class Loader:
         epoch's rest (a :class:`~gpupipe.data.position.ResumeNotice` says so). Another data set, seed or window is
         a ``ValueError`` naming it. A state of only ``{"epoch", "batch"}`` (earlier versions) counts this loader's
         batches: load it with the ranks and batch size it was saved with."""
-        if self.adaptive is not None and self._state_key in state:
-            self.adaptive.load_state_dict(state[self._state_key])
         notice = self._state.load_state_dict(state)
         if notice is not None:
             warnings.warn(notice, ResumeNotice, stacklevel=2)

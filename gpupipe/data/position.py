@@ -19,8 +19,9 @@ The calls frameworks make, in whatever order they make them:
 - ``load_state_dict(state)``: the next pass starts there, including an iterator made but not yet started.
 
 :class:`LoaderState` owns what a loader's ``state_dict`` holds besides the position (the position in samples, the
-layout its epoch's stream follows, what the order depends on) and what loading one does (the order checked, an epoch
-resumed from another layout re-split); the sampler only orders and deals.
+layout its epoch's stream follows, what the order depends on, an adaptive policy's part) and what loading one does
+(the order checked, an epoch resumed from another layout re-split); the loader hands both calls to it, and the
+sampler only orders and deals.
 - ``set_epoch(e)``, the loader's or its sampler's (Lightning calls ``loader.sampler.set_epoch``): when no pass is under
   way and the position is already in epoch ``e`` (just loaded, or where the loader moved on to) it is kept; otherwise
   the next pass is epoch ``e`` from its start.
@@ -136,15 +137,22 @@ class Position:
 
 class LoaderState:
     """A loader's state, saved and loaded: its position (in its own batches and in samples of the epoch's stream, the
-    layout that stream follows) and what its order depends on. ``sampler``: the loader's
+    layout that stream follows), what its order depends on, and an adaptive policy's part. ``sampler``: the loader's
     :class:`~gpupipe.data.sampler.ShardSampler` (its ``position`` is the one this reads and moves); ``targets``: the
-    data set's labels (part of the order's digest)."""
+    data set's labels (part of the order's digest); ``adaptive``: an adaptive policy's hook
+    (:class:`~gpupipe.augment.adaptive.LoaderHook`), whose state is kept under ``key``, or None."""
 
-    def __init__(self, sampler: Any, targets):
+    def __init__(self, sampler: Any, targets, adaptive: Any = None, key: str = ""):
         self.sampler, self.position, self._targets = sampler, sampler.position, targets
+        self._adaptive, self._key = adaptive, key
 
     def state_dict(self) -> dict:
-        return self.at(self.position.epoch, self.position.batch)
+        """The position after the batches delivered (:meth:`at`), with the adaptive policy's state when it keeps one."""
+        state = self.at(self.position.epoch, self.position.batch)
+        kept = self._adaptive.state_dict() if self._adaptive is not None else {}
+        if kept:
+            state[self._key] = kept
+        return state
 
     def at(self, epoch: int, batch: int) -> dict:
         """The state after ``batch`` batches of ``epoch``: ``epoch`` and ``batch`` (this loader's count), ``samples``
@@ -161,6 +169,8 @@ class LoaderState:
 
     def load_state_dict(self, state: dict) -> str | None:
         """Resume at ``state`` (see ``Loader.load_state_dict``); a one-line notice when the global batch differs."""
+        if self._adaptive is not None and self._key in state:
+            self._adaptive.load_state_dict(state[self._key])
         if "samples" not in state:
             self.position.load_state_dict(state)
             return None

@@ -91,7 +91,8 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
         criterion, mix = build_criterion(cfg, num_classes)
 
         # Resume: everything that decides the rest of the run, the loader's position included.
-        meter, changed, data_note = resume_state(cfg, resume, state, train_loader) if resume else (Meter(), [], None)
+        resumed = resume_state(cfg, resume, state, train_loader, dist) if resume else None
+        meter, changed, data_note = resumed or (Meter(), [], None)
         start = train_loader.state_dict()  # epoch 0, batch 0 on a new run
 
         # DDP after the resume: it starts every rank from rank 0's weights. Compile last, around what runs.

@@ -41,16 +41,17 @@ def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> Path | None:
 
 
 def resume_state(
-    cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: Loader
+    cfg: TrainConfig, ckpt_path: Path, state: TrainState, loader: Loader, dist: Distributed
 ) -> tuple[Meter, list[str], str | None]:
     """Restores ``state`` and ``loader`` from the checkpoint; returns the resumed epoch's sums so far, the settings
-    changed since (``check_resumable``) and a notice when files were added or removed since (``on_changed_data``)."""
+    changed since (``check_resumable``) and a notice when files were added or removed since (``on_changed_data``).
+    The ranks are ``dist``'s, as the loader's sampler deals by them."""
     saved = checkpoint.load_for_resume(ckpt_path)
-    world = loader.sampler.world_size  # another number of ranks: the batch and accum it fitted (elastic.py)
+    world = dist.world_size  # another number of ranks: the batch and accum it fitted (elastic.py)
     changed = check_resumable(elastic.as_saved_at(saved.get("config", {}), world), cfg, ckpt_path)
     check_classes(saved.get("classes"), list(loader.dataset.classes), ckpt_path)
     checkpoint.restore(saved, state)  # model, optimizer, scaler, scheduler, EMA, step count, RNG states
-    checkpoint.restore_rank_buffers(saved, state.model, loader.sampler.rank, world)  # DDP: each rank its own
+    checkpoint.restore_rank_buffers(saved, state.model, dist.rank, world)  # DDP: each rank its own
     elastic.continue_schedule(state, saved.get("config", {}), cfg, world)
     position, notice = on_changed_data(saved["loader"], loader, ckpt_path)
     with elastic.quiet_resume_notices():  # fit_world_size's line says it
