@@ -10,7 +10,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._system import usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..errors import DecodeError, TransformError
@@ -158,7 +157,7 @@ class _Collate:
             nchw = batch.images.permute(0, 3, 1, 2) if batch.layout == "NHWC" else batch.images
             out = buffer(tuple(nchw.shape), torch.float32)
             images, batch.layout = batch.images, "NCHW"
-            batch.images = normalize_on_cpu(nchw, *self.normalize, out=out)
+            batch.images, batch.normalized = normalize_on_cpu(nchw, *self.normalize, out=out), True
             release(images)
         return batch
 
@@ -188,15 +187,15 @@ class _Remake:
 class CpuLoader(StreamedLoader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
+    upstream = "workers"  # they can augment and normalise (data/placement.py)
+
     def __init__(self, parts: LoaderParts, decoder: Decoder):
         super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder
-        # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU; and
-        # an adaptive policy that reads the keys of the batches handed out (a probe loader's: small batches), so the
-        # keys reach the device stage.
-        keyed = self.adaptive is not None and self.adaptive.needs_keys
-        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not keyed else None
+        # the workers augment where the placement says so (a CPU device, and no adaptive policy reading the keys of the
+        # batches handed out); else the device stage does, batched
+        in_worker = parts.stage.augment if self.placement.augment == "worker" else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
 
     @staticmethod
@@ -224,32 +223,19 @@ class CpuLoader(StreamedLoader):
     def _open_stream(self) -> Stream:
         """The loader's one stream of batches (persistent workers and one DataLoader iteration outlive epochs; see
         :mod:`.cpu_stream`)."""
-        keyed = self._data.augment is not None and self.snapshots is not None  # the workers draw the policy's
+        keyed = self.placement.augment == "worker" and self.snapshots is not None  # the workers draw the policy's
         collate = self._collate()
         nicer = self.stage.device.type != "cpu"  # where it only launches a device's work
         clock = self.snapshots if keyed else None
         return self._streaming(self._data, collate, _Remake(self._data, collate), nicer, clock)
 
     def _collate(self) -> _Collate:
-        """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
-        idle), and by the workers, in parallel, once they take every core."""
-        workers = self.parts.workers
-        augment = self.stage.augment
-        # what the device stage still does on uint8: the per-sample part the workers left (an adaptive policy's keyed
-        # batches, or a CUDA device) and the batch-wise transforms; then the batch must reach it as uint8
-        per_sample_left = augment is not None and self._data.augment is None
-        stage_augments = per_sample_left or (augment is not None and augment.batch_transforms is not None)
-        in_workers = (
-            self.stage.device.type == "cpu"
-            and self.stage.normalize
-            and workers >= usable_cores()
-            and not stage_augments
-        )
-        return _Collate(
-            self.recipe.side(self.train, 0),  # the size of a batch with no good sample (else the images')
-            (self.stage.mean, self.stage.inv_std) if in_workers else None,
-            keys=per_sample_left,
-        )
+        """The workers' collate, as the placement says: the keys kept where the device stage augments each sample,
+        and the batch normalised there where the workers normalise (on a CPU whose cores they all take; else the
+        main process does it, while it has a core to itself)."""
+        normalize = (self.stage.mean, self.stage.inv_std) if self.placement.normalize == "worker" else None
+        # the size of a batch with no good sample (else the images')
+        return _Collate(self.recipe.side(self.train, 0), normalize, keys=self.placement.keys)
 
 
 def _as_is(batch: Batch) -> Batch:

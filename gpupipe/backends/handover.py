@@ -116,11 +116,20 @@ class WireBatch(Batch):
             flat.numpy()[_SENT] = 1
         keys = None if self.keys is None else self.keys.numpy()
         labels = self.labels.numpy()
-        return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
+        args = (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
+        return arrive, (*args, self.normalized)
 
 
 def arrive(
-    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None, stamps=None
+    images: torch.Tensor,
+    labels: np.ndarray,
+    layout: Layout,
+    errors,
+    fallbacks: int,
+    keys,
+    failure=None,
+    stamps=None,
+    normalized: bool = False,
 ) -> Batch:
     """The batch in the main process, its images still in the worker's buffer: ``Batch.own`` (or ``pin_memory``)
     copies them out and hands the buffer back, ``Batch.drop`` hands it back uncopied."""
@@ -129,7 +138,8 @@ def arrive(
         flat.numpy()[_RECEIVED] = 1
         _mapped.append(flat)  # its mapping stays: the next batch in it arrives without mapping or page faults
     keys_t = None if keys is None else torch.from_numpy(keys)
-    batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure, stamps=stamps)
+    labels_t = torch.from_numpy(labels)
+    batch = Batch(images, labels_t, layout, errors, fallbacks, keys_t, failure, stamps=stamps, normalized=normalized)
     batch.lease = None if flat is None else _Lease(flat)
     return batch
 
