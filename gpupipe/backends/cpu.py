@@ -15,7 +15,7 @@ from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..errors import DecodeError, TransformError
 from ..image import chw_tensor
 from ..plumbing.decode_ahead import DecodeAhead
-from ..recipe import Box, Recipe
+from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .cpu_stream import Gate, Stream, StreamedLoader, Task
 from .handover import WireBatch, buffer, release
@@ -107,7 +107,7 @@ class _SampleDataset(torch.utils.data.Dataset):
             if isinstance(data, Exception):
                 raise data
             plan = plan or self.recipe.plan(self.train, self.seed, epoch, index)
-            fell_back = _crop_into(self.decoder, data, path, plan, out)
+            _, fell_back = self.decoder.crop(data, path, plan, out.shape[0], out)
             if self.augment is not None:
                 chw = torch.as_tensor(out).permute(2, 0, 1)
                 chw.copy_(self.augment.one(chw.clone(), epoch, index, *snapshot))
@@ -120,18 +120,6 @@ class _SampleDataset(torch.utils.data.Dataset):
             return f"cannot read the file ({e.strerror or e})", False
         except Exception as e:  # anything else a decoder raises still names the file in the main process
             return f"{type(e).__name__}: {e}", False
-
-
-def _crop_into(
-    decoder: Decoder, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray | torch.Tensor
-) -> bool:
-    """The decoder's ``crop_into`` when it has one (the built-in decoders), else its ``crop`` and one copy."""
-    crop_into = getattr(decoder, "crop_into", None)
-    if crop_into is not None:
-        return crop_into(data, path, plan, out)
-    image, fell_back = decoder.crop(data, path, plan, out.shape[0])
-    torch.as_tensor(out).copy_(torch.as_tensor(np.asarray(image)).permute(1, 2, 0))
-    return fell_back
 
 
 def _batch_buffer(n: int, size: int) -> torch.Tensor:
@@ -249,7 +237,7 @@ def _none(batch: Batch) -> list[torch.Tensor]:
 def cpu_decoder_spec(
     name: str, summary: str, make_decoder: Callable[[int | None, bool], Decoder], unavailable: Callable[[], str | None]
 ) -> BackendSpec:
-    """The spec of a backend that decodes one image at a time on the CPU (``decode``/``decode_for_crop``/``crop``):
+    """The spec of a backend that decodes one image at a time on the CPU (``decode``/``crop``):
     DataLoader workers run it, and batches go to any device."""
 
     def make_loader(parts: LoaderParts) -> Loader:
@@ -257,7 +245,7 @@ def cpu_decoder_spec(
 
     def read(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
 
-        return chw_tensor(make_decoder(max_pixels, True).decode(data, path)).to(device)
+        return chw_tensor(make_decoder(max_pixels, True).decode(data, path).image).to(device)
 
     return BackendSpec(
         name, summary, ("cpu", "cuda"), unavailable, make_loader, read, make_decoder, DATALOADER_SETTINGS
