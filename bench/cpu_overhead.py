@@ -2,7 +2,7 @@
 
 Three jobs per decoder, each a DataLoader over the same files (shuffled, the train recipe at ``--size``):
 
-- ``floor``: only the decode the train pipeline cannot avoid (``decode_for_crop``), as ``gpupipe bench``'s floor;
+- ``floor``: only the decode the train pipeline cannot avoid (``decode`` with a plan), as ``gpupipe bench``'s floor;
 - ``per-sample``: the path before issue 24, kept here verbatim: one ``__getitem__`` per image (crop, resize into a
   fresh tensor, mirror copy), then a collate that stacks them into a new batch, which the hand-over to the main
   process copies again into shared memory (labels as a second shared tensor);
@@ -58,7 +58,7 @@ def _old_resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
 
 def _old_crop(decoder, data: bytes, path: str, plan, size: int) -> np.ndarray:
     """The crop + resize as it was before issue 24 (gpupipe/image.py crop_resize and resize_box, train boxes)."""
-    img, box, upright_hw, _ = decoder.decode_for_crop(data, path, plan, size)
+    img, box, upright_hw, _ = decoder.decode(data, path, plan, size)
     h, w = (img.height, img.width) if isinstance(img, Image.Image) else img.shape[:2]
     sy, sx = h / upright_hw[0], w / upright_hw[1]
     if getattr(decoder, "pil_resize", False) and isinstance(img, Image.Image):
@@ -105,7 +105,7 @@ class _Floor(_PerSample):
         epoch, index = key
         path, label = self.data.samples[index]
         plan = self.recipe.plan(True, 0, epoch, index)
-        self.decoder.decode_for_crop(self.data.read(index), path, plan, self.recipe.size)
+        self.decoder.decode(self.data.read(index), path, plan, self.recipe.size)
         return np.empty(0), label
 
 

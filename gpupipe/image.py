@@ -34,12 +34,25 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 class ForCrop(NamedTuple):
-    """What a decoder's ``decode_for_crop`` gives: everything before the resize."""
+    """What a decoder's ``decode`` gives: everything before the resize."""
 
     image: np.ndarray | Image.Image  # RGB, upright; a JPEG maybe decoded at a reduced DCT scale
-    box: Box  # the recipe's crop, in full-size upright pixels
+    box: Box  # the recipe's crop (the whole image when none was planned), in full-size upright pixels
     upright_hw: tuple[int, int]  # the full-size upright (height, width)
     fell_back: bool  # a slower decoder had to take the file
+
+
+Slot = np.ndarray | torch.Tensor  # an (S, S, 3) uint8 image a decoder's ``crop`` writes into: a batch's slot
+
+
+def whole(height: int, width: int) -> Box:
+    """The box of a whole (height, width) image: what ``decode`` gives when no crop is planned."""
+    return Box(0, 0, height, width)
+
+
+def chw_view(out: Slot) -> Slot:
+    """An (S, S, 3) image seen as (3, S, S), no copy."""
+    return out.permute(2, 0, 1) if isinstance(out, torch.Tensor) else out.transpose(2, 0, 1)
 
 
 def default_max_pixels() -> int:

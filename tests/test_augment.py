@@ -25,7 +25,9 @@ def _loader(folder, backend="pillow", *, recipe=None, train=True, device_path=Fa
     recipe = Recipe(48) if recipe is None else dataclasses.replace(recipe, size=48)
     loader = gpupipe.build_loader(folder, backend, recipe=recipe, **{**args, **kw})
     if device_path and hasattr(loader, "_data"):
-        loader._data.augment = None  # as on CUDA: the workers only crop; the device stage augments, batched
+        # as on CUDA: the workers only crop; the device stage augments, batched
+        loader.placement = dataclasses.replace(loader.placement, augment="device")
+        loader._data.augment = None
     return loader
 
 

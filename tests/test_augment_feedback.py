@@ -2,6 +2,7 @@
 in the decode workers or on the device; updates reach the draws; a resumed run draws as the straight one; a probe
 loader's records are what it applied."""
 
+import dataclasses
 import pickle
 
 import pytest
@@ -31,7 +32,9 @@ def _loader(folder, backend="pillow", aa="ctaugment", *, device_path=False, **kw
         args["prefetch_factor"] = 1  # DataLoader's queue: workers * 1 batches ahead
     loader = gpupipe.build_loader(folder, backend, recipe=Recipe(SIZE, auto_augment=aa), **args)
     if device_path and hasattr(loader, "_data"):
-        loader._data.augment = None  # as on CUDA: the workers only crop; the device stage augments, batched
+        # as on CUDA: the workers only crop; the device stage augments, batched
+        loader.placement = dataclasses.replace(loader.placement, augment="device")
+        loader._data.augment = None
     return loader
 
 

@@ -165,10 +165,35 @@ def test_reduced_decode_keeps_what_the_crop_needs(backend):
     photo(np.random.default_rng(3), 1200, 1600).save(buf, "JPEG", quality=90)
     data = buf.getvalue()
     box = Box(100, 200, 960, 1000, flip=True)
-    img, got_box, hw, fell_back = cpu_decoder(backend).decode_for_crop(data, "x.jpg", lambda h, w: box, 224)
+    img, got_box, hw, fell_back = cpu_decoder(backend).decode(data, "x.jpg", lambda h, w: box, 224)
     assert got_box == box and hw == (1200, 1600) and not fell_back
     assert np.asarray(img).shape[:2] == (300, 400)  # 1/4: the crop stays 240x250 >= 224
     reduced, _ = cpu_decoder(backend).crop(data, "x.jpg", lambda h, w: box, 224)
     full, _ = cpu_decoder(backend, reduced_decode=False).crop(data, "x.jpg", lambda h, w: box, 224)
     assert reduced.shape == full.shape == (3, 224, 224)
     assert np.abs(reduced.astype(np.float32) - full).mean() <= 2.0
+
+
+@pytest.mark.parametrize("backend", DECODERS)
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_two_methods_serve_every_caller(base, backend, orientation):
+    """``decode`` without a plan is the whole image at full scale (its box the whole upright image), as
+    ``read_image`` gives it; ``crop`` into a batch's slot (a tensor or an array) is ``crop`` into its own array, to the
+    bit, and hands back the slot's (3, S, S) view."""
+    from gpupipe.backends import cpu_decoder
+
+    decoder = cpu_decoder(backend)
+    data = jpeg_with_orientation(base, orientation)
+    img, box, hw, fell_back = decoder.decode(data, "x.jpg")
+    assert not fell_back and np.asarray(img).shape[:2] == hw
+    assert (box.top, box.left, box.height, box.width) == (0, 0, *hw)
+    assert torch.equal(torch.from_numpy(np.array(img)).permute(2, 0, 1), gpupipe.read_image(data, backend))
+    plan = lambda h, w: Box(3, 5, h - 9, w - 12, flip=True)
+    alone, _ = decoder.crop(data, "x.jpg", plan, 24)
+    slot = torch.zeros(2, 24, 24, 3, dtype=torch.uint8)
+    view, _ = decoder.crop(data, "x.jpg", plan, 24, slot[1])
+    assert torch.equal(slot[1], torch.from_numpy(np.ascontiguousarray(alone)).permute(1, 2, 0))
+    assert view.shape == (3, 24, 24) and view.data_ptr() == slot[1].data_ptr() and not slot[0].any()
+    array = np.zeros((24, 24, 3), dtype=np.uint8)
+    view, _ = decoder.crop(data, "x.jpg", plan, 24, array)
+    assert np.shares_memory(view, array) and np.array_equal(view, alone)

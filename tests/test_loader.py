@@ -124,7 +124,7 @@ def test_normalisation_and_transforms(folder, monkeypatch):
     torch.testing.assert_close(xf, (x8.flip(-1).float() / 255 - mean) / std, rtol=1e-5, atol=1e-5)  # on uint8, first
     assert xf.is_contiguous(memory_format=torch.channels_last)
     # on a CPU whose cores the workers all take, the workers normalise (in parallel): the same numbers
-    monkeypatch.setattr(gpupipe.backends.cpu, "usable_cores", lambda: 2)
+    monkeypatch.setattr("gpupipe.data.placement.usable_cores", lambda: 2)
     par = gpupipe.build_loader(
         folder,
         "pillow",

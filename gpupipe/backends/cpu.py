@@ -10,13 +10,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._system import usable_cores
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..errors import DecodeError, TransformError
 from ..image import chw_tensor
 from ..plumbing.decode_ahead import DecodeAhead
-from ..recipe import Box, Recipe
+from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .cpu_stream import Gate, Stream, StreamedLoader, Task
 from .handover import WireBatch, buffer, release
@@ -108,7 +107,7 @@ class _SampleDataset(torch.utils.data.Dataset):
             if isinstance(data, Exception):
                 raise data
             plan = plan or self.recipe.plan(self.train, self.seed, epoch, index)
-            fell_back = _crop_into(self.decoder, data, path, plan, out)
+            _, fell_back = self.decoder.crop(data, path, plan, out.shape[0], out)
             if self.augment is not None:
                 chw = torch.as_tensor(out).permute(2, 0, 1)
                 chw.copy_(self.augment.one(chw.clone(), epoch, index, *snapshot))
@@ -121,18 +120,6 @@ class _SampleDataset(torch.utils.data.Dataset):
             return f"cannot read the file ({e.strerror or e})", False
         except Exception as e:  # anything else a decoder raises still names the file in the main process
             return f"{type(e).__name__}: {e}", False
-
-
-def _crop_into(
-    decoder: Decoder, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray | torch.Tensor
-) -> bool:
-    """The decoder's ``crop_into`` when it has one (the built-in decoders), else its ``crop`` and one copy."""
-    crop_into = getattr(decoder, "crop_into", None)
-    if crop_into is not None:
-        return crop_into(data, path, plan, out)
-    image, fell_back = decoder.crop(data, path, plan, out.shape[0])
-    torch.as_tensor(out).copy_(torch.as_tensor(np.asarray(image)).permute(1, 2, 0))
-    return fell_back
 
 
 def _batch_buffer(n: int, size: int) -> torch.Tensor:
@@ -158,7 +145,7 @@ class _Collate:
             nchw = batch.images.permute(0, 3, 1, 2) if batch.layout == "NHWC" else batch.images
             out = buffer(tuple(nchw.shape), torch.float32)
             images, batch.layout = batch.images, "NCHW"
-            batch.images = normalize_on_cpu(nchw, *self.normalize, out=out)
+            batch.images, batch.normalized = normalize_on_cpu(nchw, *self.normalize, out=out), True
             release(images)
         return batch
 
@@ -188,15 +175,15 @@ class _Remake:
 class CpuLoader(StreamedLoader):
     """Pillow, pillow-simd and TurboJPEG: decode and augment in DataLoader workers, uint8 to the device."""
 
+    upstream = "workers"  # they can augment and normalise (data/placement.py)
+
     def __init__(self, parts: LoaderParts, decoder: Decoder):
         super().__init__(parts)
         self.backend = decoder.name
         self.decoder = decoder
-        # on a CPU device the workers augment, in parallel; on CUDA the device stage does, batched on the GPU; and
-        # an adaptive policy that reads the keys of the batches handed out (a probe loader's: small batches), so the
-        # keys reach the device stage.
-        keyed = self.adaptive is not None and self.adaptive.needs_keys
-        in_worker = parts.stage.augment if parts.stage.device.type == "cpu" and not keyed else None
+        # the workers augment where the placement says so (a CPU device, and no adaptive policy reading the keys of the
+        # batches handed out); else the device stage does, batched
+        in_worker = parts.stage.augment if self.placement.augment == "worker" else None
         self._data = _SampleDataset(parts.dataset, decoder, parts.recipe, self.train, parts.seed, in_worker)
 
     @staticmethod
@@ -224,32 +211,19 @@ class CpuLoader(StreamedLoader):
     def _open_stream(self) -> Stream:
         """The loader's one stream of batches (persistent workers and one DataLoader iteration outlive epochs; see
         :mod:`.cpu_stream`)."""
-        keyed = self._data.augment is not None and self.snapshots is not None  # the workers draw the policy's
+        keyed = self.placement.augment == "worker" and self.snapshots is not None  # the workers draw the policy's
         collate = self._collate()
         nicer = self.stage.device.type != "cpu"  # where it only launches a device's work
         clock = self.snapshots if keyed else None
         return self._streaming(self._data, collate, _Remake(self._data, collate), nicer, clock)
 
     def _collate(self) -> _Collate:
-        """Batches for the CPU are normalized by the main process while it has a core to itself (it is otherwise
-        idle), and by the workers, in parallel, once they take every core."""
-        workers = self.parts.workers
-        augment = self.stage.augment
-        # what the device stage still does on uint8: the per-sample part the workers left (an adaptive policy's keyed
-        # batches, or a CUDA device) and the batch-wise transforms; then the batch must reach it as uint8
-        per_sample_left = augment is not None and self._data.augment is None
-        stage_augments = per_sample_left or (augment is not None and augment.batch_transforms is not None)
-        in_workers = (
-            self.stage.device.type == "cpu"
-            and self.stage.normalize
-            and workers >= usable_cores()
-            and not stage_augments
-        )
-        return _Collate(
-            self.recipe.side(self.train, 0),  # the size of a batch with no good sample (else the images')
-            (self.stage.mean, self.stage.inv_std) if in_workers else None,
-            keys=per_sample_left,
-        )
+        """The workers' collate, as the placement says: the keys kept where the device stage augments each sample,
+        and the batch normalised there where the workers normalise (on a CPU whose cores they all take; else the
+        main process does it, while it has a core to itself)."""
+        normalize = (self.stage.mean, self.stage.inv_std) if self.placement.normalize == "worker" else None
+        # the size of a batch with no good sample (else the images')
+        return _Collate(self.recipe.side(self.train, 0), normalize, keys=self.placement.keys)
 
 
 def _as_is(batch: Batch) -> Batch:
@@ -263,7 +237,7 @@ def _none(batch: Batch) -> list[torch.Tensor]:
 def cpu_decoder_spec(
     name: str, summary: str, make_decoder: Callable[[int | None, bool], Decoder], unavailable: Callable[[], str | None]
 ) -> BackendSpec:
-    """The spec of a backend that decodes one image at a time on the CPU (``decode``/``decode_for_crop``/``crop``):
+    """The spec of a backend that decodes one image at a time on the CPU (``decode``/``crop``):
     DataLoader workers run it, and batches go to any device."""
 
     def make_loader(parts: LoaderParts) -> Loader:
@@ -271,7 +245,7 @@ def cpu_decoder_spec(
 
     def read(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
 
-        return chw_tensor(make_decoder(max_pixels, True).decode(data, path)).to(device)
+        return chw_tensor(make_decoder(max_pixels, True).decode(data, path).image).to(device)
 
     return BackendSpec(
         name, summary, ("cpu", "cuda"), unavailable, make_loader, read, make_decoder, DATALOADER_SETTINGS

@@ -80,15 +80,14 @@ def _unavailable() -> str | None:
 
 class DaliLoader(Loader):
     backend = "dali"
+    upstream = "decoder"  # its graph can normalise (data/placement.py)
 
     def __init__(self, parts: LoaderParts, hw_decoder_load: float = 0.65):
         require("nvidia.dali", "dali")
         super().__init__(parts)
         self.num_threads, self.hw_decoder_load = max(1, parts.workers), hw_decoder_load
         self.max_pixels = parts.max_pixels or default_max_pixels()
-        augment = parts.stage.augment
-        self._augment = augment is not None and augment.active  # the device stage augments, on uint8, from keys
-        self._normalize_in_dali = parts.stage.normalize and not self._augment  # float batches pass the stage as are
+        self._normalized = self.placement.normalize == "decoder"  # crop_mirror_normalize; the stage leaves them
         # the feed's fallback: decides about files DALI fails on, and decodes what it cannot
         self._fallback = Feed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
         self._pipe: Driver | None = None  # the DALI pipeline, built on first use
@@ -113,7 +112,7 @@ class DaliLoader(Loader):
                 device=self.stage.device,
                 num_threads=self.num_threads,
                 hw_decoder_load=self.hw_decoder_load,
-                normalize=self._normalize_in_dali,
+                normalize=self._normalized,
                 files=self._files,
             )
             # DALI's threads decode: below the training thread where batches go to a GPU, as workers are
@@ -254,7 +253,8 @@ class DaliLoader(Loader):
         if not work.cpu:
             positions = work.gpu
             size = self.recipe.side(self.train, work.epoch)
-            images = decoded if decoded is not None else empty_batch(size, device).images
+            empty = empty_batch(size, device).images  # in the dtype DALI outputs: the batch says it is normalised
+            images = decoded if decoded is not None else (empty.float() if self._normalized else empty)
         else:
             parts = {pos: decoded[k] for k, pos in enumerate(work.gpu)} if decoded is not None else {}
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
@@ -264,12 +264,12 @@ class DaliLoader(Loader):
         index, labels = torch.from_numpy(work.index), torch.from_numpy(work.labels)
         if len(positions) != len(index):
             index, labels = index[positions], labels[positions]
-        keys = torch.stack([torch.full_like(index, work.epoch), index], 1) if self._augment else None
-        return Batch(images, labels, "NCHW", work.errors, work.fallbacks, keys)
+        keys = torch.stack([torch.full_like(index, work.epoch), index], 1) if self.placement.keys else None
+        return Batch(images, labels, "NCHW", work.errors, work.fallbacks, keys, normalized=self._normalized)
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
         """An image Pillow decoded, in the dtype of the pipeline's output (normalized when DALI normalizes)."""
-        return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalize_in_dali else image
+        return normalize(image[None], self.stage.mean, self.stage.inv_std)[0] if self._normalized else image
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         """This pass's batches, made on a thread of the loader's own (:class:`DecodeAhead`, one batch ahead): it feeds

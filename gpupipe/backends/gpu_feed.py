@@ -292,7 +292,8 @@ def decode_on_cpu(
     """The fallback: the sample at ``pos`` decoded and cropped by Pillow into ``work.cpu`` (a fallback), else an error
     naming its file (and what the GPU decoder said, ``refused``, when it refused it)."""
     try:
-        work.cpu[pos], _ = check.crop(data, path, plan, size)
+        image, _ = check.crop(data, path, plan, size)  # a new array: no slot given
+        work.cpu[pos] = np.asarray(image)
         work.fallbacks += 1
     except DecodeError as e:
         work.errors.append((path, e.reason if refused is None else f"{refused}; Pillow: {e.reason}"))

@@ -129,16 +129,26 @@ class WireBatch(Batch):
         handed(self.images)
         keys = None if self.keys is None else self.keys.numpy()
         labels = self.labels.numpy()
-        return arrive, (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
+        args = (self.images, labels, self.layout, self.errors, self.fallbacks, keys, self.failure, self.stamps)
+        return arrive, (*args, self.normalized)
 
 
 def arrive(
-    images: torch.Tensor, labels: np.ndarray, layout: Layout, errors, fallbacks: int, keys, failure=None, stamps=None
+    images: torch.Tensor,
+    labels: np.ndarray,
+    layout: Layout,
+    errors,
+    fallbacks: int,
+    keys,
+    failure=None,
+    stamps=None,
+    normalized: bool = False,
 ) -> Batch:
     """The batch in the main process, its images still in the worker's buffer: ``Batch.own`` (or ``pin_memory``)
     copies them out and hands the buffer back, ``Batch.drop`` hands it back uncopied."""
     keys_t = None if keys is None else torch.from_numpy(keys)
-    batch = Batch(images, torch.from_numpy(labels), layout, errors, fallbacks, keys_t, failure, stamps=stamps)
+    labels_t = torch.from_numpy(labels)
+    batch = Batch(images, labels_t, layout, errors, fallbacks, keys_t, failure, stamps=stamps, normalized=normalized)
     batch.lease = arrived(images)
     return batch
 

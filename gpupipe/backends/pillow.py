@@ -13,12 +13,15 @@ from ..errors import DecodeError
 from ..image import (
     ForCrop,
     Header,
+    Slot,
+    chw_view,
     crop_resize_into,
     default_max_pixels,
     probe,
     resize_box_into,
     to_rgb,
     upright,
+    whole,
 )
 from ..recipe import Box, dct_scale
 from .cpu import cpu_decoder_spec
@@ -39,42 +42,38 @@ class PillowDecoder:
         self.max_pixels = max_pixels or default_max_pixels()
         self.reduced_decode = reduced_decode
 
-    def decode(self, data: bytes, path: str) -> Image.Image:
-        """The whole image: RGB, upright."""
-        return self.decode_opened(probe(data, path, self.name, self.max_pixels), path)
-
-    def decode_opened(self, header: Header, path: str) -> Image.Image:
-        """Finish decoding a probed file: load the pixels, RGB, upright."""
-        return upright(to_rgb(self._load(header.image, path)), header.orientation)
-
-    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> ForCrop:
-        """Everything before the resize: ``plan(height, width)`` picks the crop from the upright size, and the JPEG
-        is decoded at the largest DCT reduction that keeps that crop at least ``size`` (``gpupipe bench``'s
-        ``floor`` pipeline times this alone)."""
+    def decode(self, data: bytes, path: str, plan: Callable[[int, int], Box] | None = None, size: int = 0) -> ForCrop:
+        """Everything before the resize, RGB and upright (a PIL image). With ``plan``, ``plan(height, width)`` picks
+        the crop from the upright size, and a JPEG is decoded at the largest DCT reduction that keeps that crop at
+        least ``size`` (``gpupipe bench``'s ``floor`` pipeline times this alone); without, the whole image at full
+        scale, its box the whole image."""
         header = probe(data, path, self.name, self.max_pixels)
-        box = plan(*header.upright_size)
+        size_hw = header.upright_size
+        box = whole(*size_hw) if plan is None else plan(*size_hw)
         img = header.image
-        if header.is_jpeg and self.reduced_decode:
+        if plan is not None and header.is_jpeg and self.reduced_decode:
             denom = dct_scale(box, size)
             if denom > 1:  # libjpeg scales in the IDCT: 1/denom of the work, and no resolution the crop needs is lost
                 img.draft(None, (header.width // denom, header.height // denom))
-        return ForCrop(upright(to_rgb(self._load(img, path)), header.orientation), box, header.upright_size, False)
+        return ForCrop(upright(to_rgb(self._load(img, path)), header.orientation), box, size_hw, False)
 
-    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
-        """``plan(height, width)`` picks the crop from the upright size; returns ((3, size, size) uint8, fell_back)."""
-        out = np.empty((size, size, 3), dtype=np.uint8)
-        fell_back = self.crop_into(data, path, plan, out)
-        return out.transpose(2, 0, 1), fell_back
+    def decode_opened(self, header: Header, path: str) -> Image.Image:
+        """Finish decoding a probed file (the whole image): load the pixels, RGB, upright."""
+        return upright(to_rgb(self._load(header.image, path)), header.orientation)
 
-    def crop_into(self, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray) -> bool:
-        """:meth:`crop` written into ``out``, an (S, S, 3) uint8 slot of a batch (an array or a tensor); returns
-        whether a slower decoder had to take the file."""
-        img, box, upright_hw, fell_back = self.decode_for_crop(data, path, plan, out.shape[0])
-        if self.pil_resize and isinstance(img, Image.Image):  # Pillow's decode_for_crop gives a PIL image
+    def crop(
+        self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int, out: Slot | None = None
+    ) -> tuple[Slot, bool]:
+        """The recipe's output: ``plan(height, width)`` picks the crop from the upright size, resized to ``size``
+        straight into ``out`` (an (S, S, 3) uint8 slot of a batch, an array or a tensor; else a new array). Returns
+        ((3, size, size) uint8, a view of that slot; whether a slower decoder had to take the file)."""
+        out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
+        img, box, upright_hw, fell_back = self.decode(data, path, plan, size)
+        if self.pil_resize and isinstance(img, Image.Image):  # Pillow's decode gives a PIL image
             resize_box_into(img, box, upright_hw, np.asarray(out))
         else:
             crop_resize_into(img, box, upright_hw, torch.as_tensor(out))
-        return fell_back
+        return chw_view(out), fell_back
 
     def _load(self, img: Image.Image, path: str) -> Image.Image:
         try:

@@ -12,32 +12,32 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
-    from PIL import Image
 
     from ..data.loader import Loader, LoaderParts
-    from ..image import ForCrop
+    from ..image import ForCrop, Slot
     from ..recipe import Box
 
 
 class Decoder(Protocol):
     """A CPU decoder (``pillow``, ``pillow-simd``, ``turbojpeg``): one image at a time, in DataLoader workers, so it
-    must pickle. Every method raises :class:`~gpupipe.errors.DecodeError` naming the file for bad data."""
+    must pickle. Two methods: ``decode`` (everything before the resize: ``read_image``, header checks, the bench's
+    decode-only pipelines) and ``crop`` (the loaders' one entry point). Each raises
+    :class:`~gpupipe.errors.DecodeError` naming the file for bad data."""
 
     name: str  # the backend's name, for errors and counters
 
-    def decode(self, data: bytes, path: str) -> np.ndarray | Image.Image:
-        """The whole image: RGB, upright, as an (H, W, 3) uint8 array or a PIL image."""
+    def decode(self, data: bytes, path: str, plan: Callable[[int, int], Box] | None = None, size: int = 0) -> ForCrop:
+        """Everything before the resize: the image RGB and upright, as an (H, W, 3) uint8 array or a PIL image. With
+        ``plan``, ``plan(height, width)`` picks the crop from the upright size, and the image is decoded at the
+        smallest scale that keeps that crop at least ``size``; without, the whole image at full scale."""
         ...
 
-    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> ForCrop:
-        """Everything before the resize: ``plan(height, width)`` picks the crop from the upright size, and the image
-        is decoded at the smallest scale that keeps that crop at least ``size``."""
-        ...
-
-    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
-        """The recipe's output: ((3, size, size) uint8, whether a slower decoder had to take the file)."""
+    def crop(
+        self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int, out: Slot | None = None
+    ) -> tuple[Slot, bool]:
+        """The recipe's output, written into ``out`` (an (S, S, 3) uint8 slot of a batch, an array or a tensor) or a
+        new array: ((3, size, size) uint8, a view of it; whether a slower decoder had to take the file)."""
         ...
 
 
@@ -54,7 +54,7 @@ class BackendSpec:
         make_loader: builds its :class:`~gpupipe.data.loader.Loader` from the parts ``build_loader`` prepared.
         read: ``(data, name, max_pixels, device) -> (3, H, W) uint8`` for ``read_image``; ``None``: not a decoder.
         decoder: ``(max_pixels, reduced_decode) -> decoder`` for backends that decode one image at a time on the
-            CPU (``decode``/``decode_for_crop``/``crop``); the bench's ``floor`` pipeline uses it.
+            CPU (``decode``/``crop``); the bench's ``floor`` pipeline uses it.
         dataloader_settings: the ``build_loader`` DataLoader settings it honours (of ``pin_memory``,
             ``prefetch_factor``, ``persistent_workers``); the others, set explicitly, are refused.
     """

@@ -12,12 +12,13 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from PIL import Image
 
 from .._deps import require
 from ..errors import DecodeError
 from ..image import (
     ForCrop,
+    Slot,
+    chw_view,
     crop_resize_into,
     default_max_pixels,
     is_jpeg,
@@ -25,6 +26,7 @@ from ..image import (
     pixel_limit_reason,
     upright_array,
     upright_hw,
+    whole,
 )
 from ..recipe import Box, dct_scale
 from .cpu import cpu_decoder_spec
@@ -94,35 +96,26 @@ class TurboJpegDecoder:
             raise DecodeError(path, self.name, reason)
         return height, width, jpeg_exif_orientation(data)
 
-    def decode(self, data: bytes, path: str) -> np.ndarray | Image.Image:
-        """The whole image, RGB, upright: an (H, W, 3) array (a view when turned), or a PIL image from Pillow."""
+    def decode(self, data: bytes, path: str, plan: Callable[[int, int], Box] | None = None, size: int = 0) -> ForCrop:
+        """As :meth:`PillowDecoder.decode`; the image is an (H, W, 3) array here (a view when turned; a PIL image
+        when Pillow took the file, and then ``fell_back`` is True)."""
         header = self._header(data, path)
         if header is None:
-            return self._fallback.decode(data, path)
-        return upright_array(self._decode_array(data, path, 1), header[2])
-
-    def decode_for_crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> ForCrop:
-        """As :meth:`PillowDecoder.decode_for_crop`; the image is an (H, W, 3) array here (a PIL image when Pillow
-        took the file, and then ``fell_back`` is True)."""
-        header = self._header(data, path)
-        if header is None:
-            return self._fallback.decode_for_crop(data, path, plan, size)._replace(fell_back=True)
+            return self._fallback.decode(data, path, plan, size)._replace(fell_back=True)
         height, width, orientation = header
         size_hw = upright_hw(height, width, orientation)
-        box = plan(*size_hw)
-        denom = dct_scale(box, size) if self.reduced_decode else 1
+        box = whole(*size_hw) if plan is None else plan(*size_hw)
+        denom = dct_scale(box, size) if plan is not None and self.reduced_decode else 1
         return ForCrop(upright_array(self._decode_array(data, path, denom), orientation), box, size_hw, False)
 
-    def crop(self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int) -> tuple[np.ndarray, bool]:
-        out = np.empty((size, size, 3), dtype=np.uint8)
-        fell_back = self.crop_into(data, path, plan, out)
-        return out.transpose(2, 0, 1), fell_back
-
-    def crop_into(self, data: bytes, path: str, plan: Callable[[int, int], Box], out: np.ndarray) -> bool:
-        """As :meth:`PillowDecoder.crop_into`: the crop resized straight into ``out``, an (S, S, 3) uint8 slot."""
-        img, box, size_hw, fell_back = self.decode_for_crop(data, path, plan, out.shape[0])
+    def crop(
+        self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int, out: Slot | None = None
+    ) -> tuple[Slot, bool]:
+        """As :meth:`PillowDecoder.crop`: the crop resized straight into ``out`` (or a new array)."""
+        out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
+        img, box, size_hw, fell_back = self.decode(data, path, plan, size)
         crop_resize_into(img, box, size_hw, torch.as_tensor(out))
-        return fell_back
+        return chw_view(out), fell_back
 
 
 def _unavailable() -> str | None:

@@ -157,9 +157,9 @@ class _DecodeOnly(torch.utils.data.Dataset):
         try:
             data = self.dataset.read(i)
             if self.recipe is not None:
-                self.decoder.decode_for_crop(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.train_size(0))
+                self.decoder.decode(data, path, self.recipe.plan(True, 0, 0, i), self.recipe.train_size(0))
                 return 1
-            img = self.decoder.decode(data, path)
+            img = self.decoder.decode(data, path).image
         except (DecodeError, OSError):
             return 0
         if isinstance(img, Image.Image):

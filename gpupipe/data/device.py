@@ -29,6 +29,7 @@ class BatchLike(Protocol):
     layout: Layout
     keys: torch.Tensor | None
     snapshot: Any  # an adaptive policy's state the batch draws from (augment/adaptive.py), or None
+    normalized: bool  # float32, normalised already (the placement's decode workers or decoder did it)
 
 
 def normalize(images: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,9 @@ def _host_batch(shape: tuple[int, ...], dtype: torch.dtype, memory_format: torch
 
 
 class DeviceStage:
-    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalized (or uint8) on ``device`` out."""
+    """uint8 (N,H,W,3) or (N,3,H,W) batches in, (N,3,S,S) float32 normalized (or uint8) on ``device`` out. It does
+    what each batch says is left: the per-sample augmentation of a batch with keys, the normalisation of a batch not
+    ``normalized`` (the loader's :class:`~gpupipe.data.placement.Placement` decided which)."""
 
     def __init__(
         self,
@@ -166,13 +169,16 @@ class DeviceStage:
         if self.augment is not None:
             self.augment.to_device(device)  # its constant tables, once, at build
 
-    def finish(self, images: torch.Tensor, layout: Layout, job=None, pack: HostPack | None = None) -> torch.Tensor:
-        """``job``: what :meth:`SampleAugment.prepare` planned for this batch, its arguments already in ``pack``."""
+    def finish(
+        self, images: torch.Tensor, layout: Layout, job=None, pack: HostPack | None = None, normalized: bool = False
+    ) -> torch.Tensor:
+        """``job``: what :meth:`SampleAugment.prepare` planned for this batch, its arguments already in ``pack``;
+        ``normalized``: the images are normalised already (then only laid out)."""
         if layout == "NHWC":
             images = images.permute(0, 3, 1, 2)
         if self.augment is not None:  # on uint8, before normalization
             images = self.augment.run(images, job, pack)
-        if self.normalize and not images.is_floating_point():  # CPU workers may have normalized already
+        if self.normalize and not normalized:  # else the decode workers or the decoder did
             if images.device.type == "cpu":  # layout and normalization in one pass, one thread
                 return normalize_on_cpu(images, self.mean, self.inv_std, memory_format=self.memory_format)
             images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
@@ -195,7 +201,7 @@ class DeviceStage:
         if label_slot is not None or job is not None:
             pack.send(self.device)
         labels = b.labels if label_slot is None else pack.get(label_slot)
-        return self.finish(images, b.layout, job, pack), labels
+        return self.finish(images, b.layout, job, pack, b.normalized), labels
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:  # one for the stage's life: a new stream per pass strands the allocator's blocks

@@ -9,7 +9,7 @@ import resource
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -19,6 +19,7 @@ from ..errors import DecodeError, GpupipeError, StorageError
 from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
+from .placement import Placement, Upstream, place
 from .position import LoaderState, Pass, ResumeNotice
 from .sampler import ShardSampler
 
@@ -27,9 +28,11 @@ DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
 
 @dataclass
 class Batch:
-    """What a backend's source yields: the good samples' uint8 images and labels, and the failures."""
+    """What a backend's source yields: the good samples' images and labels, and the failures; and what the images
+    are (their layout, whether they are normalised, which samples are still to augment), as the stage that made them
+    says, so the device stage reads it rather than guessing."""
 
-    images: torch.Tensor  # uint8, (n,H,W,3) "NHWC" or (n,3,H,W) "NCHW"
+    images: torch.Tensor  # uint8, (n,H,W,3) "NHWC" or (n,3,H,W) "NCHW"; float32 "NCHW" when ``normalized``
     labels: torch.Tensor  # int64 (n,)
     layout: Layout = "NHWC"
     errors: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
@@ -43,6 +46,7 @@ class Batch:
     # it back; None once the batch is in this process's own memory
     lease: Any = None
     stamps: list | None = None  # its files as they were before a read ahead of its pass (see backends/cpu_stream.py)
+    normalized: bool = False  # the images are float32, normalised with the recipe's mean and std already
 
     def own(self, pinned: bool = False) -> Batch:
         """The images in this process's own memory (page-locked with ``pinned``): out of a lent buffer in one copy,
@@ -118,6 +122,8 @@ class Loader:
     """
 
     backend: str = ""
+    # What the backend can do before the device stage (see data/placement.py); ``self.placement`` says what it does.
+    upstream: ClassVar[Upstream] = None
     # A DataLoader's attribute, read by Lightning next to ``sampler``: batches are made from ``sampler`` alone.
     batch_sampler = None
 
@@ -141,6 +147,9 @@ class Loader:
             self._names, key = adaptive.loader_names(self.adaptive), adaptive.state_key
         # the one owner of what state_dict holds, the adaptive policy's part included
         self._state = LoaderState(parts.sampler, parts.dataset.targets, self.adaptive, key)
+        keyed = self.adaptive is not None and self.adaptive.needs_keys
+        # where each batch is augmented and normalised: decided here, once; every stage reads it
+        self.placement: Placement = place(parts.stage, self.upstream, parts.workers, keyed)
         # what the policy recorded of the batch last handed out, one per image (a probe loader's), else empty
         self.records: list = []
 
@@ -342,15 +351,15 @@ def _rebatch(batches: Iterator[Batch], sizes: list[int], pad: bool) -> Iterator[
 def _cat(a: Batch, b: Batch) -> Batch:
     if len(a.labels) == 0 or len(b.labels) == 0:  # a batch of failures only: nothing to join (nor its layout)
         a = b if len(a.labels) == 0 else a
-        return Batch(a.images, a.labels, a.layout, keys=a.keys, snapshot=a.snapshot)
+        return Batch(a.images, a.labels, a.layout, keys=a.keys, snapshot=a.snapshot, normalized=a.normalized)
     keys = None if a.keys is None or b.keys is None else torch.cat([a.keys, b.keys])
-    cat = torch.cat
-    return Batch(cat([a.images, b.images]), cat([a.labels, b.labels]), a.layout, keys=keys, snapshot=a.snapshot)
+    images, labels = torch.cat([a.images, b.images]), torch.cat([a.labels, b.labels])
+    return Batch(images, labels, a.layout, keys=keys, snapshot=a.snapshot, normalized=a.normalized)
 
 
 def _split(b: Batch, n: int) -> tuple[Batch, Batch]:
     k = (None, None) if b.keys is None else (b.keys[:n], b.keys[n:])
     return (
-        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0], snapshot=b.snapshot),
-        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1], snapshot=b.snapshot),
+        Batch(b.images[:n], b.labels[:n], b.layout, keys=k[0], snapshot=b.snapshot, normalized=b.normalized),
+        Batch(b.images[n:], b.labels[n:], b.layout, keys=k[1], snapshot=b.snapshot, normalized=b.normalized),
     )
