@@ -3,6 +3,7 @@ pipeline per loader. Runs DALI's CPU pipelines (``device="cpu"``); the ``gpu`` t
 
 import io
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -429,6 +430,42 @@ def test_the_training_thread_only_takes_finished_batches(photos, photo_shards, m
             assert len(list(loader)) == len(loader)
         assert loader.thread_cpu[0] > 0
     assert callers == {"gpupipe-dali"}
+
+
+@pytest.mark.parametrize("left", [0, 1])
+def test_an_epochs_first_batch_is_not_held_back_by_the_feeds_next_read(photo_shards, monkeypatch, left):
+    """A pass that goes on with batches already in flight (the next epoch's first ones, read and scheduled while the
+    last pass ended, also one left ``left`` batches short) hands its first batch over before it asks the feed for a
+    work more: the feed's next one may still be read by a worker (it waits for its pass to begin), and the first
+    ``next()`` of the epoch used to wait for that read."""
+    from gpupipe.backends.dali import DaliLoader
+
+    events: list[str] = []
+    take, deliver = DaliLoader._take, DaliLoader._deliver
+
+    def noted(event: str) -> None:
+        events.append((threading.current_thread(), event))
+
+    monkeypatch.setattr(DaliLoader, "_take", lambda self: noted("take") or take(self))
+
+    def delivered(self, work):
+        batch = deliver(self, work)
+        noted(f"delivered {work.epoch}:{work.number}")
+        return batch
+
+    monkeypatch.setattr(DaliLoader, "_deliver", delivered)
+    loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    first = iter(loader)
+    for _ in range(len(loader) - left):
+        next(first)
+    loader.set_epoch(1)
+    last = loader._ahead._thread  # the last pass's (it may still deliver the batch it made ahead)
+    second = iter(loader)
+    next(second)
+    time.sleep(0.2)  # the loader's thread goes on
+    now = [event for thread, event in events if thread not in (last, threading.current_thread())]
+    assert now[0] == "delivered 1:0" and "take" in now
+    assert len(list(second)) == len(loader) - 1
 
 
 def test_a_process_that_exits_mid_pass_ends_the_loaders_thread_before_dali_shuts_down(photos):

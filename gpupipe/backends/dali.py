@@ -289,17 +289,19 @@ class DaliLoader(Loader):
     def _works(self, epoch: int, start_batch: int) -> Iterator[Work]:
         """The pass's works in order, on the loader's thread, each scheduled in DALI before it comes."""
         pending = self._continue(epoch, start_batch)
-        self._fill()
+        if not pending:  # a new stream: its first works (else those in flight go on, and the first is not held back)
+            self._fill()
         while pending and pending[0].epoch == epoch:
             yield pending.popleft()
+            self._fill()  # once the work before was delivered: never held back by the feed's next read or DALI's
 
     def _deliver(self, work: Work) -> Batch:
-        """One work's batch (on the loader's thread): fetched, the next works scheduled, assembled, released. On CUDA
+        """One work's batch (on the loader's thread): fetched, assembled, released (the next works are scheduled once
+        it is handed over, :meth:`_works`). On CUDA
         DALI's output is copied into memory of torch's allocator on the thread's stream: the training stream then
         reads it after an event, and the allocator keeps it from reuse until that stream is done (DALI's own buffer,
         released here, is ordered on the thread's stream only); DALI's PyTorch iterator copies its outputs too."""
         decoded = self._decoded(work)
-        self._fill()  # after the fetch, so the batch is never held back by the feed or by DALI's next one
         if decoded is not None and decoded.is_cuda and not work.cpu:  # (with Pillow's images: stacked anew)
             decoded = decoded.clone()
         batch = self._on_device(self._assemble(work, decoded))
