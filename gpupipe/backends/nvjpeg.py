@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -180,6 +181,13 @@ def decoder_on_stream(device: torch.device, stream: torch.cuda.Stream) -> Decode
     return decode
 
 
+def _peeked(stream: Stream, epoch: int) -> Iterator[Work]:
+    """On the decode thread, once the pass's works are taken: batch 0 of ``epoch``, if the workers were sent it."""
+    work = stream.peek(epoch)
+    if work is not None:
+        yield work  # type: ignore[misc]  # the workers' Work
+
+
 _LEFT_OVER = 2  # batches a pass may leave (an accumulation's remainder) and the next still goes on from the last's
 
 
@@ -216,22 +224,22 @@ class NvjpegLoader(StreamedLoader):
         early, self._early = self._early, None
         works: Iterator[Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
 
-        def decoded(work: Work) -> _Decoded:
-            return early if early is not None and work is early.work else self._decoded(work, decode)
+        loader = weakref.ref(self)  # the thread may outlive the pass: it must not keep a dropped loader alive
 
-        ahead = self._ahead = DecodeAhead(
-            itertools.chain(works, self._peeked(epoch + 1)), decoded, self.device, _tensors, cpu=self.thread_cpu
-        )
+        def decoded(work: Work) -> _Decoded:
+            if early is not None and work is early.work:
+                return early
+            me = loader()
+            if me is None:  # dropped: its DecodeAhead closed, so this ends the thread
+                raise RuntimeError("the loader was dropped")
+            return me._decoded(work, decode)
+
+        chained = itertools.chain(works, _peeked(self._stream(), epoch + 1))
+        ahead = self._ahead = DecodeAhead(chained, decoded, self.device, _tensors, cpu=self.thread_cpu)
         self._left = (epoch, count)  # the batches of ``epoch`` the thread makes that this pass has not taken
         for batch in ahead.take(count, keep=True):  # left early, the thread goes on (the next pass may drop the rest)
             self._left = (epoch, self._left[1] - 1)
             yield self._cropped(epoch, batch)
-
-    def _peeked(self, epoch: int) -> Iterator[Work]:
-        """On the decode thread, once the pass's works are taken: batch 0 of ``epoch``, if the workers were sent it."""
-        work = self._stream().peek(epoch)
-        if work is not None:
-            yield work  # type: ignore[misc]  # the workers' Work
 
     def _hand_over(self) -> None:
         """Before the last pass's thread is joined: the next epoch's first batch it decoded, kept for the next pass."""
