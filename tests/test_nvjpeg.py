@@ -379,12 +379,20 @@ def test_the_decode_runs_off_the_training_thread(folder):
         assert torch.equal(x, batch.images) and torch.equal(y, batch.labels)
 
 
-def _decodes(loader, count: int) -> int:
-    """The loader's decode calls once its thread made ``count`` (or after 10 s)."""
+class _BatchRecordingNvjpegLoader(_CpuNvjpegLoader):
+    """The CPU nvjpeg loader noting the epoch and samples of each batch it decodes."""
+
+    def _decoded(self, work, decode):
+        self.decoded.append((work.epoch, tuple(work.indices)))
+        return super()._decoded(work, decode)
+
+
+def _decoded_once(loader, batch: tuple) -> bool:
+    """Whether the loader's thread decoded ``batch`` (waiting up to 10 s for it)."""
     deadline = time.monotonic() + 10
-    while len(loader.decoded_on) < count and time.monotonic() < deadline:
+    while batch not in loader.decoded and time.monotonic() < deadline:
         time.sleep(0.01)
-    return len(loader.decoded_on)
+    return loader.decoded.count(batch) == 1
 
 
 @pytest.mark.parametrize("left", [0, 1])
@@ -392,15 +400,18 @@ def test_the_next_epochs_first_batch_is_decoded_while_this_pass_ends(folder, lef
     """The decode thread runs on past a pass's last batch into the next epoch's first one (its workers read it ahead),
     also after a pass left ``left`` batches short (an accumulation's remainder): the next pass starts with it decoded,
     no decode of its own, and its batches are a fresh loader's."""
-    loader = _recording(folder)
+    args = dict(batch_size=4, num_workers=1, image_size=24, normalize=False, device="cpu", seed=1)
+    loader = _BatchRecordingNvjpegLoader(gpupipe.build_loader(folder, "pillow", **args).parts)
+    loader.decoded = []
     count = len(loader)
     first = iter(loader)
     for _ in range(count - left):
         next(first)
-    assert _decodes(loader, count + 1) == count + 1  # the pass's, and epoch 1's first
+    batches = [(1, tuple(b)) for b in loader.sampler.batches(1)]
+    assert _decoded_once(loader, batches[0])  # before epoch 1's pass began
     loader.set_epoch(1)
     got = list(loader)
-    assert _decodes(loader, 2 * count + 2) == 2 * count + 1  # epoch 1's first not decoded again (+ epoch 2's first)
+    assert all(loader.decoded.count(b) == 1 for b in batches)  # its first not decoded again
     fresh = _recording(folder)
     fresh.set_epoch(1)
     want = list(fresh)
