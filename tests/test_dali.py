@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import gpupipe
+from gpupipe.backends import handover
 
 from .common_utils import assert_resume_is_exact, cpu_and_cuda, decode_tolerance, photo
 
@@ -285,6 +286,7 @@ def test_a_dropped_loader_ends_its_feed_thread_and_workers(photo_shards):
     while any(t.name == "gpupipe-dali-feed" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.name == "gpupipe-dali-feed" for t in threading.enumerate())
+    assert not handover._mapped  # the workers' buffers it kept mapped, let go of
     while any(p.is_alive() for p in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(p.is_alive() for p in workers)

@@ -20,6 +20,7 @@ from ..plumbing.reaper import Reaper
 from ..plumbing.workers import put_unless_stopped, start_workers, worker_init
 from .dali_feed import DaliFeed, Gate, Request
 from .gpu_feed import Work
+from .handover import let_go
 
 
 class _Requests:
@@ -177,6 +178,7 @@ class _Receiver:
 def _abandon(stop: threading.Event, gate: Gate) -> None:
     stop.set()
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
+    let_go()  # the workers' buffers this process keeps mapped (handover.py): mapped again if they come back
 
 
 def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event, cpu: list[float]) -> None:
