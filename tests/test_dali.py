@@ -275,10 +275,12 @@ def test_a_dropped_loader_ends_its_feed_thread_and_workers(photo_shards):
     import gc
     import time
 
+    children = __import__("multiprocessing").active_children
+    before = set(children())  # (another test's loader, not yet collected, may still have its own)
     loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
     it = iter(loader)
     next(it)
-    workers = [p for p in __import__("multiprocessing").active_children()]
+    workers = [p for p in children() if p not in before]
     assert any(t.name == "gpupipe-dali-feed" for t in threading.enumerate()) and workers
     del it, loader
     gc.collect()

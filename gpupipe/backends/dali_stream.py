@@ -178,7 +178,6 @@ class _Receiver:
 def _abandon(stop: threading.Event, gate: Gate) -> None:
     stop.set()
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
-    let_go()  # the workers' buffers this process keeps mapped (handover.py): mapped again if they come back
 
 
 def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event, cpu: list[float]) -> None:
@@ -194,6 +193,9 @@ def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event, cpu: l
         put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the caller's next get() raises it
         put_unless_stopped(out, _Failed(e), stop)
+    finally:
+        if stop.is_set():  # stopped (a new plan, or the stream dropped): the workers' buffers this process keeps
+            let_go()  # mapped (handover.py) let go of, after the last one it received; mapped again if they come back
 
 
 def _as_is(work: Work) -> Work:

@@ -219,20 +219,21 @@ class NvjpegLoader(StreamedLoader):
         pass's last batch into the next epoch's first (read ahead by the workers, :meth:`.cpu_stream.Stream.peek`), so
         the next pass, when it starts there, finds it decoded (:meth:`_hand_over`), also after a pass left a few
         batches short of its end: no epoch starts cold."""
-        decode = self._decode = self._decode or self.decoder()
+        self._decode = self._decode or self.decoder()
         count = len(self._batches(epoch, start_batch))  # the last pass's thread handed over (see _hand_over)
         early, self._early = self._early, None
         works: Iterator[Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
 
-        loader = weakref.ref(self)  # the thread may outlive the pass: it must not keep a dropped loader alive
+        # the thread may outlive the pass: it must not keep a dropped loader alive (nor its decode, which may hold it)
+        loader = weakref.ref(self)
 
         def decoded(work: Work) -> _Decoded:
             if early is not None and work is early.work:
                 return early
             me = loader()
-            if me is None:  # dropped: its DecodeAhead closed, so this ends the thread
+            if me is None or me._decode is None:  # dropped: its DecodeAhead closed, so this ends the thread
                 raise RuntimeError("the loader was dropped")
-            return me._decoded(work, decode)
+            return me._decoded(work, me._decode)
 
         chained = itertools.chain(works, _peeked(self._stream(), epoch + 1))
         ahead = self._ahead = DecodeAhead(chained, decoded, self.device, _tensors, cpu=self.thread_cpu)
