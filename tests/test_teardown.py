@@ -4,19 +4,24 @@ A loader that sat in a reference cycle with its DataLoader's iterator was left t
 finalises the iterator's queues before the iterator itself: the "stop" it then sends its workers never leaves the
 process, and torch waits 5 s per worker before it terminates them (a test suite, a notebook re-running a cell, a
 sweep building loaders in a loop). With gc off, the workers must be gone soon after the last reference is.
+A loader that is in such a cycle anyway (a caught error's traceback holds it, or a user's object does) is collected
+without that wait, and a pass that an error ends stops the workers before the error is raised.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 
 import pytest
+import torch
 
 import gpupipe
 from gpupipe import Recipe
 
+from .common_utils import make_folder
 from .test_pool import _children
 
 CASES = {
@@ -76,3 +81,44 @@ def _ends_with_its_last_reference(make) -> None:
         gc.enable()
         gc.collect()
     assert not left, f"workers {sorted(left)} outlived their loader (a reference cycle keeps it for the collector)"
+
+
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg"])
+def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_workers(folder, monkeypatch, backend):
+    """The collector frees a loader, its pass and its DataLoader's iteration together: the iteration stays reachable
+    until the loader's stream ends it, so its queues still carry the stop. torch's wait for a worker that missed it
+    is made 30 s here, so a wait is told apart from a stop at once by a wide margin."""
+    if backend not in gpupipe.available_backends():
+        pytest.skip(f"no {backend}")
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 30.0)
+    loader = gpupipe.build_loader(folder, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
+    it = iter(loader)
+    next(it)
+    loader.cycle = (loader, it)  # type: ignore[attr-defined]
+    before = set(_children(os.getpid()))
+    del loader, it
+    collecting = threading.Thread(target=gc.collect, daemon=True)
+    collecting.start()
+    collecting.join(timeout=15)
+    assert not collecting.is_alive(), "the collector waited out the workers of a loader in a reference cycle"
+    assert not before & set(_children(os.getpid()))
+
+
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg"])
+def test_a_pass_an_error_ends_stops_its_workers_before_the_error_is_raised(tmp_path, backend):
+    """A bad file with ``on_error="raise"``: the error's traceback holds the loader (a caught error kept, a
+    notebook's last one), yet no worker waits for the collector. The next pass starts them again."""
+    if backend not in gpupipe.available_backends():
+        pytest.skip(f"no {backend}")
+    root = make_folder(tmp_path / "data", 2, 4)
+    bad = sorted((root / "c01").iterdir())[1]
+    good = bad.read_bytes()
+    bad.write_bytes(good[: len(good) // 3])
+    loader = gpupipe.build_loader(root, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
+    before = set(_children(os.getpid()))
+    with pytest.raises(gpupipe.DecodeError, match=bad.name) as raised:
+        list(loader)
+    workers = set(_children(os.getpid())) - before
+    assert not workers, f"workers {sorted(workers)} outlived the pass the error ended"
+    bad.write_bytes(good)
+    assert sum(len(y) for _, y in loader) == 8 and raised.value.path.endswith(bad.name)

@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 
 _NEVER = 1 << 62
 
+# The DataLoader iteration of each stream, from its start until the stream ends it: held here too, outside any
+# reference cycle the stream may be in (a caught error's traceback holding its loader), so the garbage collector never
+# frees an iteration itself. It would close the iteration's queues before the iteration can tell its workers to stop
+# (each worker then killed after 5 s, its buffers left in /dev/shm); it finalizes the stream instead, which ends it.
+_iterations: dict[int, Iterator] = {}
+
 
 class Made(Protocol):
     """A worker's batch as the stream hands it on: its files' stamps when read ahead of its pass (else None), and
@@ -225,6 +231,7 @@ class Stream:
         if self._it is None:
             plan.sent.clear()
             self._it = start_workers(self._dataloader)
+            _iterations[id(self._it)] = self._it
 
     def _on_course(self, sent: list[Task], epoch: int, start: int, batches: list[list[int]]) -> bool:
         """Whether the tasks dispatched from the pass's first batch on, and the plan's course for the rest of the
@@ -297,7 +304,10 @@ class Stream:
         garbage collector frees it, which closes its queues first (each worker then killed after 5 s, the shared memory
         of its batch buffers left in /dev/shm); their files go with this process's mappings of them (handover.py)."""
         it, self._it = self._it, None
+        _iterations.pop(id(it), None)
         getattr(it, "_shutdown_workers", lambda: None)()
+        if getattr(self._dataloader, "_iterator", None) is it:  # persistent workers: the next iter() starts new ones
+            self._dataloader._iterator = None
         let_go()
 
 
@@ -329,6 +339,12 @@ class StreamedLoader(Loader):
 
     def _open_stream(self) -> Stream:
         raise NotImplementedError
+
+    def _abandon(self) -> None:
+        if self._ahead is not None:
+            self._ahead.join()
+        if self._the_stream is not None:
+            self._the_stream._broken()  # the workers stopped now: the garbage collector would take 5 s a worker
 
     def _hand_over(self) -> None:
         """Before a pass uses the stream: what took the last pass's items on a thread of its own (``_ahead``) is done

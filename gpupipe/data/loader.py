@@ -215,7 +215,12 @@ class Loader:
             warnings.warn(notice, ResumeNotice, stacklevel=2)
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
-        return Pass(self.position, self._pass)
+        return Pass(self.position, self._pass, self._abandon)
+
+    def _abandon(self) -> None:
+        """An error ends a pass (raised from a batch, or by the error policy here): the backend's processes and threads
+        stop now, not when the garbage collector frees the error's traceback, which holds this loader and may be kept
+        (a caught error, a notebook's last one). The next pass starts them again."""
 
     def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""

@@ -284,10 +284,12 @@ class Pass(Generic[T]):
 
     ``make(epoch, start_batch)`` gives the pass's batches; it is called at the first ``next()``, so a
     ``load_state_dict`` or ``set_epoch`` made between ``iter()`` and then still decides where the pass starts (Lightning
-    makes the iterator first)."""
+    makes the iterator first). ``abandon()`` is called when an error ends the pass, before it is raised."""
 
-    def __init__(self, position: Position, make: Callable[[int, int], Iterator[T]]):
-        self._position, self._make = position, make
+    def __init__(
+        self, position: Position, make: Callable[[int, int], Iterator[T]], abandon: Callable[[], None] = lambda: None
+    ):
+        self._position, self._make, self._abandon = position, make, abandon
         self._batches: Iterator[T] | None = None
         self._done = False
         # the position knows this pass by a token of its own, not by the pass: a pass holds the loader (``make``),
@@ -311,6 +313,10 @@ class Pass(Generic[T]):
         except StopIteration:
             self._done = True
             self._position.finish(self._token)
+            raise
+        except BaseException:
+            self._done = True  # the batches' generators ended with the error: so did the pass
+            self._abandon()
             raise
         self._position.advance(self._token)
         return batch
