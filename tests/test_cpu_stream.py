@@ -349,3 +349,33 @@ print("alive" if thread.is_alive() else "ended")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["ended"], done.stderr
+
+
+def test_what_a_decode_thread_drops_on_its_way_out_is_finalized_before_the_interpreter():
+    """A decode thread drops what it was given as it ends (``Thread.run`` deletes its arguments): the dali loader's
+    ``_deliver`` holds the loader, and a dropped loader's DALI pipeline then shuts down on that thread, in C++. The
+    exit hook waits for it: ended at finalization instead, it aborted the process ("terminate called without an
+    active exception", seen 1 run in 5 of ``gpupipe.bench.sim_step``). Here a slow ``__del__`` stands in for it."""
+    import subprocess
+    import sys
+
+    code = """
+import time
+import torch
+from gpupipe.plumbing.decode_ahead import DecodeAhead
+
+class Pipeline:
+    def decode(self, work):
+        return work
+    def __del__(self):
+        time.sleep(0.5)  # a shutdown that waits for its own threads, the GIL released
+        print("shut down", flush=True)
+
+pipeline = Pipeline()
+ahead = DecodeAhead(iter(range(3)), pipeline.decode, torch.device("cpu"), lambda r: [])
+del pipeline
+assert list(ahead) == [0, 1, 2]
+del ahead  # the thread, about to end, holds the pipeline last
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["shut", "down"], (done.stdout, done.stderr)

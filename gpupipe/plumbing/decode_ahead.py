@@ -49,8 +49,10 @@ class DecodeAhead(Generic[W, R]):
     early); at interpreter exit every live one is ended (a daemon thread still in C++ code at finalization aborts the
     process, see :class:`~gpupipe.plumbing.reaper.Reaper`)."""
 
-    # every thread still running, with its stop and queue: one may outlive its DecodeAhead (a pass dropped with its
-    # loader stops it, and it ends after its current batch), and the exit hook must still end it
+    # every thread started, with its stop and queue, until it is seen ended: one may outlive its DecodeAhead (a pass
+    # dropped with its loader stops it, and it ends after its current batch), and the exit hook must still end it. A
+    # thread is kept here past its loop, until it has ended: on its way out it drops what it was given, which may be
+    # the last reference to a DALI pipeline, whose shutdown then runs on it (C++ code, at exit while finalizing)
     _running: ClassVar[dict[threading.Thread, tuple[threading.Event, queue.Queue]]] = {}
 
     def __init__(
@@ -72,6 +74,8 @@ class DecodeAhead(Generic[W, R]):
             target=_run, args=(works, decode, self.stream, self._queue, self._stop, spent), daemon=True, name=name
         )
         cls = type(self)
+        for ended in [t for t in cls._running if not t.is_alive()]:
+            del cls._running[ended]
         cls._running[self._thread] = (self._stop, self._queue)
         self._thread.start()
         # registered again with each thread: hooks run last-registered first, so the threads end before the exit hooks
@@ -138,7 +142,7 @@ class DecodeAhead(Generic[W, R]):
     @classmethod
     def _close_all(cls, timeout: float = 5) -> None:
         """Every running thread told to stop, then each waited for, ``timeout`` seconds in all."""
-        running = list(cls._running.items())
+        running = [(thread, ends) for thread, ends in list(cls._running.items()) if thread.is_alive()]
         for _, (stop, out) in running:
             _stop(stop, out)
         deadline = time.monotonic() + timeout
@@ -196,5 +200,3 @@ def _run(
         put_unless_stopped(out, _END, stop)
     except BaseException as e:  # the iterating thread's next() raises it
         put_unless_stopped(out, _Failed(e), stop)
-    finally:
-        DecodeAhead._running.pop(threading.current_thread(), None)
