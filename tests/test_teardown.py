@@ -92,16 +92,18 @@ def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_work
         pytest.skip(f"no {backend}")
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 30.0)
     loader = gpupipe.build_loader(folder, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
+    before = set(_children(os.getpid()))
     it = iter(loader)
     next(it)
+    workers = set(_children(os.getpid())) - before
+    assert workers, "the loader started no worker process"
     loader.cycle = (loader, it)  # type: ignore[attr-defined]
-    before = set(_children(os.getpid()))
     del loader, it
     collecting = threading.Thread(target=gc.collect, daemon=True)
     collecting.start()
     collecting.join(timeout=15)
     assert not collecting.is_alive(), "the collector waited out the workers of a loader in a reference cycle"
-    assert not before & set(_children(os.getpid()))
+    assert not workers & set(_children(os.getpid()))
 
 
 @pytest.mark.parametrize("backend", ["pillow", "turbojpeg"])
