@@ -124,3 +124,35 @@ def test_a_pass_an_error_ends_stops_its_workers_before_the_error_is_raised(tmp_p
     assert not workers, f"workers {sorted(workers)} outlived the pass the error ended"
     bad.write_bytes(good)
     assert sum(len(y) for _, y in loader) == 8 and raised.value.path.endswith(bad.name)
+
+
+@pytest.mark.slow
+def test_an_interrupt_while_the_take_thread_waits_on_a_stuck_worker_is_raised_at_once(folder):
+    """Stopping the workers when a pass ends in an error first waits for the loader's take thread, for a bounded
+    time: with every worker stopped (SIGSTOP), a Ctrl-C still ends the program. Run in a process of its own, whose
+    stopped workers are killed with it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, signal, threading
+import gpupipe
+from gpupipe.bench.host_budget import meta_loader
+from gpupipe.recipe import Recipe
+loader = meta_loader({str(folder)!r}, "pillow", Recipe(32), 4, 2)  # a device with no pin thread: a take thread
+it = iter(loader)
+next(it)
+workers = [p.pid for p in __import__("multiprocessing").active_children()]
+for pid in workers:
+    os.kill(pid, signal.SIGSTOP)
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    while True:
+        next(it)
+except KeyboardInterrupt:
+    print("interrupted")
+for pid in workers:
+    os.kill(pid, signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["interrupted"], done.stderr

@@ -341,8 +341,8 @@ class StreamedLoader(Loader):
         raise NotImplementedError
 
     def _abandon(self) -> None:
-        if self._ahead is not None:
-            self._ahead.join()
+        if self._ahead is not None and not self._ahead.join(timeout=5):
+            return  # its batch waits on a stuck worker (a second Ctrl-C): raised now, the stream ends later
         if self._the_stream is not None:
             self._the_stream._broken()  # the workers stopped now: the garbage collector would take 5 s a worker
 

@@ -134,10 +134,12 @@ class DecodeAhead(Generic[W, R]):
         """Tell the thread to stop (it does once its current batch is done); what it holds is dropped."""
         _stop(self._stop, self._queue)
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the thread to end (after :meth:`close`): its iterator is free for another pass."""
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end (after :meth:`close`): its iterator is free for another pass. Whether it ended
+        (it may not within ``timeout``: its current batch waits on a worker)."""
         self.close()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @classmethod
     def _close_all(cls, timeout: float = 5) -> None:
