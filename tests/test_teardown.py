@@ -135,14 +135,13 @@ def test_an_interrupt_while_the_take_thread_waits_on_a_stuck_worker_is_raised_at
     import sys
 
     code = f"""
-import os, signal, threading
-import gpupipe
+import multiprocessing, os, signal, threading
 from gpupipe.bench.host_budget import meta_loader
 from gpupipe.recipe import Recipe
 loader = meta_loader({str(folder)!r}, "pillow", Recipe(32), 4, 2)  # a device with no pin thread: a take thread
 it = iter(loader)
 next(it)
-workers = [p.pid for p in __import__("multiprocessing").active_children()]
+workers = [p.pid for p in multiprocessing.active_children()]
 for pid in workers:
     os.kill(pid, signal.SIGSTOP)
 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()

@@ -47,7 +47,7 @@ _NEVER = 1 << 62
 # reference cycle the stream may be in (a caught error's traceback holding its loader), so the garbage collector never
 # frees an iteration itself. It would close the iteration's queues before the iteration can tell its workers to stop
 # (each worker then killed after 5 s, its buffers left in /dev/shm); it finalizes the stream instead, which ends it.
-_iterations: dict[int, Iterator] = {}
+_iterations: set[Iterator] = set()
 
 
 class Made(Protocol):
@@ -231,7 +231,7 @@ class Stream:
         if self._it is None:
             plan.sent.clear()
             self._it = start_workers(self._dataloader)
-            _iterations[id(self._it)] = self._it
+            _iterations.add(self._it)
 
     def _on_course(self, sent: list[Task], epoch: int, start: int, batches: list[list[int]]) -> bool:
         """Whether the tasks dispatched from the pass's first batch on, and the plan's course for the rest of the
@@ -304,7 +304,7 @@ class Stream:
         garbage collector frees it, which closes its queues first (each worker then killed after 5 s, the shared memory
         of its batch buffers left in /dev/shm); their files go with this process's mappings of them (handover.py)."""
         it, self._it = self._it, None
-        _iterations.pop(id(it), None)
+        _iterations.discard(it)
         getattr(it, "_shutdown_workers", lambda: None)()
         if getattr(self._dataloader, "_iterator", None) is it:  # persistent workers: the next iter() starts new ones
             self._dataloader._iterator = None
