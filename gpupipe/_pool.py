@@ -46,17 +46,18 @@ def ordered_map(
     restarts = 0
     try:
         while chunks or pending:
-            while chunks and len(pending) < 4 * workers:  # a bounded window: memory stays flat on any data set
-                a = chunks.popleft()
-                b = min(a + CHUNK, indices.stop)
-                pending.append((a, b, pool.submit(_run_range, fn, a, b)))
-            a, b, future = pending[0]
             try:
-                results = future.result()
+                while chunks and len(pending) < 4 * workers:  # a bounded window: memory stays flat on any data set
+                    a = chunks[0]
+                    b = min(a + CHUNK, indices.stop)
+                    pending.append((a, b, pool.submit(_run_range, fn, a, b)))  # raises once a worker has died
+                    chunks.popleft()
+                results = pending[0][2].result()
             except BrokenProcessPool:
                 restarts += 1
                 if restarts > RESTARTS:
-                    raise GpupipeError(_died(what, a, b, name, restarts - 1)) from None
+                    a = pending[0][0] if pending else chunks[0]
+                    raise GpupipeError(_died(what, a, min(a + CHUNK, indices.stop), name, restarts - 1)) from None
                 pool.shutdown(wait=True, cancel_futures=True)
                 pool = ProcessPoolExecutor(workers, ctx, initializer=initializer, initargs=initargs)
                 chunks.extendleft(reversed([p[0] for p in pending]))  # redo every unfinished chunk, in order

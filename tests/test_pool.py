@@ -3,6 +3,7 @@ real signals); a worker that dies on every try is one line naming the samples.""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -84,6 +85,24 @@ def _die_on_5(i: int) -> int:
 
 def _no_setup() -> None:
     pass
+
+
+def _die_once_on_5(marker: str, i: int) -> int:
+    if i == 5 and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(0.3)  # after the first chunk's results are in
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i * i
+
+
+def test_a_worker_that_dies_while_results_are_being_used_is_replaced(tmp_path):
+    """The pool is found broken when the next chunk is handed out, not when a result is awaited."""
+    fn, got = functools.partial(_die_once_on_5, str(tmp_path / "died")), []
+    for r in ordered_map(fn, range(40), 2, initializer=_no_setup):
+        if not got:
+            time.sleep(1.5)  # the worker dies meanwhile
+        got.append(r)
+    assert (tmp_path / "died").exists() and got == [i * i for i in range(40)]
 
 
 def test_a_worker_that_always_dies_is_one_line_naming_the_samples():
