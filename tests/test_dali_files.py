@@ -5,6 +5,7 @@ feed that reads the files in DataLoader workers (the path shards still take)."""
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -114,6 +115,25 @@ def test_headers_judged_in_processes_as_in_this_one_and_the_processes_end_when_a
     assert np.array_equal(here.kind, there.kind) and np.array_equal(here.sizes, there.sizes)
     assert here.problems == there.problems and len(here.problems) == 2
     assert scanner.ask(index) is None  # nothing left to judge
+
+
+def test_a_scan_worker_killed_between_batches_leaves_the_samples_judged_here(mixed):
+    from gpupipe.backends.dali_files import FileTable, Scanner
+    from gpupipe.sources.open import open_source
+
+    dataset = open_source(mixed)
+    here, there = FileTable(dataset, 10**8), FileTable(dataset, 10**8)
+    index = np.arange(len(dataset))
+    Scanner(here, 0).settle(None, index)
+    scanner = Scanner(there, 1)
+    scanner.settle(scanner.ask(index[:4]), index[:4])
+    (worker,) = scanner._pool._processes.values()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    time.sleep(0.5)  # the pool's manager thread marks the pool broken
+    asked = scanner.ask(index[4:])
+    scanner.settle(asked, index[4:])
+    assert np.array_equal(here.kind, there.kind) and here.problems == there.problems
 
 
 @pytest.fixture()

@@ -139,6 +139,9 @@ class Scanner:
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
         try:
             return Asked(todo, self._pool.submit(_judge_many, todo, self.table.max_pixels))
+        except BrokenProcessPool:  # a worker died since the last batch: this one is judged when it is made
+            self.close()
+            return None
         finally:
             gc.unfreeze()
 
