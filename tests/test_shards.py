@@ -4,6 +4,7 @@ errors, and the loader contract (order per epoch, ranks, equal steps, exact resu
 import io
 import json
 import os
+import signal
 import tarfile
 
 import numpy as np
@@ -311,3 +312,20 @@ def test_many_shards_stay_within_the_open_file_limit_and_name_it_when_out(tmp_pa
             next(iter(loader))
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _index_dying_in_a_worker(path: str) -> dict[str, np.ndarray]:
+    if os.environ["GPUPIPE_TEST_PARENT"] != str(os.getpid()) and path.endswith("1.tar"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    n = int(path[-5])
+    return {"member": np.array([f"{n}.jpg"]), "offset": np.array([n]), "size": np.array([1]), "label": np.array([n])}
+
+
+def test_a_header_index_worker_that_dies_leaves_the_shards_walked_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUPIPE_TEST_PARENT", str(os.getpid()))
+    monkeypatch.setattr(shards, "usable_cores", lambda: 2)
+    paths = [str(tmp_path / f"s{i}.tar") for i in range(4)]
+    for p in paths:
+        open(p, "wb").close()
+    parts = shards.index_all(paths, _index_dying_in_a_worker)
+    assert [int(p["label"][0]) for p in parts] == [0, 1, 2, 3]

@@ -268,10 +268,14 @@ def index_all(paths: list[str], index: Callable[[str], dict[str, np.ndarray]]) -
     if len(missing) < 2:
         return [part if part is not None else index(p) for p, part in zip(paths, parts, strict=True)]
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    with ProcessPoolExecutor(min(len(missing), usable_cores())) as pool:
-        for i, part in zip(missing, pool.map(index, [paths[i] for i in missing]), strict=True):
-            parts[i] = part
+    try:
+        with ProcessPoolExecutor(min(len(missing), usable_cores())) as pool:
+            for i, part in zip(missing, pool.map(index, [paths[i] for i in missing]), strict=True):
+                parts[i] = part
+    except BrokenProcessPool:  # a worker died (killed, out of memory): what is left is walked here
+        parts = [part if part is not None else index(p) for p, part in zip(paths, parts, strict=True)]
     return cast(list[dict[str, np.ndarray]], parts)
 
 
