@@ -236,10 +236,20 @@ class FileStream:
         self._boxes: dict[tuple[int, int], np.ndarray] = {}  # (epoch, number) -> its DALI samples' crop boxes
 
     def restart(self, requests: Iterable[Request]) -> None:
+        """A new plan, for a pass that begins."""
+        self._judge_bad_again()
         self._requests, self._ahead, self._boxes = iter(requests), deque(), {}
 
     def consuming(self, epoch: int) -> None:
+        """The pass of ``epoch`` begins, on the plan already running."""
+        self._judge_bad_again()
         self.gate.set(epoch)
+
+    def _judge_bad_again(self) -> None:
+        """The samples judged bad are judged again as each pass begins, as the CPU backends read every file each pass:
+        one mended after an error (``on_error="raise"``) is read by the next pass."""
+        if self.table.problems:
+            self.table.rescan(sorted(self.table.problems))
 
     def next(self) -> Work | None:
         while len(self._ahead) < self._depth:
