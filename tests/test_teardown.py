@@ -15,13 +15,14 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import gpupipe
 from gpupipe import Recipe
 
-from .common_utils import make_folder
+from .common_utils import jpeg_bytes, make_folder, photo
 from .test_pool import _children
 
 CASES = {
@@ -83,15 +84,19 @@ def _ends_with_its_last_reference(make) -> None:
     assert not left, f"workers {sorted(left)} outlived their loader (a reference cycle keeps it for the collector)"
 
 
-@pytest.mark.parametrize("backend", ["pillow", "turbojpeg"])
-def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_workers(folder, monkeypatch, backend):
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg", "dali"])
+def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_workers(
+    folder, shards, monkeypatch, backend
+):
     """The collector frees a loader, its pass and its DataLoader's iteration together: the iteration stays reachable
     until the loader's stream ends it, so its queues still carry the stop. torch's wait for a worker that missed it
-    is made 30 s here, so a wait is told apart from a stop at once by a wide margin."""
+    is made 30 s here, so a wait is told apart from a stop at once by a wide margin. dali's pass thread holds the
+    loader only while it works on a batch: collected as soon as it is idle."""
     if backend not in gpupipe.available_backends():
         pytest.skip(f"no {backend}")
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 30.0)
-    loader = gpupipe.build_loader(folder, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
+    data = shards if backend == "dali" else folder
+    loader = gpupipe.build_loader(data, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
     before = set(_children(os.getpid()))
     it = iter(loader)
     next(it)
@@ -99,11 +104,39 @@ def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_work
     assert workers, "the loader started no worker process"
     loader.cycle = (loader, it)  # type: ignore[attr-defined]
     del loader, it
-    collecting = threading.Thread(target=gc.collect, daemon=True)
+
+    def collect_until_gone() -> None:
+        deadline = time.monotonic() + 10
+        while workers & set(_children(os.getpid())) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+
+    collecting = threading.Thread(target=collect_until_gone, daemon=True)
     collecting.start()
-    collecting.join(timeout=15)
+    collecting.join(timeout=20)
     assert not collecting.is_alive(), "the collector waited out the workers of a loader in a reference cycle"
-    assert not workers & set(_children(os.getpid()))
+    assert not workers & set(_children(os.getpid())), "a loader in a reference cycle was never collected"
+
+
+def test_a_dali_pass_an_error_ends_stops_its_feed_workers_and_the_next_pass_starts_them(tmp_path):
+    """dali on shards (its feed's DataLoader workers read them): a bad sample with ``on_error="raise"``."""
+    if "dali" not in gpupipe.available_backends():
+        pytest.skip("no dali")
+    wds = pytest.importorskip("webdataset")
+    good = jpeg_bytes(photo(np.random.default_rng(0), 40, 48))
+    (tmp_path / "shards").mkdir()
+    with wds.TarWriter(str(tmp_path / "shards" / "part-0.tar")) as w:
+        for i in range(16):
+            w.write({"__key__": f"s{i:04d}", "jpg": good[: len(good) // 3] if i == 9 else good, "cls": i % 2})
+    loader = gpupipe.build_loader(
+        str(tmp_path / "shards" / "part-0.tar"), "dali", batch_size=4, num_workers=2, device="cpu", image_size=32
+    )
+    before = set(_children(os.getpid()))
+    for _ in range(2):
+        with pytest.raises(gpupipe.DecodeError, match="s0009"):
+            list(loader)
+        workers = set(_children(os.getpid())) - before
+        assert not workers, f"workers {sorted(workers)} outlived the pass the error ended"
 
 
 @pytest.mark.parametrize("backend", ["pillow", "turbojpeg", "dali"])

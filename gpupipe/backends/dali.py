@@ -16,6 +16,7 @@ counted in ``loader.fallbacks``.
 from __future__ import annotations
 
 import re
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from functools import partial
@@ -281,19 +282,30 @@ class DaliLoader(Loader):
             self._ahead.join()  # the last pass's thread (one left early: stopped after its batch), before this one
         import nvidia.dali.pipeline  # noqa: F401  # before the thread: its exit hook then runs before DALI's
 
-        works = self._works(epoch, start_batch)
-        ahead = DecodeAhead(works, self._deliver, self.stage.device, _tensors, name="gpupipe-dali", cpu=self.thread_cpu)
+        # the thread may outlive the pass: it holds the loader weakly, so a loader dropped in a reference cycle (a
+        # caught error's traceback, a user's object) is collected, and its DecodeAhead with it, which ends the thread
+        loader = weakref.ref(self)
+
+        def deliver(work: Work) -> Batch:
+            me = loader()
+            if me is None:  # dropped: its DecodeAhead closed, so this ends the thread
+                raise RuntimeError("the loader was dropped")
+            return me._deliver(work)
+
+        works = _works(loader, epoch, start_batch)
+        ahead = DecodeAhead(works, deliver, self.stage.device, _tensors, name="gpupipe-dali", cpu=self.thread_cpu)
         self._ahead = ahead
         yield from ahead  # a pass left early closes it: its batches made ahead are dropped (their works are done)
 
-    def _works(self, epoch: int, start_batch: int) -> Iterator[Work]:
-        """The pass's works in order, on the loader's thread, each scheduled in DALI before it comes."""
-        pending = self._continue(epoch, start_batch)
-        if not pending:  # a new stream: its first works (else those in flight go on, and the first is not held back)
-            self._fill()
-        while pending and pending[0].epoch == epoch:
-            yield pending.popleft()
-            self._fill()  # once the work before was delivered: never held back by the feed's next read or DALI's
+    def _abandon(self) -> None:
+        """An error ended the pass: its thread ends, the works in flight are dropped and the feed's workers stop (the
+        next pass starts them again on a new plan)."""
+        if self._ahead is not None and not self._ahead.join(timeout=5):
+            return  # its batch waits on a stuck feed worker (a second Ctrl-C): raised now, the rest ends with it
+        self._drain()
+        self._pending = deque()
+        if self._feed is not None:
+            self._feed.stop()
 
     def _deliver(self, work: Work) -> Batch:
         """One work's batch (on the loader's thread): fetched, assembled, released (the next works are scheduled once
@@ -360,6 +372,24 @@ class DaliLoader(Loader):
             decoded = self._recover(work)
             self._resubmit()
             return decoded
+
+
+def _works(loader: weakref.ref[DaliLoader], epoch: int, start_batch: int) -> Iterator[Work]:
+    """The pass's works in order, on the loader's thread, each scheduled in DALI before it comes; between works the
+    loader is held only weakly (see :meth:`DaliLoader._source`)."""
+    me = loader()
+    assert me is not None  # the pass being made holds it
+    pending = me._continue(epoch, start_batch)
+    if not pending:  # a new stream: its first works (else those in flight go on, and the first is not held back)
+        me._fill()
+    del me
+    while pending and pending[0].epoch == epoch:
+        yield pending.popleft()
+        me = loader()
+        if me is None:
+            return
+        me._fill()  # once the work before was delivered: never held back by the feed's next read or DALI's
+        del me
 
 
 def _tensors(batch: Batch) -> list[torch.Tensor]:

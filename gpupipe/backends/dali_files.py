@@ -240,6 +240,12 @@ class FileStream:
         self._judge_bad_again()
         self._requests, self._ahead, self._boxes = iter(requests), deque(), {}
 
+    def stop(self) -> None:
+        """The plan ends (a pass an error ended), and the header scan's processes with it; :meth:`restart` begins
+        another."""
+        self._requests, self._ahead, self._boxes = iter(()), deque(), {}
+        self.scanner.close()
+
     def consuming(self, epoch: int) -> None:
         """The pass of ``epoch`` begins, on the plan already running."""
         self._judge_bad_again()

@@ -88,6 +88,19 @@ class FeedStream:
         it = start_workers(self._loader)
         self._source = _Receiver(it, self.feed.gate, self._cpu) if self._loader.num_workers > 0 else it
 
+    def stop(self) -> None:
+        """The plan ends and the workers stop now (a pass an error ended: the error's traceback may hold this stream
+        for the garbage collector, which would close the DataLoader's queues before it could stop them, 5 s a
+        worker); :meth:`restart` starts new ones."""
+        if isinstance(self._source, _Receiver):
+            self._source.stop(timeout=5)
+        self._source = None
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None:
+            it._shutdown_workers()
+            self._loader._iterator = None
+        let_go()
+
     @property
     def gate(self) -> Gate:
         return self.feed.gate
