@@ -139,18 +139,24 @@ def test_a_dali_pass_an_error_ends_stops_its_feed_workers_and_the_next_pass_star
         assert not workers, f"workers {sorted(workers)} outlived the pass the error ended"
 
 
-@pytest.mark.parametrize("backend", ["pillow", "turbojpeg", "dali"])
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg", "dali", "nvjpeg"])
 def test_a_pass_an_error_ends_stops_its_workers_before_the_error_is_raised(tmp_path, backend):
     """A bad file with ``on_error="raise"``: the error's traceback holds the loader (a caught error kept, a
     notebook's last one), yet no worker waits for the collector. The next pass starts them again, and reads the file
     mended meanwhile (dali judges each file's header once: the bad ones are judged again)."""
-    if backend not in gpupipe.available_backends():
+    if backend not in gpupipe.available_backends() and backend != "nvjpeg":
         pytest.skip(f"no {backend}")
     root = make_folder(tmp_path / "data", 2, 8)  # dali: the next pass goes on with the plan that met the error
     bad = sorted((root / "c01").iterdir())[1]
     good = bad.read_bytes()
     bad.write_bytes(good[: len(good) // 3])
-    loader = gpupipe.build_loader(root, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
+    if backend == "nvjpeg":  # its device side on the CPU (see test_nvjpeg.py)
+        from .test_nvjpeg import _CpuNvjpegLoader
+
+        kw = dict(batch_size=4, num_workers=2, device="cpu", image_size=32)
+        loader = _CpuNvjpegLoader(gpupipe.build_loader(root, "pillow", **kw).parts)
+    else:
+        loader = gpupipe.build_loader(root, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
     before = set(_children(os.getpid()))
     with pytest.raises(gpupipe.DecodeError, match=bad.name) as raised:
         list(loader)
