@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -357,6 +358,35 @@ def test_ranks_of_two_nodes_fill_one_small_cache_at_once_and_read_every_byte_rig
     assert sum(fetched for *_, fetched in counts) > len(list(prepared.glob("shard-*.tar")))  # evicted, fetched again
     held = sum(p.stat().st_size for p in cache.glob("*.tar"))
     assert held <= limit and not list(cache.glob("*.part"))
+
+
+def test_two_fetches_at_once_make_room_for_both(s3, prepared, tmp_path, monkeypatch):
+    """Two readers fetch two shards at once (two caches on one folder, as two processes): the second counts the first's
+    fetch in progress (its ``.part``, at the size its name holds) and evicts for both. Each made room for its own shard
+    alone, and a four-process run ended a shard over its limit."""
+    url = s3.upload(prepared, "both")
+    data = scan(Remote(url, cache_dir=str(tmp_path / "index")))
+    urls, sizes, etags = data.shard_paths[:3], data.cache.sizes[:3], data.cache.etags[:3]
+    limit = sum(sizes) - min(sizes)  # any two shards, not three
+    first, second = ShardCache(tmp_path / "cache", limit), ShardCache(tmp_path / "cache", limit)
+    first.ensure(data.store, urls[0], sizes[0], etags[0])  # in the cache, unused: the one to evict
+    real, started, done = data.store.fs.get_file, threading.Event(), threading.Event()
+
+    def get_file(rpath, lpath, *args, **kw):
+        if rpath.endswith(os.path.basename(urls[1])):  # the first fetch waits until the second is done
+            started.set()
+            assert done.wait(60)
+        return real(rpath, lpath, *args, **kw)
+
+    monkeypatch.setattr(data.store.fs, "get_file", get_file)
+    fetching = threading.Thread(target=first.ensure, args=(data.store, urls[1], sizes[1], etags[1]))
+    fetching.start()
+    assert started.wait(60)
+    second.ensure(data.store, urls[2], sizes[2], etags[2])
+    done.set()
+    fetching.join(60)
+    held = {p.name: p.stat().st_size for p in (tmp_path / "cache").glob("*.tar")}
+    assert sum(held.values()) <= limit and len(held) == 2, held
 
 
 def test_a_folder_left_over_its_limit_by_shards_in_use_is_trimmed_when_one_is_released(s3, prepared, tmp_path):

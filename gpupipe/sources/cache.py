@@ -22,9 +22,10 @@ folder on ``/dev/shm`` makes it a memory cache with no other code.
   again over, never read. The default folder is the user's own (mode 0700); a folder every user may write
   (``/tmp``) is refused; a group shares one by choice (:func:`check_folder`).
 - **Bounded**: before a fetch, the least recently used shards (modification time, set on each use) are removed
-  until the new one fits ``limit`` bytes; a shard a process is reading is pinned by its shared lock and never
-  removed (the folder may then exceed the limit by the shards in use at once, until they are released: the release
-  that finds the folder still over its limit evicts again).
+  until the new one fits ``limit`` bytes, counting the fetches in progress at their whole size (so fetches at once
+  make room for each other); a shard a process is reading is pinned by its shared lock and never removed (the folder
+  may then exceed the limit by the shards in use at once, until they are released: the release that finds the folder
+  still over its limit evicts again).
 - **Read ahead** (:mod:`.cached`, which also decides when a loader reads through the cache): a thread of the
   process that iterates the loader fetches the shards the coming batches will need while the current ones train.
 """
@@ -144,9 +145,8 @@ class ShardCache:
     def _trim(self) -> None:
         """After a shard is released: a folder that a fetch left over its limit is brought back under it, as far as
         the shards still in use allow (the mark stays until it is)."""
-        over = self.folder / _OVER
-        if over.exists() and self.evict(0):
-            over.unlink(missing_ok=True)
+        if (self.folder / _OVER).exists():
+            self.evict(0, trim=True)
 
     def ensure(self, store: Store, url: str, size: int, etag: str) -> None:
         """The shard fetched if this node has no copy (read ahead), not pinned."""
@@ -181,9 +181,8 @@ class ShardCache:
     def _fetch(self, store: Store, url: str, size: int, etag: str, path: Path) -> None:
         """The whole object into ``<path>.part``, checked, then renamed to ``path`` with its digest beside it (the
         caller holds its lock exclusive)."""
-        fits = self.evict(size, keep=path.name)
+        fits = self.evict(size, keep=path.name)  # makes ``<path>.part``: the next fetch's eviction counts it
         part = path.with_name(path.name + _PART)
-        self._room(url, size)
         full: list[OSError] = []
 
         def get() -> None:  # each attempt writes the file anew
@@ -194,8 +193,8 @@ class ShardCache:
                     full.append(e)
                 raise
 
-        part.unlink(missing_ok=True)  # a killed fetch's leftover (another user's: the folder's error, not the store's)
         try:
+            self._room(url, size)
             store.call(url, get)
             digest = self._checked_download(store, url, size, etag, part)
             write_digest(path.with_name(path.name + _DIGEST), digest)
@@ -211,8 +210,9 @@ class ShardCache:
         st = path.stat()
         self._checked.add((st.st_dev, st.st_ino, size, digest))
         self.fetches += 1
-        if not fits:  # marked once the shard is in place, so that a release after this sees it in the total
-            with contextlib.suppress(PermissionError):  # another user's mark: there already
+        if not fits:  # marked once the shard is in place, so that a release after this sees it in the total; under
+            # the eviction lock, so that a release trimming now cannot take the mark away after its own count
+            with contextlib.suppress(PermissionError), self._evicting():  # another user's mark: there already
                 (self.folder / _OVER).touch()
 
     def _checked_download(self, store: Store, url: str, size: int, etag: str, part: Path) -> str:
@@ -253,20 +253,35 @@ class ShardCache:
             "space), or 0 (no cache folder: range reads)"
         )
 
-    def evict(self, need: int, keep: str = "") -> bool:
+    def evict(self, need: int, keep: str = "", trim: bool = False) -> bool:
         """Remove least recently used shards, none pinned, until ``need`` more bytes fit the limit; leftovers of
-        killed fetches go first. Whether they fit (not when the shards in the way are in use)."""
-        with contextlib.ExitStack() as stack:
-            stack.callback(_unlock, _lock(self.folder / ".evict.lock", fcntl.LOCK_EX))
-            entries = _entries(self.folder)
-            total = sum(e.stat().st_size for e in entries if not e.name.endswith(_PART))
+        killed fetches go first. A fetch in progress counts at the whole size its ``.part``'s name holds, so two
+        fetches at once make room for both: ``keep`` names the shard about to be fetched, whose ``.part`` is made here,
+        under the lock. With ``trim``, the over-limit mark goes once they fit. Whether they fit (not when the shards in
+        the way are in use)."""
+        with self._evicting():
+            entries = [e for e in _entries(self.folder) if e.name.removesuffix(_PART) != keep]
+            total = sum(map(_size, entries))
             for entry in sorted(entries, key=_age):
                 if total + need <= self.limit and not entry.name.endswith(_PART):
                     break
-                size = 0 if entry.name.endswith(_PART) else entry.stat().st_size  # cached by the listing
-                if entry.name.removesuffix(_PART) != keep and _remove(entry):  # else pinned, or being fetched
+                size = _size(entry)
+                if _remove(entry):  # else pinned, or being fetched
                     total -= size
-            return total + need <= self.limit
+            if keep:  # a killed fetch's leftover replaced (another user's: the folder's error, not the store's)
+                part = self.folder / (keep + _PART)
+                part.unlink(missing_ok=True)
+                part.touch()
+            fits = total + need <= self.limit
+            if trim and fits:
+                (self.folder / _OVER).unlink(missing_ok=True)
+            return fits
+
+    def _evicting(self) -> contextlib.AbstractContextManager:
+        """The folder's eviction lock, held: one process at a time counts and removes."""
+        stack = contextlib.ExitStack()
+        stack.callback(_unlock, _lock(self.folder / ".evict.lock", fcntl.LOCK_EX))
+        return stack
 
 
 class Pinned:
@@ -344,6 +359,17 @@ def _entries(folder: Path) -> list[os.DirEntry]:
             for e in it
             if e.is_file(follow_symlinks=False) and not e.name.endswith((_LOCK, _DIGEST)) and e.name[0] != "."
         ]
+
+
+def _size(entry: os.DirEntry) -> int:
+    """A shard's bytes; a fetch's ``.part`` counts at the whole size its name holds (:meth:`ShardCache.name`)."""
+    if entry.name.endswith(_PART):
+        named = re.match(r"[0-9a-f]{16}-(\d+)-", entry.name)
+        return int(named[1]) if named else 0
+    try:
+        return entry.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _age(entry: os.DirEntry) -> tuple[bool, float]:
