@@ -299,10 +299,9 @@ class DaliLoader(Loader):
 
     def _abandon(self) -> None:
         """An error ended the pass: its thread ends, the works in flight are dropped and the feed's workers stop (the
-        next pass starts them again on a new plan)."""
+        next pass starts them again on a new plan, once it has fetched what DALI still has scheduled)."""
         if self._ahead is not None and not self._ahead.join(timeout=5):
             return  # its batch waits on a stuck feed worker (a second Ctrl-C): raised now, the rest ends with it
-        self._drain()
         self._pending = deque()
         if self._feed is not None:
             self._feed.stop()
