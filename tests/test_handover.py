@@ -4,6 +4,7 @@ thread), the buffer then handed back to the worker."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -141,3 +142,27 @@ def test_a_gpu_feeds_worker_reuses_its_buffers_for_batches_of_changing_size(tmp_
         assert all(bytes(a) == bytes(b) for a, b in zip(work.samples(), alone.samples(), strict=True))
         del work  # handed back
     assert padded == {1, 2} and len(names) <= 4 < len(requests)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_gpu_feeds_buffers_held_in_the_main_process_are_not_written_while_held(tmp_path, workers):
+    """The dali loader holds up to four works at once (scheduled ahead in DALI), from one feed worker or several: a
+    buffer a work still holds is never written by its worker for a later batch, whichever worker's it is."""
+    from gpupipe.backends.dali_feed import DaliFeed, Request
+    from gpupipe.backends.dali_stream import _as_is
+    from gpupipe.plumbing.workers import worker_init
+
+    root = make_folder(tmp_path / "d", 2, 12)
+    feed = DaliFeed(open_source(root), Recipe(SIZE), True, 0, 10**8)
+    order = np.random.default_rng(1).permutation(24).tolist()
+    requests = [Request(e, order[k : k + 3], k) for e in range(4) for k in range(0, 24, 3)]
+    dl = torch.utils.data.DataLoader(
+        feed, batch_size=None, sampler=requests, collate_fn=_as_is, num_workers=workers, worker_init_fn=worker_init
+    )
+    held: collections.deque = collections.deque()
+    for request, work in zip(requests, dl, strict=True):
+        assert work.lease is not None
+        held.append((request, work))
+        if len(held) > 4:  # the oldest, dropped once four later ones arrived: its bytes still as read
+            old, made = held.popleft()
+            assert all(bytes(a) == bytes(b) for a, b in zip(made.samples(), feed[old].samples(), strict=True))
