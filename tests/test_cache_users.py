@@ -71,12 +71,18 @@ except gpupipe.errors.GpupipeError as e:
 # What a _READ run loads lazily (modules, the store client's models), loaded as root before the process takes the
 # user's uid: the interpreter and the packages may sit where other users cannot read (root's /root, as here and in CI)
 _WARM_READ = """
-import sys, tempfile, gpupipe
+import gc, sys, tempfile, threading, gpupipe
 with tempfile.TemporaryDirectory() as cache:
     loader = gpupipe.build_loader(gpupipe.Remote(sys.argv[1], cache_dir=cache), "pillow", train=False, batch_size=4,
                                   image_size=24, num_workers=0, device="cpu", normalize=False)
     for _ in loader:
         pass
+    # the read ahead has moved on to the next epoch's first shards: it ends with its loader, before the folder goes
+    del loader
+    gc.collect()
+    for t in threading.enumerate():
+        if t.name == "gpupipe-read-ahead":
+            t.join(120)
 """
 
 # Started as root: runs the warm-up script (GPUPIPE_TEST_WARM), then takes the uid and groups, then runs the script
