@@ -218,7 +218,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 def chw_tensor(img: np.ndarray | Image.Image) -> torch.Tensor:
     """An RGB PIL image or (H, W, 3) array as a contiguous, writable (3, H, W) uint8 tensor (a copy)."""
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1)))
+    # np.array copies even where the transpose is already contiguous (a 1x1 image), so the tensor never shares
+    # PIL's read-only buffer
+    return torch.from_numpy(np.array(np.asarray(img).transpose(2, 0, 1), order="C"))
 
 
 def upright(img: Image.Image, orientation: int) -> Image.Image:

@@ -2,6 +2,9 @@
 backend: one policy for bad and unusual files, EXIF orientation, reduced (DCT-scaled) decoding."""
 
 import io
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import gpupipe
 from gpupipe.recipe import Box
 
 from .common_utils import (
+    REPO_ROOT,
     CPU_LOADER_BACKENDS,
     DECODERS,
     INVALID,
@@ -197,3 +201,30 @@ def test_two_methods_serve_every_caller(base, backend, orientation):
     array = np.zeros((24, 24, 3), dtype=np.uint8)
     view, _ = decoder.crop(data, "x.jpg", plan, 24, array)
     assert np.shares_memory(view, array) and np.array_equal(view, alone)
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_read_image_of_a_one_pixel_image_is_a_writable_copy_without_a_warning(tmp_path):
+    """A 1x1 image's (3, 1, 1) transpose is already contiguous: the tensor is still a copy, not a view over PIL's
+    read-only buffer (torch warns of those once per process, so a fresh interpreter asks; the CPU decoders share
+    ``chw_tensor`` with every backend's ``read_image`` of a Pillow-only file)."""
+    for fmt in ("jpg", "png"):
+        Image.new("RGB", (1, 1), (10, 20, 30)).save(tmp_path / f"one.{fmt}")
+    script = (
+        "import gpupipe, sys\n"
+        f"for backend in {DECODERS!r}:\n"
+        "    for name in ('one.jpg', 'one.png'):\n"
+        "        img = gpupipe.read_image(name, backend)\n"
+        "        img += 1\n"
+        "        assert img.flatten().tolist() == [11, 21, 31], (backend, name, img.flatten().tolist())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0 and not run.stderr, run.stderr
