@@ -73,3 +73,15 @@ def test_the_api_pages_name_every_public_name():
     section += loader[: loader.index("## Workers and the training thread")]
     assert "gpupipe.read_image(" in section  # was missing from the API section
     assert [n for n in gpupipe.__all__ if f"gpupipe.{n}" not in section] == []
+
+
+def test_every_python_dash_m_in_the_docs_runs_in_a_dev_install():
+    """Each ``python -m MODULE`` the pages show names a module that ``pip install -e ".[all,dev]"`` provides (the
+    wheel command once needed ``build``, which no extra installs; pip builds a wheel by itself)."""
+    import importlib.util
+    import re
+
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]
+    modules = {m for page in pages for m in re.findall(r"python -m ([A-Za-z_][\w.]*)", page.read_text())}
+    assert "gpupipe" in modules
+    assert sorted(m for m in modules if importlib.util.find_spec(m) is None) == []
