@@ -9,7 +9,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError, TransformError
+from .errors import (
+    BackendUnavailableError,
+    DecodeError,
+    GpupipeError,
+    MissingFileError,
+    NoFullBatch,
+    SourceError,
+    StorageError,
+    TransformError,
+)
 
 if TYPE_CHECKING:
     from .api import build_loader, read_image
@@ -32,10 +41,13 @@ __all__ = [
     "BackendUnavailableError",
     "DecodeError",
     "GpupipeError",
+    "MissingFileError",
     "Mix",
+    "NoFullBatch",
     "Recipe",
     "Remote",
     "ResolutionSchedule",
+    "SourceError",
     "StorageError",
     "TransformError",
     "__version__",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -17,11 +18,14 @@ from .backends.auto import choose_auto
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler, window_mixing
+from .errors import MissingFileError
 from .recipe import DefaultSize, Recipe
 from .sources.open import Source, open_source
 from .sources.remote import RemoteShardImageList
 from .sources.scan import ImageList
 from .sources.shards import ShardImageList
+
+_ROW = re.compile(r"^.*?:\d+: ")  # a missing row is named "list.csv:LINE: path"
 
 __all__ = ["as_device", "build_loader", "read_image", "usable_cores"]
 
@@ -34,9 +38,10 @@ def _check_missing(dataset: ImageList, on_error: str) -> None:
     rows = "; ".join(dataset.missing[:3]) + (
         f" and {len(dataset.missing) - 3} more" if len(dataset.missing) > 3 else ""
     )
-    rows += f" (relative paths are read from the list's folder, {dataset.root})"
+    if not all(os.path.isabs(_ROW.sub("", row, count=1)) for row in dataset.missing):
+        rows += f" (relative paths are read from the list's folder, {dataset.root})"
     if on_error == "raise":
-        raise FileNotFoundError(f"{len(dataset.missing)} file(s) in the list do not exist: {rows}")
+        raise MissingFileError(f"{len(dataset.missing)} file(s) in the list do not exist: {rows}")
     warnings.warn(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}", stacklevel=3)
 
 

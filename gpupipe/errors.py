@@ -52,6 +52,33 @@ class TransformError(GpupipeError):
         return (type(self), (self.where, self.transform, self.cause))
 
 
+class MissingFileError(FileNotFoundError, GpupipeError):
+    """A source, or a file or shard it names, does not exist: the message names it. Also a
+    :class:`FileNotFoundError`, as it was before gpupipe had its own class for it."""
+
+
+class SourceError(ValueError, GpupipeError):
+    """A source that cannot be read as one: a file list's row or label, a shard's member or label, classes unlike
+    the training set's. The message names the file (and the line or member) and the cause. Also a
+    :class:`ValueError`."""
+
+
+class NoFullBatch(ValueError, GpupipeError):
+    """A batch larger than each rank's share of the data, with ``drop_last=True``: ``largest`` is the largest batch
+    that makes one (0: fewer samples than ranks). Also a :class:`ValueError`."""
+
+    def __init__(self, samples: int, ranks: int, batch_size: int, largest: int, flag: str = "batch_size="):
+        self.samples, self.ranks, self.batch_size, self.largest, self.flag = samples, ranks, batch_size, largest, flag
+        way = f"use {flag}{largest} or less" if largest else "use fewer ranks than samples"
+        super().__init__(
+            f"{samples} samples over {ranks} rank(s) make no full batch of {batch_size} with drop_last=True: {way}"
+            + (", or drop_last=False" if flag == "batch_size=" else "")
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.samples, self.ranks, self.batch_size, self.largest, self.flag))
+
+
 class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
     """A known backend cannot be built on this machine; the message says how to fix it."""
 

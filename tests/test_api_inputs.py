@@ -164,3 +164,22 @@ def test_read_image_names_the_decoding_backends_and_a_missing_gpu_in_one_line(tm
         with pytest.raises(ValueError, match=r"^device='cuda' was asked for, but torch sees no CUDA device$"):
             gpupipe.read_image(path, "pillow", device="cuda")
     assert gpupipe.read_image(path, "pillow").shape[0] == 3
+
+
+def test_a_missing_absolute_row_gets_no_relative_path_hint_and_every_data_error_is_gpupipes(tmp_path, folder):
+    """The hint about relative paths only where a missing row is relative; the missing-file, malformed-source and
+    batch-size errors are gpupipe's own, each keeping its builtin class as a base (docs/loader.md)."""
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"{folder.resolve()}/c00/000.jpg,0\n{tmp_path}/gone.jpg,1\n")
+    with pytest.raises(gpupipe.MissingFileError, match=r"list.csv:2: .*gone.jpg") as e:
+        gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)
+    assert isinstance(e.value, FileNotFoundError) and "relative paths" not in str(e.value)
+    with pytest.raises(gpupipe.MissingFileError, match="no such directory or file list"):
+        gpupipe.build_loader(tmp_path / "nowhere", "pillow", device="cpu", num_workers=0)
+    lst.write_text(f"{folder.resolve()}/c00/000.jpg,-1\n")
+    with pytest.raises(gpupipe.SourceError, match=r"list.csv:1: label -1 must be >= 0") as e:
+        gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(gpupipe.NoFullBatch, match="make no full batch of 4096") as e:
+        gpupipe.build_loader(folder, "pillow", batch_size=4096, device="cpu", num_workers=0)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, gpupipe.GpupipeError)

@@ -20,22 +20,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from ..errors import NoFullBatch
 from .position import Position, Resplit
 
 Keys = list[tuple[int, int]]  # one batch as (epoch, index) keys
-
-
-class NoFullBatch(ValueError):
-    """A batch larger than each rank's share of the data, with ``drop_last=True``: ``largest`` is the largest batch
-    that makes one (0: fewer samples than ranks)."""
-
-    def __init__(self, samples: int, ranks: int, batch_size: int, largest: int, flag: str = "batch_size="):
-        self.samples, self.ranks, self.batch_size, self.largest = samples, ranks, batch_size, largest
-        way = f"use {flag}{largest} or less" if largest else "use fewer ranks than samples"
-        super().__init__(
-            f"{samples} samples over {ranks} rank(s) make no full batch of {batch_size} with drop_last=True: {way}"
-            + (", or drop_last=False" if flag == "batch_size=" else "")
-        )
 
 
 class ShardSampler:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import MissingFileError, SourceError
 from .objstore import Remote
 from .remote import is_url, scan_remote
 from .scan import ImageList, scan_csv, scan_folder
@@ -34,18 +35,18 @@ def open_source(
     if is_url(root) or is_shard_source(root):
         shards = scan_remote(root) if is_url(root) else scan_shards(root, allow_outside_root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
-            raise ValueError(
+            raise SourceError(
                 f"{root}: the shards' classes differ from the training set's; prepare both from "
                 "folders with the same classes"
             )
         return shards
     if not isinstance(root, (str, os.PathLike)):
-        raise ValueError(f"{root}: a list of sources must name tar shards")
+        raise SourceError(f"{root}: a list of sources must name tar shards")
     path = Path(root)
     if path.is_dir():
         return scan_folder(path, class_to_idx, allow_outside_root)
     if path.is_file() and path.suffix.lower() in (".csv", ".txt"):
         return scan_csv(path, allow_outside_root, class_to_idx)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such directory or file list")
-    raise ValueError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
+        raise MissingFileError(f"{path}: no such directory or file list")
+    raise SourceError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")

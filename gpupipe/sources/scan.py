@@ -15,6 +15,7 @@ from typing import ClassVar, NamedTuple
 
 from .._files import read_regular
 from .._names import escape
+from ..errors import SourceError
 from .compact import PathList, SampleList
 from .walk import walk_folder
 
@@ -87,7 +88,7 @@ def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[st
     """``names`` mapped through ``class_to_idx``: unknown names are an error, absent ones a warning."""
     unknown = sorted(set(names) - set(class_to_idx))
     if unknown:
-        raise ValueError(
+        raise SourceError(
             f"{source}: classes not in the training set: {', '.join(map(str, unknown[:10]))}"
             + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         )
@@ -122,7 +123,7 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
     base = path.parent.resolve()
     rows = _without_header(_csv_rows(path), base)
     if not rows:
-        raise ValueError(f"{path}: the file list is empty")
+        raise SourceError(f"{path}: the file list is empty")
     numeric = _labels_are_indices(path, rows)
     if class_to_idx is not None:  # a held-out set, labelled as the training set
         names = {row.label for row in rows}
@@ -154,9 +155,9 @@ def _csv_rows(path: Path) -> list[_Row]:
             if not row or row[0].startswith("#"):
                 continue
             if len(row) < 2:
-                raise ValueError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
+                raise SourceError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
             if "\0" in row[0]:  # the OS refuses it ("embedded null byte"): said here, with the line
-                raise ValueError(f"{path}:{lineno}: the path {row[0]!r} holds a NUL byte, which no file name can")
+                raise SourceError(f"{path}:{lineno}: the path {row[0]!r} holds a NUL byte, which no file name can")
             rows.append(_Row(lineno, row[0].strip(), row[1].strip()))
     return rows
 
@@ -181,14 +182,14 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
     for lineno, _, label in rows:
         if _is_int(label) != numeric:
             kind = "an integer" if numeric else "a class name"
-            raise ValueError(
+            raise SourceError(
                 f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
                 f"({rows[0].label!r}); use class indices or class names, not both"
             )
         if numeric and label.startswith("-") and label.lstrip("-0"):
-            raise ValueError(f"{path}:{lineno}: label {_short(label)} must be >= 0")
+            raise SourceError(f"{path}:{lineno}: label {_short(label)} must be >= 0")
         if numeric and _too_large(label):
-            raise ValueError(
+            raise SourceError(
                 f"{path}:{lineno}: label {_short(label)} would make more than {MAX_CLASSES:,} classes (labels are "
                 f"class indices 0..n-1; at most {MAX_CLASSES:,} classes)"
             )
@@ -209,7 +210,7 @@ def _short(label: str) -> str:
 def _check_indices(path: Path, labels: set[str], num_classes: int) -> None:
     beyond = {n for n in labels if int(n) >= num_classes}
     if beyond:
-        raise ValueError(
+        raise SourceError(
             f"{path}: labels {', '.join(sorted(beyond, key=int))} are beyond the training set's {num_classes} classes"
         )
 
@@ -219,7 +220,7 @@ def _resolve(path: Path, base: Path, rel: str, allow_outside_root: bool) -> str:
     ``allow_outside_root``."""
     full = (base / rel).resolve()
     if not allow_outside_root and not Path(rel).is_absolute() and not full.is_relative_to(base):
-        raise ValueError(
+        raise SourceError(
             f"{path}: {rel!r} points outside {base} (relative paths are read from the list's folder); write it as "
             "an absolute path, or pass allow_outside_root=True to build_loader (--allow-outside-root to gpupipe train, "
             "check, eval) if you trust it"

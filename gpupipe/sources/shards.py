@@ -24,7 +24,7 @@ import numpy as np
 
 from .._files import is_regular_file, write_atomic
 from .._system import usable_cores
-from ..errors import GpupipeError
+from ..errors import MissingFileError, SourceError
 from .compact import SampleList
 from .scan import MAX_CLASSES, ImageList
 
@@ -187,16 +187,16 @@ def scan_shards(root, allow_outside_root: bool = False) -> ShardImageList:
     if isinstance(root, (list, tuple)):
         paths = [os.fspath(p) for p in root]
         if not paths:
-            raise ValueError("the list of shards is empty")
+            raise SourceError("the list of shards is empty")
     elif glob.has_magic(os.fspath(root)):
         paths = sorted(glob.glob(os.path.expanduser(os.fspath(root))))
         if not paths:
-            raise FileNotFoundError(f"{root}: no file matches this pattern")
+            raise MissingFileError(f"{root}: no file matches this pattern")
     else:
         paths = [os.fspath(root)]
     for p in paths:
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"{p}: no such shard")
+            raise MissingFileError(f"{p}: no such shard")
     return load_tars(paths)
 
 
@@ -206,7 +206,7 @@ def load_prepared(folder: str | os.PathLike, allow_outside_root: bool = False) -
     folder = Path(folder)
     meta = json.loads((folder / META).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise GpupipeError(
+        raise SourceError(
             f"{folder / META}: format {meta.get('format')!r} version {meta.get('version')!r}; this "
             f"gpupipe reads {FORMAT!r} version {VERSION}: prepare the data again"
         )
@@ -234,7 +234,7 @@ def _shards_inside(folder: Path, names: list) -> None:
     root = Path(os.path.abspath(folder))
     for name in names:
         if not isinstance(name, str) or not Path(os.path.normpath(root / name)).is_relative_to(root):
-            raise GpupipeError(
+            raise SourceError(
                 f"{folder / META}: shard {name!r} lies outside {root}; pass allow_outside_root=True to build_loader "
                 "if you trust it"
             )
@@ -283,18 +283,18 @@ def combine_indexes(parts: list[dict[str, np.ndarray]], paths: list[str]) -> tup
     """The shards' labels as class indices, the class names, and each sample's shard number."""
     numeric = [p["label"].dtype.kind in "iu" for p in parts]
     if any(numeric) and not all(numeric):
-        raise GpupipeError(
+        raise SourceError(
             f"{paths[numeric.index(True)]} has numeric labels but {paths[numeric.index(False)]} has "
             "class names: one data set needs one kind"
         )
     labels = np.concatenate([p["label"] for p in parts])
     if all(numeric):
         if labels.size and labels.min() < 0:
-            raise GpupipeError(f"{paths[0]}...: labels must be >= 0, found {labels.min()}")
+            raise SourceError(f"{paths[0]}...: labels must be >= 0, found {labels.min()}")
         if labels.size and labels.max() >= MAX_CLASSES:
             ends = np.cumsum([len(p["label"]) for p in parts])
             where = paths[int(np.searchsorted(ends, int(np.argmax(labels)), side="right"))]
-            raise GpupipeError(
+            raise SourceError(
                 f"{where}: label {labels.max()} would make {int(labels.max()) + 1} classes (labels are class "
                 f"indices 0..n-1; at most {MAX_CLASSES:,} classes)"
             )
@@ -374,7 +374,7 @@ def index_tar(path: str) -> dict[str, np.ndarray]:
     keys, values = _paired(path, members)
     kinds = {type(v) for v in values}
     if len(kinds) > 1:
-        raise GpupipeError(f"{path}: labels mix numbers and class names")
+        raise SourceError(f"{path}: labels mix numbers and class names")
     return {
         "member": np.array([images[k][0] for k in keys]),
         "offset": np.array([images[k][1] for k in keys], np.uint64),
@@ -397,14 +397,14 @@ def _walk_tar(path: str) -> _TarMembers:
                     members.order.append(key)
                 if ext in IMAGE_EXTS:
                     if key in images:
-                        raise GpupipeError(
+                        raise SourceError(
                             f"{path}: key {key!r} has two images ({images[key][0]} and {m.name}): "
                             "mixed extensions, which one is the sample?"
                         )
                     images[key] = (m.name, m.offset_data, m.size)
                 else:
                     if key in labels[ext]:
-                        raise GpupipeError(
+                        raise SourceError(
                             f"{path}: key {key!r} has two .{ext} members ({labels[ext][key][0]} and {m.name}): "
                             "which one is its label?"
                         )
@@ -412,7 +412,7 @@ def _walk_tar(path: str) -> _TarMembers:
                     assert member is not None
                     labels[ext][key] = (m.name, member.read())
     except tarfile.TarError as e:
-        raise GpupipeError(f"{path}: not an uncompressed tar file ({e})") from None
+        raise SourceError(f"{path}: not an uncompressed tar file ({e})") from None
     return members
 
 
@@ -422,17 +422,17 @@ def _paired(path: str, members: _TarMembers) -> tuple[list[str], list[int | str]
     keys, values = [], []
     for key in members.order:
         if key not in members.images:
-            raise GpupipeError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
+            raise SourceError(f"{path}: key {key!r} has a label but no image (.{', .'.join(IMAGE_EXTS)})")
         found = members.labels["cls"].get(key) or members.labels["json"].get(key)
         if found is None:
-            raise GpupipeError(
+            raise SourceError(
                 f"{path}: key {key!r} has no label (a .cls member, or a .json with a "
                 f"{' or '.join(repr(f) for f in LABEL_FIELDS)} field)"
             )
         keys.append(key)
         values.append(_label(path, *found))
     if not keys:
-        raise GpupipeError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
+        raise SourceError(f"{path}: no samples (key.jpg|jpeg|png|webp with key.cls or key.json) in this shard")
     return keys, values
 
 
@@ -447,16 +447,16 @@ def _label(path: str, member: str, data: bytes) -> int | str:
     if member.lower().endswith(".cls"):
         text = data.strip()
         if re.fullmatch(rb"-?[0-9]+", text) is None:  # ASCII digits only: int() would read b"1_0" as 10
-            raise GpupipeError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}")
+            raise SourceError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}")
         return int(text)
     try:
         obj = json.loads(data)
     except ValueError as e:
-        raise GpupipeError(f"{where}: not valid JSON ({e})") from None
+        raise SourceError(f"{where}: not valid JSON ({e})") from None
     for f in LABEL_FIELDS:
         if isinstance(obj, dict) and f in obj:
             value = obj[f]
             if isinstance(value, bool) or not isinstance(value, (int, str)):
-                raise GpupipeError(f"{where}: field {f!r} must be an integer or a class name, got {value!r}")
+                raise SourceError(f"{where}: field {f!r} must be an integer or a class name, got {value!r}")
             return value
-    raise GpupipeError(f"{where}: no label field ({' or '.join(repr(f) for f in LABEL_FIELDS)})")
+    raise SourceError(f"{where}: no label field ({' or '.join(repr(f) for f in LABEL_FIELDS)})")

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from ..errors import MissingFileError
+
 _KINDS = {stat.S_IFIFO: "a fifo", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
 _KINDS[stat.S_IFSOCK] = "a socket"
 SHOWN = 5  # names listed in a message before "and N more"
@@ -141,7 +143,7 @@ def walk_folder(
     walk._first_visit(root)
     classes = walk.classes()
     if not classes:
-        raise FileNotFoundError(f"{root}: no class folder in it (an ImageFolder holds one folder per class)")
+        raise MissingFileError(f"{root}: no class folder in it (an ImageFolder holds one folder per class)")
     found = label_classes(classes) if label_classes is not None else {c: i for i, c in enumerate(classes)}
     samples: list[tuple[str, int]] = []
     empty: list[str] = []
@@ -155,7 +157,7 @@ def walk_folder(
         if not files:
             empty.append(name)
     if empty:
-        raise FileNotFoundError(_no_files(root, empty, walk.problems, extensions))
+        raise MissingFileError(_no_files(root, empty, walk.problems, extensions))
     return Walked(classes, found, samples, walk.problems)
 
 
