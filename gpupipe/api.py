@@ -88,7 +88,8 @@ def build_loader(
 
     Args:
         root: an ImageFolder directory, or a CSV file list (``path,label``, paths relative to the file), or tar
-            shards: a folder written by ``gpupipe prepare``, or WebDataset ``.tar`` shards (a path, glob or list);
+            shards: a folder written by ``gpupipe prepare``, or WebDataset ``.tar`` shards (a path, a glob, braces
+            ``train-{000000..000009}.tar``, or a list);
             shards may be at a URL (``s3://bucket/train``, ``gs://...``), or a :class:`gpupipe.Remote` for its
             storage options, cache folder and retries.
         backend: ``pillow``, ``pillow-simd``, ``turbojpeg``, ``dali``, ``nvjpeg``, ``synthetic`` or ``auto``

@@ -67,6 +67,16 @@ def test_webdataset_shards_load_with_their_labels(wds_shards):
     assert torch.cat([y for _, y in loader]).tolist() == data.targets
 
 
+def test_local_shards_take_webdatasets_brace_notation(wds_shards):
+    """``part-{00..01}.tar`` names the same shards as the list, as braces do at a URL; a shard the braces name that is
+    not there is named."""
+    braces = scan(str(wds_shards / "part-{00..01}.tar"))
+    assert braces.samples == scan([wds_shards / "part-00.tar", wds_shards / "part-01.tar"]).samples
+    assert scan(str(wds_shards / "part-{02,00}.tar")).targets == [i % 5 for i in (*range(10, 14), *range(6))]
+    with pytest.raises(gpupipe.MissingFileError, match=r"part-03.tar: no such shard"):
+        scan(str(wds_shards / "part-{00..03}.tar"))
+
+
 def test_class_names_from_json(tmp_path):
     with wds.TarWriter(str(tmp_path / "a.tar")) as w:
         for i, name in enumerate(["dog", "cat", "dog"]):

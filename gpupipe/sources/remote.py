@@ -30,7 +30,17 @@ from .cache_folder import cache_folder
 from .cached import CachedShards, ReadAhead, plan
 from .objstore import Remote, Store
 from .ranges import BatchReader
-from .shards import FORMAT, INDEX, META, VERSION, ShardImageList, _save_npz, combine_indexes, index_tar
+from .shards import (
+    FORMAT,
+    INDEX,
+    META,
+    VERSION,
+    ShardImageList,
+    _save_npz,
+    combine_indexes,
+    expand_braces,
+    index_tar,
+)
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _INDEX_VERSION = 1
@@ -47,23 +57,6 @@ def is_url(root) -> bool:
 
 def as_remote(root) -> Remote:
     return root if isinstance(root, Remote) else Remote(list(root) if isinstance(root, (list, tuple)) else root)
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """WebDataset's brace notation: ``a-{000..012}.tar`` (zero-padded as written) and ``{train,val}``, nested."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[: m.start()], m[1], pattern[m.end() :]
-    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if rng:
-        lo, hi, width = int(rng[1]), int(rng[2]), len(rng[1])
-        if hi < lo:
-            raise ValueError(f"{pattern}: range {{{body}}} runs backwards")
-        choices = [f"{i:0{width}d}" for i in range(lo, hi + 1)]
-    else:
-        choices = body.split(",")
-    return [p for c in choices for p in expand_braces(head + c + tail)]
 
 
 class RemoteShardImageList(ShardImageList):

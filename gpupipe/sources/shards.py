@@ -171,33 +171,62 @@ def _open_files() -> str:
 
 
 def is_shard_source(root) -> bool:
-    """A list of shards, a glob, a ``.tar`` file, or a folder written by ``gpupipe prepare``."""
+    """A list of shards, a glob or brace pattern, a ``.tar`` file, or a folder written by ``gpupipe prepare``."""
     if isinstance(root, (list, tuple)):
         return True
     path = os.fspath(root)
-    if glob.has_magic(path) and not os.path.exists(path):
+    if (glob.has_magic(path) or _BRACES.search(path)) and not os.path.exists(path):
         return True
     return path.endswith(".tar") or os.path.isfile(os.path.join(path, META))
+
+
+_BRACES = re.compile(r"\{[^{}]*\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """WebDataset's brace notation: ``a-{000..012}.tar`` (zero-padded as written) and ``{train,val}``, nested."""
+    m = _BRACES.search(pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[: m.start()], m[0][1:-1], pattern[m.end() :]
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi, width = int(rng[1]), int(rng[2]), len(rng[1])
+        if hi < lo:
+            raise ValueError(f"{pattern}: range {{{body}}} runs backwards")
+        choices = [f"{i:0{width}d}" for i in range(lo, hi + 1)]
+    else:
+        choices = body.split(",")
+    return [p for c in choices for p in expand_braces(head + c + tail)]
+
+
+def shard_paths(root) -> list[str]:
+    """The shard files ``root`` names: a path, a glob, WebDataset's braces (``train-{000000..000009}.tar``, as for
+    shards at a URL), or a list of them; a name that exists as written is taken as it is."""
+    entries = [os.fspath(p) for p in root] if isinstance(root, (list, tuple)) else [os.fspath(root)]
+    if not entries:
+        raise SourceError("the list of shards is empty")
+    paths = []
+    for entry in entries:
+        for pattern in [entry] if os.path.exists(entry) else expand_braces(entry):
+            if glob.has_magic(pattern) and not os.path.exists(pattern):
+                found = sorted(glob.glob(os.path.expanduser(pattern)))
+                if not found:
+                    raise MissingFileError(f"{pattern}: no file matches this pattern")
+                paths.extend(found)
+            else:
+                paths.append(pattern)
+    for p in paths:
+        if not os.path.isfile(p):
+            raise MissingFileError(f"{p}: no such shard")
+    return paths
 
 
 def scan_shards(root, allow_outside_root: bool = False) -> ShardImageList:
     """The :class:`ShardImageList` for ``root`` (see :func:`is_shard_source`)."""
     if not isinstance(root, (list, tuple)) and os.path.isdir(root):
         return load_prepared(root, allow_outside_root)
-    if isinstance(root, (list, tuple)):
-        paths = [os.fspath(p) for p in root]
-        if not paths:
-            raise SourceError("the list of shards is empty")
-    elif glob.has_magic(os.fspath(root)):
-        paths = sorted(glob.glob(os.path.expanduser(os.fspath(root))))
-        if not paths:
-            raise MissingFileError(f"{root}: no file matches this pattern")
-    else:
-        paths = [os.fspath(root)]
-    for p in paths:
-        if not os.path.isfile(p):
-            raise MissingFileError(f"{p}: no such shard")
-    return load_tars(paths)
+    return load_tars(shard_paths(root))
 
 
 def load_prepared(folder: str | os.PathLike, allow_outside_root: bool = False) -> ShardImageList:
