@@ -165,3 +165,21 @@ def test_a_wrong_flag_value_is_named_by_its_flag_and_a_wrong_file_value_by_its_k
     config.write_text("image_size: 0\n")
     assert main(["train", "--config", str(config), "--print-config"]) == 2
     assert _lines(capsys.readouterr().err) == ["error: image_size must be >= 1, got 0"]
+
+
+def test_a_shard_label_past_an_int64_is_one_line_naming_the_shard_and_member(tmp_path, capsys, monkeypatch):
+    """A 30-digit label once overflowed the index's int64 column: a traceback from check and train."""
+    import io
+    import tarfile
+
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    shard = tmp_path / "train.tar"
+    with tarfile.open(shard, "w") as tf:
+        for name, data in (("a.jpg", b"x"), ("a.cls", b"1" * 30)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    for command in (["check", str(shard)], ["train", *train_args(shard, tmp_path / "out")]):
+        assert main(command) == 2
+        (line,) = _lines(capsys.readouterr().err)
+        assert line.startswith(f"error: {shard}: a.cls: label 111111111111...(30 characters) would make more than")

@@ -131,6 +131,10 @@ def _tar(path, members: dict[str, bytes] | list[tuple[str, bytes]]):
         ({"a.jpg": b"x", "a.cls": "\u0663".encode()}, r"a.cls: a .cls member must hold an integer"),
         ([("a.jpg", b"x"), ("a.cls", b"1"), ("a.cls", b"2")], r"key 'a' has two .cls members \(a.cls and a.cls\)"),
         ({"a.txt": b"x"}, r"no samples"),
+        ({"a.jpg": b"x", "a.cls": b"1" * 30}, r"a.cls: label 1{12}\.\.\.\(30 characters\) would make more than"),
+        ({"a.jpg": b"x", "a.cls": b"-" + b"1" * 30}, r"a.cls: label -1{11}\.\.\.\(31 characters\) must be >= 0"),
+        ({"a.jpg": b"x", "a.json": b'{"label": 1000000000000000000000000000000}'}, r"a.json: label 1\d+.* more than"),
+        ({"a.jpg": b"x", "a.json": b'{"label": -1000000000000000000000000000000}'}, r"a.json: label -1.* >= 0"),
     ],
 )
 def test_unusable_shards_are_named_with_their_key(tmp_path, members, message):
@@ -138,6 +142,20 @@ def test_unusable_shards_are_named_with_their_key(tmp_path, members, message):
     with pytest.raises(GpupipeError, match=message) as e:
         scan(path)
     assert str(path) in str(e.value)
+
+
+def test_a_negative_member_size_is_named_not_an_overflow(tmp_path):
+    """A base-256 size field tarfile reads as -256: the shard and member named, as every malformed shard is."""
+    path = _tar(tmp_path / "bad.tar", [("a.cls", b"1"), ("a.jpg", b"x")])
+    data = bytearray(path.read_bytes())
+    header = data[1024:1536]  # a.jpg's
+    header[124:136] = b"\xff" * 11 + b"\x00"  # the size field, base-256: -256
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\x00 " % sum(header)  # the header's checksum
+    data[1024:1536] = header
+    path.write_bytes(bytes(data))
+    with pytest.raises(gpupipe.SourceError, match=rf"{path}: a.jpg: the tar header gives a negative size \(-256\)"):
+        scan(path)
 
 
 def test_a_compressed_shard_is_refused(tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import GpupipeError, StorageError
+from ..errors import GpupipeError, SourceError, StorageError
 from .cache import ShardCache, etag_of, parse_limit
 from .cache_folder import cache_folder
 from .cached import CachedShards, ReadAhead, plan
@@ -305,7 +305,7 @@ def _index_local(path: Path, url: str) -> dict[str, np.ndarray]:
     try:
         return index_tar(str(path))
     except GpupipeError as e:  # name the URL, not the downloaded copy
-        raise GpupipeError(str(e).replace(str(path), url)) from None
+        raise SourceError(str(e).replace(str(path), url)) from None
 
 
 def _index_cache() -> Path:

@@ -186,14 +186,21 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
                 f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
                 f"({rows[0].label!r}); use class indices or class names, not both"
             )
-        if numeric and label.startswith("-") and label.lstrip("-0"):
-            raise SourceError(f"{path}:{lineno}: label {_short(label)} must be >= 0")
-        if numeric and _too_large(label):
-            raise SourceError(
-                f"{path}:{lineno}: label {_short(label)} would make more than {MAX_CLASSES:,} classes (labels are "
-                f"class indices 0..n-1; at most {MAX_CLASSES:,} classes)"
-            )
+        if numeric and (problem := index_problem(label)) is not None:
+            raise SourceError(f"{path}:{lineno}: {problem}")
     return numeric
+
+
+def index_problem(label: str) -> str | None:
+    """Why a numeric label (ASCII digits after an optional minus) is no class index, or ``None`` when it is one."""
+    if label.startswith("-") and label.lstrip("-0"):
+        return f"label {_short(label)} must be >= 0"
+    if _too_large(label):
+        return (
+            f"label {_short(label)} would make more than {MAX_CLASSES:,} classes (labels are class indices 0..n-1; "
+            f"at most {MAX_CLASSES:,} classes)"
+        )
+    return None
 
 
 def _too_large(label: str) -> bool:

@@ -26,7 +26,7 @@ from .._files import is_regular_file, write_atomic
 from .._system import usable_cores
 from ..errors import MissingFileError, SourceError
 from .compact import SampleList
-from .scan import MAX_CLASSES, ImageList
+from .scan import MAX_CLASSES, ImageList, index_problem
 
 META = "gpupipe.json"  # a prepared folder's metadata: its presence marks a complete prepared set
 INDEX = "index.npz"  # per-sample columns of a prepared folder
@@ -422,6 +422,8 @@ def _walk_tar(path: str) -> _TarMembers:
                 key, ext = _split(m.name)
                 if not m.isfile() or (ext not in IMAGE_EXTS and ext not in labels):
                     continue
+                if m.size < 0:  # tarfile reads a base-256 size field as it is: a damaged or hostile header
+                    raise SourceError(f"{path}: {m.name}: the tar header gives a negative size ({m.size})")
                 if key not in images and all(key not in d for d in labels.values()):
                     members.order.append(key)
                 if ext in IMAGE_EXTS:
@@ -477,7 +479,7 @@ def _label(path: str, member: str, data: bytes) -> int | str:
         text = data.strip()
         if re.fullmatch(rb"-?[0-9]+", text) is None:  # ASCII digits only: int() would read b"1_0" as 10
             raise SourceError(f"{where}: a .cls member must hold an integer label, got {data[:40]!r}")
-        return int(text)
+        return _class_index(where, text.decode())
     try:
         obj = json.loads(data)
     except ValueError as e:
@@ -487,5 +489,12 @@ def _label(path: str, member: str, data: bytes) -> int | str:
             value = obj[f]
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise SourceError(f"{where}: field {f!r} must be an integer or a class name, got {value!r}")
-            return value
+            return _class_index(where, str(value)) if isinstance(value, int) else value
     raise SourceError(f"{where}: no label field ({' or '.join(repr(f) for f in LABEL_FIELDS)})")
+
+
+def _class_index(where: str, label: str) -> int:
+    """A numeric label as a class index, checked before it meets an int64 column (a 30-digit label overflows it)."""
+    if (problem := index_problem(label)) is not None:
+        raise SourceError(f"{where}: {problem}")
+    return int(label)
