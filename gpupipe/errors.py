@@ -18,16 +18,23 @@ class DecodeError(GpupipeError):
         path: the file (or ``"<bytes>"`` for in-memory input).
         backend: the backend that tried.
         reason: the cause, in words.
+        fix: how to go on (a loader's error names ``on_error="skip"`` and ``gpupipe check``), or ``""``.
     """
 
-    def __init__(self, path: str, backend: str, reason: str):
+    def __init__(self, path: str, backend: str, reason: str, fix: str = ""):
         self.path = str(path)
         self.backend = backend
         self.reason = reason
-        super().__init__(f"{self.path}: cannot decode with backend {backend!r}: {reason}")
+        self.fix = fix
+        super().__init__(self.fault + (f"; {fix}" if fix else ""))
+
+    @property
+    def fault(self) -> str:
+        """The file, the backend and the cause: the message without the fix."""
+        return f"{self.path}: cannot decode with backend {self.backend!r}: {self.reason}"
 
     def __reduce__(self):  # picklable across DataLoader workers
-        return (type(self), (self.path, self.backend, self.reason))
+        return (type(self), (self.path, self.backend, self.reason, self.fix))
 
 
 class TransformError(GpupipeError):

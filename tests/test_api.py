@@ -5,6 +5,7 @@ on pillow. Parametrised over every decoding backend that delivers on the CPU (th
 import io
 import multiprocessing
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -77,6 +78,11 @@ def test_a_bad_file_in_the_first_batch_is_named(first_bad, backend, train):
     with pytest.raises(gpupipe.DecodeError, match=r"000_truncated\.jpg") as e:
         list(loader)
     assert e.value.backend == backend
+    assert str(e.value).endswith(  # the fix, as the command line names it
+        '; to go on: on_error="skip" leaves such files out (listed in loader.skipped), and `gpupipe check` on the '
+        "same source lists every unreadable file"
+    )
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
 
 
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)

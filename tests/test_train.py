@@ -128,6 +128,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_correc
     out = tmp_path / "run"
     err = _run(*train_cli(bad, out, epochs=1, batch_size=3)).stderr.splitlines()[-1]  # after the start-up line
     assert "000_broken.jpg" in err and "--on-error skip" in err and f"gpupipe check {bad}" in err
+    assert 'on_error="skip"' not in err  # the API's fix, not the command's
     assert not (out / "checkpoints" / "last.pt").exists()
     retry = _run(*train_cli(bad, out, epochs=1, batch_size=3, on_error="skip"))
     assert retry.returncode == 0, retry.stderr

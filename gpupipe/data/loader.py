@@ -263,7 +263,7 @@ class Loader:
                 _raise_shortages(b.errors)  # nor is a process out of open files
                 if self.on_error == "raise":
                     path, reason = b.errors[0]
-                    raise DecodeError(path, self.backend, reason)
+                    raise DecodeError(path, self.backend, reason, SKIP_FIX)
                 self.skipped.extend(b.errors)
             yield b
 
@@ -275,6 +275,12 @@ def _raise_storage_errors(errors: list[tuple[str, str]]) -> None:
     for _, reason in errors:
         if reason.startswith(prefix):
             raise StorageError(reason[len(prefix) :])
+
+
+SKIP_FIX = (
+    'to go on: on_error="skip" leaves such files out (listed in loader.skipped), and `gpupipe check` on the same '
+    "source lists every unreadable file"
+)
 
 
 class WorkerResourceError(GpupipeError):

@@ -93,7 +93,7 @@ def _train(cfg) -> int:
         train(cfg)
     except DecodeError as e:  # the first unreadable file stopped the run: say how to go on
         raise GpupipeError(
-            f"{e}; to go on: --on-error skip leaves such files out (listed in {cfg.out}/skipped.txt), "
+            f"{e.fault}; to go on: --on-error skip leaves such files out (listed in {cfg.out}/skipped.txt), "
             f"and `gpupipe check {cfg.data}` lists every unreadable file"
         ) from e
     except NoFullBatch as e:  # build_loader's drop_last is no flag of train's: name the one that is
