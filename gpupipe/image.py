@@ -117,6 +117,18 @@ def _unreadable(e: Exception) -> str:
     return f"not a readable image ({type(e).__name__}: {re.sub(r' ?<_io.BytesIO object at 0x[0-9a-f]+>', '', str(e))})"
 
 
+TRUNCATED = "truncated (the data ends before the image does)"
+# how each library says it: Pillow; libjpeg-turbo through TurboJPEG ("file") and through DALI's decoder ("data")
+_TRUNCATION = ("image file is truncated", "Premature end of JPEG")
+
+
+def decode_failure(e: BaseException | str) -> str:
+    """Why a decoder failed, in one wording per cause whatever the library: a truncated file is :data:`TRUNCATED`
+    on every backend; any other cause as the library says it (a warning made an error without its class name)."""
+    text = e if isinstance(e, str) else str(e) if isinstance(e, Warning) else f"{type(e).__name__}: {e}"
+    return TRUNCATED if any(words in text for words in _TRUNCATION) else text
+
+
 def float_image_reason(mode: str) -> str | None:
     """The rule for floating-point images (TIFF mode ``F``), the same on every backend: refused, as their value range
     (0-1? 0-255? HDR?) says nothing about which 8-bit value a pixel is. Integer modes are scaled (see ``to_rgb``)."""

@@ -93,6 +93,9 @@ def test_skip_mode_eval_delivers_exactly_the_good_files(first_bad, backend):
     assert _labels(batches) == good  # each good file once, in order: no padding with duplicates
     assert [len(y) for _, y in batches] == [4, 4, 2]
     assert [os.path.basename(p) for p, _ in loader.skipped] == ["000_truncated.jpg"]
+    assert [reason for _, reason in loader.skipped] == [
+        "truncated (the data ends before the image does)"
+    ]  # one wording
 
 
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)

@@ -95,12 +95,18 @@ def test_loaders_turn_oriented_files_as_exif_transpose(tmp_path, base, backend):
 
 @pytest.mark.parametrize("backend", READERS)
 @pytest.mark.parametrize("kind", sorted(INVALID))
-def test_invalid_files_raise_decode_error_naming_the_file(tmp_path, base, backend, kind):
+def test_invalid_files_raise_decode_error_naming_the_file(tmp_path, base, backend, kind, capfd):
+    """Only gpupipe's message: nothing of the library's own on stderr (DALI's decoder writes ``[ERROR] ...`` lines to
+    file descriptor 2), and one wording for a truncated file whatever the backend."""
     path = tmp_path / f"{kind}.jpg"
     path.write_bytes(INVALID[kind](base))
+    capfd.readouterr()
     with pytest.raises(gpupipe.DecodeError) as e:
         gpupipe.read_image(path, backend)
     assert str(path) in str(e.value) and e.value.backend == backend
+    assert capfd.readouterr().err == ""
+    if kind == "truncated":
+        assert e.value.reason == "truncated (the data ends before the image does)"
 
 
 @pytest.mark.parametrize("backend", READERS)

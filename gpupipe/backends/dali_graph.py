@@ -4,12 +4,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
 from .._system import resolve_device
 from ..errors import DecodeError
-from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, default_max_pixels, probe
+from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, decode_failure, default_max_pixels, probe
 from .pillow import PillowDecoder
 
 
@@ -193,6 +200,45 @@ def to_torch(out, device: torch.device) -> torch.Tensor:
         return torch.from_dlpack(tensor)
 
 
+_DALI_LOG = re.compile(r"^\[(FATAL|ERROR|WARNING)\] \[([^\]]*)\] ?(.*)$")  # nvImageCodec's lines, colours removed
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def dali_log_kept() -> Iterator[list[str]]:
+    """DALI's C++ log lines (nvImageCodec's ``[ERROR] [libjpeg_turbo_decoder] ...``, written to file descriptor 2;
+    ``DALI_NVIMGCODEC_LOG_LEVEL`` silences at most its warnings) kept for gpupipe's own message instead of printed
+    beside it: each line's text (``decoder: cause``) is appended to the list when the block ends. Whatever else the
+    process wrote to fd 2 meanwhile is passed on."""
+    kept: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield kept
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                m = _DALI_LOG.match(_COLOUR.sub("", line).strip())
+                if m:
+                    kept.append(f"{m[2]}: {m[3]}")
+                else:
+                    os.write(2, line.encode())
+
+
+def _dali_failure(data: bytes, path: str, max_pixels: int | None, logged: list[str]) -> str:
+    """Why DALI could not decode ``data``, worded as the other backends word it: Pillow's reason when Pillow cannot
+    decode it either (a truncated file is one cause, one wording), else what DALI's decoder logged."""
+    try:
+        PillowDecoder(max_pixels).decode(data, path)
+    except DecodeError as e:
+        return e.reason
+    return f"DALI: {decode_failure(logged[-1])}" if logged else "DALI could not decode it (Pillow can)"
+
+
 def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.device) -> torch.Tensor:
     """``read_image(backend="dali")``: a one-image pipeline on ``device`` (slow to start: for checks, not loops)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: heavy
@@ -210,10 +256,12 @@ def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.devi
     p = pipe()
     p.build()
     p.feed_input("enc", [np.frombuffer(data, dtype=np.uint8)])
-    try:
-        (out,) = p.run()
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "DALI decode failed"
-        raise DecodeError(path, "dali", first) from None
+    with dali_log_kept() as logged:
+        try:
+            (out,) = p.run()
+        except RuntimeError:
+            out = None
+    if out is None:
+        raise DecodeError(path, "dali", _dali_failure(data, path, max_pixels, logged))
     arr = (out.as_cpu() if gpu else out).at(0)
     return chw_tensor(np.array(arr)).to(device)

@@ -16,6 +16,7 @@ from ..image import (
     Slot,
     chw_view,
     crop_resize_into,
+    decode_failure,
     default_max_pixels,
     probe,
     resize_box_into,
@@ -79,7 +80,7 @@ class PillowDecoder:
         try:
             img.load()
         except Exception as e:  # truncated data, corrupt Huffman codes, unsupported variants...
-            raise DecodeError(path, self.name, f"{type(e).__name__}: {e}") from None
+            raise DecodeError(path, self.name, decode_failure(e)) from None
         return img
 
 

@@ -20,6 +20,7 @@ from ..image import (
     Slot,
     chw_view,
     crop_resize_into,
+    decode_failure,
     default_max_pixels,
     is_jpeg,
     jpeg_exif_orientation,
@@ -76,7 +77,7 @@ class TurboJpegDecoder:
                 warnings.simplefilter("error")  # a truncated JPEG is a warning in libjpeg-turbo
                 return tj.decode(data, pixel_format=self._rgb, scaling_factor=(1, denom) if denom > 1 else None)
         except (OSError, Warning, ValueError) as e:
-            raise DecodeError(path, self.name, f"{type(e).__name__}: {e}") from None
+            raise DecodeError(path, self.name, decode_failure(e)) from None
 
     def _header(self, data: bytes, path: str) -> tuple[int, int, int] | None:
         """(height, width, orientation) from libjpeg-turbo's header reader (C, no Python marker parsing), or None
