@@ -8,6 +8,7 @@ and the unfinished samples are done again; one that keeps dying on the same samp
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -20,6 +21,13 @@ from .errors import GpupipeError
 T = TypeVar("T")
 RESTARTS = 3  # new pools after dead workers, per call, before giving up
 CHUNK = 4  # samples per task: fewer round trips, and a short list to redo when a worker dies
+
+
+def _no_sigint(initializer: Callable[..., None], *initargs) -> None:
+    """A worker's set-up: Ctrl-C reaches the whole process group, and the main process alone stops the work (its
+    ``KeyboardInterrupt`` ends the pool), so a worker ignores SIGINT rather than print a traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    initializer(*initargs)
 
 
 def _run_range(fn: Callable[[int], Any], start: int, stop: int) -> list:
@@ -42,7 +50,7 @@ def ordered_map(
     chunks = deque(range(indices.start, indices.stop, CHUNK))
     pending: deque[tuple[int, int, Future]] = deque()
     ctx = multiprocessing.get_context()
-    pool = ProcessPoolExecutor(workers, ctx, initializer=initializer, initargs=initargs)
+    pool = ProcessPoolExecutor(workers, ctx, initializer=_no_sigint, initargs=(initializer, *initargs))
     restarts = 0
     try:
         while chunks or pending:
@@ -59,7 +67,7 @@ def ordered_map(
                     a = pending[0][0] if pending else chunks[0]
                     raise GpupipeError(_died(what, a, min(a + CHUNK, indices.stop), name, restarts - 1)) from None
                 pool.shutdown(wait=True, cancel_futures=True)
-                pool = ProcessPoolExecutor(workers, ctx, initializer=initializer, initargs=initargs)
+                pool = ProcessPoolExecutor(workers, ctx, initializer=_no_sigint, initargs=(initializer, *initargs))
                 chunks.extendleft(reversed([p[0] for p in pending]))  # redo every unfinished chunk, in order
                 pending.clear()
                 continue

@@ -341,7 +341,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate-step", action="store_true", help="instead: the data-wait of a simulated model step")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG bar chart")
-    p.set_defaults(func=_cmd_bench)
+    p.set_defaults(func=_cmd_bench, interrupted="stopped before the end: no table and no result were saved")
 
 
 def _add_prepare_parser(sub) -> None:
@@ -364,7 +364,11 @@ def _add_prepare_parser(sub) -> None:
     )
     mixed = "shuffled: one fixed random order, so each shard holds a random part of the set (--shuffle-window's need)"
     p.add_argument("--order", choices=["source", "shuffled"], help=f"{mixed}; default {defaults.order}")
-    p.set_defaults(func=_cmd_prepare)
+    p.set_defaults(
+        func=_cmd_prepare,
+        interrupted="stopped; the shards written whole are kept: run the same command again to resume "
+        "(it writes the shards an uninterrupted run writes)",
+    )
 
 
 class _ConsoleHandler(logging.Handler):
@@ -382,11 +386,17 @@ def _show_logs() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.interrupted = getattr(args, "interrupted", None) or "stopped"
     _show_logs()
     try:
         code = args.func(args)
         sys.stdout.flush()  # here, where a reader gone is caught, rather than at the interpreter's exit
         return code
+    except KeyboardInterrupt:  # Ctrl-C (train's own stop says what it saved): one line, not a traceback
+        if show_traceback():
+            raise
+        console.print(f"interrupted: {args.interrupted}", highlight=False, markup=False)
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
     except BrokenPipeError:  # the reader left (`gpupipe info --json | head`): nothing to say, nowhere to say it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet too
         return 141  # 128 + SIGPIPE, as a shell reports a command the pipe ended

@@ -322,3 +322,37 @@ def test_the_gpu_modes_time_train_alone_and_fit_one_ten_minute_call(monkeypatch)
         assert suite.estimate(cfg) < 540
         every = dataclasses.replace(cfg, pipelines=["decode", "train", "eval", *cfg.pipelines[1:]])
         assert suite.estimate(every) > 600
+
+
+@pytest.mark.slow  # a bench run, stopped as it starts its first measurement
+def test_ctrl_c_on_bench_is_one_line(folder, tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) as the backend starts: one line and exit 130, no
+    traceback from the main process (DALI's pipeline was in its frames), its workers or DALI's threads."""
+    import signal
+
+    backend = "dali" if "dali" in gpupipe.available_backends() else "pillow"
+    log = tmp_path / "stderr.txt"
+    args = ["--data", folder, "--backends", backend, "--pipelines", "decode", "--device", "cpu", "--workers", "1"]
+    args += ["--seconds", "60", "--repeats", "1", "--image-size", "32"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    with open(log, "w") as err:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "gpupipe", "bench", *map(str, args)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            while f"decode: starting {backend}" not in log.read_text() and run.poll() is None:
+                try:  # start-up and a 15 s warm-up (a quarter of --seconds) follow: the signal lands in them
+                    run.wait(0.05)
+                except subprocess.TimeoutExpired:
+                    pass
+            os.killpg(run.pid, signal.SIGINT)
+            run.wait(120)
+        finally:
+            run.kill()
+    lines = log.read_text().splitlines()
+    assert run.returncode == 130 and "Traceback" not in log.read_text(), lines
+    assert lines[-1] == "interrupted: stopped before the end: no table and no result were saved"

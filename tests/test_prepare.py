@@ -243,6 +243,48 @@ def test_a_second_prepare_into_the_same_folder_is_refused_naming_the_first(folde
     assert _files(out) == _files(prepared)
 
 
+_PAUSED_CLI = """
+import sys, time
+import gpupipe.prepare as p
+from gpupipe.cli import main
+
+add = p.ShardWriter.add
+def add_then_wait(self, *args):
+    add(self, *args)
+    print("writing", flush=True)
+    time.sleep(120)
+p.ShardWriter.add = add_then_wait
+sys.exit(main(["prepare", *sys.argv[1:], "--shard-size", "16KB", "--workers", "2"]))
+"""
+
+
+@pytest.mark.slow  # a process and its workers
+def test_ctrl_c_on_prepare_is_one_line_saying_how_to_resume(folder, tmp_path, prepared):
+    """Ctrl-C reaches the process group, the workers too: one line (no traceback from the main process or a worker)
+    and exit 130; the same command then resumes to the bytes of an uninterrupted run."""
+    out = tmp_path / "out"
+    run = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_CLI, str(folder), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "writing\n"
+        os.killpg(run.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 130 and err.splitlines() == [
+        "interrupted: stopped; the shards written whole are kept: run the same command again to resume (it writes "
+        "the shards an uninterrupted run writes)"
+    ], err
+    assert main(["prepare", str(folder), str(out), "--shard-size", "16KB"]) == 0
+    assert _files(out) == _files(prepared)
+
+
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
