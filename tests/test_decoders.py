@@ -15,12 +15,12 @@ import gpupipe
 from gpupipe.recipe import Box
 
 from .common_utils import (
-    REPO_ROOT,
     CPU_LOADER_BACKENDS,
     DECODERS,
     INVALID,
     ORIENTED_FORMATS,
     READERS,
+    REPO_ROOT,
     VALID,
     exif_upright,
     float_tiff,
