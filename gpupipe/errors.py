@@ -61,7 +61,7 @@ class TransformError(GpupipeError):
 
 class MissingFileError(FileNotFoundError, GpupipeError):
     """A source, or a file or shard it names, does not exist: the message names it. Also a
-    :class:`FileNotFoundError`, as it was before gpupipe had its own class for it."""
+    :class:`FileNotFoundError`, so ``except FileNotFoundError`` catches it too."""
 
 
 class SourceError(ValueError, GpupipeError):
