@@ -9,7 +9,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import BackendUnavailableError, DecodeError, GpupipeError, StorageError, TransformError
+from .errors import BackendUnavailableError, DecodeError, GpupipeError, LoaderClosed, StorageError, TransformError
 
 if TYPE_CHECKING:
     from .api import build_loader, read_image
@@ -32,6 +32,7 @@ __all__ = [
     "BackendUnavailableError",
     "DecodeError",
     "GpupipeError",
+    "LoaderClosed",
     "Mix",
     "Recipe",
     "Remote",

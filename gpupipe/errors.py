@@ -52,6 +52,10 @@ class TransformError(GpupipeError):
         return (type(self), (self.where, self.transform, self.cause))
 
 
+class LoaderClosed(GpupipeError):
+    """A closed loader (``loader.close()``, or the end of its ``with`` block) was iterated."""
+
+
 class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
     """A known backend cannot be built on this machine; the message says how to fix it."""
 

@@ -1,5 +1,10 @@
 """The batch contract, the same for every backend."""
 
+import gc
+import os
+import threading
+import time
+
 import pytest
 import torch
 from PIL import Image
@@ -412,3 +417,75 @@ def test_a_caught_transform_error_leaves_no_iterator_for_the_next_workers_to_sto
     r = subprocess.run([sys.executable, "-c", _CAUGHT_THEN_ANOTHER, str(folder)], capture_output=True, text=True)
     assert r.stdout.split() == ["caught", "True"], r.stderr
     assert "Exception ignored" not in r.stderr, r.stderr
+
+
+def _tasks() -> int:
+    """This process's OS threads (DALI's C++ threads among them, which ``threading`` does not list)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("case", ["pillow", "turbojpeg", "dali", "dali-shards", "nvjpeg", "synthetic"])
+def test_close_ends_every_process_and_thread_at_once_and_a_closed_loader_says_so(folder, tmp_path, case):
+    """In the middle of a pass, with the garbage collector off: after ``close()`` (the end of a ``with`` block) no
+    worker, feed process or thread of the loader's is left, a second close does nothing, and the pass, or a new one,
+    raises ``LoaderClosed``. dali reads a folder with its own threads, shards with feed processes; nvjpeg's loader
+    whole, its device side on the CPU."""
+    from .test_pool import _children
+
+    backend = case.split("-")[0]
+    kw = dict(batch_size=4, num_workers=2, device="cpu", image_size=32)
+    if backend not in gpupipe.available_backends() and backend != "nvjpeg":
+        pytest.skip(f"no {backend}")
+    data = folder
+    if case == "dali-shards":
+        from gpupipe.prepare import PrepareOptions, prepare
+
+        data = tmp_path / "shards"
+        prepare(folder, data, PrepareOptions(), workers=1)
+    from gpupipe.plumbing.reaper import Reaper
+
+    torch.ones(64, 64) @ torch.ones(64, 64)  # torch's own thread pool, started before the count
+    Reaper().drop(None)  # the process's one thread that frees buffers (every loader's, ended at exit)
+    tasks, threads, children = _tasks(), set(threading.enumerate()), set(_children(os.getpid()))
+    gc.disable()
+    try:
+        with _built(data, backend, kw) as loader:
+            it = iter(loader)
+            next(it)
+            if backend != "synthetic":
+                assert set(_children(os.getpid())) - children or _tasks() > tasks, "nothing started"
+        loader.close()
+        # a queue's feeder thread ends just after its queue is closed: a moment's grace, no more
+        left = lambda: (set(_children(os.getpid())) - children, set(threading.enumerate()) - threads, _tasks() > tasks)
+        deadline = time.monotonic() + 3
+        while any(left()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        processes, python_threads, os_threads = left()
+        assert not processes, "worker processes outlived close()"
+        assert not python_threads, "threads outlived close()"
+        assert not os_threads, "OS threads (DALI's) outlived close()"
+    finally:
+        gc.enable()
+    assert repr(loader).endswith(", closed>")
+    with pytest.raises(gpupipe.LoaderClosed, match=r"loader of .* was closed: build a new one"):
+        next(it)
+    with pytest.raises(gpupipe.LoaderClosed):
+        iter(loader)
+
+
+def _built(data, backend: str, kw: dict):
+    from .test_nvjpeg import _CpuNvjpegLoader
+
+    if backend == "nvjpeg":
+        return _CpuNvjpegLoader(gpupipe.build_loader(data, "pillow", **kw).parts)
+    return gpupipe.build_loader(data, backend, **kw)
+
+
+def test_repr_says_backend_source_size_batches_workers_and_device(folder):
+    loader = gpupipe.build_loader(
+        folder, "synthetic", batch_size=5, train=False, image_size=32, num_workers=1, device="cpu"
+    )
+    assert (
+        repr(loader)
+        == f"<SyntheticLoader synthetic {str(folder)!r}: 24 images, 5 batches of 5, eval, 1 worker, device cpu>"
+    )

@@ -15,7 +15,7 @@ import torch
 
 from .._options import OnError
 from ..augment.adaptive import LOADER_NAMES, LoaderHook, Snapshots, lag_for
-from ..errors import DecodeError, GpupipeError, StorageError
+from ..errors import DecodeError, GpupipeError, LoaderClosed, StorageError
 from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
@@ -126,6 +126,7 @@ class Loader:
     upstream: ClassVar[Upstream] = None
     # A DataLoader's attribute, read by Lightning next to ``sampler``: batches are made from ``sampler`` alone.
     batch_sampler = None
+    _closed = False  # close() was called: its processes and threads are gone, and it is read no more
 
     def __init__(self, parts: LoaderParts):
         self.parts = parts
@@ -215,7 +216,40 @@ class Loader:
             warnings.warn(notice, ResumeNotice, stacklevel=2)
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
+        self._check_open()
         return Pass(self.position, self._pass, self._abandon)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes, threads and read-ahead now, not when the garbage collector frees it;
+        iterating it afterwards raises :class:`LoaderClosed`. A second call does nothing. ``with build_loader(...) as
+        loader:`` closes it at the block's end."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shut()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        workers = self.parts.workers
+        return (
+            f"<{type(self).__name__} {self.backend} {self.dataset.root!r}: {len(self.dataset)} images, "
+            f"{len(self)} batches of {self.batch_size}, {'train' if self.train else 'eval'}, "
+            f"{workers} worker{'s' * (workers != 1)}, device {self.device}{', closed' if self._closed else ''}>"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderClosed(f"this {self.backend} loader of {self.dataset.root} was closed: build a new one to read")
+
+    def _shut(self) -> None:
+        """The backend's processes and threads stopped for good (:meth:`close`): by default, what ends a pass that an
+        error ended."""
+        self._abandon()
 
     def _abandon(self) -> None:
         """An error ends a pass (raised from a batch, or by the error policy here): the backend's processes and threads
@@ -224,13 +258,24 @@ class Loader:
 
     def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""
+        self._check_open()
         self.skipped, self.fallbacks = [], 0
         sizes = [len(b) for b in self._batches(epoch, start)]
         batches = self._with_policy(self._source(epoch, start), sizes)
         if self.adaptive is None:
-            return self.stage.iterate(batches)
+            return self._while_open(self.stage.iterate(batches))
         first = epoch * len(self) + start  # the batches' numbers over epochs
-        return self._delivering(self.stage.iterate(self.adaptive.tag(batches, first)), first)
+        return self._while_open(self._delivering(self.stage.iterate(self.adaptive.tag(batches, first)), first))
+
+    def _while_open(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]):
+        """The batches until the loader is closed: a pass begun before :meth:`close` raises at its next batch (its
+        workers and threads are gone)."""
+        while True:
+            self._check_open()
+            batch = next(batches, None)
+            if batch is None:
+                return
+            yield batch
 
     def _delivering(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], first: int):
         """The batches, the adaptive policy told as each is handed out (``records``: what it returns)."""
