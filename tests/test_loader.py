@@ -489,3 +489,32 @@ def test_repr_says_backend_source_size_batches_workers_and_device(folder):
         repr(loader)
         == f"<SyntheticLoader synthetic {str(folder)!r}: 24 images, 5 batches of 5, eval, 1 worker, device cpu>"
     )
+
+
+def test_stats_count_what_the_loop_was_given_and_how_long_it_waited(tmp_path, caplog):
+    """Two eval passes over 7 files, one unreadable (skipped): every batch and image counted, the skipped file once
+    a pass; the caller's own time between batches (a sleep here) is in ``seconds`` but not in ``waited_s``. The
+    ``gpupipe`` logger says at DEBUG what was built and when each pass began and ended."""
+    import logging
+
+    root = make_folder(tmp_path / "data", 1, 6)
+    (root / "c00" / "bad.jpg").write_bytes(b"not an image")
+    with caplog.at_level(logging.DEBUG, logger="gpupipe"):
+        loader = gpupipe.build_loader(
+            root, "pillow", batch_size=4, train=False, image_size=32, num_workers=0, device="cpu", on_error="skip"
+        )
+        for _ in range(2):
+            for _ in loader:
+                time.sleep(0.05)
+    stats = loader.stats
+    assert (stats.batches, stats.images, stats.skipped) == (4, 12, 2)
+    assert 0 < stats.waited_s < stats.seconds
+    assert stats.seconds - stats.waited_s >= 2 * 0.05  # the loop's own time between batches is no wait
+    assert stats.images_per_s == pytest.approx(12 / stats.seconds)
+    assert str(stats).startswith("4 batches, 12 images, ") and str(stats).endswith(", 2 skipped")
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(m.startswith("built <CpuLoader pillow") for m in messages), messages
+    assert sum("a pass of epoch" in m and "begins at batch 0 (2 batches)" in m for m in messages) == 2, messages
+    assert sum("ended: 2 batches; so far" in m for m in messages) == 2, messages
+    stats.reset()
+    assert (stats.batches, stats.images, stats.skipped, stats.seconds) == (0, 0, 0, 0.0)
