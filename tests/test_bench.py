@@ -281,6 +281,7 @@ def test_several_image_sizes_give_a_row_each_timed_in_the_same_rounds(folder, tm
     assert rep["config"]["image_size"] == [16, 24] and "16 px" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a bench run
 def test_a_backend_that_cannot_run_is_a_row_saying_why_and_the_rest_are_measured(folder, tmp_path, capsys):
     if "nvjpeg" in gpupipe.available_backends():
         pytest.skip("CUDA is here")
