@@ -9,7 +9,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import BackendUnavailableError, DecodeError, GpupipeError, LoaderClosed, StorageError, TransformError
+from .errors import BackendUnavailableError, DecodeError, GpupipeError, LoaderClosedError, StorageError, TransformError
 
 if TYPE_CHECKING:
     from .api import build_loader, read_image
@@ -32,7 +32,7 @@ __all__ = [
     "BackendUnavailableError",
     "DecodeError",
     "GpupipeError",
-    "LoaderClosed",
+    "LoaderClosedError",
     "Mix",
     "Recipe",
     "Remote",

@@ -52,7 +52,7 @@ class TransformError(GpupipeError):
         return (type(self), (self.where, self.transform, self.cause))
 
 
-class LoaderClosed(GpupipeError):
+class LoaderClosedError(GpupipeError):
     """A closed loader (``loader.close()``, or the end of its ``with`` block) was iterated."""
 
 

@@ -428,7 +428,7 @@ def _tasks() -> int:
 def test_close_ends_every_process_and_thread_at_once_and_a_closed_loader_says_so(folder, tmp_path, case):
     """In the middle of a pass, with the garbage collector off: after ``close()`` (the end of a ``with`` block) no
     worker, feed process or thread of the loader's is left, a second close does nothing, and the pass, or a new one,
-    raises ``LoaderClosed``. dali reads a folder with its own threads, shards with feed processes; nvjpeg's loader
+    raises ``LoaderClosedError``. dali reads a folder with its own threads, shards with feed processes; nvjpeg's loader
     whole, its device side on the CPU."""
     from .test_pool import _children
 
@@ -467,9 +467,9 @@ def test_close_ends_every_process_and_thread_at_once_and_a_closed_loader_says_so
     finally:
         gc.enable()
     assert repr(loader).endswith(", closed>")
-    with pytest.raises(gpupipe.LoaderClosed, match=r"loader of .* was closed: build a new one"):
+    with pytest.raises(gpupipe.LoaderClosedError, match=r"loader of .* was closed: build a new one"):
         next(it)
-    with pytest.raises(gpupipe.LoaderClosed):
+    with pytest.raises(gpupipe.LoaderClosedError):
         iter(loader)
 
 

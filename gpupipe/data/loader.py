@@ -17,7 +17,7 @@ import torch
 
 from .._options import OnError
 from ..augment.adaptive import LOADER_NAMES, LoaderHook, Snapshots, lag_for
-from ..errors import DecodeError, GpupipeError, LoaderClosed, StorageError
+from ..errors import DecodeError, GpupipeError, LoaderClosedError, StorageError
 from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
@@ -259,8 +259,8 @@ class Loader:
 
     def close(self) -> None:
         """Stop the loader's worker processes, threads and read-ahead now, not when the garbage collector frees it;
-        iterating it afterwards raises :class:`LoaderClosed`. A second call does nothing. ``with build_loader(...) as
-        loader:`` closes it at the block's end."""
+        iterating it afterwards raises :class:`LoaderClosedError`. A second call does nothing. ``with
+        build_loader(...) as loader:`` closes it at the block's end."""
         if self._closed:
             return
         self._closed = True
@@ -282,7 +282,9 @@ class Loader:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise LoaderClosed(f"this {self.backend} loader of {self.dataset.root} was closed: build a new one to read")
+            raise LoaderClosedError(
+                f"this {self.backend} loader of {self.dataset.root} was closed: build a new one to read"
+            )
 
     def _shut(self) -> None:
         """The backend's processes and threads stopped for good (:meth:`close`): by default, what ends a pass that an
@@ -323,13 +325,11 @@ class Loader:
                 now = time.perf_counter()
                 if batch is None:
                     break
-                stats.seconds, stats.waited_s = stats.seconds + now - mark, stats.waited_s + now - asked
-                stats.batches, stats.images, mark, taken = (
-                    stats.batches + 1,
-                    stats.images + len(batch[1]),
-                    now,
-                    taken + 1,
-                )
+                stats.seconds += now - mark
+                stats.waited_s += now - asked
+                stats.batches += 1
+                stats.images += len(batch[1])
+                mark, taken = now, taken + 1
                 yield batch
         except GeneratorExit:
             _log.debug("%s loader: the pass of epoch %d was left after %d batches", self.backend, epoch, taken)
