@@ -3,7 +3,7 @@
 ``--seconds`` is the timed time per measurement; a measurement also costs its start-up (building the loader,
 spawning workers, a DALI pipeline, the first batch), its warm-up, and per timed window the prefetched batches it
 drains untimed and the wait for a quiet machine. The run is planned part by part (each job's start-up, each window,
-each round's stop) with a guess for each (:func:`guess`). The seconds a part times (a warm-up, a window) are known;
+each round's stop) with a guess for each (:func:`plan`). The seconds a part times (a warm-up, a window) are known;
 what is estimated is the overhead around them, which depends on the machine, the data and the backend. So each part
 not measured yet is its guess with the overhead scaled by what the parts of its kind measured so far cost against
 their guesses: a start-up of DALI's graph keeps its larger guess after CPU decoders' start-ups were measured, and a
@@ -25,7 +25,7 @@ from rich.markup import escape
 
 @dataclass(frozen=True)
 class Guess:
-    """What one job is guessed to cost before it was measured, in seconds (the suite's :func:`guess`): each part's
+    """What one job is guessed to cost before it was measured, in seconds (:func:`plan`): each part's
     whole, and the timed seconds in it (``warm`` in ``start``, ``timed`` in ``window``), which are not guessed."""
 
     start: float  # its start-up (loader, workers, a GPU pipeline's build, the first batch) and warm-up
@@ -76,7 +76,7 @@ class Eta:
     def timed(self, seconds: float) -> None:
         self._measured("window", seconds)
 
-    def ended(self, seconds: float, jobs: int = 0) -> None:
+    def ended(self, seconds: float) -> None:
         """A round's jobs stopped together in ``seconds``."""
         self._measured("end", seconds)
 

@@ -347,7 +347,7 @@ def _time_interleaved(
         for stream in streams:
             if isinstance(stream, Generator):  # every job's stream is one; a plain iterator has nothing to end
                 stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
-        eta.ended(time.monotonic() - t0, len(group))
+        eta.ended(time.monotonic() - t0)
     return results
 
 
