@@ -99,8 +99,8 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 
 def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None = None) -> Iterator[int]:
     """A loader's batch sizes, forever. Unreadable files are skipped (a bench measures speed) and named in
-    ``cfg.skipped``."""
-    loader = build_loader(
+    ``cfg.skipped``. Closing the generator closes the loader: its workers and threads end at once."""
+    with build_loader(
         cfg.data,
         backend,
         batch_size=cfg.batch_size,
@@ -111,10 +111,10 @@ def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None
         drop_last=False,
         recipe=recipe,
         on_error="skip",
-    )
-    for _, y in _forever(lambda: loader):
-        cfg.skipped.update(path for path, _ in loader.skipped)
-        yield len(y)
+    ) as loader:
+        for _, y in _forever(lambda: loader):
+            cfg.skipped.update(path for path, _ in loader.skipped)
+            yield len(y)
 
 
 def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
