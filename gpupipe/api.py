@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import warnings
@@ -28,6 +29,8 @@ from .sources.shards import ShardImageList
 _ROW = re.compile(r"^.*?:\d+: ")  # a missing row is named "list.csv:LINE: path"
 
 __all__ = ["as_device", "build_loader", "read_image", "usable_cores"]
+
+_log = logging.getLogger(__name__)  # the "gpupipe" logger's: each loader built, at DEBUG
 
 
 def _check_missing(dataset: ImageList, on_error: str) -> None:
@@ -144,13 +147,21 @@ def build_loader(
     if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it
         recipe = dataclasses.replace(recipe, size=image_size)  # 0 or less: Recipe's one-line error
     recipe.check_fits(batch_size, train)  # before any worker asks shared memory for it
+    if not train and recipe.policies:
+        warnings.warn(
+            f"an eval loader applies no augmentation policy: the recipe's {', '.join(recipe.policies)} ignored "
+            "(they apply to train loaders; pass recipe.for_eval() to say so)",
+            stacklevel=2,
+        )
     rank, world_size = _resolve_rank(rank, world_size)
     drop_last = train if drop_last is None else drop_last
     sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)
     augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
     parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dataloader)
-    return spec.make_loader(parts)
+    loader = spec.make_loader(parts)
+    _log.debug("built %r (rank %d of %d, seed %d, on_error=%r)", loader, rank, world_size, seed, on_error)
+    return loader
 
 
 def _sampler(

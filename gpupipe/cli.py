@@ -111,7 +111,7 @@ def _cmd_bench(args) -> int:
         raise ValueError(
             f"nothing to measure: no backend of {', '.join(backends)} runs a pipeline of {','.join(pipelines)}"
         )
-    _bench_outputs(cfg, results, args.json, args.plot, unavailable, since)
+    _bench_outputs(cfg, results, args, unavailable, since)
     return 0
 
 
@@ -140,8 +140,9 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
     return [b for b in backends if b not in unusable], {b: why or "unavailable" for b, why in unusable.items()}
 
 
-def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | None, unavailable: dict, since) -> None:
-    """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for."""
+def _bench_outputs(cfg, results: list, args, unavailable: dict, since) -> None:
+    """The table, the machine's store (what ``backend="auto"`` reads), and the JSON and chart when asked for
+    (``args.json``, ``args.plot``)."""
     import torch
 
     from . import results as store
@@ -159,15 +160,15 @@ def _bench_outputs(cfg, results: list, json_path: str | None, plot_path: str | N
         "model": cfg.model,
         "torch_threads": torch.get_num_threads(),
     }
-    rep = report.report(results, machine_info(), settings, unavailable, since)
+    rep = report.report(results, machine_info(), settings, unavailable, since, accept_busy=args.accept_busy)
     report.print_table(rep, Console(width=None if sys.stdout.isatty() else 160))
     store.save_latest(rep, cfg.data, cfg.device)
-    if json_path:
-        report.write_json(rep, json_path)
-        console.print(f"JSON: {json_path}")
-    if plot_path:
-        report.plot(rep, plot_path)
-        console.print(f"chart: {plot_path}")
+    if args.json:
+        report.write_json(rep, args.json)
+        console.print(f"JSON: {args.json}")
+    if args.plot:
+        report.plot(rep, args.plot)
+        console.print(f"chart: {args.plot}")
 
 
 def _cmd_check(args) -> int:
@@ -341,6 +342,11 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate-step", action="store_true", help="instead: the data-wait of a simulated model step")
     p.add_argument("--json", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG bar chart")
+    p.add_argument(
+        "--accept-busy",
+        action="store_true",
+        help='let backend="auto" use this run even if other processes kept the machine busy (a shared node)',
+    )
     p.set_defaults(func=_cmd_bench, interrupted="stopped before the end: no table and no result were saved")
 
 

@@ -86,6 +86,10 @@ class NoFullBatch(ValueError, GpupipeError):
         return (type(self), (self.samples, self.ranks, self.batch_size, self.largest, self.flag))
 
 
+class LoaderClosedError(GpupipeError):
+    """A closed loader (``loader.close()``, or the end of its ``with`` block) was iterated."""
+
+
 class BackendUnavailableError(ModuleNotFoundError, GpupipeError):
     """A known backend cannot be built on this machine; the message says how to fix it."""
 

@@ -44,6 +44,8 @@ class DataModule(L.LightningDataModule):
         if trainer is not None:
             options.setdefault("device", trainer.strategy.root_device)
             options.update(rank=trainer.global_rank, world_size=trainer.world_size)
+        if not train and options.get("recipe") is not None:
+            options["recipe"] = options["recipe"].for_eval()  # the shared recipe's policies are the train loader's
         return build_loader(source, self.backend, train=train, **options, **extra)
 
     def train_dataloader(self) -> Loader:

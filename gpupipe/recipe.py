@@ -6,6 +6,7 @@ how they decode and interpolate, never in which pixels they keep (the parity tes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -148,6 +149,16 @@ class Recipe:
         parse_auto_augment(self.auto_augment)
         parse_color_jitter(self.color_jitter)
         check_erasing(self.re_prob, self.re_mode, self.re_count)
+
+    @property
+    def policies(self) -> list[str]:
+        """The train-time policies it sets, by setting name (an eval loader applies none of them)."""
+        on = {"auto_augment": self.auto_augment, "color_jitter": self.color_jitter, "re_prob": self.re_prob > 0}
+        return [name for name, value in on.items() if value not in (None, False)]
+
+    def for_eval(self) -> Recipe:
+        """The recipe without its train-time policies: what an eval loader applies of it."""
+        return dataclasses.replace(self, auto_augment=None, color_jitter=None, re_prob=0.0)
 
     def train_size(self, epoch: int) -> int:
         """The side of epoch ``epoch``'s train images."""

@@ -39,7 +39,9 @@ def save_latest(report: dict, data_root: str, device: torch.device) -> Path:
     for r in report["results"]:
         key = f"{r['backend']}|{r['pipeline']}" + (f"|{r['policy']}" if r.get("policy") else "")
         key += f"|{r['image_size']}px" if r.get("image_size") else ""
-        rows[key] = {**r, "date": report["date"], "busy": bool(report.get("busy"))}  # auto trusts no busy run
+        # auto trusts no busy run unless the user accepted it (``gpupipe bench --accept-busy``)
+        rows[key] = {**r, "date": report["date"], "busy": bool(report.get("busy"))}
+        rows[key]["accept_busy"] = bool(report.get("accept_busy"))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": 2, "rows": rows}, indent=1))

@@ -240,3 +240,13 @@ def test_every_worker_count_gives_the_same_normalised_batches(unique_folder, bac
         for (x, y), (rx, ry) in zip(batches, ref, strict=True):
             assert x.dtype == torch.float32 and torch.equal(y, ry), workers
             torch.testing.assert_close(x, rx, msg=f"{workers} workers")
+
+
+def test_an_eval_loader_given_augmentation_policies_says_it_ignores_them(folder, recwarn):
+    recipe = gpupipe.Recipe(32, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
+    with pytest.warns(UserWarning, match="an eval loader applies no augmentation policy: the recipe's auto_augment, "):
+        gpupipe.build_loader(folder, "synthetic", batch_size=4, train=False, device="cpu", recipe=recipe)
+    recwarn.clear()
+    gpupipe.build_loader(folder, "synthetic", batch_size=4, train=False, device="cpu", recipe=recipe.for_eval())
+    gpupipe.build_loader(folder, "synthetic", batch_size=4, train=True, device="cpu", recipe=recipe)
+    assert not [w for w in recwarn if "augmentation policy" in str(w.message)]

@@ -44,9 +44,11 @@ def test_prepare_to_a_pipe_prints_whole_lines_and_names_as_written(tmp_path):
     shutil.rmtree(out)
 
 
-def test_an_error_keeps_its_brackets(tmp_path):
-    r = gpupipe_cli("check", tmp_path / "no [such] folder")
-    assert r.returncode == 2 and r.stderr.startswith(f"error: {tmp_path}/no [such] folder: ")
+def test_an_error_keeps_its_brackets(tmp_path, capsys):
+    from gpupipe.cli import main
+
+    assert main(["check", str(tmp_path / "no [such] folder")]) == 2  # in this process: no interpreter to start
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path}/no [such] folder: ")
 
 
 def test_version_is_quick_and_does_not_import_torch():
@@ -77,6 +79,7 @@ def test_check_and_prepare_to_a_pipe_print_no_empty_line(tmp_path):
         assert r.returncode == 0 and r.stderr == "" and r.stdout.count("\n") == 1, (r.stdout, r.stderr)
 
 
+@pytest.mark.slow  # `gpupipe prepare` in a fresh interpreter
 def test_prepare_says_that_a_file_can_have_several_reasons(tmp_path):
     from PIL import Image
 

@@ -351,6 +351,7 @@ print("alive" if thread.is_alive() else "ended")
     assert done.returncode == 0 and done.stdout.split() == ["ended"], done.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter, run to its exit
 def test_what_a_decode_thread_drops_on_its_way_out_is_finalized_before_the_interpreter():
     """A decode thread drops what it was given as it ends (``Thread.run`` deletes its arguments): the dali loader's
     ``_deliver`` holds the loader, and a dropped loader's DALI pipeline then shuts down on that thread, in C++. The

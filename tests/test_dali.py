@@ -472,6 +472,7 @@ def test_an_epochs_first_batch_is_not_held_back_by_the_feeds_next_read(photo_sha
     assert len(list(second)) == len(loader) - 1
 
 
+@pytest.mark.slow  # a fresh interpreter with DALI, run to its exit
 def test_a_process_that_exits_mid_pass_ends_the_loaders_thread_before_dali_shuts_down(photos):
     """The loader's thread is ended at exit before DALI's own exit hook shuts its pipelines down (DALI is imported
     after the first such thread began: hooks run last-registered first); else the thread fed a pipeline DALI had

@@ -146,6 +146,7 @@ def demo_folder(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # each block in a fresh interpreter that imports torch
 @pytest.mark.parametrize("where,lang,code", runnable_blocks(), ids=[w for w, _, _ in runnable_blocks()])
 def test_a_runnable_block_runs(demo_folder, where, lang, code):
     """Each block in a fresh process, in the demo folder, with this tree's gpupipe and the environment's commands."""

@@ -1,5 +1,10 @@
 """The batch contract, the same for every backend."""
 
+import gc
+import os
+import threading
+import time
+
 import pytest
 import torch
 from PIL import Image
@@ -412,3 +417,104 @@ def test_a_caught_transform_error_leaves_no_iterator_for_the_next_workers_to_sto
     r = subprocess.run([sys.executable, "-c", _CAUGHT_THEN_ANOTHER, str(folder)], capture_output=True, text=True)
     assert r.stdout.split() == ["caught", "True"], r.stderr
     assert "Exception ignored" not in r.stderr, r.stderr
+
+
+def _tasks() -> int:
+    """This process's OS threads (DALI's C++ threads among them, which ``threading`` does not list)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("case", ["pillow", "turbojpeg", "dali", "dali-shards", "nvjpeg", "synthetic"])
+def test_close_ends_every_process_and_thread_at_once_and_a_closed_loader_says_so(folder, tmp_path, case):
+    """In the middle of a pass, with the garbage collector off: after ``close()`` (the end of a ``with`` block) no
+    worker, feed process or thread of the loader's is left, a second close does nothing, and the pass, or a new one,
+    raises ``LoaderClosedError``. dali reads a folder with its own threads, shards with feed processes; nvjpeg's loader
+    whole, its device side on the CPU."""
+    from .test_pool import _children
+
+    backend = case.split("-")[0]
+    kw = dict(batch_size=4, num_workers=2, device="cpu", image_size=32)
+    if backend not in gpupipe.available_backends() and backend != "nvjpeg":
+        pytest.skip(f"no {backend}")
+    data = folder
+    if case == "dali-shards":
+        from gpupipe.prepare import PrepareOptions, prepare
+
+        data = tmp_path / "shards"
+        prepare(folder, data, PrepareOptions(), workers=1)
+    from gpupipe.plumbing.reaper import Reaper
+
+    torch.ones(64, 64) @ torch.ones(64, 64)  # torch's own thread pool, started before the count
+    Reaper().drop(None)  # the process's one thread that frees buffers (every loader's, ended at exit)
+    tasks, threads, children = _tasks(), set(threading.enumerate()), set(_children(os.getpid()))
+    gc.disable()
+    try:
+        with _built(data, backend, kw) as loader:
+            it = iter(loader)
+            next(it)
+            if backend != "synthetic":
+                assert set(_children(os.getpid())) - children or _tasks() > tasks, "nothing started"
+        loader.close()
+        # a queue's feeder thread ends just after its queue is closed: a moment's grace, no more
+        left = lambda: (set(_children(os.getpid())) - children, set(threading.enumerate()) - threads, _tasks() > tasks)
+        deadline = time.monotonic() + 3
+        while any(left()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        processes, python_threads, os_threads = left()
+        assert not processes, "worker processes outlived close()"
+        assert not python_threads, "threads outlived close()"
+        assert not os_threads, "OS threads (DALI's) outlived close()"
+    finally:
+        gc.enable()
+    assert repr(loader).endswith(", closed>")
+    with pytest.raises(gpupipe.LoaderClosedError, match=r"loader of .* was closed: build a new one"):
+        next(it)
+    with pytest.raises(gpupipe.LoaderClosedError):
+        iter(loader)
+
+
+def _built(data, backend: str, kw: dict):
+    from .test_nvjpeg import _CpuNvjpegLoader
+
+    if backend == "nvjpeg":
+        return _CpuNvjpegLoader(gpupipe.build_loader(data, "pillow", **kw).parts)
+    return gpupipe.build_loader(data, backend, **kw)
+
+
+def test_repr_says_backend_source_size_batches_workers_and_device(folder):
+    loader = gpupipe.build_loader(
+        folder, "synthetic", batch_size=5, train=False, image_size=32, num_workers=1, device="cpu"
+    )
+    assert (
+        repr(loader)
+        == f"<SyntheticLoader synthetic {str(folder)!r}: 24 images, 5 batches of 5, eval, 1 worker, device cpu>"
+    )
+
+
+def test_stats_count_what_the_loop_was_given_and_how_long_it_waited(tmp_path, caplog):
+    """Two eval passes over 7 files, one unreadable (skipped): every batch and image counted, the skipped file once
+    a pass; the caller's own time between batches (a sleep here) is in ``seconds`` but not in ``waited_s``. The
+    ``gpupipe`` logger says at DEBUG what was built and when each pass began and ended."""
+    import logging
+
+    root = make_folder(tmp_path / "data", 1, 6)
+    (root / "c00" / "bad.jpg").write_bytes(b"not an image")
+    with caplog.at_level(logging.DEBUG, logger="gpupipe"):
+        loader = gpupipe.build_loader(
+            root, "pillow", batch_size=4, train=False, image_size=32, num_workers=0, device="cpu", on_error="skip"
+        )
+        for _ in range(2):
+            for _ in loader:
+                time.sleep(0.05)
+    stats = loader.stats
+    assert (stats.batches, stats.images, stats.skipped) == (4, 12, 2)
+    assert 0 < stats.waited_s < stats.seconds
+    assert stats.seconds - stats.waited_s >= 2 * 0.05  # the loop's own time between batches is no wait
+    assert stats.images_per_s == pytest.approx(12 / stats.seconds)
+    assert str(stats).startswith("4 batches, 12 images, ") and str(stats).endswith(", 2 skipped")
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(m.startswith("built <CpuLoader pillow") for m in messages), messages
+    assert sum("a pass of epoch" in m and "begins at batch 0 (2 batches)" in m for m in messages) == 2, messages
+    assert sum("ended: 2 batches; so far" in m for m in messages) == 2, messages
+    stats.reset()
+    assert (stats.batches, stats.images, stats.skipped, stats.seconds) == (0, 0, 0, 0.0)

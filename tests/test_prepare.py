@@ -186,6 +186,7 @@ p.prepare(sys.argv[1], sys.argv[2], p.PrepareOptions(shard_size={shard_size}, or
 """
 
 
+@pytest.mark.slow  # `gpupipe prepare` processes, one killed
 def test_an_interrupted_prepare_resumes_to_the_same_result(folder, tmp_path, prepared):
     out = tmp_path / "out"
     script = textwrap.dedent(_KILLED_RUN).format(kill_at=11, shard_size=SMALL.shard_size, order="source")

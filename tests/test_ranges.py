@@ -95,6 +95,7 @@ def test_a_window_reads_each_block_once_per_epoch_from_a_set_larger_than_the_cac
         gpupipe.build_loader(Remote(url, cache_limit=0, memory_cache=budget - 1), "pillow", shuffle_window=2, **kw)
 
 
+@pytest.mark.slow  # an S3 server process of its own, stopped
 def test_a_server_gone_fails_each_sample_of_a_request_with_its_url(s3, shards):
     server = S3Server(process=True)
     try:

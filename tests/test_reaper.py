@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 from gpupipe.plumbing.reaper import Reaper
@@ -39,6 +40,7 @@ def test_a_forked_child_drops_on_its_own_thread():
     assert os.waitpid(pid, 0)[1] == 0
 
 
+@pytest.mark.slow  # a fresh interpreter, run to its exit
 def test_the_thread_is_joined_before_the_interpreter_finalizes():
     code = (
         "import atexit, threading, torch\n"

@@ -137,6 +137,7 @@ def test_storage_options_reach_the_client_and_stay_hidden(s3, prepared_url, monk
     assert len(scan(source)) == 13
 
 
+@pytest.mark.slow  # an S3 server process of its own
 def test_a_cache_folder_keeps_shards_once_read(s3, prepared, tmp_path):  # s3: the AWS_* keys
     """A second server, stopped after the first epoch: the cached shards still serve the second."""
     server = S3Server(process=True)

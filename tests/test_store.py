@@ -74,3 +74,40 @@ def test_auto_does_not_trust_overlapping_rows_or_a_busy_bench(tmp_path, folder, 
     clear = _rows(("pillow", 572.0, (560, 580)), ("turbojpeg", 402.0, (400, 410)))  # quiet, ranges apart: trusted
     store.save_latest(clear, str(folder), torch.device("cpu"))
     assert gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu").backend == "pillow"
+
+
+def test_auto_uses_a_busy_bench_the_user_accepted_and_the_table_says_how_to_get_one(tmp_path, folder, monkeypatch):
+    """A run on a shared node is busy; stored with ``gpupipe bench --accept-busy`` its winner is used (and its
+    spreads must still be apart). Without the flag the table's note says how to get a usable run."""
+    from gpupipe.bench import report
+
+    if "turbojpeg" not in gpupipe.available_backends():
+        pytest.skip("the rule of thumb picks turbojpeg only where it is available")
+    monkeypatch.setenv("GPUPIPE_CACHE", str(tmp_path))
+    build = lambda: gpupipe.build_loader(folder, "auto", batch_size=4, num_workers=0, device="cpu")
+    rows = _rows(("pillow", 572.0, (560, 580)), ("turbojpeg", 402.0, (400, 410)), busy=True)
+    store.save_latest(rows, str(folder), torch.device("cpu"))
+    rule = build().backend
+    store.save_latest(rows | {"accept_busy": True}, str(folder), torch.device("cpu"))
+    assert build().backend == "pillow" != rule
+    overlapping = _rows(("pillow", 363.0, (238, 400)), ("turbojpeg", 315.0, (99, 503)), busy=True)
+    store.save_latest(overlapping | {"accept_busy": True}, str(folder), torch.device("cpu"))
+    assert build().backend == rule
+    busy = {"busy": True, "others_cpu_share": 0.6, "load_average": [3.0, 3.0, 3.0], "results": []}
+    (note,) = report.doubts(busy)
+    assert (
+        "--workers" in note
+        and "--seconds" in note
+        and "--repeats" in note
+        and note.endswith("--accept-busy if the spreads come out apart")
+    )
+    (kept,) = report.doubts(busy | {"accept_busy": True})
+    assert kept.endswith('kept for backend="auto" (--accept-busy)')
+    assert report.report([], {}, {}, accept_busy=True)["accept_busy"] is True
+
+
+def test_bench_takes_accept_busy():
+    from gpupipe.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--accept-busy"])
+    assert args.accept_busy is True and build_parser().parse_args(["bench"]).accept_busy is False

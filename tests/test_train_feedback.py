@@ -27,6 +27,7 @@ def test_probe_recipe_keeps_the_settings():
     assert probe_recipe(probe_recipe(recipe)) == probe_recipe(recipe)
 
 
+@pytest.mark.slow  # trains
 def test_training_moves_the_weights_and_checkpoints_them(data, tmp_path):
     # the default workers (every usable core): where the CPU workers normalise, and the probe batches must not see it
     cfg = train_config(data, tmp_path / "run", aa="ctaugment-d0.9", epochs=1, batch_size=4, workers=None)

@@ -46,11 +46,14 @@ def best_backend(data_root: str, device: torch.device, train: bool) -> dict | No
 
 
 def doubt(rows: list[dict]) -> str | None:
-    """Why the fastest stored row is no sure winner, or None: measured on a busy machine, or its timed windows'
-    range overlaps the runner-up's."""
+    """Why the fastest stored row is no sure winner, or None: measured on a busy machine (unless the run was
+    accepted as it is: ``gpupipe bench --accept-busy``), or its timed windows' range overlaps the runner-up's."""
     best = rows[0]
-    if best.get("busy"):
-        return f"the bench of {best.get('date') or 'an unknown date'} ran on a busy machine"
+    if best.get("busy") and not best.get("accept_busy"):
+        return (
+            f"the bench of {best.get('date') or 'an unknown date'} ran on a busy machine; `gpupipe bench "
+            "--accept-busy` stores a run that auto uses anyway (docs/performance.md: a usable run on a shared node)"
+        )
     second = rows[1] if len(rows) > 1 else None
     if second is not None and best.get("spread") and second.get("spread") and second["spread"][1] >= best["spread"][0]:
         ranges = [

@@ -346,6 +346,16 @@ class StreamedLoader(Loader):
         if self._the_stream is not None:
             self._the_stream._broken()  # the workers stopped now: the garbage collector would take 5 s a worker
 
+    def _shut(self) -> None:
+        """close(): the thread taking the last pass's items ends, then the DataLoader's workers and its pin thread, and
+        the stream is dropped (no read-ahead for a next epoch)."""
+        self._abandon()
+        self._ahead = None
+        stream, self._the_stream = self._the_stream, None
+        if stream is not None:
+            stream.gate.close()  # a worker waiting on the gate lets go at once
+            stream._end()
+
     def _hand_over(self) -> None:
         """Before a pass uses the stream: what took the last pass's items on a thread of its own (``_ahead``) is done
         with it (the plan, which that thread's ``next()`` runs on, is then this thread's alone)."""

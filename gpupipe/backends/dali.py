@@ -306,6 +306,17 @@ class DaliLoader(Loader):
         if self._feed is not None:
             self._feed.stop()
 
+    def _shut(self) -> None:
+        """close(): what ends a pass an error ended (the pass's thread, the feed's workers), and DALI's pipeline shut
+        down now, its threads with it (DALI's own exit hook makes the same call; dropping it would wait for the
+        garbage collector)."""
+        ahead = self._ahead
+        self._abandon()
+        self._ahead, self._feed = None, None
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None and (ahead is None or ahead.join(timeout=0)):  # never under a thread still in DALI
+            pipe.pipe._shutdown()
+
     def _deliver(self, work: Work) -> Batch:
         """One work's batch (on the loader's thread): fetched, assembled, released (the next works are scheduled once
         it is handed over, :meth:`_works`). On CUDA

@@ -242,6 +242,12 @@ class NvjpegLoader(StreamedLoader):
             self._left = (epoch, self._left[1] - 1)
             yield self._cropped(epoch, batch)
 
+    def _shut(self) -> None:
+        """close(): the stream and the decode thread as every streamed loader's, and the decode's CUDA stream and the
+        next epoch's batch decoded early dropped."""
+        super()._shut()
+        self._decode, self._early, self._left = None, None, None
+
     def _hand_over(self) -> None:
         """Before the last pass's thread is joined: the next epoch's first batch it decoded, kept for the next pass."""
         self._early = self._early or self._decoded_early()

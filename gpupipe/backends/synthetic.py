@@ -29,6 +29,10 @@ class SyntheticLoader(Loader):
             self._images[size] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(self.stage.device)
         return self._images[size]
 
+    def _shut(self) -> None:
+        """close(): no process or thread to stop; the batches it made on the device are let go."""
+        self._images = {}
+
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         images = self._made(self.recipe.side(self.train, epoch))
         for idx in self.sampler.batches(epoch, start_batch):

@@ -21,9 +21,12 @@ def report(
     config: dict,
     unavailable: dict[str, str] | None = None,
     since: CpuTimes | None = None,
+    accept_busy: bool = False,
 ) -> dict:
     """The run as one record; ``unavailable``: backends asked for that could not run here, with the reason;
-    ``since``: :func:`cpu_times` before the measurements, for the share of the CPU other processes took meanwhile."""
+    ``since``: :func:`cpu_times` before the measurements, for the share of the CPU other processes took meanwhile;
+    ``accept_busy``: the user takes its figures for this machine's even if it was busy (``backend="auto"`` then
+    uses them)."""
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None  # 1, 5, 15 min, at the end
     others = others_share(since, cpu_times()) if since is not None else None
     rep = {
@@ -33,6 +36,7 @@ def report(
         "load_average": load,
         "others_cpu_share": others,
         "busy": _busy(others, load),
+        "accept_busy": accept_busy,
         "results": [r.as_dict() for r in results],
     }
     if unavailable:
@@ -110,10 +114,15 @@ def doubts(rep: dict) -> list[str]:
         others = rep.get("others_cpu_share")
         why = f"other processes took {others:.0%} of the CPU time" if others is not None else ""
         why += (", " if why else "") + (f"load average {load[0]:.1f}" if load else "")
-        said.append(
-            f"busy machine ({why}, {os.cpu_count()} cores): these figures are not this machine's; "
-            "measure again on a quiet one"
-        )
+        if rep.get("accept_busy"):
+            said.append(f'busy machine ({why}, {os.cpu_count()} cores): kept for backend="auto" (--accept-busy)')
+        else:
+            said.append(
+                f"busy machine ({why}, {os.cpu_count()} cores): these figures are not this machine's, and "
+                f'backend="auto" keeps to its rule; measure again on a quiet one, or, on a shared node, with the '
+                "workers your jobs get (--workers), longer windows (--seconds 30) and more of them (--repeats 5), "
+                "and --accept-busy if the spreads come out apart"
+            )
     for first, second in ties(rep["results"]):
         pipeline = first["pipeline"] + (f": {first['policy']}" if first.get("policy") else "")
         said.append(f"{pipeline}: {_range(first)} and {_range(second)} overlap: this run cannot tell them apart")

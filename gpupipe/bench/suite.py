@@ -27,7 +27,7 @@ from ..recipe import Recipe
 from ..sources.open import Source, open_source
 from .baseline import baseline_counts
 from .end_to_end import run_end_to_end, trained_backends
-from .eta import Eta, RunShape, guess
+from .eta import Eta, RunShape, plan
 from .gpu_util import GpuSampler
 from .jobs import DECODE_JOBS, dali_reference_counts
 from .records import Config, Result
@@ -99,8 +99,8 @@ def _sync_for(device: torch.device) -> Callable[[], None]:
 
 def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None = None) -> Iterator[int]:
     """A loader's batch sizes, forever. Unreadable files are skipped (a bench measures speed) and named in
-    ``cfg.skipped``."""
-    loader = build_loader(
+    ``cfg.skipped``. Closing the generator closes the loader: its workers and threads end at once."""
+    with build_loader(
         cfg.data,
         backend,
         batch_size=cfg.batch_size,
@@ -111,10 +111,10 @@ def _loader_counts(cfg: Config, backend: str, train: bool, recipe: Recipe | None
         drop_last=False,
         recipe=recipe,
         on_error="skip",
-    )
-    for _, y in _forever(lambda: loader):
-        cfg.skipped.update(path for path, _ in loader.skipped)
-        yield len(y)
+    ) as loader:
+        for _, y in _forever(lambda: loader):
+            cfg.skipped.update(path for path, _ in loader.skipped)
+            yield len(y)
 
 
 def _decode_counts(cfg: Config, backend: str, floor: bool = False) -> Iterator[int]:
@@ -212,8 +212,9 @@ def estimate(cfg: Config) -> float:
 
 
 def _eta(cfg: Config, jobs: list[_Job]) -> Eta:
+    rounds = [[job.backend for job in group] for group in _rounds(cfg, jobs).values()]
     shape = RunShape(
-        [job.backend for job in jobs],
+        rounds,
         trained_backends(cfg) if cfg.model else [],
         cfg.workers,
         cfg.batch_size,
@@ -222,8 +223,17 @@ def _eta(cfg: Config, jobs: list[_Job]) -> Eta:
         len(open_source(cfg.data)),
         cfg.device.type,
     )
-    warm, models = max(1.0, cfg.seconds / 4), len(shape.end_to_end)
-    return Eta(len(jobs), warm, cfg.seconds / cfg.repeats, cfg.repeats, guess(shape), models)
+    return plan(shape)
+
+
+def _rounds(cfg: Config, jobs: list[_Job]) -> dict[str, list[_Job]]:
+    """The jobs by the round they are timed in, in order: one per pipeline, the floor and the augment policies in
+    train's (train figures are read against the floor, and each policy's cost against plain train)."""
+    timed_with = lambda p: "train" if p in ("floor", "augment") and "train" in cfg.pipelines else p
+    rounds: dict[str, list[_Job]] = {timed_with(p): [] for p in cfg.pipelines}
+    for job in jobs:
+        rounds[timed_with(job.pipeline)].append(job)
+    return rounds
 
 
 class _Job(NamedTuple):
@@ -303,9 +313,6 @@ def _time_interleaved(
     to the baseline hold. The floor and the augment policies are timed in the train rounds, as train figures are read
     against the floor, and each policy's cost against plain train."""
 
-    def timed_with(pipeline: str) -> str:
-        return "train" if pipeline in ("floor", "augment") and "train" in cfg.pipelines else pipeline
-
     sync = _sync_for(cfg.device)
     results: list[Result] = []
     window = cfg.seconds / cfg.repeats
@@ -316,8 +323,7 @@ def _time_interleaved(
         f"window(s) of {window:.2g} s"
     )
     drain = 4 * max(cfg.workers, 1) + 2  # DataLoaders keep prefetch_factor batches per worker (2, ours 4)
-    for rounds in dict.fromkeys(map(timed_with, cfg.pipelines)):
-        group = [job for job in jobs if timed_with(job.pipeline) == rounds]
+    for group in _rounds(cfg, jobs).values():
         streams = []
         for job in group:
             report(f"{job.pipeline}: starting {_name(job)}")
@@ -326,7 +332,6 @@ def _time_interleaved(
             _warm(streams[-1], warm)
             eta.started(time.monotonic() - t0)
         rates: list[list[float]] = [[] for _ in group]
-        eta.round_of(len(group))
         gpu_samplers = [GpuSampler(cfg.device) for _ in group]
         for r in range(cfg.repeats):
             for i, job in enumerate(group):
@@ -342,7 +347,7 @@ def _time_interleaved(
         for stream in streams:
             if isinstance(stream, Generator):  # every job's stream is one; a plain iterator has nothing to end
                 stream.close()  # ends the generators: their DataLoader workers and DALI pipelines go with them
-        eta.ended(time.monotonic() - t0, len(group))
+        eta.ended(time.monotonic() - t0)
     return results
 
 

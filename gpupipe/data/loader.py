@@ -4,8 +4,10 @@ with one policy for bad files (raise in the main process, or skip, refill and re
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ import torch
 
 from .._options import OnError
 from ..augment.adaptive import LOADER_NAMES, LoaderHook, Snapshots, lag_for
-from ..errors import DecodeError, GpupipeError, StorageError
+from ..errors import DecodeError, GpupipeError, LoaderClosedError, StorageError
 from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
@@ -24,6 +26,8 @@ from .position import LoaderState, Pass, ResumeNotice
 from .sampler import ShardSampler
 
 DATALOADER_SETTINGS = ("pin_memory", "prefetch_factor", "persistent_workers")
+
+_log = logging.getLogger(__name__)  # the "gpupipe" logger's: passes begun and ended, at DEBUG
 
 
 @dataclass
@@ -61,6 +65,39 @@ class Batch:
 
     def pin_memory(self) -> Batch:  # DataLoader's pin thread calls this: one copy, worker's buffer to pinned memory
         return self.own(pinned=True)
+
+
+@dataclass
+class LoaderStats:
+    """What a loader delivered since it was built (or :meth:`reset`), for any loop to print: ``print(loader.stats)``.
+
+    ``seconds`` runs from each pass's first ``next()`` to its last batch (the time between passes, a validation say,
+    is left out); ``waited_s`` is the part of it the caller spent inside ``next()``, waiting for a batch: near
+    ``seconds``, the loop is waiting for data; near 0, the loader keeps ahead of it."""
+
+    batches: int = 0
+    images: int = 0
+    skipped: int = 0  # unreadable samples left out (``on_error="skip"``; ``loader.skipped`` names the last pass's)
+    waited_s: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+    def reset(self) -> None:
+        """Count from now on (say, from the second epoch, after the workers' start-up)."""
+        self.batches = self.images = self.skipped = 0
+        self.waited_s = self.seconds = 0.0
+
+    def __str__(self) -> str:
+        waited = f"{self.waited_s:.2f} s waiting in next()"
+        if self.seconds > 0:
+            waited += f" ({self.waited_s / self.seconds:.0%} of {self.seconds:.2f} s)"
+        return (
+            f"{self.batches} batches, {self.images} images, {self.images_per_s:.1f} images/s, {waited}, "
+            f"{self.skipped} skipped"
+        )
 
 
 @dataclass(frozen=True)
@@ -126,6 +163,7 @@ class Loader:
     upstream: ClassVar[Upstream] = None
     # A DataLoader's attribute, read by Lightning next to ``sampler``: batches are made from ``sampler`` alone.
     batch_sampler = None
+    _closed = False  # close() was called: its processes and threads are gone, and it is read no more
 
     def __init__(self, parts: LoaderParts):
         self.parts = parts
@@ -135,6 +173,7 @@ class Loader:
         self.train = parts.sampler.shuffle
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
+        self.stats = LoaderStats()  # what it delivered: batches, images, images/s, the caller's wait, skipped
         self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
         augment = parts.stage.augment
         adaptive = augment.policy.adaptive if augment is not None and augment.policy is not None else None
@@ -215,7 +254,42 @@ class Loader:
             warnings.warn(notice, ResumeNotice, stacklevel=2)
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
+        self._check_open()
         return Pass(self.position, self._pass, self._abandon)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes, threads and read-ahead now, not when the garbage collector frees it;
+        iterating it afterwards raises :class:`LoaderClosedError`. A second call does nothing. ``with
+        build_loader(...) as loader:`` closes it at the block's end."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shut()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        workers = self.parts.workers
+        return (
+            f"<{type(self).__name__} {self.backend} {self.dataset.root!r}: {len(self.dataset)} images, "
+            f"{len(self)} batch{'es' * (len(self) != 1)} of {self.batch_size}, {'train' if self.train else 'eval'}, "
+            f"{workers} worker{'s' * (workers != 1)}, device {self.device}{', closed' if self._closed else ''}>"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderClosedError(
+                f"this {self.backend} loader of {self.dataset.root} was closed: build a new one to read"
+            )
+
+    def _shut(self) -> None:
+        """The backend's processes and threads stopped for good (:meth:`close`): by default, what ends a pass that an
+        error ended."""
+        self._abandon()
 
     def _abandon(self) -> None:
         """An error ends a pass (raised from a batch, or by the error policy here): the backend's processes and threads
@@ -224,13 +298,43 @@ class Loader:
 
     def _pass(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass's batches from ``start``: the backend's, under the error policy, through the device stage."""
+        self._check_open()
+        began = time.perf_counter()
         self.skipped, self.fallbacks = [], 0
         sizes = [len(b) for b in self._batches(epoch, start)]
+        _log.debug(
+            "%s loader: a pass of epoch %d begins at batch %d (%d batches)", self.backend, epoch, start, len(sizes)
+        )
         batches = self._with_policy(self._source(epoch, start), sizes)
         if self.adaptive is None:
-            return self.stage.iterate(batches)
+            return self._counted(self.stage.iterate(batches), began, epoch)
         first = epoch * len(self) + start  # the batches' numbers over epochs
-        return self._delivering(self.stage.iterate(self.adaptive.tag(batches, first)), first)
+        return self._counted(
+            self._delivering(self.stage.iterate(self.adaptive.tag(batches, first)), first), began, epoch
+        )
+
+    def _counted(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], began: float, epoch: int):
+        """The batches while the loader is open (a pass begun before :meth:`close` raises at its next batch: its
+        workers and threads are gone), each counted in ``stats``; ``began``: when the caller asked for the first."""
+        stats, mark, taken = self.stats, began, 0
+        try:
+            while True:
+                self._check_open()
+                asked = began if taken == 0 else time.perf_counter()
+                batch = next(batches, None)
+                now = time.perf_counter()
+                if batch is None:
+                    break
+                stats.seconds += now - mark
+                stats.waited_s += now - asked
+                stats.batches += 1
+                stats.images += len(batch[1])
+                mark, taken = now, taken + 1
+                yield batch
+        except GeneratorExit:
+            _log.debug("%s loader: the pass of epoch %d was left after %d batches", self.backend, epoch, taken)
+            raise
+        _log.debug("%s loader: the pass of epoch %d ended: %d batches; so far %s", self.backend, epoch, taken, stats)
 
     def _delivering(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], first: int):
         """The batches, the adaptive policy told as each is handed out (``records``: what it returns)."""
@@ -265,6 +369,7 @@ class Loader:
                     path, reason = b.errors[0]
                     raise DecodeError(path, self.backend, reason, SKIP_FIX)
                 self.skipped.extend(b.errors)
+                self.stats.skipped += len(b.errors)
             yield b
 
 

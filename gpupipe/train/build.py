@@ -79,7 +79,8 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         feedback = CTFeedback(train_loader, lambda probe_recipe: train(recipe=probe_recipe))
     if not cfg.val:
         return train_loader, None, feedback
-    val_loader = loader(_source(cfg, cfg.val), train=False, class_to_idx=train_loader.dataset.class_to_idx)
+    classes = train_loader.dataset.class_to_idx
+    val_loader = loader(_source(cfg, cfg.val), train=False, class_to_idx=classes, recipe=recipe.for_eval())
     return train_loader, val_loader, feedback
 
 
