@@ -110,9 +110,10 @@ def test_time_left_follows_the_run_from_its_first_measurement(tmp_path):
 @pytest.mark.parametrize("model", [None, "test_resnet"])
 @pytest.mark.slow
 def test_the_estimate_is_no_shorter_than_a_small_real_run(tmp_path, model):
-    """The estimate before anything is measured (the run's first progress line) against the run itself: at least as
-    long, and within a sane factor. It once said 2 minutes for GPU runs that had not ended after 80-100 s: it left out
-    the end-to-end measurements (--model), and guessed start-ups, drains and epoch starts short. Two epochs of 24
+    """The estimate before anything is measured (the run's first progress line) against the run itself: about as
+    long on an idle machine (a busy one may take a few times longer), and within a sane factor. It once said 2 minutes
+    for GPU runs that had not ended after 80-100 s: it left out the end-to-end measurements (--model), and guessed
+    start-ups, drains and epoch starts short. Two epochs of 24
     images go by in each window's drain here, and with --model two backends train end to end."""
     import time
 
