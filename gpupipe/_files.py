@@ -98,11 +98,15 @@ def read_regular(path: str | os.PathLike) -> bytes:
 
 
 class Stamp(NamedTuple):
-    """What says a file changed between two looks (a batch read ahead of its pass, checked when the pass begins)."""
+    """What says a file changed between two looks (a batch read ahead of its pass, checked when the pass begins): its
+    size and modification time, which a copy that keeps them (``cp -p``, ``touch -r``) leaves as they were, and its
+    inode (device, number, change time), which every write, replacement or ``chmod`` moves and no user can set back."""
 
     path: str
     mtime_ns: int | None  # None: the file could not be read then
     size: int | None
+    ctime_ns: int | None = None
+    inode: tuple[int, int] | None = None  # (device, number)
 
 
 def file_stamp(path: str) -> Stamp:
@@ -110,7 +114,7 @@ def file_stamp(path: str) -> Stamp:
         st = os.stat(path)
     except OSError:
         return Stamp(path, None, None)
-    return Stamp(path, st.st_mtime_ns, st.st_size)
+    return Stamp(path, st.st_mtime_ns, st.st_size, st.st_ctime_ns, (st.st_dev, st.st_ino))
 
 
 def unchanged(stamps: list[Stamp]) -> bool:

@@ -309,7 +309,7 @@ def combine_indexes(parts: list[dict[str, np.ndarray]], paths: list[str]) -> tup
 def shard_index(path: str) -> dict[str, np.ndarray]:
     """The header index of one foreign shard: ``member``, ``offset``, ``size`` of each image and its ``label``
     (integers, or class names). Cached next to the shard, or in the user cache folder when that is not writable;
-    rebuilt when the shard's size or modification time changes."""
+    rebuilt when the shard changes (its size, modification time, or inode: see :class:`.._files.Stamp`)."""
     found = _cached_index(path)
     if found is not None:
         return found
@@ -326,12 +326,12 @@ def shard_index(path: str) -> dict[str, np.ndarray]:
 
 
 def _stamp(path: str) -> np.ndarray:
-    st = os.stat(path)
-    return np.array([_INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
+    st = os.stat(path)  # the inode's change time and number too: a copy keeping the size and time (cp -p) is caught
+    return np.array([_INDEX_VERSION, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino], np.int64)
 
 
 def _cached_index(path: str) -> dict[str, np.ndarray] | None:
-    """The cached header index of ``path`` when it is there and matches the shard's size and modification time."""
+    """The cached header index of ``path`` when it is there and its stamp is the shard's as it is now."""
     stamp = _stamp(path)
     for cached in _index_locations(path):
         if not is_regular_file(cached):
