@@ -85,15 +85,23 @@ def special_kind(path: str | os.PathLike) -> str | None:
     return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def read_regular(path: str | os.PathLike) -> bytes:
-    """A regular file's bytes; anything else (a fifo, a device, ...) is an ``OSError`` saying what it is, raised
-    without blocking: the file is opened non-blocking and checked before it is read."""
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """A regular file opened for reading; anything else (a fifo, a device, ...) is an ``OSError`` saying what it is,
+    raised without blocking: the file is opened non-blocking (which a regular file's reads ignore) and checked before
+    it is read."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-            raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
+    f = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
+    return f
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """A regular file's bytes, opened by :func:`open_regular` (a fifo or a device is an ``OSError``, never read)."""
+    with open_regular(path) as f:
         return f.read()
 
 

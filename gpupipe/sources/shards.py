@@ -22,7 +22,7 @@ from typing import BinaryIO, NamedTuple, cast
 
 import numpy as np
 
-from .._files import is_regular_file, write_atomic
+from .._files import is_regular_file, open_regular, write_atomic
 from .._system import usable_cores
 from ..errors import GpupipeError
 from .compact import SampleList
@@ -133,7 +133,7 @@ class ShardImageList(ImageList):
         while self._maps and len(self._maps) >= _open_limit():  # dropped, not closed: a thread may still be slicing
             self._maps.pop(next(iter(self._maps)))  # it (then freed with it)
         try:
-            f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
+            f = open_regular(self.shard_paths[s])  # kept open if mmap is refused; closed in _close (never a fifo)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 raise OSError(e.errno, f"{e.strerror} ({_open_files()})", self.shard_paths[s]) from None
@@ -388,7 +388,8 @@ def _walk_tar(path: str) -> _TarMembers:
     members = _TarMembers({}, {"cls": {}, "json": {}}, [])
     images, labels = members.images, members.labels
     try:
-        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
+        # "r:": uncompressed only, so offsets are offsets into the file; never a fifo (it would block)
+        with open_regular(path) as raw, tarfile.open(path, "r:", fileobj=raw) as tf:
             for m in tf:
                 key, ext = _split(m.name)
                 if not m.isfile() or (ext not in IMAGE_EXTS and ext not in labels):
