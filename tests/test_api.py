@@ -238,7 +238,7 @@ def test_a_resolution_schedule_changes_the_size_per_epoch_in_the_same_workers(un
         workers.append(_child_pids() - before)
         pipes.append(getattr(loader, "_pipe", None))
     assert sizes == [{(16, 16)}, {(24, 24)}, {(16, 16)}]
-    # persistent: no worker pool made again (dali reads a folder's files in DALI's own threads: no process at all)
+    # persistent: no worker pool made again (dali reads a folder's files in DALI's threads: only its header scan's)
     assert (workers[0] or backend == "dali") and workers[0] == workers[1] == workers[2]
     assert pipes[0] is pipes[1] is pipes[2] and getattr(loader, "pipelines_built", 1) == 1  # DALI's: never rebuilt
 

@@ -1,6 +1,7 @@
 """backends/dali_files.py: DALI reads a folder's or a file list's files itself. The training thread hands it path rows
-and crop rows, never bytes; no process or thread is started for it; and the batches are, to the bit, those of the
-feed that reads the files in DataLoader workers (the path shards still take)."""
+and crop rows, never bytes; no process is started for it but the header scan's; the batches are, to the bit, those
+of the feed that reads the files in DataLoader workers (the path shards still take); and a file that changed between
+two passes is judged again, as it is then."""
 
 import os
 import shutil

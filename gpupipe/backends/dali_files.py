@@ -159,7 +159,8 @@ class Scanner:
         self._pool: ProcessPoolExecutor | None = None
 
     def ask(self, index: np.ndarray) -> Asked | None:
-        """Start judging the samples of ``index`` not judged yet."""
+        """Start judging the samples of ``index`` not checked in this pass (a ``stat`` each; judged if not judged yet
+        or changed)."""
         todo = index[self.table.unchecked(index)]
         if not len(todo) or self.workers < 1:
             return None
@@ -177,7 +178,8 @@ class Scanner:
             gc.unfreeze()
 
     def settle(self, asked: Asked | None, index: np.ndarray) -> None:
-        """Every sample of ``index`` judged: the workers' verdicts kept, what no worker was asked judged here."""
+        """Every sample of ``index`` judged and checked in this pass: the workers' verdicts kept, what no worker was
+        asked checked here."""
         if asked is not None:
             try:
                 moved, verdicts = asked.verdicts.result()
