@@ -85,24 +85,36 @@ def special_kind(path: str | os.PathLike) -> str | None:
     return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def read_regular(path: str | os.PathLike) -> bytes:
-    """A regular file's bytes; anything else (a fifo, a device, ...) is an ``OSError`` saying what it is, raised
-    without blocking: the file is opened non-blocking and checked before it is read."""
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """A regular file opened for reading; anything else (a fifo, a device, ...) is an ``OSError`` saying what it is,
+    raised without blocking: the file is opened non-blocking (which a regular file's reads ignore) and checked before
+    it is read."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-            raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
+    f = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
+    return f
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """A regular file's bytes, opened by :func:`open_regular` (a fifo or a device is an ``OSError``, never read)."""
+    with open_regular(path) as f:
         return f.read()
 
 
 class Stamp(NamedTuple):
-    """What says a file changed between two looks (a batch read ahead of its pass, checked when the pass begins)."""
+    """What says a file changed between two looks (a batch read ahead of its pass, checked when the pass begins): its
+    size and modification time, which a copy that keeps them (``cp -p``, ``touch -r``) leaves as they were, and its
+    inode (device, number, change time), which every write, replacement or ``chmod`` moves and no user can set back."""
 
     path: str
     mtime_ns: int | None  # None: the file could not be read then
     size: int | None
+    ctime_ns: int | None = None
+    inode: tuple[int, int] | None = None  # (device, number)
 
 
 def file_stamp(path: str) -> Stamp:
@@ -110,7 +122,7 @@ def file_stamp(path: str) -> Stamp:
         st = os.stat(path)
     except OSError:
         return Stamp(path, None, None)
-    return Stamp(path, st.st_mtime_ns, st.st_size)
+    return Stamp(path, st.st_mtime_ns, st.st_size, st.st_ctime_ns, (st.st_dev, st.st_ino))
 
 
 def unchanged(stamps: list[Stamp]) -> bool:

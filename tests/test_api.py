@@ -6,10 +6,12 @@ import io
 import multiprocessing
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import gpupipe
 from gpupipe._system import usable_cores
@@ -112,6 +114,70 @@ def test_a_file_deleted_between_epochs_behaves_as_on_pillow(tmp_path, backend):
         list(strict)
 
 
+def _read_ahead(loader) -> str:
+    """Epoch 0 whole, epoch 1's first batches read ahead meanwhile: the path of one of their files."""
+    list(loader)
+    if hasattr(loader, "_stream"):  # a CPU stream: the first one taken from its workers now (a read-ahead batch)
+        assert loader._stream().peek(1) is not None
+    else:  # dali: its works made ahead, given to DALI's threads (which read them meanwhile)
+        time.sleep(1)
+    return loader.dataset.samples[loader.sampler.batches(1)[0][0]][0]
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+def test_a_file_rewritten_between_epochs_keeping_its_size_and_times_is_read_again(tmp_path, backend):
+    """``cp -p`` of a fix, ``touch -r``: the same size and modification time, another image."""
+    root = make_folder(tmp_path / "data", 2, 4)
+    kw = dict(batch_size=4, seed=1, **KW)
+    for path in root.rglob("*.jpg"):  # room for another image of the same size
+        path.write_bytes(path.read_bytes() + bytes(4096))
+    loader = gpupipe.build_loader(root, backend, num_workers=2, **kw)
+    path = _read_ahead(loader)
+    st, old = os.stat(path), open(path, "rb").read()
+    buf = io.BytesIO()
+    photo(np.random.default_rng(9), *Image.open(path).size[::-1]).save(buf, "JPEG", quality=80)
+    assert len(buf.getvalue()) <= len(old)
+    with open(path, "r+b") as f:
+        f.write(buf.getvalue())  # in place, the size kept
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fresh = gpupipe.build_loader(root, backend, num_workers=0, **kw)
+    _same(_epoch(loader, 1), _epoch(fresh, 1))
+
+
+@pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_file_made_unreadable_between_epochs_is_an_error_as_without_read_ahead(tmp_path, backend, on_error):
+    root = make_folder(tmp_path / "data", 2, 4)
+    if _reads_mode_000(tmp_path):
+        pytest.skip("root reads a file of mode 000 (test_files.py: a chmod moves the stamp, so it is read again)")
+    loader = gpupipe.build_loader(root, backend, batch_size=4, num_workers=2, on_error=on_error, **KW)
+    path = _read_ahead(loader)
+    os.chmod(path, 0)
+    if on_error == "raise":
+        with pytest.raises(gpupipe.DecodeError, match=f"{os.path.basename(path)}.*cannot read the file"):
+            _epoch(loader, 1)
+        return
+    assert sum(len(y) for _, y in _epoch(loader, 1)) == 8  # refilled
+    assert [p for p, _ in loader.skipped] == [path]
+
+
+def _reads_mode_000(folder) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(b"x")
+    probe.chmod(0)
+    try:
+        probe.read_bytes()
+        return True
+    except PermissionError:
+        return False
+
+
+def _same(got, expected) -> None:
+    assert len(got) == len(expected)
+    for (x, y), (ex, ey) in zip(got, expected, strict=True):
+        assert torch.equal(y, ey) and torch.equal(x, ex)
+
+
 @pytest.mark.parametrize("backend", CPU_LOADER_BACKENDS)
 def test_a_gif_in_a_file_list_is_decoded_like_pillow(tmp_path, backend):
     rng = np.random.default_rng(5)
@@ -181,7 +247,7 @@ def test_a_resolution_schedule_changes_the_size_per_epoch_in_the_same_workers(un
         workers.append(_child_pids() - before)
         pipes.append(getattr(loader, "_pipe", None))
     assert sizes == [{(16, 16)}, {(24, 24)}, {(16, 16)}]
-    # persistent: no worker pool made again (dali reads a folder's files in DALI's own threads: no process at all)
+    # persistent: no worker pool made again (dali reads a folder's files in DALI's threads: only its header scan's)
     assert (workers[0] or backend == "dali") and workers[0] == workers[1] == workers[2]
     assert pipes[0] is pipes[1] is pipes[2] and getattr(loader, "pipelines_built", 1) == 1  # DALI's: never rebuilt
 

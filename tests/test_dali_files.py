@@ -1,10 +1,11 @@
 """backends/dali_files.py: DALI reads a folder's or a file list's files itself. The training thread hands it path rows
-and crop rows, never bytes; no process or thread is started for it; and the batches are, to the bit, those of the
-feed that reads the files in DataLoader workers (the path shards still take)."""
+and crop rows, never bytes; no process is started for it but the header scan's; the batches are, to the bit, those
+of the feed that reads the files in DataLoader workers (the path shards still take); and a file that changed between
+two passes is judged again, as it is then."""
 
 import os
+import shutil
 import signal
-import threading
 import time
 
 import numpy as np
@@ -79,7 +80,9 @@ def test_batches_equal_the_feeds_to_the_bit(mixed, train):
         assert files.fallbacks == 1  # the GIF
 
 
-def test_no_image_bytes_are_read_in_python_and_no_process_or_thread_outlives_the_first_epoch(folder, monkeypatch):
+def test_no_image_bytes_are_read_in_python_and_the_scan_processes_are_the_loaders_for_its_life(folder, monkeypatch):
+    """The scan processes (which check each pass's files against their verdicts) are started once, are the only ones,
+    and end with the loader."""
     reads = []
     real = ImageList.read
 
@@ -88,18 +91,23 @@ def test_no_image_bytes_are_read_in_python_and_no_process_or_thread_outlives_the
         return real(self, index)
 
     monkeypatch.setattr(ImageList, "read", read)
-    before = (set(threading.enumerate()), set(__import__("multiprocessing").active_children()))
+    children = __import__("multiprocessing").active_children
+    before = set(children())
     loader = gpupipe.build_loader(folder, "dali", batch_size=4, image_size=32, num_workers=2, device="cpu")
+    started = []
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert sum(len(y) for _, y in loader) == 4 * len(loader)
-        # every header was judged in the first epoch: its scan processes (and their thread) are gone
-        threads = {t for t in set(threading.enumerate()) - before[0] if not t.name.startswith("gpupipe-reaper")}
-        assert reads == [] and threads == set()
-        assert set(__import__("multiprocessing").active_children()) - before[1] == set()
+        started.append(set(children()) - before)
+    assert reads == [] and started[0] == started[1] and 1 <= len(started[0]) <= 2
+    del loader
+    deadline = time.monotonic() + 10
+    while any(p.is_alive() for p in started[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(p.is_alive() for p in started[0])
 
 
-def test_headers_judged_in_processes_as_in_this_one_and_the_processes_end_when_all_are(mixed):
+def test_headers_judged_in_processes_as_in_this_one(mixed):
     from gpupipe.backends.dali_files import FileTable, Scanner
 
     dataset = gpupipe.sources.open.open_source(mixed)
@@ -111,10 +119,11 @@ def test_headers_judged_in_processes_as_in_this_one_and_the_processes_end_when_a
     assert scanner._pool is not None
     scanner.settle(asked[0], index[:10])
     scanner.settle(asked[1], index[5:])
-    assert scanner._pool is None  # every sample judged: the pool is gone
     assert np.array_equal(here.kind, there.kind) and np.array_equal(here.sizes, there.sizes)
+    assert np.array_equal(here.stamps, there.stamps) and (here.stamps != -1).all()
     assert here.problems == there.problems and len(here.problems) == 2
-    assert scanner.ask(index) is None  # nothing left to judge
+    assert scanner.ask(index) is None  # every sample judged, and checked in this pass
+    scanner.close()
 
 
 def test_a_scan_worker_killed_between_batches_leaves_the_samples_judged_here(mixed):
@@ -232,3 +241,77 @@ def test_crop_boxes_are_drawn_several_batches_at_a_time_while_samples_are_still_
         loader.set_epoch(epoch)
         assert sum(1 for _ in loader) == 13
     assert len(calls) <= 12, len(calls)  # runs of up to 8 batches: 2 calls an epoch, a few more while verdicts come
+
+
+def _change(path: str, change: str) -> None:
+    """``path`` replaced (a new file renamed over it, or a fifo) by another kind of image."""
+    new = path + ".new"
+    if change == "fifo":
+        os.mkfifo(new)
+    else:  # "bigger": over the loader's max_pixels; "truncated": its rows past the centre crop's cut
+        h, w = {"wider": (40, 240), "bigger": (400, 400), "truncated": (400, 40)}[change]
+        stripes = np.zeros((h, w, 3), np.uint8)
+        stripes[:, (np.arange(w) // 8) % 2 == 1] = 255  # where a crop falls shows
+        Image.fromarray(stripes).save(new, "JPEG", quality=90)
+        if change == "truncated":
+            whole = open(new, "rb").read()
+            with open(new, "wb") as f:
+                f.write(whole[: len(whole) * 3 // 4])
+    os.replace(new, path)
+
+
+@pytest.mark.parametrize("change", ["wider", "bigger", "truncated", "fifo"])
+def test_a_file_changed_between_epochs_is_judged_again_by_a_loader_living_across_them(tmp_path, change):
+    """A file of epoch 1's last batch (not read ahead) replaced after epoch 0: epoch 1 is what a new loader makes of
+    it (the new image's box; an error where it is refused), never the old verdict's."""
+    root = make_folder(tmp_path / "data", 2, 8, sizes=((48, 40),))
+    train = change != "wider"  # (eval's centre crop: where the old box falls shows most)
+    kw = dict(batch_size=2, image_size=24, device="cpu", seed=1, on_error="skip", max_pixels=100_000, num_workers=1)
+    kw.update(train=train, normalize=False)
+    loader = gpupipe.build_loader(root, "dali", **kw)
+    list(loader)
+    path = loader.dataset.samples[loader.sampler.batches(1)[-1][0]][0]
+    _change(path, change)
+    signal.alarm(60)  # a hang is a failure
+    try:
+        loader.set_epoch(1)
+        got = list(loader)
+    finally:
+        signal.alarm(0)
+    if change == "fifo":  # (a new loader's scan leaves it out)
+        assert loader.skipped == [(path, "cannot read the file (not a regular file: a fifo)")]
+        return
+    fresh = gpupipe.build_loader(root, "dali", **kw)
+    fresh.set_epoch(1)
+    expected = list(fresh)
+    assert len(got) == len(expected) and loader.skipped == fresh.skipped
+    assert (change == "wider") == (loader.skipped == [])
+    for (x, y), (ex, ey) in zip(got, expected, strict=True):
+        assert torch.equal(y, ey) and (x.float() - ex.float()).abs().mean() < 1  # (the old box: ~60)
+
+
+def test_bad_files_are_judged_again_only_when_they_change(mixed, tmp_path, monkeypatch):
+    """A bad file (truncated: Pillow decodes it to be sure) costs each later pass a ``stat`` in the scan processes,
+    nothing on the loader's thread; once mended, the next pass reads it (judged here only if its batch was made
+    ahead of the pass)."""
+    from gpupipe.backends import dali_files
+
+    judged_here = []
+    real = dali_files.judge_file
+    monkeypatch.setattr(dali_files, "judge_file", lambda path, limit: judged_here.append(path) or real(path, limit))
+    root = tmp_path / "data"
+    shutil.copytree(mixed, root)
+    kw = dict(batch_size=5, image_size=24, device="cpu", train=False, on_error="skip", num_workers=1)
+    loader = gpupipe.build_loader(root, "dali", **kw)
+    list(loader)
+    assert {os.path.basename(p) for p, _ in loader.skipped} == {"empty.jpg", "cut.jpg"}
+    judged_here.clear()
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        list(loader)
+    assert judged_here == []
+    shutil.copy(root / "c0" / "01.jpg", root / "c0" / "cut.jpg")  # mended
+    loader.set_epoch(3)
+    list(loader)
+    assert {os.path.basename(p) for p, _ in loader.skipped} == {"empty.jpg"}
+    assert judged_here in ([], [str(root / "c0" / "cut.jpg")])

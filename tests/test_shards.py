@@ -4,6 +4,7 @@ errors, and the loader contract (order per epoch, ranks, equal steps, exact resu
 import io
 import json
 import os
+import shutil
 import signal
 import tarfile
 
@@ -97,6 +98,10 @@ def test_the_header_index_is_cached_and_rebuilt_when_the_shard_changes(wds_shard
     monkeypatch.setattr(shards, "index_tar", lambda p: calls.append(p) or first)
     shards.shard_index(path)
     assert calls == [path]
+    shutil.copy2(path, path + ".new")  # cp -p: the same size and modification time, another file
+    os.replace(path + ".new", path)
+    shards.shard_index(path)
+    assert calls == [path, path]
 
 
 def test_an_unwritable_shard_folder_caches_the_index_in_the_user_cache(wds_shards, tmp_path, monkeypatch):

@@ -81,3 +81,56 @@ def test_a_fifo_that_appears_after_the_scan_is_an_error_naming_it_not_a_hang(tmp
         "cannot read the file (not a regular file: a character device)",
         "cannot read the file (not a regular file: a fifo)",
     ]
+
+
+def _prepared_with_a_fifo_shard(tmp_path):
+    root = make_folder(tmp_path / "data", 2, 4)
+    out = tmp_path / "prep"
+    prepare(root, out, PrepareOptions(shard_size=3000), workers=1)
+    shard = sorted(out.glob("*.tar"))[1]
+    shard.unlink()
+    os.mkfifo(shard)
+    return out, shard
+
+
+@pytest.mark.parametrize("backend", ["pillow", "dali"])
+def test_a_prepared_shard_that_is_a_fifo_is_an_error_naming_it_not_a_hang(tmp_path, backend, no_hang):
+    if backend not in gpupipe.available_backends():
+        pytest.skip(f"{backend} is not installed")
+    out, shard = _prepared_with_a_fifo_shard(tmp_path)
+    loader = gpupipe.build_loader(out, backend, batch_size=4, train=False, image_size=16, device="cpu")
+    with pytest.raises(gpupipe.DecodeError, match="not a regular file: a fifo") as e:
+        list(loader)
+    assert "\n" not in str(e.value) and shard.name in str(e.value)
+
+
+def test_resuming_from_a_checkpoint_that_is_a_fifo_is_one_line_not_a_hang(tmp_path, no_hang):
+    from gpupipe.train.checkpoint import CheckpointError, load_for_resume
+
+    os.mkfifo(tmp_path / "last.pt")
+    with pytest.raises(CheckpointError, match=r"last\.pt: cannot resume from it \(not a regular file: a fifo\)"):
+        load_for_resume(tmp_path / "last.pt")
+
+
+def test_resuming_a_run_whose_last_checkpoint_is_a_fifo_reads_no_settings_from_it(tmp_path, no_hang):
+    """Before the checkpoint is verified (which refuses it, above), the resume reads its settings (the number of ranks
+    it was saved with): a fifo is left to the verify, never opened."""
+    from gpupipe.train.config import TrainConfig
+    from gpupipe.train.elastic import fit_world_size
+
+    os.mkfifo(tmp_path / "last.pt")
+    cfg = TrainConfig()
+    blocked = []
+
+    def stop(signum, frame):
+        blocked.append(True)
+        raise TimeoutError("blocked")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(30)
+    try:
+        assert fit_world_size(cfg, tmp_path / "last.pt", 1) == (cfg, None)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert not blocked

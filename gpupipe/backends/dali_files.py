@@ -3,15 +3,17 @@ the batch's rows of a path table and the recipe's crop rows, and ``fn.io.file.re
 threads. No feed process, no receiving thread, no copy of the bytes in Python.
 
 What the feed judges from each file's bytes (:mod:`.gpu_feed`: its upright size, whether only Pillow decodes it, why
-it cannot be decoded) is judged once per sample, from its header, in worker processes that run a few batches ahead of
-the stream the first time a sample comes (:class:`Scanner`: nothing is read up front, and once every sample is
-judged they end); the verdicts are kept in the path table (:class:`FileTable`). The scan opens each file
-non-blocking and checks that it is a regular file before any path goes to DALI (a fifo would block its reader for
-ever, ``/dev/zero`` never end). A sample the scan found bad is reported as the feed reports it; one only
-Pillow decodes is decoded by Pillow on the training thread (rare: CMYK, 16-bit, formats DALI lacks). A file that
-changes after the scan is caught as the feed catches it: a batch DALI fails on is narrowed by Pillow reading the file
-as it is then (:meth:`DaliLoader._recover`), and the next epoch's first batches, made before their pass begins, are
-stamped and made again when their files changed (:meth:`FileStream.reread`).
+it cannot be decoded) is judged from its header, in worker processes that run a few batches ahead of the stream the
+first time a sample comes (:class:`Scanner`: nothing is read up front); the verdicts are kept in the path table
+(:class:`FileTable`) with each file's stamp (size, modification time, inode). Each pass checks every verdict it uses
+against its file once, in those processes: a file that changed since (rewritten, replaced, made unreadable, mended) is
+judged again, so a pass crops, refuses or skips each file as it is when the pass runs, as the CPU backends do. The
+scan opens each file non-blocking and checks that it is a regular file before any path goes to DALI (a fifo would
+block its reader for ever, ``/dev/zero`` never end). A sample the scan found bad is reported as the feed reports it;
+one only Pillow decodes is decoded by Pillow on the training thread (rare: CMYK, 16-bit, formats DALI lacks). A file
+that changes after its check is caught as the feed catches it: a batch DALI fails on is narrowed by Pillow reading the
+file as it is then (:meth:`DaliLoader._recover`), and the next epoch's first batches, made before their pass begins,
+are stamped and made again when their files changed (:meth:`FileStream.reread`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,20 @@ class Verdict(NamedTuple):
     height: int = 0
     width: int = 0
     problem: str | None = None
+    stamp: int = 0  # the file as it was judged (:func:`stamp_key`)
+
+
+_UNJUDGED = -1  # the stamp of a sample not judged yet: no file's
+
+
+def stamp_key(path: str) -> int:
+    """A file's stamp (:class:`.._files.Stamp`: size, modification time, inode) as one number, stat-ed now; 0 when it
+    cannot be (gone). A verdict holds it: a file whose stamp moved since is judged again."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return hash((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))  # never -1: _UNJUDGED
 
 
 def _read_ends(path: str) -> tuple[bytes, bytes]:
@@ -68,15 +84,17 @@ def _read_ends(path: str) -> tuple[bytes, bytes]:
 
 
 def judge_file(path: str, max_pixels: int) -> Verdict:
-    """What the feed decides from a sample's bytes (:meth:`.gpu_feed.Feed._sample`), from its head and tail."""
+    """What the feed decides from a sample's bytes (:meth:`.gpu_feed.Feed._sample`), from its head and tail, and the
+    file's stamp, taken before it is read (a change while it is read moves it: judged again next time)."""
+    stamp = stamp_key(path)
     try:
         head, tail = _read_ends(path)
         entry = header_entry(head, max_pixels)
         if entry.problem is not None and head is not tail:  # maybe a header longer than the head: the whole file
             entry = header_entry(read_regular(path), max_pixels)
     except OSError as e:
-        return Verdict(_BAD, problem=f"cannot read the file ({e.strerror or e})")
-    return _verdict(path, entry, head, tail, max_pixels)
+        return Verdict(_BAD, problem=f"cannot read the file ({e.strerror or e})", stamp=stamp)
+    return _verdict(path, entry, head, tail, max_pixels)._replace(stamp=stamp)
 
 
 def _verdict(path: str, entry: HeaderCheck, head: bytes, tail: bytes, max_pixels: int) -> Verdict:
@@ -99,12 +117,14 @@ class Verdicts(NamedTuple):
     kind: np.ndarray  # int8
     sizes: np.ndarray  # int64 (n, 2): upright height, width
     problems: dict[int, str]  # position -> why it is reported
+    stamps: np.ndarray  # int64: each file as it was judged
 
     @classmethod
     def of(cls, verdicts: list[Verdict]) -> Verdicts:
         kind = np.fromiter((v.kind for v in verdicts), np.int8, len(verdicts))
         sizes = np.array([(v.height, v.width) for v in verdicts], np.int64).reshape(-1, 2)
-        return cls(kind, sizes, {k: v.problem for k, v in enumerate(verdicts) if v.problem is not None})
+        stamps = np.fromiter((v.stamp for v in verdicts), np.int64, len(verdicts))
+        return cls(kind, sizes, {k: v.problem for k, v in enumerate(verdicts) if v.problem is not None}, stamps)
 
 
 _scanned = None  # the samples a scan worker judges: the table's, inherited when the pool forks (no pickling)
@@ -115,22 +135,33 @@ def _scan_init(samples) -> None:
     _scanned = samples
 
 
-def _judge_many(indices: np.ndarray, max_pixels: int) -> Verdicts:
+def _judge_many(indices: np.ndarray, stamps: np.ndarray, max_pixels: int) -> tuple[np.ndarray, Verdicts]:
+    """In a scan worker: the samples of ``indices`` (judged with ``stamps``) whose stamp moved, and their verdicts."""
     assert _scanned is not None  # set by the pool's initializer
-    return Verdicts.of([judge_file(_scanned[i][0], max_pixels) for i in indices.tolist()])
+    return judge_moved([_scanned[i][0] for i in indices.tolist()], stamps, max_pixels)
+
+
+def judge_moved(paths: list[str], stamps: np.ndarray, max_pixels: int) -> tuple[np.ndarray, Verdicts]:
+    """The positions of ``paths`` whose file's stamp is no longer the one in ``stamps`` (one of :data:`_UNJUDGED`
+    never is), and their new verdicts: a file that did not change costs a ``stat``."""
+    moved = [k for k, (path, stamp) in enumerate(zip(paths, stamps.tolist(), strict=True)) if stamp_key(path) != stamp]
+    return np.asarray(moved, np.int64), Verdicts.of([judge_file(paths[k], max_pixels) for k in moved])
 
 
 class Scanner:
-    """Judges the samples a batch needs, not yet judged, in ``workers`` processes (none: on the caller's thread when
-    the batch is made). The pool starts with the first batch that needs it and ends once every sample is judged."""
+    """Judges the samples a batch needs, not yet judged or whose files changed since they were (their stamps are
+    checked once a pass, :meth:`FileTable.unchecked`), in ``workers`` processes (none: on the caller's thread when the
+    batch is made). The pool starts with the first batch that needs it and lives as long as the loader's stream: a
+    file that did not change costs its worker a ``stat`` a pass, and the caller's thread nothing."""
 
     def __init__(self, table: FileTable, workers: int):
         self.table, self.workers = table, workers
         self._pool: ProcessPoolExecutor | None = None
 
     def ask(self, index: np.ndarray) -> Asked | None:
-        """Start judging the samples of ``index`` not judged yet."""
-        todo = index[self.table.kind[index] == _UNKNOWN]
+        """Start judging the samples of ``index`` not checked in this pass (a ``stat`` each; judged if not judged yet
+        or changed)."""
+        todo = index[self.table.unchecked(index)]
         if not len(todo) or self.workers < 1:
             return None
         if self._pool is None:
@@ -138,7 +169,8 @@ class Scanner:
             self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (self.table.dataset.samples,))
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
         try:
-            return Asked(todo, self._pool.submit(_judge_many, todo, self.table.max_pixels))
+            stamps = self.table.stamps[todo]
+            return Asked(todo, self.table.passes, self._pool.submit(_judge_many, todo, stamps, self.table.max_pixels))
         except BrokenProcessPool:  # a worker died since the last batch: this one is judged when it is made
             self.close()
             return None
@@ -146,17 +178,18 @@ class Scanner:
             gc.unfreeze()
 
     def settle(self, asked: Asked | None, index: np.ndarray) -> None:
-        """Every sample of ``index`` judged: the workers' verdicts kept, what no worker was asked judged here."""
+        """Every sample of ``index`` judged and checked in this pass: the workers' verdicts kept, what no worker was
+        asked checked here."""
         if asked is not None:
             try:
-                self.table.set(asked.indices, asked.verdicts.result())
+                moved, verdicts = asked.verdicts.result()
+                self.table.set(asked.indices[moved], verdicts)
+                self.table.checked[asked.indices] = asked.passes
             except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
                 self.close()
-        todo = index[self.table.kind[index] == _UNKNOWN].tolist()
-        if todo:
-            self.table.rescan(todo)
-        if asked is not None and self._pool is not None and not (self.table.kind == _UNKNOWN).any():
-            self.close()
+        todo = index[self.table.unchecked(index)]
+        if len(todo):
+            self.table.recheck(todo)
 
     def close(self) -> None:
         """End the pool, once what it was asked is done (batches asked ahead keep their verdicts)."""
@@ -167,7 +200,8 @@ class Scanner:
 
 class Asked(NamedTuple):
     indices: np.ndarray
-    verdicts: Future
+    passes: int  # the pass they were asked in
+    verdicts: Future  # of (the positions whose files changed, their verdicts)
 
 
 class FileTable:
@@ -196,6 +230,11 @@ class FileTable:
         self.kind = np.full(len(samples), _UNKNOWN, np.int8)
         self.sizes = np.zeros((len(samples), 2), np.int64)
         self.problems: dict[int, str] = {}
+        self.stamps = np.full(len(samples), _UNJUDGED, np.int64)  # each verdict's file as it was judged
+        # passes begun so far, and the last pass in which each sample's stamp was checked: every file is taken as it
+        # is when its pass runs (a verdict from an earlier pass is checked against its file once in each)
+        self.passes = 0
+        self.checked = np.full(len(samples), -1, np.int64)
 
     def paths(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The paths of samples ``chosen`` as (n, W) uint8 rows, each a path's bytes and whatever follows them in the
@@ -207,8 +246,12 @@ class FileTable:
             rows[late] = sliding_window_view(self._tail, self.width)[starts[late] - self._tail_at]
         return rows, self.lengths[chosen, None]
 
+    def unchecked(self, index: np.ndarray) -> np.ndarray:
+        """Which samples of ``index`` have no verdict yet, or one not checked against its file in this pass."""
+        return self.checked[index] < self.passes
+
     def set(self, indices: np.ndarray, verdicts: Verdicts) -> None:
-        self.kind[indices], self.sizes[indices] = verdicts.kind, verdicts.sizes
+        self.kind[indices], self.sizes[indices], self.stamps[indices] = verdicts.kind, verdicts.sizes, verdicts.stamps
         for i in indices.tolist() if self.problems else ():  # a verdict replaces the problem it had, if any
             self.problems.pop(i, None)
         self.problems.update({int(indices[k]): problem for k, problem in verdicts.problems.items()})
@@ -218,6 +261,14 @@ class FileTable:
         chosen = np.asarray(indices, dtype=np.int64)
         verdicts = [judge_file(self.dataset.samples[i][0], self.max_pixels) for i in chosen.tolist()]
         self.set(chosen, Verdicts.of(verdicts))
+        self.checked[chosen] = self.passes
+
+    def recheck(self, chosen: np.ndarray) -> None:
+        """Judge these samples if not judged yet or if their files changed since (a ``stat`` each), here."""
+        paths = [self.dataset.samples[i][0] for i in chosen.tolist()]
+        moved, verdicts = judge_moved(paths, self.stamps[chosen], self.max_pixels)
+        self.set(chosen[moved], verdicts)
+        self.checked[chosen] = self.passes
 
 
 class FileStream:
@@ -236,8 +287,8 @@ class FileStream:
         self._boxes: dict[tuple[int, int], np.ndarray] = {}  # (epoch, number) -> its DALI samples' crop boxes
 
     def restart(self, requests: Iterable[Request]) -> None:
-        """A new plan, for a pass that begins."""
-        self._judge_bad_again()
+        """A new plan, for a pass that begins: its files checked as they come (:meth:`FileTable.unchecked`)."""
+        self.table.passes += 1
         self._requests, self._ahead, self._boxes = iter(requests), deque(), {}
 
     def stop(self) -> None:
@@ -247,15 +298,10 @@ class FileStream:
         self.scanner.close()
 
     def consuming(self, epoch: int) -> None:
-        """The pass of ``epoch`` begins, on the plan already running."""
-        self._judge_bad_again()
+        """The pass of ``epoch`` begins, on the plan already running: the samples of its batches not made yet are
+        checked against their files as they come (one mended after an error is read by this pass)."""
+        self.table.passes += 1
         self.gate.set(epoch)
-
-    def _judge_bad_again(self) -> None:
-        """The samples judged bad are judged again as each pass begins, as the CPU backends read every file each pass:
-        one mended after an error (``on_error="raise"``) is read by the next pass."""
-        if self.table.problems:
-            self.table.rescan(sorted(self.table.problems))
 
     def next(self) -> Work | None:
         while len(self._ahead) < self._depth:
@@ -284,7 +330,7 @@ class FileStream:
                     break
                 self.scanner.settle(asked, later_index)
                 self._ahead[k] = (later, later_index, None)
-            if (self.table.kind[later_index] == _UNKNOWN).any():
+            if self.table.unchecked(later_index).any():
                 break
             run.append(later)
             chosen.append(self._dali_of(later_index))
@@ -301,8 +347,9 @@ class FileStream:
         pass
 
     def reread(self, work: Work) -> Work:
-        """``work`` made again, its samples judged again (files changed after it was made ahead of its pass)."""
-        self.table.rescan(work.indices)
+        """``work`` made again, those of its samples whose files changed after it was made ahead of its pass judged
+        again."""
+        self.table.recheck(np.asarray(work.indices, dtype=np.int64))
         self._boxes.pop((work.epoch, work.number), None)  # drawn for the samples as they were judged
         assert work.index is not None  # set when it was made
         return self.make(Request(work.epoch, work.indices, work.number), work.index)

@@ -22,7 +22,7 @@ from typing import BinaryIO, NamedTuple, cast
 
 import numpy as np
 
-from .._files import is_regular_file, write_atomic
+from .._files import is_regular_file, open_regular, write_atomic
 from .._system import usable_cores
 from ..errors import MissingFileError, SourceError
 from .compact import SampleList
@@ -133,7 +133,7 @@ class ShardImageList(ImageList):
         while self._maps and len(self._maps) >= _open_limit():  # dropped, not closed: a thread may still be slicing
             self._maps.pop(next(iter(self._maps)))  # it (then freed with it)
         try:
-            f = open(self.shard_paths[s], "rb")  # kept open if mmap is refused; closed in _close
+            f = open_regular(self.shard_paths[s])  # kept open if mmap is refused; closed in _close (never a fifo)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 raise OSError(e.errno, f"{e.strerror} ({_open_files()})", self.shard_paths[s]) from None
@@ -338,7 +338,7 @@ def combine_indexes(parts: list[dict[str, np.ndarray]], paths: list[str]) -> tup
 def shard_index(path: str) -> dict[str, np.ndarray]:
     """The header index of one foreign shard: ``member``, ``offset``, ``size`` of each image and its ``label``
     (integers, or class names). Cached next to the shard, or in the user cache folder when that is not writable;
-    rebuilt when the shard's size or modification time changes."""
+    rebuilt when the shard changes (its size, modification time, or inode: see :class:`.._files.Stamp`)."""
     found = _cached_index(path)
     if found is not None:
         return found
@@ -355,12 +355,12 @@ def shard_index(path: str) -> dict[str, np.ndarray]:
 
 
 def _stamp(path: str) -> np.ndarray:
-    st = os.stat(path)
-    return np.array([_INDEX_VERSION, st.st_size, st.st_mtime_ns], np.int64)
+    st = os.stat(path)  # the inode's change time and number too: a copy keeping the size and time (cp -p) is caught
+    return np.array([_INDEX_VERSION, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino], np.int64)
 
 
 def _cached_index(path: str) -> dict[str, np.ndarray] | None:
-    """The cached header index of ``path`` when it is there and matches the shard's size and modification time."""
+    """The cached header index of ``path`` when it is there and its stamp is the shard's as it is now."""
     stamp = _stamp(path)
     for cached in _index_locations(path):
         if not is_regular_file(cached):
@@ -417,7 +417,8 @@ def _walk_tar(path: str) -> _TarMembers:
     members = _TarMembers({}, {"cls": {}, "json": {}}, [])
     images, labels = members.images, members.labels
     try:
-        with tarfile.open(path, "r:") as tf:  # "r:": uncompressed only, so offsets are offsets into the file
+        # "r:": uncompressed only, so offsets are offsets into the file; never a fifo (it would block)
+        with open_regular(path) as raw, tarfile.open(path, "r:", fileobj=raw) as tf:
             for m in tf:
                 key, ext = _split(m.name)
                 if not m.isfile() or (ext not in IMAGE_EXTS and ext not in labels):

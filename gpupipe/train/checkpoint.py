@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .._files import open_regular
 from ..errors import GpupipeError
 from .precision import Precision
 
@@ -219,8 +220,9 @@ def load(path: str | Path, map_location="cpu") -> dict:
 
 
 def verify(path: str | Path) -> str | None:
-    """Why ``path`` is damaged (its digest does not match, or it has none), or None when it is whole."""
-    with open(path, "rb") as f:
+    """Why ``path`` is damaged (its digest does not match, or it has none), or None when it is whole; a fifo or a
+    device is an ``OSError`` saying what it is, never read (a fifo would block)."""
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < _TRAILER_SIZE:
             return "empty" if size == 0 else f"not a gpupipe train checkpoint: {size} bytes, no digest"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .._files import special_kind
 from ..data.position import ResumeNotice
 from .checkpoint import TrainState
 from .config import TrainConfig
@@ -57,6 +58,8 @@ def fit_world_size(cfg: TrainConfig, ckpt_path: Path, world: int) -> tuple[Train
     """``cfg`` for resuming ``ckpt_path`` over ``world`` ranks, and the line that says what changed with the number of
     ranks (None: nothing did). The per-rank batch and accumulation are fitted only where ``cfg`` has the saved ones
     (the same flags); other values are the user's, and the resume's comparison of settings judges them."""
+    if special_kind(ckpt_path) is not None:  # a fifo would block the load: the resume reports it
+        return cfg, None
     try:  # the settings alone: tensors mapped, not read; a damaged file is the resume's to report
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
         config, loader = dict(saved["config"]), dict(saved["loader"])
