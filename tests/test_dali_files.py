@@ -240,7 +240,9 @@ def test_crop_boxes_are_drawn_several_batches_at_a_time_while_samples_are_still_
     for epoch in range(2):
         loader.set_epoch(epoch)
         assert sum(1 for _ in loader) == 13
-    assert len(calls) <= 12, len(calls)  # runs of up to 8 batches: 2 calls an epoch, a few more while verdicts come
+    # runs of up to 8 batches: 2 calls an epoch, a few more while verdicts (and each pass's stamp checks) come; one a
+    # batch would be 26: a busy machine's late verdicts make up to about 15
+    assert len(calls) <= 17, len(calls)
 
 
 def _change(path: str, change: str) -> None:
