@@ -44,10 +44,12 @@ def save(
     config: dict,
     keep: int = 2,
     rank_buffers: list[dict] | None = None,
+    rank_running: list[dict] | None = None,
 ) -> None:
     """Write a training checkpoint: ``state``, where the ``loader`` is (``{"epoch", "batch"}``), the epoch's
     ``running`` sums, the run's ``config``, the RNG states and, under DDP, each rank's buffers (``rank_buffers``:
-    :func:`restore_rank_buffers`); the newest ``keep`` are kept (:func:`save_atomic`)."""
+    :func:`restore_rank_buffers`) and running sums (``rank_running``: ``resume.rank_running``); the newest ``keep``
+    are kept (:func:`save_atomic`)."""
     save_atomic(
         {
             "model": state.model.state_dict(),
@@ -63,6 +65,7 @@ def save(
             **({"classes": state.classes} if state.classes is not None else {}),
             **({"model_ema": state.ema.module.state_dict()} if state.ema is not None else {}),
             **({"rank_buffers": rank_buffers} if rank_buffers is not None else {}),
+            **({"rank_running": rank_running} if rank_running is not None else {}),
         },
         path,
         keep,
