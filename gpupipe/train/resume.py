@@ -108,7 +108,8 @@ def _paths_resolved(saved: dict, cfg: TrainConfig) -> tuple[dict, dict]:
 
 def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
     """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
-    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new`` (paths resolved)."""
+    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new`` (paths resolved), the
+    changeable ones changed beside a fixed one too."""
     saved, now = _paths_resolved(saved, cfg)
 
     def diff(keys):
@@ -116,9 +117,10 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
 
     fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
     if fixed:
+        also = f" (also changed, which --allow-config-change allows: {'; '.join(changeable)})" if changeable else ""
         raise ValueError(
             f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
-            "data order; restore them, or start a new run in another --out"
+            f"data order; restore them, or start a new run in another --out{also}"
         )
     if changeable and not cfg.allow_config_change:
         raise ValueError(
