@@ -163,3 +163,32 @@ def test_a_validation_with_nothing_decodable_keeps_the_epoch_and_is_one_line(dat
     r = _run(*cmd, "--on-error", "skip")  # a warning first: the held-out set lacks 3 of the classes
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1].startswith(f"error: {val}: no image to evaluate on: all 3 were skipped"), r.stderr
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_nan_stop_offers_a_resume_only_when_a_checkpoint_was_saved(tmp_path, saved):
+    """The probe: with no checkpoint yet the line said "no checkpoint was saved yet ... then --resume"."""
+    from gpupipe.train.nonfinite import LossWatch, NonFiniteLossError
+
+    last = tmp_path / "checkpoints" / "last.pt"
+    if saved:
+        last.parent.mkdir()
+        last.write_bytes(b"")
+    watch = LossWatch()
+    watch.add(0, 1, torch.tensor(1.0))
+    watch.add(1, 1, torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteLossError) as e:
+        watch.check(0, last)
+    message = str(e.value)
+    assert message.startswith("the loss is not finite (NaN or inf) at optimizer step 1 (epoch 0, batch 1)")
+    if saved:
+        assert message.endswith(
+            f"the last good checkpoint is {last}. Lower --lr, set --clip, or use fp32/bf16, then "
+            "--resume (with --allow-config-change) or start again"
+        )
+    else:
+        assert "--resume" not in message
+        assert message.endswith(
+            "no checkpoint was saved yet, so there is nothing to resume. Lower --lr, set --clip, "
+            "or use fp32/bf16, and start the run again"
+        )
