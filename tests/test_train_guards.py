@@ -56,6 +56,12 @@ def test_start_up_line_then_pretrained_weights_from_a_local_file(data, tmp_path)
     first = r.stderr.splitlines()[0]
     assert first.startswith(f"training test_resnet (weights from {weights}) on 32 samples, 4 classes: backend pillow")
     assert "device cpu (" in first and "torch threads), 8 batches per epoch x 1 epoch, batch 4 x accum 1" in first
+    ckpt = out / "checkpoints" / "last.pt"  # where it writes, at the start and at the end: what `gpupipe eval` takes
+    assert first.endswith(f"; run folder {out} (checkpoint {ckpt})"), first
+    assert r.stderr.splitlines()[-1] == (
+        f"finished 1 epoch: run folder {out}; evaluate its checkpoint with: gpupipe eval --checkpoint {ckpt} "
+        "--data HELD_OUT_DATA"
+    )
     trained = checkpoint.load(out / "checkpoints" / "last.pt")["model"]
     body = [
         k for k, v in source.state_dict().items() if v.is_floating_point() and "fc." not in k and "running" not in k

@@ -11,6 +11,7 @@ fp16's scaler, clipping, the optimizer step) is ``precision.Precision``; what a 
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,7 +120,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             if note:
                 logger.note(note)
 
-        return run_epochs(run, start["epoch"], meter)
+        metrics = run_epochs(run, start["epoch"], meter)
+        logger.note(finished_line(cfg, ckpt_path))
+        return metrics
 
 
 def run_epochs(run: Run, first_epoch: int, meter: Meter) -> dict:
@@ -154,7 +157,16 @@ def startup_line(run: Run, resume: Path | None = None) -> str:
         f"{run.train_loader.backend}, device {run.dist.device} ({torch.get_num_threads()} torch threads), "
         f"{plural(run.micro_batches, 'batch', 'batches')} per epoch{steps} x "
         f"{plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}{ranks} x accum {cfg.accum}, images "
-        f"{sizes_line(run.train_loader.recipe, cfg.epochs)}"
+        f"{sizes_line(run.train_loader.recipe, cfg.epochs)}; run folder {cfg.out} (checkpoint {checkpoint_path(cfg)})"
+    )
+
+
+def finished_line(cfg: TrainConfig, ckpt_path: Path) -> str:
+    """The last line of a run that finished its epochs: where it wrote, and the command that evaluates it."""
+    held_out = shlex.quote(cfg.val) if cfg.val else "HELD_OUT_DATA"
+    return (
+        f"finished {plural(cfg.epochs, 'epoch')}: run folder {cfg.out}; evaluate its checkpoint with: gpupipe eval "
+        f"--checkpoint {shlex.quote(str(ckpt_path))} --data {held_out}"
     )
 
 
