@@ -217,7 +217,9 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         if (batch_idx + 1) % cfg.log_every == 0 or batch_idx + 1 == n_batches:
             meter.sync()  # one host sync every log_every micro-batches, not every one
             watch.check(epoch, checkpoint_path(cfg))
-            run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
+            run.logger.progress(batch_idx + 1, meter, last_lr(state), state.step)
+        elif run.logger.due():  # between them, the progress shown at most half a second old (a host sync then)
+            run.logger.progress(batch_idx + 1, meter.peek(), last_lr(state), state.step, scalars=False)
         if need_update and batch_idx + 1 < n_batches:  # the epoch's last step saves (and stops) in end_epoch
             step_boundary(run, watch, epoch, batch_idx + 1, meter)
 
@@ -231,9 +233,15 @@ def step_boundary(run: Run, watch: LossWatch, epoch: int, batch: int, meter: Met
         meter.sync()
         watch.check(epoch, checkpoint_path(run.cfg))
     if stopping:
-        raise stopped(run.stop, save_at(run, epoch, batch, meter), run.cfg.out)
+        where = save_at(run, epoch, batch, meter)
+        run.logger.progress(batch, meter, last_lr(run.state), run.state.step, scalars=False, now=True)  # saved here
+        raise stopped(run.stop, where, run.cfg.out)
     if saving:
         save_at(run, epoch, batch, meter)
+
+
+def last_lr(state: TrainState) -> float:
+    return float(state.scheduler.get_last_lr()[0])
 
 
 def next_or_save(run: Run, batches: Iterator, epoch: int, boundary: int, meter: Meter):
