@@ -9,6 +9,7 @@ are all ranks'.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class Meter:
     def __post_init__(self) -> None:
         self._loss_sum: torch.Tensor | None = None  # on the loss's device: summed without a host sync
         self._tick = time.perf_counter()
+        self._folded = self.images  # the images whose loss ``loss`` sums (the rest is on the device)
 
     def start(self) -> None:
         """Start the clock (at the first batch of the epoch, or of its resumed part)."""
@@ -57,15 +59,17 @@ class Meter:
         if self._loss_sum is not None:
             self.loss += self._loss_sum.item()
             self._loss_sum.zero_()
+        self._folded = self.images
         now = time.perf_counter()
         self.time += now - self._tick
         self._tick = now
 
     def peek(self) -> Meter:
-        """The sums as of now, for the progress line, leaving this meter as it is: where :meth:`sync` folds the
-        device's sum into the host's (which decides the logged loss to the last bit) stays every ``log_every``."""
-        pending = self._loss_sum.item() if self._loss_sum is not None else 0.0
-        return Meter(self.loss + pending, self.images, self.wait, self.time + time.perf_counter() - self._tick)
+        """For the progress line between two :meth:`sync`: the images, the wait and the clock as of now, and the mean
+        loss as of the last sync (NaN before the first: shown as ``-``). No host sync, and this meter is left as it
+        is: its loss is folded every ``log_every`` batches, which decides the logged loss to the last bit."""
+        mean = self.loss / self._folded if self._folded else float("nan")
+        return Meter(mean * self.images, self.images, self.wait, self.time + time.perf_counter() - self._tick)
 
     def state_dict(self) -> dict[str, float]:
         return {"loss": self.loss, "images": self.images, "wait": self.wait, "time": self.time}
@@ -134,7 +138,8 @@ class RunLogger:
         wait = meter.wait / max(meter.time, 1e-9)
         loss = meter.loss / max(meter.images, 1)
         rank = " (rank 0)" if self.world_size > 1 else ""
-        stats = f"loss {loss:.3f}  {ips:,.0f} img/s{rank}  data-wait {wait:.0%}{rank}  lr {lr:.3g}"
+        shown = f"{loss:.3f}" if math.isfinite(loss) else "-"  # not finite: a peek before the first sync
+        stats = f"loss {shown}  {ips:,.0f} img/s{rank}  data-wait {wait:.0%}{rank}  lr {lr:.3g}"
         if self._progress is not None:
             self._progress.update(self._task, completed=done, stats=stats)
         elif done >= self._next_line or (now and done != self._printed):
