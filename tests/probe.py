@@ -6,6 +6,8 @@ final parameters (``OUT/probe-rank{R}.pt``).
     torchrun --nproc_per_node 2 tests/probe.py cli -- <gpupipe train arguments>
     torchrun --nproc_per_node 2 tests/probe.py tiny64 OUT INIT.pt DATA BATCH ACCUM
     python tests/probe.py kill-in-save N -- <gpupipe train arguments>   # SIGKILL inside the Nth checkpoint write
+    python tests/probe.py int-in-save N -- <gpupipe train arguments>   # SIGINT inside the Nth checkpoint write
+    python tests/probe.py int-at-import MODULE -- <gpupipe train arguments>   # SIGINT as MODULE is imported
     python tests/probe.py rank-exits RANK K -- <gpupipe train arguments>  # that rank exits after K train batches
     python tests/probe.py worker-dies RANK K -- <gpupipe train arguments>  # that rank's loader worker is SIGKILLed
     torchrun ... tests/probe.py all-exit K -- <gpupipe train arguments>  # every rank exits after K train batches
@@ -103,6 +105,43 @@ def _kill_in_save(n: int) -> None:
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = save
+
+
+def _int_in_save(n: int) -> None:
+    """The Nth ``torch.save`` writes its first bytes, then the process gets a SIGINT (a Ctrl-C) in the middle of the
+    write: raised in a ``write()`` that torch's C++ writer called."""
+    real_save, calls = torch.save, [0]
+
+    class Interrupting:
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    def save(obj, f, *args, **kwargs):
+        calls[0] += 1
+        return real_save(obj, Interrupting(f) if calls[0] == n else f, *args, **kwargs)
+
+    torch.save = save
+
+
+class _IntAtImport:
+    """A finder that sends this process a SIGINT (a Ctrl-C) as ``module`` starts to be imported, and finds nothing."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.module:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
 
 
 def _rank_exits(rank: int, after: int) -> None:
@@ -206,9 +245,13 @@ def main() -> None:
         from gpupipe.cli import main as cli_main
 
         sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
-    if mode in ("kill-in-save", "rank-exits", "worker-dies"):
+    if mode in ("kill-in-save", "int-in-save", "int-at-import", "rank-exits", "worker-dies"):
         if mode == "kill-in-save":
             _kill_in_save(int(sys.argv[2]))
+        elif mode == "int-in-save":
+            _int_in_save(int(sys.argv[2]))
+        elif mode == "int-at-import":
+            sys.meta_path.insert(0, _IntAtImport(sys.argv[2]))
         elif mode == "rank-exits":
             _rank_exits(int(sys.argv[2]), int(sys.argv[3]))
         else:

@@ -1,16 +1,19 @@
 """gpupipe/train/distributed.py: the launcher's variables read, or refused in one line naming them (a value that is no
 number, a set no launch could make)."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from gpupipe.train import checkpoint
 from gpupipe.train.distributed import Distributed, ranks_from_env
 
-from .common_utils import gpupipe_cli, make_folder, train_args
+from .common_utils import REPO_ROOT, gpupipe_cli, make_folder, train_args
 
 
 @pytest.mark.parametrize(
@@ -95,3 +98,43 @@ def test_an_epoch_end_averages_the_buffers_in_one_all_reduce_and_gathers_none(tm
     assert len(mid) == 4 and mid[-1] == steps[-1], mid
     gathers = [segment.count("all_gather") for segment in mid]
     assert gathers[0] == gathers[2] > 0 and gathers[1] == gathers[3] == 0, mid
+
+
+def _two_ranks(data, val, out, *extra: str) -> subprocess.CompletedProcess:
+    """``gpupipe train`` on two gloo ranks (torchrun), as a user launches it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "gpupipe"]
+    args = train_args(data, out, *extra, val=val, epochs=2, log_every=1, save_every=2, keep_checkpoints=8)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*cmd, "train", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def _epoch_lines(out) -> list[dict]:
+    """The epochs' figures in metrics.jsonl that do not depend on the clock."""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in ("images_per_s", "data_wait")} for line in lines]
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_resumed_mid_epoch_ends_as_the_straight_run_in_every_tensor_and_figure(tmp_path):
+    """Stopped mid-epoch (the checkpoint of step 6: epoch 1, batch 2 of 4 per rank, each rank's BatchNorm statistics
+    its own) and resumed on two ranks: every tensor of the last checkpoint (weights, BatchNorm buffers, optimizer) and
+    every logged figure of the epochs is the straight run's, to the bit. DDP's construction broadcasts rank 0's
+    buffers: rank 1 resumed with rank 0's statistics, and its loss sums were rank 0's."""
+    data, val = make_folder(tmp_path / "data", 2, 16), make_folder(tmp_path / "val", 2, 4, seed=1)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _two_ranks(data, val, straight)
+    saved = checkpoint.load(straight / "checkpoints" / "step-00000006.pt")
+    assert saved["loader"] == {**saved["loader"], "epoch": 1, "batch": 2}
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(straight / "checkpoints" / "step-00000006.pt", resumed / "checkpoints" / "last.pt")
+    run = _two_ranks(data, val, resumed, "--resume")
+    assert "resumed from epoch 1, batch 2 (optimizer step 6)" in run.stderr
+    a, b = (checkpoint.load(out / "checkpoints" / "last.pt") for out in (straight, resumed))
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    for k, v in a["optimizer"]["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, b["optimizer"]["state"][k][name]), (k, name)
+    assert _epoch_lines(resumed) == _epoch_lines(straight)[1:]

@@ -120,3 +120,26 @@ def test_a_missing_checkpoint_is_named_as_missing_not_as_a_resume(tmp_path, caps
     assert code == 2 and lines == [
         f"error: {missing}: no such checkpoint file (`gpupipe train --out OUT` writes OUT/checkpoints/last.pt)"
     ]
+
+
+def test_a_damaged_checkpoint_is_refused_in_eval_s_words_naming_the_good_one_beside_it(tmp_path, capsys, monkeypatch):
+    """The probe: eval on a damaged checkpoint said "cannot resume from it ... delete it to start the run again"."""
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
+    data = make_folder(tmp_path / "data", 2, 1)
+    ckpt = tmp_path / "checkpoints" / "last.pt"
+    for step in (1, 2):  # last.pt is step-00000002.pt (a hard link): damaging one damages both
+        _checkpoint(ckpt, {}, ["c00", "c01"])
+        checkpoint.save_atomic({**checkpoint.load(ckpt), "step": step}, ckpt, keep=2)
+    with open(ckpt, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff" * 64)
+    code, _, lines = _eval(capsys, "--checkpoint", ckpt, "--data", data)
+    good = tmp_path / "checkpoints" / "step-00000001.pt"
+    assert code == 2 and lines == [
+        f"error: {ckpt}: cannot evaluate it (damaged: its contents do not match their sha256 digest); the newest good "
+        f"checkpoint beside it is {good}: evaluate it with --checkpoint {good}"
+    ]
+    good.unlink()
+    code, _, lines = _eval(capsys, "--checkpoint", ckpt, "--data", data)
+    assert code == 2 and len(lines) == 1 and "resume" not in lines[0] and "start the run" not in lines[0]
+    assert lines[0].endswith("no good checkpoint is kept beside it: evaluate another one, or restore a good copy")

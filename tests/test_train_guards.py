@@ -56,6 +56,12 @@ def test_start_up_line_then_pretrained_weights_from_a_local_file(data, tmp_path)
     first = r.stderr.splitlines()[0]
     assert first.startswith(f"training test_resnet (weights from {weights}) on 32 samples, 4 classes: backend pillow")
     assert "device cpu (" in first and "torch threads), 8 batches per epoch x 1 epoch, batch 4 x accum 1" in first
+    ckpt = out / "checkpoints" / "last.pt"  # where it writes, at the start and at the end: what `gpupipe eval` takes
+    assert first.endswith(f"; run folder {out} (checkpoint {ckpt})"), first
+    assert r.stderr.splitlines()[-1] == (
+        f"finished 1 epoch: run folder {out}; evaluate its checkpoint with: gpupipe eval --checkpoint {ckpt} "
+        "--data HELD_OUT_DATA"
+    )
     trained = checkpoint.load(out / "checkpoints" / "last.pt")["model"]
     body = [
         k for k, v in source.state_dict().items() if v.is_floating_point() and "fc." not in k and "running" not in k
@@ -163,3 +169,32 @@ def test_a_validation_with_nothing_decodable_keeps_the_epoch_and_is_one_line(dat
     r = _run(*cmd, "--on-error", "skip")  # a warning first: the held-out set lacks 3 of the classes
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1].startswith(f"error: {val}: no image to evaluate on: all 3 were skipped"), r.stderr
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_nan_stop_offers_a_resume_only_when_a_checkpoint_was_saved(tmp_path, saved):
+    """The probe: with no checkpoint yet the line said "no checkpoint was saved yet ... then --resume"."""
+    from gpupipe.train.nonfinite import LossWatch, NonFiniteLossError
+
+    last = tmp_path / "checkpoints" / "last.pt"
+    if saved:
+        last.parent.mkdir()
+        last.write_bytes(b"")
+    watch = LossWatch()
+    watch.add(0, 1, torch.tensor(1.0))
+    watch.add(1, 1, torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteLossError) as e:
+        watch.check(0, last)
+    message = str(e.value)
+    assert message.startswith("the loss is not finite (NaN or inf) at optimizer step 1 (epoch 0, batch 1)")
+    if saved:
+        assert message.endswith(
+            f"the last good checkpoint is {last}. Lower --lr, set --clip, or use fp32/bf16, then "
+            "--resume (with --allow-config-change) or start again"
+        )
+    else:
+        assert "--resume" not in message
+        assert message.endswith(
+            "no checkpoint was saved yet, so there is nothing to resume. Lower --lr, set --clip, "
+            "or use fp32/bf16, and start the run again"
+        )

@@ -3,6 +3,7 @@ are the checkpoint's classes: a renamed folder would re-label every sample, an a
 
 import shutil
 import subprocess
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -73,3 +74,18 @@ def test_on_changed_data_restarts_the_epoch_and_keeps_an_unchanged_position(tmp_
     fresh = gpupipe.build_loader(data, "pillow", **kw)
     for (x, y), (fx, fy) in zip(grown, fresh, strict=True):
         assert torch.equal(x, fx) and torch.equal(y, fy)
+
+
+def test_a_refused_resume_lists_every_changed_key_the_changeable_ones_too(tmp_path):
+    """The probe: ``--image-size 64 --lr 0.3 --resume`` listed only image_size."""
+    from gpupipe.train.config import TrainConfig
+    from gpupipe.train.resume import check_resumable
+
+    saved = {**asdict(TrainConfig(data=str(tmp_path), image_size=32, lr=0.05))}
+    with pytest.raises(ValueError) as e:
+        check_resumable(saved, TrainConfig(data=str(tmp_path), image_size=64, lr=0.3), tmp_path / "last.pt")
+    assert str(e.value) == (
+        f"{tmp_path / 'last.pt'}: cannot resume with image_size 32 -> 64: they decide the checkpoint's shapes or the "
+        "data order; restore them, or start a new run in another --out (also changed, which --allow-config-change "
+        "allows: lr 0.05 -> 0.3)"
+    )

@@ -237,3 +237,40 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_good_one_resumes(data,
     assert r.returncode == 0, r.stderr
     assert "resumed from epoch 0, batch 6 (optimizer step 6)" in r.stderr
     assert checkpoint.load_for_resume(ckpts / "last.pt")["step"] == 16
+
+
+def _probe(mode: str, *args: str) -> list[str]:
+    """tests/probe.py in ``mode`` around ``gpupipe train``: the command (python, the probe, its arguments, --)."""
+    return [sys.executable, str(REPO_ROOT / "tests" / "probe.py"), mode, *args, "--"]
+
+
+def test_ctrl_c_during_the_start_up_imports_is_one_line_and_status_130(data, tmp_path):
+    """The probe: a Ctrl-C before the first batch (torch and the training loop still being imported) printed a
+    66-line KeyboardInterrupt traceback and the process died of SIGINT (status -2)."""
+    out = tmp_path / "run"
+    proc = _start([*_probe("int-at-import", "gpupipe.train.loop"), *_cmd(data, out, "--epochs", "1")[3:]])
+    code, lines = _finish(proc)
+    assert code == 130 and lines == [
+        f"interrupted: stopped at once; no checkpoint was saved ({out}/checkpoints/last.pt does not exist): nothing "
+        "to resume"
+    ], lines
+
+
+def test_a_second_ctrl_c_during_a_checkpoint_write_names_the_checkpoint_kept(data, tmp_path):
+    """Ctrl-C in epoch 1, then a second one in the middle of the checkpoint write it asked for: the probe got
+    ``cannot write the checkpoint ([enforce fail at inline_container.cc:672] . unexpected pos ...`` and status 2. The
+    write is abandoned; last.pt is still the checkpoint of epoch 0's end, whole."""
+    out = tmp_path / "run"
+    proc = _start([*_probe("int-in-save", "2"), *_cmd(data, out, "--epochs", "3")[3:]])
+    _wait_for(proc, "epoch 1  2/8")
+    proc.send_signal(signal.SIGINT)
+    code, lines = _finish(proc)
+    last = out / "checkpoints" / "last.pt"
+    assert code == 130 and not any("Traceback" in line for line in lines), lines
+    assert lines[-1] == (
+        f"interrupted: stopped at once; the write of {last} was interrupted: it still holds the previous checkpoint, "
+        "and it verifies; --resume goes on from it"
+    ), lines
+    saved = checkpoint.load(last)["loader"]
+    assert checkpoint.verify(last) is None and (saved["epoch"], saved["batch"]) == (1, 0)
+    assert not list(last.parent.glob(".*.tmp-*"))  # the abandoned write left nothing behind

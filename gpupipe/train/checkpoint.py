@@ -45,10 +45,12 @@ def save(
     config: dict,
     keep: int = 2,
     rank_buffers: list[dict] | None = None,
+    rank_running: list[dict] | None = None,
 ) -> None:
     """Write a training checkpoint: ``state``, where the ``loader`` is (``{"epoch", "batch"}``), the epoch's
     ``running`` sums, the run's ``config``, the RNG states and, under DDP, each rank's buffers (``rank_buffers``:
-    :func:`restore_rank_buffers`); the newest ``keep`` are kept (:func:`save_atomic`)."""
+    :func:`restore_rank_buffers`) and running sums (``rank_running``: ``resume.rank_running``); the newest ``keep``
+    are kept (:func:`save_atomic`)."""
     save_atomic(
         {
             "model": state.model.state_dict(),
@@ -64,6 +66,7 @@ def save(
             **({"classes": state.classes} if state.classes is not None else {}),
             **({"model_ema": state.ema.module.state_dict()} if state.ema is not None else {}),
             **({"rank_buffers": rank_buffers} if rank_buffers is not None else {}),
+            **({"rank_running": rank_running} if rank_running is not None else {}),
         },
         path,
         keep,
@@ -135,17 +138,24 @@ class _Hashing:
         self.f.flush()
 
 
+class WriteInterrupted(KeyboardInterrupt):
+    """A ``KeyboardInterrupt`` (a second Ctrl-C) during :func:`save_atomic`; the message says which checkpoint
+    ``path`` holds now: the previous one (the write was abandoned), the new one (it was in place), or none."""
+
+
 def save_atomic(state: dict, path: str | Path, keep: int = KEEP) -> None:
     """Write ``state`` to ``path`` with its digest. A crash at any moment leaves either the previous file or the new
     one, never a torn one; the newest ``keep`` checkpoints stay beside it as ``step-<step>.pt`` (hard links: no
-    extra space for the newest), so a damaged ``path`` leaves an earlier good one to resume from."""
+    extra space for the newest), so a damaged ``path`` leaves an earlier good one to resume from. An interrupt
+    (``KeyboardInterrupt``) during the write is :class:`WriteInterrupted`, saying which checkpoint is kept."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)  # one of this pid's, left by a killed process before it: stale (or a planted link)
-    hashing = None
+    hashing, written = None, None
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        written = os.fstat(fd).st_ino  # the new file: ``path`` holds it once it is renamed
         with os.fdopen(fd, "wb") as f:
             hashing = _Hashing(f)
             torch.save(state, hashing)  # type: ignore[arg-type]  # torch only calls write() and flush()
@@ -155,7 +165,11 @@ def save_atomic(state: dict, path: str | Path, keep: int = KEEP) -> None:
         if keep > 1 and "step" in state:
             _keep_copy(tmp, path.with_name(f"step-{int(state['step']):08d}.pt"))
         os.replace(tmp, path)
+    except KeyboardInterrupt:
+        raise _interrupted(path, written) from None
     except (OSError, RuntimeError) as e:  # a full disk, a quota, a read-only folder; torch wraps some as RuntimeError
+        if isinstance(e.__context__, KeyboardInterrupt):  # raised in a write() torch called: "unexpected pos ..."
+            raise _interrupted(path, written) from None
         cause = _cause(hashing.error if hashing is not None and hashing.error is not None else e)
         raise CheckpointError(
             f"{path}: cannot write the checkpoint ({cause}); the previous checkpoint, if any, is intact"
@@ -165,6 +179,19 @@ def save_atomic(state: dict, path: str | Path, keep: int = KEEP) -> None:
     _fsync_dir(path.parent)  # make the rename itself durable
     _remove_torn(path)
     _prune(path.parent, keep)
+
+
+def _interrupted(path: Path, written: int | None) -> WriteInterrupted:
+    """What an interrupted :func:`save_atomic` left at ``path``, ``written`` being the new file's inode."""
+    try:
+        now = os.stat(path).st_ino
+    except FileNotFoundError:
+        return WriteInterrupted(f"the write of {path} was interrupted, and no checkpoint was saved before it")
+    if now == written:
+        return WriteInterrupted(f"{path} is the checkpoint just written: the interrupt came once it was in place")
+    problem = verify(path)
+    kept = "it verifies" if problem is None else f"but it does not verify: {problem}"
+    return WriteInterrupted(f"the write of {path} was interrupted: it still holds the previous checkpoint, and {kept}")
 
 
 def _keep_copy(tmp: Path, kept: Path) -> None:

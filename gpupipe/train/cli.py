@@ -83,6 +83,15 @@ def run_train(args) -> int:
 
 
 def _train(cfg) -> int:
+    try:  # from the first import on (torch's takes seconds): a Ctrl-C at start-up is the one line of any moment
+        return _train_or_stop(cfg)
+    except KeyboardInterrupt as e:  # a second Ctrl-C, or the first before the run takes signals
+        if os.environ.get("RANK", "0") == "0":  # rank 0 says it, as _system.is_main_rank (whose import it may be)
+            print(f"interrupted: stopped at once; {_kept(cfg, e)}", file=sys.stderr, flush=True)
+        return 130
+
+
+def _train_or_stop(cfg) -> int:
     from .._system import is_main_rank
     from ..data.sampler import NoFullBatch
     from ..errors import DecodeError, GpupipeError
@@ -102,11 +111,17 @@ def _train(cfg) -> int:
         if is_main_rank():
             print(e, file=sys.stderr, flush=True)
         return e.exit_code
-    except KeyboardInterrupt:  # a second Ctrl-C
-        if is_main_rank():
-            print("interrupted: stopped at once (the last checkpoint saved before it is kept)", file=sys.stderr)
-        return 130
     return 0
+
+
+def _kept(cfg, interrupt: KeyboardInterrupt) -> str:
+    """Which checkpoint an interrupted run leaves. Imports nothing: torch's import may be what was interrupted, and
+    another import of it would fail on the half-made module."""
+    path = Path(cfg.out) / "checkpoints" / "last.pt"
+    said = str(interrupt)  # a checkpoint.WriteInterrupted says what the write left; the signal's own says nothing
+    if not path.exists():
+        return said or f"no checkpoint was saved ({path} does not exist): nothing to resume"
+    return f"{said or f'the last checkpoint saved, {path}, is kept'}; --resume goes on from it"
 
 
 def _check_default_data(data: str, args) -> None:

@@ -71,16 +71,26 @@ class Distributed:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` in DistributedDataParallel when there are several ranks (it broadcasts rank 0's weights, then
-        all-reduces gradients in backward); the model itself on one process."""
+        all-reduces gradients in backward); the model itself on one process. Each rank keeps its own floating-point
+        buffers: DDP's construction broadcasts rank 0's, which would overwrite the BatchNorm statistics a mid-epoch
+        resume gave each rank (``checkpoint.restore_rank_buffers``)."""
         if not self.enabled:
             return model
+        own = [b.detach().clone() for b in _floating_buffers(model)]
+        ddp = self._ddp(model)
+        with torch.no_grad():
+            for b, mine in zip(_floating_buffers(model), own, strict=True):
+                b.copy_(mine)
+        return ddp
+
+    def _ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # broadcast_buffers=False: DDP would otherwise broadcast rank 0's buffers (BatchNorm's running statistics)
         # before every forward, a collective per step that training does not read (train-mode BatchNorm uses the
         # batch's statistics); the loop averages them over ranks before evaluating and saving (average_buffers).
         ddp = torch.nn.parallel.DistributedDataParallel
-        # torch >= 2.14 names it forward_sync_buffers (and warns for broadcast_buffers, which leaves buffers out of the
-        # start's sync too: they are equal then, from the same init or checkpoint)
+        # torch >= 2.14 names it forward_sync_buffers (and warns for broadcast_buffers); either way ``wrap`` puts each
+        # rank's own buffers back after the construction
         keyword = "forward_sync_buffers" if "forward_sync_buffers" in signature(ddp).parameters else "broadcast_buffers"
         no_sync: dict[str, Any] = {keyword: False}
         return ddp(model, device_ids=device_ids, **no_sync)
@@ -126,6 +136,15 @@ class Distributed:
                 for rank, part in enumerate(parts):
                     out[rank][name] = part.cpu()
         return out
+
+    def gather_sums(self, values: dict[str, float]) -> list[dict[str, float]]:
+        """Every rank's ``values`` (an epoch's running sums), by rank: a collective; ``[values]`` on one process."""
+        if not self.enabled:
+            return [values]
+        mine = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine)
+        return [dict(zip(values, part.tolist(), strict=True)) for part in parts]
 
     def barrier(self) -> None:
         if self.enabled:

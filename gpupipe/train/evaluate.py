@@ -7,6 +7,7 @@ so a held-out folder with fewer classes is labelled right); the data is read by 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -87,13 +88,12 @@ def run_eval(args) -> int:
 def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
     """The checkpoint (one line for a missing, broken or foreign file) and the classes that label ``--data``."""
     from ..sources.open import open_source
-    from . import checkpoint
 
     if not Path(args.checkpoint).is_file():  # not "cannot resume from it": eval resumes nothing
         raise FileNotFoundError(
             f"{args.checkpoint}: no such checkpoint file (`gpupipe train --out OUT` writes OUT/checkpoints/last.pt)"
         )
-    saved = checkpoint.load_for_resume(args.checkpoint)  # a broken or foreign file: one line naming it
+    saved = _load(Path(args.checkpoint))  # a broken or foreign file: one line naming it
     # The checkpoint's config is data, never an instruction: nothing it names is fetched, read or trusted.
     if not (classes := saved.get("classes")):  # an older checkpoint: the classes of the data it trained on
         if args.classes_from is None:
@@ -108,6 +108,33 @@ def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
             "leave out --ema to evaluate its weights"
         )
     return saved, classes
+
+
+def _load(path: Path) -> dict:
+    """The checkpoint, its digest checked; an empty, truncated, damaged or foreign file is one line naming it and
+    the newest good checkpoint kept beside it, which ``--checkpoint`` evaluates (eval resumes nothing: the training
+    run's wording, "cannot resume from it", is not eval's)."""
+    from . import checkpoint
+
+    try:
+        return checkpoint.load_for_resume(path)
+    except checkpoint.CheckpointError as e:
+        # load_for_resume's line is "{path}: cannot resume from it ({problem}); {what to resume from instead}"
+        problem = str(e).removeprefix(f"{path}: cannot resume from it (").split("); ", 1)[0]
+        raise checkpoint.CheckpointError(f"{path}: cannot evaluate it ({problem}); {_good_neighbour(path)}") from None
+
+
+def _good_neighbour(path: Path) -> str:
+    """What to evaluate instead of a bad ``path``: the newest good checkpoint kept beside it, if any."""
+    from . import checkpoint
+
+    for other in checkpoint.kept(path.parent):
+        if other.exists() and path.exists() and other.samefile(path):
+            continue
+        with contextlib.suppress(OSError):
+            if checkpoint.verify(other) is None:
+                return f"the newest good checkpoint beside it is {other}: evaluate it with --checkpoint {other}"
+    return "no good checkpoint is kept beside it: evaluate another one, or restore a good copy"
 
 
 def _model_name(config: dict, path) -> str:

@@ -1,12 +1,15 @@
 """What a run shows and keeps: progress (rank 0), TensorBoard scalars, ``metrics.jsonl`` per epoch, ``skipped.txt``.
 
-On a terminal the progress is a live bar; in a file or pipe it is whole lines (never wrapped at 80 columns), one
-every tenth of an epoch. Under DDP the bar's img/s are rank 0's own; the epoch summary's are all ranks'.
+On a terminal the progress is a live bar, refreshed every ``log_every`` batches and at least every half second (each
+batch when batches are slower); in a file or pipe it is whole lines (never wrapped at 80 columns), one every tenth of
+an epoch, and one at the batch where a stop saved. Under DDP the bar's img/s are rank 0's own; the epoch summary's
+are all ranks'.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +39,7 @@ class Meter:
     def __post_init__(self) -> None:
         self._loss_sum: torch.Tensor | None = None  # on the loss's device: summed without a host sync
         self._tick = time.perf_counter()
+        self._folded = self.images  # the images whose loss ``loss`` sums (the rest is on the device)
 
     def start(self) -> None:
         """Start the clock (at the first batch of the epoch, or of its resumed part)."""
@@ -55,12 +59,23 @@ class Meter:
         if self._loss_sum is not None:
             self.loss += self._loss_sum.item()
             self._loss_sum.zero_()
+        self._folded = self.images
         now = time.perf_counter()
         self.time += now - self._tick
         self._tick = now
 
+    def peek(self) -> Meter:
+        """For the progress line between two :meth:`sync`: the images, the wait and the clock as of now, and the mean
+        loss as of the last sync (NaN before the first: shown as ``-``). No host sync, and this meter is left as it
+        is: its loss is folded every ``log_every`` batches, which decides the logged loss to the last bit."""
+        mean = self.loss / self._folded if self._folded else float("nan")
+        return Meter(mean * self.images, self.images, self.wait, self.time + time.perf_counter() - self._tick)
+
     def state_dict(self) -> dict[str, float]:
         return {"loss": self.loss, "images": self.images, "wait": self.wait, "time": self.time}
+
+
+REFRESH_S = 0.5  # the longest the progress shown lags behind the run, batches allowing
 
 
 class RunLogger:
@@ -71,7 +86,8 @@ class RunLogger:
             self.console = Console(stderr=True, soft_wrap=True)
         self._tb: SummaryWriter | None = None
         self._progress: Progress | None = None
-        self._epoch, self._next_line = 0, 0
+        self._epoch, self._next_line, self._printed = 0, 0, -1  # _printed: the batch of the last line in a file
+        self._shown = time.monotonic()  # when the progress was last refreshed
         if enabled:
             out.mkdir(parents=True, exist_ok=True)
             try:
@@ -90,7 +106,7 @@ class RunLogger:
     def start_epoch(self, epoch: int, first: int) -> None:
         if not self.enabled:
             return
-        self._epoch, self._next_line = epoch, first
+        self._epoch, self._next_line, self._printed = epoch, first, -1
         if not self.console.is_terminal:
             return
         self._progress = Progress(
@@ -105,21 +121,31 @@ class RunLogger:
         self._progress.start()
         self._task = self._progress.add_task("train", total=self.total, completed=first, stats="")
 
-    def progress(self, done: int, meter: Meter, lr: float, step: int) -> None:
-        """After ``done`` micro-batches of the epoch (``meter`` synced) and ``step`` optimizer steps of the run."""
+    def due(self) -> bool:
+        """Whether the progress shown is :data:`REFRESH_S` old: the loop then refreshes it between its ``log_every``
+        updates (each batch, when batches are slower), so that it never lags far behind the run."""
+        return self.enabled and time.monotonic() - self._shown >= REFRESH_S
+
+    def progress(
+        self, done: int, meter: Meter, lr: float, step: int, *, scalars: bool = True, now: bool = False
+    ) -> None:
+        """After ``done`` micro-batches of the epoch and ``step`` optimizer steps of the run; ``scalars``: TensorBoard's
+        too (every ``log_every``); ``now``: a line in a file or pipe even between its tenths of an epoch (a stop)."""
         if not self.enabled:
             return
+        self._shown = time.monotonic()
         ips = meter.images / max(meter.time, 1e-9)
         wait = meter.wait / max(meter.time, 1e-9)
         loss = meter.loss / max(meter.images, 1)
         rank = " (rank 0)" if self.world_size > 1 else ""
-        stats = f"loss {loss:.3f}  {ips:,.0f} img/s{rank}  data-wait {wait:.0%}{rank}  lr {lr:.3g}"
+        shown = f"{loss:.3f}" if math.isfinite(loss) else "-"  # not finite: a peek before the first sync
+        stats = f"loss {shown}  {ips:,.0f} img/s{rank}  data-wait {wait:.0%}{rank}  lr {lr:.3g}"
         if self._progress is not None:
             self._progress.update(self._task, completed=done, stats=stats)
-        elif done >= self._next_line:
+        elif done >= self._next_line or (now and done != self._printed):
             self.console.print(f"epoch {self._epoch}  {done}/{self.total}  {stats}", highlight=False)
-            self._next_line = done + max(1, self.total // 10)
-        if self._tb is not None:
+            self._next_line, self._printed = done + max(1, self.total // 10), done
+        if self._tb is not None and scalars:
             self._tb.add_scalar("train/loss", loss, step)
             self._tb.add_scalar("train/lr", lr, step)
             self._tb.add_scalar("train/images_per_s", ips, step)

@@ -11,6 +11,7 @@ fp16's scaler, clipping, the optimizer step) is ``precision.Precision``; what a 
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,7 +120,9 @@ def train(cfg: TrainConfig, model: nn.Module | None = None) -> dict:
             if note:
                 logger.note(note)
 
-        return run_epochs(run, start["epoch"], meter)
+        metrics = run_epochs(run, start["epoch"], meter)
+        logger.note(finished_line(cfg, ckpt_path))
+        return metrics
 
 
 def run_epochs(run: Run, first_epoch: int, meter: Meter) -> dict:
@@ -154,7 +157,16 @@ def startup_line(run: Run, resume: Path | None = None) -> str:
         f"{run.train_loader.backend}, device {run.dist.device} ({torch.get_num_threads()} torch threads), "
         f"{plural(run.micro_batches, 'batch', 'batches')} per epoch{steps} x "
         f"{plural(cfg.epochs, 'epoch')}, batch {cfg.batch_size}{ranks} x accum {cfg.accum}, images "
-        f"{sizes_line(run.train_loader.recipe, cfg.epochs)}"
+        f"{sizes_line(run.train_loader.recipe, cfg.epochs)}; run folder {cfg.out} (checkpoint {checkpoint_path(cfg)})"
+    )
+
+
+def finished_line(cfg: TrainConfig, ckpt_path: Path) -> str:
+    """The last line of a run that finished its epochs: where it wrote, and the command that evaluates it."""
+    held_out = shlex.quote(cfg.val) if cfg.val else "HELD_OUT_DATA"
+    return (
+        f"finished {plural(cfg.epochs, 'epoch')}: run folder {cfg.out}; evaluate its checkpoint with: gpupipe eval "
+        f"--checkpoint {shlex.quote(str(ckpt_path))} --data {held_out}"
     )
 
 
@@ -205,7 +217,9 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         if (batch_idx + 1) % cfg.log_every == 0 or batch_idx + 1 == n_batches:
             meter.sync()  # one host sync every log_every micro-batches, not every one
             watch.check(epoch, checkpoint_path(cfg))
-            run.logger.progress(batch_idx + 1, meter, float(state.scheduler.get_last_lr()[0]), state.step)
+            run.logger.progress(batch_idx + 1, meter, last_lr(state), state.step)
+        elif run.logger.due():  # between them, the progress shown at most half a second old (a host sync then)
+            run.logger.progress(batch_idx + 1, meter.peek(), last_lr(state), state.step, scalars=False)
         if need_update and batch_idx + 1 < n_batches:  # the epoch's last step saves (and stops) in end_epoch
             step_boundary(run, watch, epoch, batch_idx + 1, meter)
 
@@ -219,9 +233,15 @@ def step_boundary(run: Run, watch: LossWatch, epoch: int, batch: int, meter: Met
         meter.sync()
         watch.check(epoch, checkpoint_path(run.cfg))
     if stopping:
-        raise stopped(run.stop, save_at(run, epoch, batch, meter), run.cfg.out)
+        where = save_at(run, epoch, batch, meter)
+        run.logger.progress(batch, meter, last_lr(run.state), run.state.step, scalars=False, now=True)  # saved here
+        raise stopped(run.stop, where, run.cfg.out)
     if saving:
         save_at(run, epoch, batch, meter)
+
+
+def last_lr(state: TrainState) -> float:
+    return float(state.scheduler.get_last_lr()[0])
 
 
 def next_or_save(run: Run, batches: Iterator, epoch: int, boundary: int, meter: Meter):

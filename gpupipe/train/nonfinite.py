@@ -35,9 +35,13 @@ class LossWatch:
         if bool(finite.all()):
             return
         batch, step, _ = pending[int((~finite).nonzero()[0])]
-        last = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "no checkpoint was saved yet"
+        fixes = "Lower --lr, set --clip, or use fp32/bf16"
+        if checkpoint.exists():
+            then = f"the last good checkpoint is {checkpoint}. {fixes}, then --resume (with --allow-config-change) or "
+            then += "start again"
+        else:  # nothing to resume: the same command, changed, starts the run afresh in the same --out
+            then = f"no checkpoint was saved yet, so there is nothing to resume. {fixes}, and start the run again"
         raise NonFiniteLossError(
             f"the loss is not finite (NaN or inf) at optimizer step {step} (epoch {epoch}, batch {batch}): "
-            f"training stopped and saved nothing more; {last}. Lower --lr, set --clip, or use fp32/bf16, then "
-            "--resume (with --allow-config-change) or start again"
+            f"training stopped and saved nothing more; {then}"
         )

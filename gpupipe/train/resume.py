@@ -56,8 +56,24 @@ def resume_state(
     position, notice = on_changed_data(saved["loader"], loader, ckpt_path)
     with elastic.quiet_resume_notices():  # fit_world_size's line says it
         loader.load_state_dict(position)  # the same sample of the epoch, whatever the number of ranks
-    running = saved["running"] if position is saved["loader"] else {}
+    running = rank_running(saved, dist.rank, world) if position is saved["loader"] else {}
     return Meter(**running), changed, notice
+
+
+def rank_running(saved: dict, rank: int, world_size: int) -> dict:
+    """This rank's running sums of the interrupted epoch: its own, when the checkpoint kept every rank's (a mid-epoch
+    one under DDP) and the run has as many ranks, so that the epoch's metrics (summed over ranks) are the straight
+    run's. On another number of ranks, rank 0 carries the saved ranks' sums and the others none (each the mean time);
+    a checkpoint that kept one rank's: those."""
+    per_rank = saved.get("rank_running")
+    if per_rank is None:
+        return saved["running"]
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    mean_time = sum(r["time"] for r in per_rank) / len(per_rank)
+    if rank != 0:
+        return {"time": mean_time}
+    return {**{k: sum(r[k] for r in per_rank) for k in ("loss", "images", "wait")}, "time": mean_time}
 
 
 def on_changed_data(position: dict, loader: Loader, path: Path) -> tuple[dict, str | None]:
@@ -92,7 +108,8 @@ def _paths_resolved(saved: dict, cfg: TrainConfig) -> tuple[dict, dict]:
 
 def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
     """The changeable keys that differ from the checkpoint's run (allowed with ``allow_config_change``); a change
-    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new`` (paths resolved)."""
+    to a fixed key, or an unallowed one, is a ``ValueError`` listing each ``key old -> new`` (paths resolved), the
+    changeable ones changed beside a fixed one too."""
     saved, now = _paths_resolved(saved, cfg)
 
     def diff(keys):
@@ -100,9 +117,10 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
 
     fixed, changeable = diff(RESUME_FIXED), diff(RESUME_CHANGEABLE)
     if fixed:
+        also = f" (also changed, which --allow-config-change allows: {'; '.join(changeable)})" if changeable else ""
         raise ValueError(
             f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
-            "data order; restore them, or start a new run in another --out"
+            f"data order; restore them, or start a new run in another --out{also}"
         )
     if changeable and not cfg.allow_config_change:
         raise ValueError(
@@ -141,6 +159,8 @@ def save_checkpoint(
     (under DDP, a rank whose loader failed while the others wait for it in an all-reduce: its weights are theirs, as of
     the last optimizer step). Writers take the folder's save lock, so two never rotate the kept files at once."""
     rank_buffers = None if alone else dist.gather_buffers(state.model)  # a collective: every rank, or none
+    # mid-epoch (each rank's buffers gathered): each rank's running sums too, which the epoch's metrics add up
+    rank_running = None if rank_buffers is None else dist.gather_sums(meter.state_dict())
     if dist.is_main or alone:
         config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
         config["world_size"] = dist.world_size  # with batch_size and accum: the global batch (elastic.py)
@@ -154,6 +174,7 @@ def save_checkpoint(
                 config=config,
                 keep=cfg.keep_checkpoints,
                 rank_buffers=rank_buffers,
+                rank_running=rank_running,
             )
     if not alone:
         dist.barrier()

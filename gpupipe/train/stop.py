@@ -2,7 +2,8 @@
 
 - The first SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill, and on preemption) asks the loop to stop
   at the next optimizer-step boundary: it saves a checkpoint there, prints the resume command and exits non-zero
-  (:class:`Stopped`). A second Ctrl-C stops at once (``KeyboardInterrupt``), saving nothing more.
+  (:class:`Stopped`). A second Ctrl-C stops at once (``KeyboardInterrupt``), saving nothing more; one in the middle
+  of a checkpoint write abandons it (``checkpoint.WriteInterrupted`` says which checkpoint is kept).
 - DataLoader workers (forked) inherit the handlers and ignore Ctrl-C, which a terminal sends to every process of the
   group. (torch ends a worker on a SIGTERM from anyone but its parent; the loop then saves as for a lost worker.)
 - torch's SIGCHLD handler, which raises a dead worker's error at any point of the main thread, is off for the run:
