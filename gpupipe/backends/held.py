@@ -3,7 +3,9 @@ buffer, and every epoch's batches cut from it by index with the recipe's boxes, 
 and no decode after the first.
 
 The images are kept as decoded (RGB, upright, their own size), so any recipe's crop is made from them as every
-backend makes it (:mod:`.gpu_crop`'s batched crop, resize and flip; the ``"pad"`` crop's gather). The memory the set
+backend makes it (:mod:`.gpu_crop`'s batched crop, resize and flip; the ``"pad"`` crop's gather); where the recipe
+resizes every image whole (the ``"resize"`` crop, the eval of the ``"pad"`` one), they are kept resized, as the CPU
+backends resize them, and a batch is only indexed and flipped. The memory the set
 needs is known from the headers alone, before any pixel is decoded: a set that does not fit is refused then, in one
 line with the figure and the fix. A file that cannot be read or decoded is found then too: raised, naming it, or
 (``on_error="skip"``) left out of every batch and listed in ``loader.skipped`` each pass, as for every loader.
@@ -18,10 +20,12 @@ from typing import Literal
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
-from ..image import chw_tensor, default_max_pixels, probe
+from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
+from ..plumbing.host_pack import HostPack
 from .gpu_crop import crop_resize_flip, pad_crop_flip, stored_rois
 from .pillow import PillowDecoder
 from .registry import BackendSpec, Decoder
@@ -97,7 +101,10 @@ class HeldLoader(Loader):
         self.backend, self.cache = decoder.name, cache
         device = parts.stage.device
         self.held_on = device if cache == "device" else torch.device("cpu")
+        self.side = self._resized_side()
         shapes, bad = self._headers(decoder)
+        if self.side is not None:  # held as the recipe resizes every image, whatever its own size
+            shapes[np.any(shapes > 0, axis=1)] = self.side
         sizes = 3 * shapes[:, 0] * shapes[:, 1]
         self.held_bytes = int(sizes.sum())
         check_fits(self.held_bytes, len(shapes) - len(bad), self.held_on, cache)
@@ -108,6 +115,17 @@ class HeldLoader(Loader):
         if self.held_on.type != "meta":  # the meta device holds shapes, no pixels
             self._decode(decoder)
         self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
+
+    def _resized_side(self) -> int | None:
+        """The side every image is resized to whole when the recipe's geometry does not depend on the draws (the
+        ``"resize"`` crop; the eval of the ``"pad"`` one): held resized, so that a batch is only indexed (and
+        flipped); None where each sample's box is drawn (held at its own size, cropped per batch)."""
+        recipe = self.recipe
+        if not self.train and recipe.crop != "random-resized":
+            return recipe.eval_side
+        if recipe.crop == "resize" and isinstance(recipe.size, int):  # one side for every epoch
+            return recipe.train_size(0)
+        return None
 
     def _read(self) -> Iterator[tuple[int, str, bytes | Exception]]:
         """Each sample's index, path and bytes (or why they could not be read), a few hundred read together."""
@@ -141,7 +159,7 @@ class HeldLoader(Loader):
             try:
                 if isinstance(data, Exception):
                     raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
-                image = chw_tensor(decoder.decode(data, path).image)
+                image = self._image(decoder.decode(data, path).image)
                 if tuple(image.shape[1:]) != tuple(held.shapes[i].tolist()):
                     raise DecodeError(
                         path,
@@ -152,6 +170,13 @@ class HeldLoader(Loader):
                 self._failed(held.bad, i, e)
                 continue
             held.images([i])[0].copy_(image)
+
+    def _image(self, decoded) -> torch.Tensor:
+        """(3, H, W) uint8: a decoded image as it is held (resized whole to :attr:`side`, as every backend resizes)."""
+        if self.side is None:
+            return chw_tensor(decoded)
+        height, width = (decoded.height, decoded.width) if isinstance(decoded, Image.Image) else decoded.shape[:2]
+        return torch.from_numpy(crop_resize(decoded, whole(height, width), (height, width), self.side))
 
     def _failed(self, bad: dict[int, str], index: int, error: DecodeError) -> None:
         if self.on_error == "raise":
@@ -175,6 +200,12 @@ class HeldLoader(Loader):
         (the ``"pad"`` crop gathered) and flipped, the batch at once."""
         shapes = self.held.shapes[good]
         boxes = self.recipe.plan_boxes(self.train, self.seed, epoch, good, shapes[:, 0], shapes[:, 1])
+        if self.side is not None:  # held resized: indexed, and mirrored where the box says
+            pack = HostPack()
+            index_slot, flip_slot = pack.add(good, torch.int64), pack.add(boxes[:, 4] > 0.5, torch.bool)
+            pack.send(self.held_on)
+            resized = self.held.pixels.view(-1, 3, self.side, self.side).index_select(0, pack.get(index_slot))
+            return torch.where(pack.get(flip_slot).view(-1, 1, 1, 1), resized.flip(-1), resized)
         rois, steps = stored_rois(boxes, np.ones(len(good), np.int64), shapes)
         images = self.held.images(good)
         if self.train and self.recipe.crop == "pad":
