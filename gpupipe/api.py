@@ -9,12 +9,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._options import Cache
 from ._system import as_device, default_workers, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, get, names, require_backend
 from .backends.auto import choose_auto
-from .backends.held import Cache, held_loader
+from .backends.held import held_loader
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler, window_mixing

@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
+from .._options import CACHES, Cache
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
@@ -30,8 +30,6 @@ from .gpu_crop import crop_resize_flip, pad_crop_flip, stored_rois
 from .pillow import PillowDecoder
 from .registry import BackendSpec, Decoder
 
-Cache = Literal["device", "host"]
-CACHES: tuple[Cache, ...] = ("device", "host")
 _READS = 256  # samples read together (object storage: one round trip's latency for them)
 
 
