@@ -119,6 +119,15 @@ def test_a_bad_file_is_named_at_the_build_or_skipped_every_pass(tiny, tmp_path, 
         assert [p.rsplit("/", 2)[-2:] for p, _ in loader.skipped] == [["c1", "3.jpg"]]
 
 
+def test_an_image_the_pad_crop_cannot_be_cut_from_is_named_at_the_build(tiny, tmp_path):
+    data = shutil.copytree(tiny, tmp_path / "d")
+    (data / "c0" / "small.jpg").write_bytes(jpeg_bytes(photo(np.random.default_rng(0), 20, 30)))
+    with pytest.raises(gpupipe.DecodeError, match=r"c0/small\.jpg.*a 20-pixel side padded by 4 is smaller than"):
+        gpupipe.build_loader(data, "pillow", cache="device", **_kw(recipe=PAD))
+    loader = gpupipe.build_loader(data, "pillow", cache="device", on_error="skip", **_kw(recipe=PAD))
+    assert len(list(loader)) == 5 and [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["small.jpg"]
+
+
 def test_a_backend_without_images_or_an_unknown_cache_is_one_line(tiny):
     with pytest.raises(ValueError, match="backend 'synthetic' decodes no images"):
         gpupipe.build_loader(tiny, "synthetic", cache="device", batch_size=4, device="cpu")

@@ -144,9 +144,19 @@ class HeldLoader(Loader):
                 if isinstance(data, Exception):
                     raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
                 shapes[i] = probe(data, path, decoder.name, limit).upright_size
+                self._check_crop(path, decoder.name, *shapes[i].tolist())
             except DecodeError as e:
                 self._failed(bad, i, e)
         return shapes, bad
+
+    def _check_crop(self, path: str, backend: str, height: int, width: int) -> None:
+        """An image the ``"pad"`` crop cannot be cut from (smaller than the crop once padded; reflect padding not
+        below its sides) is a bad sample, found now, as a backend finds it when it crops the file."""
+        if self.train and self.recipe.crop == "pad":
+            try:
+                self.recipe.fixed_boxes([height], [width], np.zeros((1, 2)), np.zeros(1), self.recipe.train_size(0))
+            except ValueError as e:
+                raise DecodeError(path, backend, str(e)) from None
 
     def _decode(self, decoder: Decoder) -> None:
         """Every readable image decoded once into its place in the buffer."""
