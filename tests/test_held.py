@@ -133,3 +133,9 @@ def test_a_backend_without_images_or_an_unknown_cache_is_one_line(tiny):
         gpupipe.build_loader(tiny, "synthetic", cache="device", batch_size=4, device="cpu")
     with pytest.raises(ValueError, match="cache must be None, 'device' or 'host', got 'gpu'"):
         gpupipe.build_loader(tiny, "pillow", cache="gpu", **_kw())  # type: ignore[arg-type]
+
+
+def test_repr_says_the_set_is_held_not_read_by_workers(tiny):
+    held = gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD, num_workers=2))
+    text = repr(held)
+    assert "worker" not in text.replace("no workers", "") and "held on cpu ('device')" in text, text

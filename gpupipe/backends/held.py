@@ -114,6 +114,9 @@ class HeldLoader(Loader):
             self._decode(decoder)
         self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
 
+    def _made_by(self) -> str:
+        return f"no workers, {_gib(self.held_bytes)} held on {self.held_on.type} ({self.cache!r})"
+
     def _resized_side(self) -> int | None:
         """The side every image is resized to whole when the recipe's geometry does not depend on the draws (the
         ``"resize"`` crop; the eval of the ``"pad"`` one): held resized, so that a batch is only indexed (and

@@ -273,12 +273,16 @@ class Loader:
         self.close()
 
     def __repr__(self) -> str:
-        workers = self.parts.workers
         return (
             f"<{type(self).__name__} {self.backend} {self.dataset.root!r}: {len(self.dataset)} images, "
             f"{len(self)} batch{'es' * (len(self) != 1)} of {self.batch_size}, {'train' if self.train else 'eval'}, "
-            f"{workers} worker{'s' * (workers != 1)}, device {self.device}{', closed' if self._closed else ''}>"
+            f"{self._made_by()}, device {self.device}{', closed' if self._closed else ''}>"
         )
+
+    def _made_by(self) -> str:
+        """What makes the batches, for ``repr``: the decode workers."""
+        workers = self.parts.workers
+        return f"{workers} worker{'s' * (workers != 1)}"
 
     def _check_open(self) -> None:
         if self._closed:
