@@ -195,3 +195,35 @@ for pid in workers:
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["interrupted"], done.stderr
+
+
+_ENDS_NORMALLY = """
+import os, sys
+import gpupipe
+kept = []
+for data, backend in zip(sys.argv[1::2], sys.argv[2::2]):
+    settings = dict(backend=backend, batch_size=4, image_size=32, device="cpu", num_workers=1)
+    loader = gpupipe.build_loader(data, **settings)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            pass
+    left = gpupipe.build_loader(data, **settings)
+    next(iter(left))  # a pass left early
+    kept += [loader, left]
+os.kept = kept  # held by a module imported before gpupipe: dropped only in the interpreter's teardown
+"""
+
+
+@pytest.mark.slow
+def test_a_script_that_ends_normally_exits_0_with_nothing_on_stderr(folder, shards):
+    """The README's loop on every backend (dali on files and on shards), and loaders held to the interpreter's
+    teardown, one of them left in the middle of a pass: no "Exception ignored" from a ``__del__`` run once the
+    modules' names are cleared, no abort from a thread still in C++ code."""
+    import subprocess
+    import sys
+
+    runs = [(folder, b) for b in ("pillow", "turbojpeg", "dali", "synthetic")] + [(shards, "dali")]
+    args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
+    done = subprocess.run([sys.executable, "-c", _ENDS_NORMALLY, *args], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
