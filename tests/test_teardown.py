@@ -227,3 +227,41 @@ def test_a_script_that_ends_normally_exits_0_with_nothing_on_stderr(folder, shar
     args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
     done = subprocess.run([sys.executable, "-c", _ENDS_NORMALLY, *args], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+_FORKED = """
+import os, sys
+import gpupipe
+for data, backend in zip(sys.argv[1::2], sys.argv[2::2]):
+    loader = gpupipe.build_loader(data, backend, batch_size=4, image_size=32, device="cpu", num_workers=2)
+    first = sum(len(labels) for _, labels in loader)
+    for iterate in (False, True):
+        pid = os.fork()
+        if pid == 0:  # a child that ends normally, having tried the parent's loader or not
+            if iterate:
+                try:
+                    next(iter(loader))
+                except gpupipe.GpupipeError as e:  # naming the parent
+                    print("refused" if str(e).startswith(f"this loader was built in process {os.getppid()},") else e)
+            sys.exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        assert sum(len(labels) for _, labels in loader) == first
+    print(backend, "goes on")
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_child_leaves_its_parents_loader_alone(folder, shards):
+    """A process forked after a loader was used (``os.fork()``, as multiprocessing's fork start and many libraries
+    do) that ends normally does not end the parent's workers nor hang; one that iterates the loader gets one error
+    naming the process that built it; the parent's loader goes on."""
+    import subprocess
+    import sys
+
+    runs = [(folder, "pillow"), (shards, "dali")]
+    args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
+    done = subprocess.run([sys.executable, "-c", _FORKED, *args], capture_output=True, text=True, timeout=120)
+    expected = [line for backend in args[1::2] for line in ("refused", f"{backend} goes on")]
+    assert (done.returncode, done.stdout.splitlines(), done.stderr) == (0, expected, "")

@@ -136,6 +136,7 @@ class Loader:
         self.skipped: list[tuple[str, str]] = []
         self.fallbacks = 0
         self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
+        self.made_in = os.getpid()  # its workers and threads are this process's: only here is it iterated
         augment = parts.stage.augment
         adaptive = augment.policy.adaptive if augment is not None and augment.policy is not None else None
         # an adaptive policy's hook (augment/adaptive.py): it tags each batch, hears it handed out, keeps its state
@@ -215,6 +216,11 @@ class Loader:
             warnings.warn(notice, ResumeNotice, stacklevel=2)
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
+        if os.getpid() != self.made_in:
+            raise GpupipeError(
+                f"this loader was built in process {self.made_in}, and its workers and threads are that process's: "
+                f"a process forked from it ({os.getpid()}) cannot iterate it; build a loader in this process"
+            )
         return Pass(self.position, self._pass, self._abandon)
 
     def _abandon(self) -> None:
