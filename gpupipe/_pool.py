@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from ._names import escape
 from .errors import GpupipeError
+from .plumbing.workers import leave_with_parent
 
 T = TypeVar("T")
 RESTARTS = 3  # new pools after dead workers, per call, before giving up
@@ -24,6 +25,12 @@ CHUNK = 4  # samples per task: fewer round trips, and a short list to redo when 
 
 def _run_range(fn: Callable[[int], Any], start: int, stop: int) -> list:
     return [fn(i) for i in range(start, stop)]
+
+
+def _begin(initializer: Callable[..., None], *initargs: Any) -> None:
+    """A worker's first step: it ends with its parent (a killed run leaves none behind), then the caller's own."""
+    leave_with_parent()
+    initializer(*initargs)
 
 
 def ordered_map(
@@ -42,7 +49,8 @@ def ordered_map(
     chunks = deque(range(indices.start, indices.stop, CHUNK))
     pending: deque[tuple[int, int, Future]] = deque()
     ctx = multiprocessing.get_context()
-    pool = ProcessPoolExecutor(workers, ctx, initializer=initializer, initargs=initargs)
+    start = (initializer, *initargs)
+    pool = ProcessPoolExecutor(workers, ctx, initializer=_begin, initargs=start)
     restarts = 0
     try:
         while chunks or pending:
@@ -59,7 +67,7 @@ def ordered_map(
                     a = pending[0][0] if pending else chunks[0]
                     raise GpupipeError(_died(what, a, min(a + CHUNK, indices.stop), name, restarts - 1)) from None
                 pool.shutdown(wait=True, cancel_futures=True)
-                pool = ProcessPoolExecutor(workers, ctx, initializer=initializer, initargs=initargs)
+                pool = ProcessPoolExecutor(workers, ctx, initializer=_begin, initargs=start)
                 chunks.extendleft(reversed([p[0] for p in pending]))  # redo every unfinished chunk, in order
                 pending.clear()
                 continue

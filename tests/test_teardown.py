@@ -265,3 +265,53 @@ def test_a_forked_child_leaves_its_parents_loader_alone(folder, shards):
     done = subprocess.run([sys.executable, "-c", _FORKED, *args], capture_output=True, text=True, timeout=120)
     expected = [line for backend in args[1::2] for line in ("refused", f"{backend} goes on")]
     assert (done.returncode, done.stdout.splitlines(), done.stderr) == (0, expected, "")
+
+
+_KILLED = """
+import glob, os, sys, time
+import gpupipe
+loaders = []
+for data, backend in zip(sys.argv[1::2], sys.argv[2::2]):  # each between two epochs, its workers waiting
+    loader = gpupipe.build_loader(data, backend, batch_size=4, image_size=32, device="cpu", num_workers=2)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    loaders.append(loader)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_killed_process_leaves_no_worker_and_no_shared_memory_behind(folder, shards):
+    """A training process killed between two epochs (SIGKILL, as the out-of-memory killer does): its workers, which
+    wait for the next epoch, notice their parent's death and end within seconds, and their shared-memory files go."""
+    import glob
+    import subprocess
+    import sys
+
+    runs = [(folder, "pillow"), (folder, "dali"), (shards, "dali")]
+    args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
+    run = subprocess.Popen([sys.executable, "-c", _KILLED, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "ready\n"
+        workers = _children(run.pid)
+        files = [f for pid in workers for f in glob.glob(f"/dev/shm/torch_{pid}_*")]
+        assert workers and files
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.monotonic() + 15  # each watches its parent every 0.5 s
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in workers if _alive(pid)] == []
+    assert [f for f in files if os.path.exists(f)] == []

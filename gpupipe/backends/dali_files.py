@@ -32,6 +32,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from .._files import file_stamp, read_regular
 from ..errors import DecodeError
 from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
+from ..plumbing.workers import leave_with_parent
 from ..recipe import Recipe
 from ..sources.compact import PathList
 from .dali_feed import Gate, Request
@@ -113,6 +114,7 @@ _scanned = None  # the samples a scan worker judges: the table's, inherited when
 def _scan_init(samples) -> None:
     global _scanned
     _scanned = samples
+    leave_with_parent()  # a killed run leaves no scan worker behind
 
 
 def _judge_many(indices: np.ndarray, max_pixels: int) -> Verdicts:

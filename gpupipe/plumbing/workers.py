@@ -3,12 +3,15 @@ their parent (``os.fork()``) leaves of them alone."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import glob
 import multiprocessing.process
 import multiprocessing.util
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +33,29 @@ def worker_init(worker_id: int, nicer: bool = True) -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")
     if nicer:
         lower_priority(worker_id)
+    leave_with_parent()
+
+
+def leave_with_parent(poll: float = 0.5) -> None:
+    """In a worker process, as it begins: it ends within about ``poll`` seconds of its parent's death, wherever it
+    waits (a DataLoader worker notices only between two batches, not while it waits on a gate for the next epoch; a
+    process pool's worker waits on its queue for ever). A killed training process (SIGKILL, the out-of-memory killer)
+    then leaves no worker behind, and torch_shm_manager, left without clients, removes the shared-memory files they
+    made. A thread of the worker's own watches ``os.getppid()``: the parent it was forked from is gone once it
+    changes. The worker's shared-memory files go with it: torch names each after the process that made it
+    (``/dev/shm/torch_<pid>_...``), and one a dead parent held is counted as held for ever, so torch never removes
+    it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        for name in glob.glob(f"/dev/shm/torch_{os.getpid()}_*"):  # nothing here is wanted any more
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="gpupipe-parent-watch").start()
 
 
 def start_workers(dataloader: torch.utils.data.DataLoader) -> Iterator:
