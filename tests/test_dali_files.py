@@ -136,6 +136,31 @@ def test_a_scan_worker_killed_between_batches_leaves_the_samples_judged_here(mix
     assert np.array_equal(here.kind, there.kind) and here.problems == there.problems
 
 
+def test_a_stuck_scan_worker_is_killed_and_its_samples_judged_here(mixed, monkeypatch, no_hang):
+    """A worker that stops answering (stopped here; a deadlock, a hung file system) is waited for a bounded time,
+    then killed, its samples judged on the loader's thread: the loader never hangs on it."""
+    from gpupipe.backends import dali_files
+    from gpupipe.sources.open import open_source
+
+    monkeypatch.setattr(dali_files, "_ANSWER", 1.0)
+    dataset = open_source(mixed)
+    here, there = dali_files.FileTable(dataset, 10**8), dali_files.FileTable(dataset, 10**8)
+    index = np.arange(len(dataset))
+    dali_files.Scanner(here, 0).settle(None, index)
+    scanner = dali_files.Scanner(there, 1)
+    scanner.settle(scanner.ask(index[:4]), index[:4])
+    (worker,) = scanner._pool._processes.values()
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        scanner.settle(scanner.ask(index[4:]), index[4:])
+        assert np.array_equal(here.kind, there.kind) and here.problems == there.problems
+        worker.join(10)
+        assert not worker.is_alive() and scanner._pool is None
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+
+
 @pytest.fixture()
 def no_hang():
     def stop(signum, frame):

@@ -17,9 +17,11 @@ stamped and made again when their files changed (:meth:`FileStream.reread`).
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import stat
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
@@ -30,6 +32,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
+from .._names import escape
 from ..errors import DecodeError
 from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from ..plumbing.workers import leave_with_parent
@@ -43,6 +46,8 @@ from .pillow import PillowDecoder
 _UNKNOWN, _DALI, _PILLOW, _BAD = -1, 0, 1, 2
 _CHUNK = 8  # batches whose crops are drawn in one call
 _HEAD, _TAIL = 256 << 10, 4096  # bytes the scan reads: a header's, and the tail that holds a JPEG's end marker
+_ANSWER = 60.0  # seconds a header-scan worker may take over a batch's headers before it is taken for stuck
+log = logging.getLogger("gpupipe")
 
 
 class Verdict(NamedTuple):
@@ -148,23 +153,43 @@ class Scanner:
             gc.unfreeze()
 
     def settle(self, asked: Asked | None, index: np.ndarray) -> None:
-        """Every sample of ``index`` judged: the workers' verdicts kept, what no worker was asked judged here."""
+        """Every sample of ``index`` judged: the workers' verdicts kept, what no worker was asked judged here (also
+        what a worker left unanswered for ``_ANSWER`` seconds: it is taken for stuck, killed, and a later batch
+        starts new ones)."""
         if asked is not None:
             try:
-                self.table.set(asked.indices, asked.verdicts.result())
+                self.table.set(asked.indices, asked.verdicts.result(timeout=_ANSWER))
             except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
                 self.close()
+            except TimeoutError:
+                first = self.table.dataset.samples[int(asked.indices[0])][0]
+                log.warning(
+                    "a header-scan worker did not answer in %d s (samples from %s): killed, its samples judged on "
+                    "the loader's thread",
+                    _ANSWER,
+                    escape(first),
+                )
+                self.close(wait=0)
         todo = index[self.table.kind[index] == _UNKNOWN].tolist()
         if todo:
             self.table.rescan(todo)
         if asked is not None and self._pool is not None and not (self.table.kind == _UNKNOWN).any():
             self.close()
 
-    def close(self) -> None:
-        """End the pool, once what it was asked is done (batches asked ahead keep their verdicts)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def close(self, wait: float | None = None) -> None:
+        """End the pool, once what it was asked is done (batches asked ahead keep their verdicts); a worker still at
+        work ``wait`` seconds on (``_ANSWER`` unless given) is killed (stuck: nothing waits on it for ever)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        processes = list((pool._processes or {}).values())  # type: ignore[attr-defined]  # no public list
+        pool.shutdown(wait=False)
+        deadline = time.monotonic() + (_ANSWER if wait is None else wait)
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        pool.shutdown(wait=True)  # its manager thread, once its workers have ended
 
 
 class Asked(NamedTuple):
