@@ -182,7 +182,7 @@ class Scanner:
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        processes = list((pool._processes or {}).values())  # type: ignore[attr-defined]  # no public list
+        processes = list((pool._processes or {}).values())  # private: no public list of its processes
         pool.shutdown(wait=False)
         deadline = time.monotonic() + (_ANSWER if wait is None else wait)
         for process in processes:
