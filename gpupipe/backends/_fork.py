@@ -28,4 +28,12 @@ def detach_inherited_pipelines() -> None:
             pipe._pipe = None  # Pipeline._shutdown is now a no-op in this process
 
 
+def pipelines_running() -> bool:
+    """Whether a DALI pipeline lives in this process, and with it DALI's threads. A process forked then may inherit a
+    lock one of them held at that moment, never to be released in the child (about 1 fork in 600 hung in
+    ``PyOS_AfterFork_Child``): gpupipe forks its own helpers (dali's header scan) only while none does."""
+    module = sys.modules.get("nvidia.dali.pipeline")
+    return module is not None and any(ref() is not None for ref in list(getattr(module.Pipeline, "_pipes", ())))
+
+
 os.register_at_fork(after_in_child=detach_inherited_pipelines)

@@ -38,6 +38,7 @@ from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from ..plumbing.workers import leave_with_parent
 from ..recipe import Recipe
 from ..sources.compact import PathList
+from ._fork import pipelines_running
 from .dali_feed import Gate, Request
 from .gpu_feed import Work, decode_on_cpu, eval_rows
 from .pillow import PillowDecoder
@@ -129,7 +130,11 @@ def _judge_many(indices: np.ndarray, max_pixels: int) -> Verdicts:
 
 class Scanner:
     """Judges the samples a batch needs, not yet judged, in ``workers`` processes (none: on the caller's thread when
-    the batch is made). The pool starts with the first batch that needs it and ends once every sample is judged."""
+    the batch is made). The pool starts with the first batch that needs it and ends once every sample is judged. Its
+    processes are forked only while no DALI pipeline runs in this process (:func:`._fork.pipelines_running`: a fork
+    beside DALI's threads may inherit a lock one of them holds): a loader's first batches come before its pipeline,
+    and what is judged once a pipeline runs (another loader's, or this one's after its pool was lost) is judged on the
+    caller's thread."""
 
     def __init__(self, table: FileTable, workers: int):
         self.table, self.workers = table, workers
@@ -141,6 +146,8 @@ class Scanner:
         if not len(todo) or self.workers < 1:
             return None
         if self._pool is None:
+            if pipelines_running():
+                return None
             context = multiprocessing.get_context("fork")
             self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (self.table.dataset.samples,))
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
