@@ -40,11 +40,10 @@ def leave_with_parent(poll: float = 0.5) -> None:
     """In a worker process, as it begins: it ends within about ``poll`` seconds of its parent's death, wherever it
     waits (a DataLoader worker notices only between two batches, not while it waits on a gate for the next epoch; a
     process pool's worker waits on its queue for ever). A killed training process (SIGKILL, the out-of-memory killer)
-    then leaves no worker behind, and torch_shm_manager, left without clients, removes the shared-memory files they
-    made. A thread of the worker's own watches ``os.getppid()``: the parent it was forked from is gone once it
-    changes. The worker's shared-memory files go with it: torch names each after the process that made it
-    (``/dev/shm/torch_<pid>_...``), and one a dead parent held is counted as held for ever, so torch never removes
-    it."""
+    then leaves no worker behind, and torch_shm_manager, left without clients, ends too. A thread of the worker's own
+    watches ``os.getppid()``: the parent it was forked from is gone once it changes. The worker's shared-memory files
+    go with it: torch names each after the process that made it (``/dev/shm/torch_<pid>_...``), and one a dead parent
+    held is counted as held for ever, so torch would never remove it."""
     parent = os.getppid()
 
     def watch() -> None:
