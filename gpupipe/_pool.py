@@ -17,21 +17,24 @@ from typing import Any, TypeVar
 
 from ._names import escape
 from .errors import GpupipeError
+from .plumbing.workers import leave_with_parent
 
 T = TypeVar("T")
 RESTARTS = 3  # new pools after dead workers, per call, before giving up
 CHUNK = 4  # samples per task: fewer round trips, and a short list to redo when a worker dies
 
 
-def _no_sigint(initializer: Callable[..., None], *initargs) -> None:
-    """A worker's set-up: Ctrl-C reaches the whole process group, and the main process alone stops the work (its
-    ``KeyboardInterrupt`` ends the pool), so a worker ignores SIGINT rather than print a traceback of its own."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    initializer(*initargs)
-
-
 def _run_range(fn: Callable[[int], Any], start: int, stop: int) -> list:
     return [fn(i) for i in range(start, stop)]
+
+
+def _begin(initializer: Callable[..., None], *initargs: Any) -> None:
+    """A worker's first step: it ends with its parent (a killed run leaves none behind) and ignores SIGINT (Ctrl-C
+    reaches the whole process group, and the main process alone stops the work: its ``KeyboardInterrupt`` ends the
+    pool, so a worker prints no traceback of its own), then the caller's own."""
+    leave_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    initializer(*initargs)
 
 
 def ordered_map(
@@ -50,7 +53,8 @@ def ordered_map(
     chunks = deque(range(indices.start, indices.stop, CHUNK))
     pending: deque[tuple[int, int, Future]] = deque()
     ctx = multiprocessing.get_context()
-    pool = ProcessPoolExecutor(workers, ctx, initializer=_no_sigint, initargs=(initializer, *initargs))
+    start = (initializer, *initargs)
+    pool = ProcessPoolExecutor(workers, ctx, initializer=_begin, initargs=start)
     restarts = 0
     try:
         while chunks or pending:
@@ -67,7 +71,7 @@ def ordered_map(
                     a = pending[0][0] if pending else chunks[0]
                     raise GpupipeError(_died(what, a, min(a + CHUNK, indices.stop), name, restarts - 1)) from None
                 pool.shutdown(wait=True, cancel_futures=True)
-                pool = ProcessPoolExecutor(workers, ctx, initializer=_no_sigint, initargs=(initializer, *initargs))
+                pool = ProcessPoolExecutor(workers, ctx, initializer=_begin, initargs=start)
                 chunks.extendleft(reversed([p[0] for p in pending]))  # redo every unfinished chunk, in order
                 pending.clear()
                 continue

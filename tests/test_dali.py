@@ -2,6 +2,7 @@
 pipeline per loader. Runs DALI's CPU pipelines (``device="cpu"``); the ``gpu`` tests run the same on CUDA."""
 
 import io
+import os
 import threading
 import time
 
@@ -535,3 +536,27 @@ def test_a_pass_left_early_behind_a_slow_step_loses_no_scheduled_batch(photos, l
     fresh.set_epoch(1)
     for (a, la), (b, lb) in zip(got, list(fresh), strict=True):
         assert torch.equal(la, lb) and torch.equal(a, b)
+
+
+def _os_threads(at_most: int) -> int:
+    """This process's OS threads, once those that have just ended in Python have left (at most 2 s)."""
+    deadline = time.monotonic() + 2
+    while len(os.listdir("/proc/self/task")) > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("source", ["files", "shards"])
+def test_a_loader_holds_as_many_threads_after_each_epoch(photos, photo_shards, source):
+    """No thread of a pass outlives it (the pass's thread is waited for as it ends), and none is made later on."""
+    data = photos if source == "files" else photo_shards
+    loader = gpupipe.build_loader(data, "dali", batch_size=4, num_workers=2, device="cpu", image_size=32)
+    python, first = [], 0
+    for epoch in range(6):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+        python.append(threading.active_count())
+        first = first or len(os.listdir("/proc/self/task"))
+    assert python == python[:1] * 6
+    assert _os_threads(at_most=first) <= first

@@ -145,6 +145,75 @@ def test_a_scan_worker_killed_between_batches_leaves_the_samples_judged_here(mix
     assert np.array_equal(here.kind, there.kind) and here.problems == there.problems
 
 
+def test_scan_workers_are_forked_only_while_no_dali_pipeline_runs(mixed, folder):
+    """A fork beside DALI's threads may inherit a lock one of them holds (the child then hangs): while a pipeline
+    runs in this process (another loader's), the headers are judged on the caller's thread, alike; once none does,
+    in processes again."""
+    import gc
+
+    from gpupipe.backends._fork import pipelines_running
+    from gpupipe.backends.dali_files import FileTable, Scanner
+    from gpupipe.sources.open import open_source
+
+    dataset = open_source(mixed)
+    here, beside, alone = (FileTable(dataset, 10**8) for _ in range(3))
+    index = np.arange(len(dataset))
+    Scanner(here, 0).settle(None, index)
+    running = gpupipe.build_loader(folder, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    next(iter(running))
+    scanner = Scanner(beside, 1)
+    asked = scanner.ask(index)
+    assert asked is None and scanner._pool is None
+    scanner.settle(asked, index)
+    del running
+    gc.collect()
+    deadline = time.monotonic() + 10  # its pass's thread, stopped, lets go of the pipeline as it ends
+    while pipelines_running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    scanner = Scanner(alone, 1)
+    asked = scanner.ask(index)
+    assert asked is not None and scanner._pool is not None
+    scanner.settle(asked, index)
+    for table in (beside, alone):
+        assert np.array_equal(here.kind, table.kind) and here.problems == table.problems
+
+
+def test_a_stuck_scan_worker_is_killed_and_its_samples_judged_here(mixed, monkeypatch, no_hang):
+    """A worker that stops answering (stopped here; a deadlock, a hung file system) is waited for a bounded time,
+    then killed, its samples judged on the loader's thread: the loader never hangs on it."""
+    from gpupipe.backends import dali_files
+    from gpupipe.sources.open import open_source
+
+    dataset = open_source(mixed)
+    here, there = dali_files.FileTable(dataset, 10**8), dali_files.FileTable(dataset, 10**8)
+    index = np.arange(len(dataset))
+    dali_files.Scanner(here, 0).settle(None, index)
+    scanner = dali_files.Scanner(there, 1)
+    scanner.settle(scanner.ask(index[:4]), index[:4])
+    (worker,) = scanner._pool._processes.values()
+    monkeypatch.setattr(dali_files, "_ANSWER", 1.0)  # (once it has answered: a loaded machine may be slow to start)
+    try:
+        os.kill(worker.pid, signal.SIGSTOP)
+        scanner.settle(scanner.ask(index[4:]), index[4:])
+        assert np.array_equal(here.kind, there.kind) and here.problems == there.problems
+        assert scanner._pool is None
+        deadline = time.monotonic() + 10  # killed (reaped by the pool's own thread: its state read from /proc)
+        while _running(worker.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(worker.pid)
+    finally:
+        if _running(worker.pid):
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.fixture()
 def no_hang():
     def stop(signum, frame):

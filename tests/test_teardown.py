@@ -195,3 +195,123 @@ for pid in workers:
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["interrupted"], done.stderr
+
+
+_ENDS_NORMALLY = """
+import os, sys
+import gpupipe
+kept = []
+for data, backend in zip(sys.argv[1::2], sys.argv[2::2]):
+    settings = dict(backend=backend, batch_size=4, image_size=32, device="cpu", num_workers=1)
+    loader = gpupipe.build_loader(data, **settings)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            pass
+    left = gpupipe.build_loader(data, **settings)
+    next(iter(left))  # a pass left early
+    kept += [loader, left]
+os.kept = kept  # held by a module imported before gpupipe: dropped only in the interpreter's teardown
+"""
+
+
+@pytest.mark.slow
+def test_a_script_that_ends_normally_exits_0_with_nothing_on_stderr(folder, shards):
+    """The README's loop on every backend (dali on files and on shards), and loaders held to the interpreter's
+    teardown, one of them left in the middle of a pass: no "Exception ignored" from a ``__del__`` run once the
+    modules' names are cleared, no abort from a thread still in C++ code."""
+    import subprocess
+    import sys
+
+    runs = [(folder, b) for b in ("pillow", "turbojpeg", "dali", "synthetic")] + [(shards, "dali")]
+    args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
+    done = subprocess.run([sys.executable, "-c", _ENDS_NORMALLY, *args], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+_FORKED = """
+import os, sys
+import gpupipe
+for data, backend in zip(sys.argv[1::2], sys.argv[2::2]):
+    loader = gpupipe.build_loader(data, backend, batch_size=4, image_size=32, device="cpu", num_workers=2)
+    first = sum(len(labels) for _, labels in loader)
+    for iterate in (False, True):
+        pid = os.fork()
+        if pid == 0:  # a child that ends normally, having tried the parent's loader or not
+            if iterate:
+                try:
+                    next(iter(loader))
+                except gpupipe.GpupipeError as e:  # naming the parent
+                    print("refused" if str(e).startswith(f"this loader was built in process {os.getppid()},") else e)
+            sys.exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        assert sum(len(labels) for _, labels in loader) == first
+    print(backend, "goes on")
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_child_leaves_its_parents_loader_alone(folder, shards):
+    """A process forked after a loader was used (``os.fork()``, as multiprocessing's fork start and many libraries
+    do) that ends normally does not end the parent's workers nor hang; one that iterates the loader gets one error
+    naming the process that built it; the parent's loader goes on."""
+    import subprocess
+    import sys
+
+    runs = [(folder, "pillow"), (shards, "dali")]
+    args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
+    done = subprocess.run([sys.executable, "-c", _FORKED, *args], capture_output=True, text=True, timeout=120)
+    expected = [line for backend in args[1::2] for line in ("refused", f"{backend} goes on")]
+    assert (done.returncode, done.stdout.splitlines(), done.stderr) == (0, expected, "")
+
+
+_KILLED = """
+import glob, os, sys, time
+import gpupipe
+loaders = []
+for data, backend in zip(sys.argv[1::2], sys.argv[2::2]):  # each between two epochs, its workers waiting
+    loader = gpupipe.build_loader(data, backend, batch_size=4, image_size=32, device="cpu", num_workers=2)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    loaders.append(loader)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_killed_process_leaves_no_worker_and_no_shared_memory_behind(folder, shards):
+    """A training process killed between two epochs (SIGKILL, as the out-of-memory killer does): its workers, which
+    wait for the next epoch, notice their parent's death and end within seconds, and their shared-memory files go."""
+    import glob
+    import subprocess
+    import sys
+
+    runs = [(folder, "pillow"), (folder, "dali"), (shards, "dali")]
+    args = [str(x) for data, backend in runs if backend in gpupipe.available_backends() for x in (data, backend)]
+    run = subprocess.Popen([sys.executable, "-c", _KILLED, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "ready\n"
+        workers = _children(run.pid)
+        files = [f for pid in workers for f in glob.glob(f"/dev/shm/torch_{pid}_*")]
+        assert workers and files
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.monotonic() + 15  # each watches its parent every 0.5 s
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in workers if _alive(pid)] == []
+    assert [f for f in files if os.path.exists(f)] == []

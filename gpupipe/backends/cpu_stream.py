@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -205,10 +206,16 @@ class Stream:
         pinned: bool,
     ):
         self._dataloader, self.plan, self.gate, self._remake, self._pinned = dataloader, plan, gate, remake, pinned
+        self._pid = os.getpid()  # its workers' parent: only this process ends them or moves their gate
         self._it: Iterator | None = None  # the DataLoader's one iteration (again only after a failure)
         self._peeked: tuple[Task, Made] | None = None  # the next epoch's first batch, taken before its pass (peek)
 
+    # read through the class: ``__del__`` may run at exit once the module's names are cleared
+    _getpid = staticmethod(os.getpid)
+
     def __del__(self) -> None:
+        if self._getpid() != self._pid:  # a forked child's copy, dropped as it exits: the parent's stream goes on
+            return
         self.gate.close()  # before the iterator ends the workers: one waiting on the gate lets go at once
         self._end()
 

@@ -15,11 +15,13 @@ counted in ``loader.fallbacks``.
 
 from __future__ import annotations
 
+import atexit
 import re
 import weakref
 from collections import deque
 from collections.abc import Iterator
 from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -82,6 +84,7 @@ def _unavailable() -> str | None:
 class DaliLoader(Loader):
     backend = "dali"
     upstream = "decoder"  # its graph can normalise (data/placement.py)
+    _live: ClassVar[weakref.WeakSet[DaliLoader]] = weakref.WeakSet()  # for :meth:`_drop_pipelines_at_exit`
 
     def __init__(self, parts: LoaderParts, hw_decoder_load: float = 0.65):
         require("nvidia.dali", "dali")
@@ -100,6 +103,7 @@ class DaliLoader(Loader):
         self._feed: FeedStream | FileStream | None = None
         self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
         self._ahead: DecodeAhead | None = None  # the pass's thread: it alone drives the pipeline while the pass runs
+        DaliLoader._live.add(self)
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
 
@@ -121,6 +125,18 @@ class DaliLoader(Loader):
             self.pipelines_built += 1
             self._scheduled = 0
         return self._pipe
+
+    @classmethod
+    def _drop_pipelines_at_exit(cls) -> None:
+        """At interpreter exit, once the pass threads have ended (their exit hook runs first: it is registered again
+        with each thread), every live loader lets go of its pipeline: DALI's ``Pipeline.__del__`` then runs while
+        the modules it reads are whole. Left to the interpreter's teardown, it ran with their names cleared ("Exception
+        ignored in Pipeline.__del__ ... 'NoneType' object is not callable"). A pipeline a stuck thread still drives
+        is left alone."""
+        for loader in list(cls._live):
+            if loader._ahead is None or loader._ahead.join(timeout=0):
+                loader._ahead = None
+                loader._discard_pipeline()
 
     def _discard_pipeline(self) -> None:
         """After a critical error DALI's pipeline is no longer valid: drop it; the next batch builds a new one."""
@@ -425,6 +441,8 @@ def _sample_bytes(work: Work, dataset) -> list[bytes | OSError]:
             out.append(e)
     return out
 
+
+atexit.register(DaliLoader._drop_pipelines_at_exit)  # before DALI is imported: runs after DALI's own exit hooks
 
 SPEC = BackendSpec(
     "dali",

@@ -19,12 +19,15 @@ are stamped and made again when their files changed (:meth:`FileStream.reread`).
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import stat
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as AnswerTimeout  # not the builtin one before Python 3.11
 from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
@@ -32,10 +35,13 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
+from .._names import escape
 from ..errors import DecodeError
 from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
+from ..plumbing.workers import leave_with_parent
 from ..recipe import Recipe
 from ..sources.compact import PathList
+from ._fork import pipelines_running
 from .dali_feed import Gate, Request
 from .gpu_feed import Work, decode_on_cpu, eval_rows
 from .pillow import PillowDecoder
@@ -44,6 +50,8 @@ from .pillow import PillowDecoder
 _UNKNOWN, _DALI, _PILLOW, _BAD = -1, 0, 1, 2
 _CHUNK = 8  # batches whose crops are drawn in one call
 _HEAD, _TAIL = 256 << 10, 4096  # bytes the scan reads: a header's, and the tail that holds a JPEG's end marker
+_ANSWER = 60.0  # seconds a header-scan worker may take over a batch's headers before it is taken for stuck
+log = logging.getLogger("gpupipe")
 
 
 class Verdict(NamedTuple):
@@ -133,6 +141,7 @@ _scanned = None  # the samples a scan worker judges: the table's, inherited when
 def _scan_init(samples) -> None:
     global _scanned
     _scanned = samples
+    leave_with_parent()  # a killed run leaves no scan worker behind
 
 
 def _judge_many(indices: np.ndarray, stamps: np.ndarray, max_pixels: int) -> tuple[np.ndarray, Verdicts]:
@@ -152,7 +161,11 @@ class Scanner:
     """Judges the samples a batch needs, not yet judged or whose files changed since they were (their stamps are
     checked once a pass, :meth:`FileTable.unchecked`), in ``workers`` processes (none: on the caller's thread when the
     batch is made). The pool starts with the first batch that needs it and lives as long as the loader's stream: a
-    file that did not change costs its worker a ``stat`` a pass, and the caller's thread nothing."""
+    file that did not change costs its worker a ``stat`` a pass, and the caller's thread nothing. Its processes are
+    forked only while no DALI pipeline runs in this process (:func:`._fork.pipelines_running`: a fork beside DALI's
+    threads may inherit a lock one of them holds): a loader's first batches come before its pipeline, and what is
+    judged once a pipeline runs (another loader's, or this one's after its pool was lost) is judged on the caller's
+    thread."""
 
     def __init__(self, table: FileTable, workers: int):
         self.table, self.workers = table, workers
@@ -165,6 +178,8 @@ class Scanner:
         if not len(todo) or self.workers < 1:
             return None
         if self._pool is None:
+            if pipelines_running():
+                return None
             context = multiprocessing.get_context("fork")
             self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (self.table.dataset.samples,))
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
@@ -179,23 +194,42 @@ class Scanner:
 
     def settle(self, asked: Asked | None, index: np.ndarray) -> None:
         """Every sample of ``index`` judged and checked in this pass: the workers' verdicts kept, what no worker was
-        asked checked here."""
+        asked checked here (also what a worker left unanswered for ``_ANSWER`` seconds: it is taken for stuck and
+        killed)."""
         if asked is not None:
             try:
-                moved, verdicts = asked.verdicts.result()
+                moved, verdicts = asked.verdicts.result(timeout=_ANSWER)
                 self.table.set(asked.indices[moved], verdicts)
                 self.table.checked[asked.indices] = asked.passes
             except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
                 self.close()
+            except AnswerTimeout:
+                first = self.table.dataset.samples[int(asked.indices[0])][0]
+                log.warning(
+                    "a header-scan worker did not answer in %d s (samples from %s): killed, its samples judged on "
+                    "the loader's thread",
+                    _ANSWER,
+                    escape(first),
+                )
+                self.close(wait=0)
         todo = index[self.table.unchecked(index)]
         if len(todo):
             self.table.recheck(todo)
 
-    def close(self) -> None:
-        """End the pool, once what it was asked is done (batches asked ahead keep their verdicts)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def close(self, wait: float | None = None) -> None:
+        """End the pool, once what it was asked is done (batches asked ahead keep their verdicts); a worker still at
+        work ``wait`` seconds on (``_ANSWER`` unless given) is killed (stuck: nothing waits on it for ever)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        processes = list((pool._processes or {}).values())  # private: no public list of its processes
+        pool.shutdown(wait=False)
+        deadline = time.monotonic() + (_ANSWER if wait is None else wait)
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        pool.shutdown(wait=True)  # its manager thread, once its workers have ended
 
 
 class Asked(NamedTuple):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import os
 import queue
 import threading
 import time
@@ -143,7 +144,7 @@ class _Receiver:
     _exit_hook = False
 
     def __init__(self, it: Iterator[Work], gate: Gate, cpu: list[float], depth: int = 1):
-        self._gate = gate
+        self._gate, self._pid = gate, os.getpid()
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
         self._ended = False
@@ -151,7 +152,7 @@ class _Receiver:
             target=_receive, args=(it, self._queue, self._stop, cpu), daemon=True, name="gpupipe-dali-feed"
         )
         self._thread.start()
-        weakref.finalize(self, _abandon, self._stop, gate)
+        weakref.finalize(self, _abandon, self._stop, gate, os.getpid())
         cls = type(self)
         cls._live.add(self)
         if not cls._exit_hook:
@@ -173,7 +174,7 @@ class _Receiver:
     def stop(self, timeout: float | None = None) -> None:
         """End the thread: what it holds and what is waiting is dropped. Waits for a read in progress (a worker's
         answer), for at most ``timeout`` seconds."""
-        _abandon(self._stop, self._gate)
+        _abandon(self._stop, self._gate, self._pid)
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
             try:
@@ -188,7 +189,9 @@ class _Receiver:
             receiver.stop(timeout=5)
 
 
-def _abandon(stop: threading.Event, gate: Gate) -> None:
+def _abandon(stop: threading.Event, gate: Gate, pid: int) -> None:
+    if os.getpid() != pid:  # a forked child's copy (at its exit): the gate is the parent's workers'
+        return
     stop.set()
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
 

@@ -173,12 +173,16 @@ def arrived(data: torch.Tensor) -> _Lease | None:
 
 class _Lease:
     """A worker's buffer lent to this process, handed back once: after its images are copied out, or when the batch
-    holding it is dropped uncopied (a task skipped; DataLoader's reset discards the batches it finds in flight)."""
+    holding it is dropped uncopied (a task skipped; DataLoader's reset discards the batches it finds in flight). Only
+    by the process it was lent to: a process forked from it holds a copy, which it drops as it exits, while the
+    buffer is still the parent's to read."""
 
-    __slots__ = ("_flat",)
+    __slots__ = ("_flat", "_pid")
+    _getpid = staticmethod(os.getpid)  # read through the class: ``__del__`` may run once the module's names are cleared
 
     def __init__(self, flat: torch.Tensor):
         self._flat: torch.Tensor | None = flat
+        self._pid = os.getpid()
 
     def copy_out(self, images: torch.Tensor, pinned: bool) -> torch.Tensor:
         """``images`` (in the lent buffer) copied once into new memory of this process's own (page-locked with
@@ -190,7 +194,7 @@ class _Lease:
 
     def give_back(self) -> None:
         flat, self._flat = self._flat, None
-        if flat is not None:
+        if flat is not None and self._getpid() == self._pid:
             flat.numpy()[0] = 1
 
     def __del__(self) -> None:

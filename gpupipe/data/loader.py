@@ -175,6 +175,7 @@ class Loader:
         self.fallbacks = 0
         self.stats = LoaderStats()  # what it delivered: batches, images, images/s, the caller's wait, skipped
         self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
+        self.made_in = os.getpid()  # its workers and threads are this process's: only here is it iterated
         augment = parts.stage.augment
         adaptive = augment.policy.adaptive if augment is not None and augment.policy is not None else None
         # an adaptive policy's hook (augment/adaptive.py): it tags each batch, hears it handed out, keeps its state
@@ -255,6 +256,11 @@ class Loader:
 
     def __iter__(self) -> Pass[tuple[torch.Tensor, torch.Tensor]]:
         self._check_open()
+        if os.getpid() != self.made_in:
+            raise GpupipeError(
+                f"this loader was built in process {self.made_in}, and its workers and threads are that process's: "
+                f"a process forked from it ({os.getpid()}) cannot iterate it; build a loader in this process"
+            )
         return Pass(self.position, self._pass, self._abandon)
 
     def close(self) -> None:
@@ -264,7 +270,8 @@ class Loader:
         if self._closed:
             return
         self._closed = True
-        self._shut()
+        if os.getpid() == self.made_in:  # in a forked child, the workers and threads are the parent's: left alone
+            self._shut()
 
     def __enter__(self) -> Loader:
         return self

@@ -54,6 +54,7 @@ class DecodeAhead(Generic[W, R]):
     # thread is kept here past its loop, until it has ended: on its way out it drops what it was given, which may be
     # the last reference to a DALI pipeline, whose shutdown then runs on it (C++ code, at exit while finalizing)
     _running: ClassVar[dict[threading.Thread, tuple[threading.Event, queue.Queue]]] = {}
+    _EMPTY = queue.Empty  # held by the class: :meth:`close` may run once the module's names are cleared
 
     def __init__(
         self,
@@ -104,9 +105,12 @@ class DecodeAhead(Generic[W, R]):
                 self.close()
 
     def _result(self) -> Any:
-        """The next result, ready for the current stream (which waits for its event on the GPU), or ``_END``."""
+        """The next result, ready for the current stream (which waits for its event on the GPU), or ``_END``: the
+        thread has then put its last item, and is waited for as it ends (what it drops on its way out, such as a DALI
+        pipeline's last reference, is dropped there), so no thread of a finished pass outlives it."""
         item = self._next()
         if item is _END:
+            self._thread.join(timeout=10)
             return _END
         if isinstance(item, _Failed):
             raise item.error
@@ -131,8 +135,15 @@ class DecodeAhead(Generic[W, R]):
             self.close()  # dropped without its pass closed (a cycle): the thread still stops
 
     def close(self) -> None:
-        """Tell the thread to stop (it does once its current batch is done); what it holds is dropped."""
-        _stop(self._stop, self._queue)
+        """Tell the thread to stop (it does once its current batch is done); what it holds is dropped. Reads no name
+        of this module: it may run at interpreter exit, from ``__del__``, once the module's names are cleared."""
+        self._stop.set()
+        out, empty = self._queue, self._EMPTY
+        while True:
+            try:
+                out.get_nowait()  # room for a put the thread may be waiting on
+            except empty:
+                return
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to end (after :meth:`close`): its iterator is free for another pass. Whether it ended
