@@ -46,6 +46,19 @@ def mixed(tmp_path_factory):
     return root
 
 
+@pytest.fixture()
+def no_pipeline():
+    """No DALI pipeline of an earlier test left in this process (one still to be collected, in a reference cycle):
+    scan workers are forked only while none runs (``_fork.pipelines_running``)."""
+    import gc
+
+    from gpupipe.backends._fork import pipelines_running
+
+    gc.collect()
+    assert not pipelines_running(), "a DALI pipeline of an earlier test is still alive"
+
+
+
 def _feed_loader(root, **kw):
     """The loader as it was: the files read and judged by the feed's workers, their bytes handed to DALI."""
     loader = gpupipe.build_loader(root, "dali", **kw)
@@ -80,6 +93,7 @@ def test_batches_equal_the_feeds_to_the_bit(mixed, train):
         assert files.fallbacks == 1  # the GIF
 
 
+@pytest.mark.usefixtures("no_pipeline")
 def test_no_image_bytes_are_read_in_python_and_the_scan_processes_are_the_loaders_for_its_life(folder, monkeypatch):
     """The scan processes (which check each pass's files against their verdicts) are started once, are the only ones,
     and end with the loader."""
@@ -107,6 +121,7 @@ def test_no_image_bytes_are_read_in_python_and_the_scan_processes_are_the_loader
     assert not any(p.is_alive() for p in started[0])
 
 
+@pytest.mark.usefixtures("no_pipeline")
 def test_headers_judged_in_processes_as_in_this_one(mixed):
     from gpupipe.backends.dali_files import FileTable, Scanner
 
@@ -126,6 +141,7 @@ def test_headers_judged_in_processes_as_in_this_one(mixed):
     scanner.close()
 
 
+@pytest.mark.usefixtures("no_pipeline")
 def test_a_scan_worker_killed_between_batches_leaves_the_samples_judged_here(mixed):
     from gpupipe.backends.dali_files import FileTable, Scanner
     from gpupipe.sources.open import open_source

@@ -18,18 +18,20 @@ are stamped and made again when their files changed (:meth:`FileStream.reread`).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import multiprocessing
 import os
 import stat
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as AnswerTimeout  # not the builtin one before Python 3.11
 from concurrent.futures.process import BrokenProcessPool
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -167,9 +169,20 @@ class Scanner:
     judged once a pipeline runs (another loader's, or this one's after its pool was lost) is judged on the caller's
     thread."""
 
+    _live: ClassVar[weakref.WeakSet[Scanner]] = weakref.WeakSet()  # for :meth:`_close_all_at_exit`
+
     def __init__(self, table: FileTable, workers: int):
         self.table, self.workers = table, workers
         self._pool: ProcessPoolExecutor | None = None
+        Scanner._live.add(self)
+
+    @classmethod
+    def _close_all_at_exit(cls) -> None:
+        """At interpreter exit, every live loader's pool ends while the modules it reads are whole: left to the
+        interpreter's teardown, its executor was collected with ``multiprocessing``'s names cleared ("Exception
+        ignored in ... weakref_cb ... 'NoneType' object has no attribute 'util'")."""
+        for scanner in list(cls._live):
+            scanner.close(wait=0)
 
     def ask(self, index: np.ndarray) -> Asked | None:
         """Start judging the samples of ``index`` not checked in this pass (a ``stat`` each; judged if not judged yet
@@ -436,3 +449,6 @@ class FileStream:
                 continue
             plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
             decode_on_cpu(self.check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
+
+
+atexit.register(Scanner._close_all_at_exit)
