@@ -58,7 +58,6 @@ def no_pipeline():
     assert not pipelines_running(), "a DALI pipeline of an earlier test is still alive"
 
 
-
 def _feed_loader(root, **kw):
     """The loader as it was: the files read and judged by the feed's workers, their bytes handed to DALI."""
     loader = gpupipe.build_loader(root, "dali", **kw)
