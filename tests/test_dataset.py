@@ -235,3 +235,17 @@ def test_a_dataset_workers_cannot_receive_is_refused_up_front(monkeypatch):
 def test_pixels_read_as_bytes_are_lossless_png(images):
     listed = open_dataset(_as_held(images, "hwc"))
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(listed.read(1)))), np.asarray(images[1][0].convert("RGB")))
+
+
+def test_a_hugging_face_dataset_gives_its_encoded_images_to_the_decoder_and_its_class_names(images, folder):
+    datasets = pytest.importorskip("datasets")
+    held = _in_folder_order(folder, _as_held(images, "bytes"))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    cells = [{"bytes": data, "path": None} for data, _ in held]
+    hub = datasets.Dataset.from_dict({"image": cells, "label": [lb for _, lb in held]}, features=features)
+    listed = open_dataset(hub)
+    assert isinstance(listed.read_samples([0])[0], bytes)  # not decoded by `datasets` into a PIL image
+    assert listed.classes == ["a", "b", "c"]
+    for backend in ("pillow", "nvjpeg"):
+        for train in (True, False):
+            _same(_batches(hub, backend, train=train), _batches(folder, backend, train=train), exact=True)
