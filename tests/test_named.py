@@ -9,6 +9,7 @@ import torchvision
 
 from gpupipe.cli import main
 from gpupipe.sources.named import is_named_dataset, open_named, resolved
+from gpupipe.sources.open import open_source
 
 from .common_utils import make_folder, train_args
 
@@ -46,7 +47,7 @@ def test_paths_and_urls_are_not_names(folder, tmp_path):
     ],
 )
 def test_a_name_that_cannot_be_made_is_one_line(data, why):
-    with pytest.raises(ValueError, match=rf"^--data {data}: cannot make the dataset \({why}.*\); expected module:"):
+    with pytest.raises(ValueError, match=rf"^{data}: cannot make the dataset \({why}.*\); expected module:"):
         open_named(data)
 
 
@@ -83,3 +84,11 @@ def test_a_resumed_run_compares_a_named_dataset_as_written_from_any_folder(folde
     other = TrainConfig(data=f"torchvision.datasets.ImageFolder:{tmp_path}", out=cfg.out)
     with pytest.raises(ValueError, match="data"):
         check_resumable(saved, other, tmp_path / "last.pt")
+
+
+def test_check_and_prepare_take_a_named_dataset(tmp_path, capsys):
+    assert main(["check", "tests.test_named:sixteen"]) == 0
+    assert "16 files: 0 unreadable" in capsys.readouterr().out
+    assert main(["prepare", "tests.test_named:sixteen", str(tmp_path / "shards")]) == 0
+    shards = open_source(tmp_path / "shards")
+    assert shards.targets == [label for _, label in sixteen()]

@@ -105,3 +105,12 @@ def test_a_file_that_is_not_parquet_or_lacks_a_label_column_is_one_line(tmp_path
     pq.write_table(pa.table({"image": pa.array([b"a"])}), tmp_path / "y.parquet")
     with pytest.raises(ValueError, match=r"y.parquet: columns image; expected an image column .* and a label column"):
         open_source(tmp_path / "y.parquet")
+
+
+def test_prepare_converts_parquet_to_shards_of_the_same_samples(sets, tmp_path):
+    from gpupipe.prepare import prepare
+
+    _, hub = sets
+    prepare(hub, tmp_path / "shards")
+    shards, rows = open_source(tmp_path / "shards"), open_source(hub)
+    assert shards.targets == rows.targets and shards.classes == CLASSES

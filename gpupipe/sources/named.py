@@ -1,5 +1,6 @@
-"""A dataset object named on the command line (``gpupipe train --data``): ``module:callable`` (the callable's result)
-or ``module.Class:ROOT`` (``Class(ROOT)``, as ``torchvision.datasets.CIFAR10:data/cifar``)."""
+"""A dataset object named by a string, as a command line names one (``gpupipe train --data``, ``check``,
+``prepare``): ``module:callable`` (the callable's result) or ``module.Class:ROOT`` (``Class(ROOT)``, as
+``torchvision.datasets.CIFAR10:data/cifar``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def open_named(data: str) -> object:
         return getattr(importlib.import_module(module), attr)(right)
     except Exception as e:  # an import error, a missing name, the dataset's own refusal (no files at ROOT)
         raise ValueError(
-            f"--data {data}: cannot make the dataset ({type(e).__name__}: {e}); expected module:callable "
+            f"{data}: cannot make the dataset ({type(e).__name__}: {e}); expected module:callable "
             "or module.Class:ROOT, e.g. torchvision.datasets.CIFAR10:data/cifar"
         ) from None
 

@@ -16,7 +16,6 @@ from ..api import build_loader
 from ..data.loader import Loader
 from ..mix import Mix
 from ..recipe import Recipe
-from ..sources.named import is_named_dataset, open_named
 from ..sources.objstore import Remote
 from ..sources.remote import is_url
 from .checkpoint import TrainState
@@ -85,10 +84,7 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
 
 
 def _source(cfg: TrainConfig, data: str):
-    """``data``, with ``--cache-limit`` when it is at a URL; the dataset object it names when it names one
-    (``module:callable``, ``module.Class:ROOT``: :mod:`gpupipe.sources.named`)."""
-    if is_named_dataset(data):
-        return open_named(data)
+    """``data``, with ``--cache-limit`` when it is at a URL."""
     if cfg.cache_limit is None or not is_url(data):
         return data
     return Remote(data, cache_limit=cfg.cache_limit)
