@@ -4,7 +4,9 @@ item named; grey, palette and RGBA images made RGB as files are."""
 
 import hashlib
 import io
+import multiprocessing
 import pickle
+import random
 import types
 
 import numpy as np
@@ -249,3 +251,34 @@ def test_a_hugging_face_dataset_gives_its_encoded_images_to_the_decoder_and_its_
     for backend in ("pillow", "nvjpeg"):
         for train in (True, False):
             _same(_batches(hub, backend, train=train), _batches(folder, backend, train=train), exact=True)
+
+
+def _rank(rank: int, port: int, data, out) -> None:
+    """One gloo rank: its batches of ``data``, the rank and world size taken from torch.distributed."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        out.put((rank, list(_batches(data, "pillow", train=True))))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_read_a_dataset_as_each_reads_the_folder(images, folder):
+    results = on_two_ranks(_in_folder_order(folder, _as_held(images, "pil")))
+    for rank, got in results.items():
+        _same(got, _batches(folder, "pillow", train=True, rank=rank, world_size=2), exact=True)
+    labels = sorted(int(v) for got in results.values() for _, y in got for v in y)
+    assert len(labels) == 8  # 9 samples, batches of 4 on 2 ranks: one full batch each (train drops the rest)
+
+
+def on_two_ranks(data) -> dict:
+    """Each of two gloo ranks' train batches of ``data`` (forked processes): rank -> [(images, labels)]."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    port = 29500 + random.Random().randrange(2000)
+    procs = [ctx.Process(target=_rank, args=(r, port, data, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return results

@@ -11,7 +11,7 @@ from gpupipe.errors import DecodeError
 from gpupipe.sources.open import open_source
 
 from .common_utils import encoded, photo
-from .test_dataset import BACKENDS, _batches, _same
+from .test_dataset import BACKENDS, _batches, _same, on_two_ranks
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -114,3 +114,9 @@ def test_prepare_converts_parquet_to_shards_of_the_same_samples(sets, tmp_path):
     prepare(hub, tmp_path / "shards")
     shards, rows = open_source(tmp_path / "shards"), open_source(hub)
     assert shards.targets == rows.targets and shards.classes == CLASSES
+
+
+def test_two_gloo_ranks_read_parquet_as_each_reads_the_folder(sets):
+    folder, hub = sets
+    for rank, got in on_two_ranks(hub).items():
+        _same(got, _batches(folder, "pillow", train=True, rank=rank, world_size=2), exact=True)
