@@ -6,7 +6,7 @@ import hashlib
 import io
 import multiprocessing
 import pickle
-import random
+import socket
 import types
 
 import numpy as np
@@ -257,7 +257,8 @@ def _rank(rank: int, port: int, data, out) -> None:
     """One gloo rank: its batches of ``data``, the rank and world size taken from torch.distributed."""
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        out.put((rank, list(_batches(data, "pillow", train=True))))
+        batches = [(x.numpy(), y.numpy()) for x, y in _batches(data, "pillow", train=True)]
+        out.put((rank, batches))  # arrays, pickled whole: a tensor would be sent as a handle this process may close
     finally:
         torch.distributed.destroy_process_group()
 
@@ -274,11 +275,13 @@ def on_two_ranks(data) -> dict:
     """Each of two gloo ranks' train batches of ``data`` (forked processes): rank -> [(images, labels)]."""
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    port = 29500 + random.Random().randrange(2000)
+    with socket.socket() as free:  # a port no other test's ranks hold
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     procs = [ctx.Process(target=_rank, args=(r, port, data, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    return results
+    return {rank: [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in got] for rank, got in results.items()}
