@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from ..data.loader import Loader
+from ..sources.named import resolved
 from . import checkpoint, elastic
 from .checkpoint import TrainState
 from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig
@@ -100,9 +100,9 @@ def _paths_resolved(saved: dict, cfg: TrainConfig) -> tuple[dict, dict]:
     path was resolved when the checkpoint was saved (``data_resolved``); an older checkpoint's is resolved now."""
     now = asdict(cfg)
     if isinstance(now.get("data"), str):
-        now["data"] = os.path.realpath(now["data"])
+        now["data"] = resolved(now["data"])
     if isinstance(saved.get("data"), str):
-        saved = {**saved, "data": saved.get("data_resolved") or os.path.realpath(saved["data"])}
+        saved = {**saved, "data": saved.get("data_resolved") or resolved(saved["data"])}
     return saved, now
 
 
@@ -162,7 +162,7 @@ def save_checkpoint(
     # mid-epoch (each rank's buffers gathered): each rank's running sums too, which the epoch's metrics add up
     rank_running = None if rank_buffers is None else dist.gather_sums(meter.state_dict())
     if dist.is_main or alone:
-        config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
+        config = {**asdict(cfg), "data_resolved": resolved(cfg.data)}  # resumable from another folder
         config["world_size"] = dist.world_size  # with batch_size and accum: the global batch (elastic.py)
         running = meter.state_dict()
         with _save_lock(checkpoint_path(cfg).parent):
