@@ -42,7 +42,7 @@ def test_paths_and_urls_are_not_names(folder, tmp_path):
     "data, why",
     [
         ("tests.test_named:nothing", r"AttributeError: module 'tests.test_named' has no attribute 'nothing'"),
-        ("nosuchmodule.Data:root", r"ValueError: no module nosuchmodule to import"),
+        ("nosuchmodule.Data:root", r"SourceError: no module nosuchmodule to import"),
         ("torchvision.datasets.ImageFolder:/no/such/folder", r"FileNotFoundError: .*/no/such/folder"),
     ],
 )
