@@ -20,7 +20,7 @@ from .._files import read_regular
 from ..errors import DecodeError, SourceError
 from ..image import orientation_to_apply, to_rgb, upright
 from .compact import SampleList
-from .scan import ImageList
+from .scan import ImageList, read_each
 
 IMAGE_FIELDS = ("image", "img", "jpg", "jpeg", "png", "webp")  # Hugging Face and WebDataset names, in that order
 LABEL_FIELDS = ("label", "cls", "labels", "target")
@@ -112,13 +112,7 @@ class DatasetImageList(ImageList):
         return out.getvalue()
 
     def read_samples(self, indices: Sequence[int]) -> list[bytes | np.ndarray | Exception]:
-        out: list[bytes | np.ndarray | Exception] = []
-        for i in indices:
-            try:
-                out.append(self.item_image(i))
-            except DecodeError as e:
-                out.append(e)
-        return out
+        return read_each(self.item_image, indices)
 
     def item_image(self, index: int) -> bytes | np.ndarray:
         """Item ``index``'s image: encoded bytes, or (H, W, 3) uint8 RGB; a :class:`DecodeError` naming the item."""

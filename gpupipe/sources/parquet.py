@@ -19,7 +19,7 @@ from .._files import read_regular
 from ..errors import DecodeError, MissingFileError, SourceError
 from .compact import SampleList
 from .dataset import IMAGE_FIELDS, LABEL_FIELDS
-from .scan import ImageList
+from .scan import ImageList, read_each
 
 _KEPT_GROUPS = 4  # row groups a reading process keeps decoded from Parquet (a batch often spans two)
 
@@ -118,13 +118,7 @@ class ParquetImageList(ImageList):
             raise DecodeError(self.samples.name(index), "parquet", why) from None
 
     def read_samples(self, indices: Sequence[int]) -> list[bytes | np.ndarray | Exception]:
-        out: list[bytes | np.ndarray | Exception] = []
-        for i in indices:
-            try:
-                out.append(self.read(i))
-            except DecodeError as e:
-                out.append(e)
-        return out
+        return read_each(self.read, indices)
 
     def _group(self, k: int, group: int) -> list[Any]:
         """Row group ``group`` of file ``k``'s image column, as Python values (kept, a few at a time)."""

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
@@ -17,7 +17,7 @@ import numpy as np
 
 from .._files import read_regular
 from .._names import escape
-from ..errors import SourceError
+from ..errors import DecodeError, SourceError
 from .compact import PathList, SampleList
 from .walk import walk_folder
 
@@ -71,6 +71,21 @@ class ImageList:
         if isinstance(self.samples, SampleList):
             return self.samples.labels.tolist()
         return [label for _, label in self.samples]
+
+
+Read = Callable[[int], bytes | np.ndarray]
+
+
+def read_each(read: Read, indices: Sequence[int]) -> list[bytes | np.ndarray | Exception]:
+    """``read(i)`` of each index, or the :class:`DecodeError` naming that sample: one bad sample does not end the
+    batch (the loader's error policy judges it)."""
+    out: list[bytes | np.ndarray | Exception] = []
+    for i in indices:
+        try:
+            out.append(read(i))
+        except DecodeError as e:
+            out.append(e)
+    return out
 
 
 def scan_folder(path: Path, class_to_idx: dict[str, int] | None = None, allow_outside_root: bool = False) -> ImageList:
