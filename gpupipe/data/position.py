@@ -31,11 +31,14 @@ sampler only orders and deals.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -297,6 +300,21 @@ class Pass(Generic[T]):
         # garbage collector, which closes their queues before the iterator can tell them to stop (5 s a worker)
         self._token = object()
         position.begin(self._token)
+        Pass._open.add(self)
+
+    _open: ClassVar[weakref.WeakSet[Pass]] = weakref.WeakSet()  # for :meth:`_close_open_at_exit`
+
+    @classmethod
+    def _close_open_at_exit(cls) -> None:
+        """At interpreter exit (a script that ends in the middle of a pass, its iterator still held), each pass's
+        batches are closed while the modules their clean-up uses are whole: left to the interpreter's teardown, it ran
+        with their names cleared ("Exception ignored in: <generator ...> ... 'NoneType' object has no attribute")."""
+        for p in list(cls._open):
+            batches, p._batches, p._done = p._batches, None, True
+            close = getattr(batches, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
 
     def __iter__(self) -> Pass[T]:
         return self
@@ -320,3 +338,6 @@ class Pass(Generic[T]):
             raise
         self._position.advance(self._token)
         return batch
+
+
+atexit.register(Pass._close_open_at_exit)  # registered before any backend's: runs after theirs
