@@ -186,12 +186,15 @@ for pid in workers:
     os.kill(pid, signal.SIGSTOP)
 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
 try:
-    while True:
-        next(it)
+    while True:  # the batches made before the stop may end the pass: the next ones wait on the stopped workers
+        for _ in it:
+            pass
+        it = iter(loader)
 except KeyboardInterrupt:
     print("interrupted")
-for pid in workers:
-    os.kill(pid, signal.SIGKILL)
+finally:
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["interrupted"], done.stderr

@@ -139,7 +139,7 @@ class DecodeAhead(Generic[W, R]):
         of this module: it may run at interpreter exit, from ``__del__``, once the module's names are cleared."""
         self._stop.set()
         out, empty = self._queue, self._EMPTY
-        while True:
+        while not out.empty():  # (``get_nowait`` on an empty queue raises a name of ``queue``, cleared at exit too)
             try:
                 out.get_nowait()  # room for a put the thread may be waiting on
             except empty:
