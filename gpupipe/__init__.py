@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .backends import available_backends
     from .mix import Mix
     from .recipe import Recipe, ResolutionSchedule
+    from .sources.dataset import DatasetSource
     from .sources.objstore import Remote
 
 _LAZY = {
@@ -33,6 +34,7 @@ _LAZY = {
     "read_image": ".api",
     "available_backends": ".backends",
     "Remote": ".sources.objstore",
+    "DatasetSource": ".sources.dataset",
     "Mix": ".mix",
     "Recipe": ".recipe",
     "ResolutionSchedule": ".recipe",
@@ -40,6 +42,7 @@ _LAZY = {
 
 __all__ = [
     "BackendUnavailableError",
+    "DatasetSource",
     "DecodeError",
     "GpupipeError",
     "LoaderClosedError",

@@ -18,6 +18,7 @@ INSTALL_HINTS = {
     "train": 'pip install timm tensorboard omegaconf  (or pip install ".[train]" in the gpupipe source tree)',
     "s3": 'pip install s3fs  (or pip install ".[s3]" in the gpupipe source tree)',
     "gs": "pip install gcsfs",
+    "parquet": 'pip install pyarrow  (or pip install ".[parquet]" in the gpupipe source tree)',
     "bench": 'pip install matplotlib nvidia-ml-py  (or pip install ".[bench]" in the gpupipe source tree)',
 }
 

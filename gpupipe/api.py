@@ -21,6 +21,7 @@ from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler, window_mixing
 from .errors import MissingFileError
 from .recipe import DefaultSize, Recipe
+from .sources.dataset import check_sendable
 from .sources.open import Source, open_source
 from .sources.remote import RemoteShardImageList
 from .sources.scan import ImageList
@@ -142,6 +143,7 @@ def build_loader(
     if dev.type not in spec.devices:
         raise ValueError(f"backend {name!r} delivers batches on {' or '.join(spec.devices)}, not {dev.type!r}")
     workers = default_workers(dev) if num_workers is None else num_workers
+    check_sendable(dataset, workers)
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
     recipe = recipe or Recipe()
     if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it

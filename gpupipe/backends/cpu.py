@@ -13,7 +13,7 @@ import torch
 from ..data.device import normalize_on_cpu
 from ..data.loader import DATALOADER_SETTINGS, Batch, Loader, LoaderParts
 from ..errors import DecodeError, TransformError
-from ..image import chw_tensor
+from ..image import chw_tensor, crop_resize_into
 from ..plumbing.decode_ahead import DecodeAhead
 from ..recipe import Recipe
 from ..sources.scan import ImageList
@@ -54,7 +54,7 @@ class _SampleDataset(torch.utils.data.Dataset):
         path, label = self.dataset.samples[key[1]]
         size = self.recipe.side(self.train, key[0])  # the epoch's size (a resolution schedule's)
         image = np.empty((size, size, 3), dtype=np.uint8)
-        error, fell_back = self._into(key, self.dataset.read_many([key[1]])[0], image)
+        error, fell_back = self._into(key, self.dataset.read_samples([key[1]])[0], image)
         if error is not None:
             return Sample(path, label, None, error, key=(key[0], key[1]))
         return Sample(path, label, image.transpose(2, 0, 1), fell_back=fell_back, key=(key[0], key[1]))
@@ -72,7 +72,7 @@ class _SampleDataset(torch.utils.data.Dataset):
         return batch
 
     def _batch(self, keys: list[tuple]) -> Batch:
-        data = self.dataset.read_many([key[1] for key in keys])
+        data = self.dataset.read_samples([key[1] for key in keys])
         size = self.recipe.side(self.train, keys[0][0])  # a batch is one epoch's: one size
         images = _batch_buffer(len(keys), size)
         labels: list[int] = []
@@ -97,17 +97,26 @@ class _SampleDataset(torch.utils.data.Dataset):
         return WireBatch(images[: len(good)], labels_t, "NHWC", errors, fallbacks, keys_t)
 
     def _into(
-        self, key: tuple, data: bytes | Exception, out: np.ndarray | torch.Tensor, plan: Callable | None = None
+        self,
+        key: tuple,
+        data: bytes | np.ndarray | Exception,
+        out: np.ndarray | torch.Tensor,
+        plan: Callable | None = None,
     ) -> tuple[str | None, bool]:
-        """Decode sample ``key`` (its bytes, or why they could not be read) into ``out`` ((S, S, 3) uint8) with its
-        ``plan`` (the recipe's, when not given): (why it failed or None, whether it fell back)."""
+        """Decode sample ``key`` (its bytes, its pixels, or why they could not be read) into ``out`` ((S, S, 3) uint8)
+        with its ``plan`` (the recipe's, when not given): (why it failed or None, whether it fell back). Pixels (an
+        (H, W, 3) array) are cropped and resized as they are: nothing to decode."""
         epoch, index, *snapshot = key  # with an adaptive policy, the state the sample's batch draws from
         path = self.dataset.samples[index][0]
         try:
             if isinstance(data, Exception):
                 raise data
             plan = plan or self.recipe.plan(self.train, self.seed, epoch, index)
-            _, fell_back = self.decoder.crop(data, path, plan, out.shape[0], out)
+            if isinstance(data, np.ndarray):
+                crop_resize_into(data, plan(*data.shape[:2]), data.shape[:2], torch.as_tensor(out))
+                fell_back = False
+            else:
+                _, fell_back = self.decoder.crop(data, path, plan, out.shape[0], out)
             if self.augment is not None:
                 chw = torch.as_tensor(out).permute(2, 0, 1)
                 chw.copy_(self.augment.one(chw.clone(), epoch, index, *snapshot))

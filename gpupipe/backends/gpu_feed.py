@@ -29,7 +29,16 @@ import torch
 
 from .._files import Stamp
 from ..errors import DecodeError
-from ..image import ARITHMETIC_SOF, HeaderCheck, ends_whole, header_entry, is_jpeg, jpeg_sof, pixel_limit_reason
+from ..image import (
+    ARITHMETIC_SOF,
+    HeaderCheck,
+    crop_resize,
+    ends_whole,
+    header_entry,
+    is_jpeg,
+    jpeg_sof,
+    pixel_limit_reason,
+)
 from ..recipe import Recipe
 from .handover import arrived, handed, lent
 from .pillow import PillowDecoder
@@ -177,7 +186,7 @@ class Feed:
         work.labels = self._targets[work.index]  # here, not on the training thread
         chunks: list[bytes] = []
         judged: list[Judged] = []
-        read = self.dataset.read_many(work.indices)  # together: object storage serves a batch in few requests
+        read = self.dataset.read_samples(work.indices)  # together: object storage serves a batch in few requests
         for pos, (i, data) in enumerate(zip(work.indices, read, strict=True)):
             entry = self._sample(work, pos, i, data)
             if entry is not None:
@@ -217,11 +226,20 @@ class Feed:
             decode_on_cpu(self.check, size, work, pos, self.dataset.samples[i][0], data, plan, refused)
         work.narrow([k for k, pos in enumerate(work.gpu) if pos not in set(positions)])
 
-    def _sample(self, work: Work, pos: int, i: int, data: bytes | Exception) -> Judged | None:
-        """The sample judged, for the GPU; None: it failed (in ``work.errors``) or Pillow decoded it."""
+    def _sample(self, work: Work, pos: int, i: int, data: bytes | np.ndarray | Exception) -> Judged | None:
+        """The sample judged, for the GPU; None: it failed (in ``work.errors``), Pillow decoded it, or it was pixels
+        already (a dataset of arrays: cropped and resized here, never encoded for the GPU decoder)."""
         path = self.dataset.samples[i][0]
         if isinstance(data, OSError):
             work.errors.append((path, f"cannot read the file ({data.strerror or data})"))
+            return None
+        if isinstance(data, DecodeError):  # a dataset's item that is no image
+            work.errors.append((path, data.reason))
+            return None
+        if isinstance(data, np.ndarray):
+            plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
+            size = self.recipe.side(self.train, work.epoch)
+            work.cpu[pos] = crop_resize(data, plan(*data.shape[:2]), data.shape[:2], size)
             return None
         if isinstance(data, Exception):  # not a bad file (object storage gone): the loader raises it
             raise data

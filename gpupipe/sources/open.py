@@ -1,5 +1,6 @@
 """The one place a source is opened: whatever ``root`` names (an ImageFolder directory, a CSV file list, tar shards:
-a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them, on a disk or at a URL),
+a folder written by ``gpupipe prepare``, a ``.tar``, a glob or a list of them, on a disk or at a URL; Parquet files;
+a dataset object),
 :func:`open_source` returns the :class:`~gpupipe.sources.scan.ImageList` every backend reads. A new kind of source is
 one more branch here and a module that builds its ``ImageList`` (a subclass when its bytes are not plain files)."""
 
@@ -8,14 +9,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import MissingFileError, SourceError
+from .dataset import DatasetSource, is_dataset, open_dataset
 from .objstore import Remote
+from .parquet import ParquetImageList, is_parquet_source
 from .remote import is_url, scan_remote
 from .scan import ImageList, scan_csv, scan_folder
 from .shards import is_shard_source, scan_shards
 
-Source = str | os.PathLike | Sequence[str | os.PathLike] | Remote
+Source = str | os.PathLike | Sequence[str | os.PathLike] | Remote | DatasetSource | Any  # Any: a dataset object
 
 
 def open_source(
@@ -29,9 +33,16 @@ def open_source(
     ``.tar``, a glob or a list of them), on a disk or at a URL (``s3://``, ``gs://``..., or a :class:`Remote`).
 
     CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
+    Or a map-style dataset object, a :class:`DatasetSource` or ``(images, labels)`` arrays
+    (:mod:`.dataset`); or Parquet files: a ``.parquet`` path, glob or list, or a folder of them (:mod:`.parquet`).
+
     ``class_to_idx`` (a training set's) labels a held-out set the same way: a class it lacks is an error, a class
     missing here a warning.
     """
+    if is_dataset(root):
+        return open_dataset(root)
+    if is_parquet_source(root):
+        return ParquetImageList(root)
     if is_url(root) or is_shard_source(root):
         shards = scan_remote(root) if is_url(root) else scan_shards(root, allow_outside_root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:

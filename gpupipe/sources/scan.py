@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
+import numpy as np
+
 from .._files import read_regular
 from .._names import escape
 from ..errors import SourceError
@@ -58,6 +60,11 @@ class ImageList:
             except Exception as e:  # the caller reports it with the sample's name
                 out.append(e)
         return out
+
+    def read_samples(self, indices: Sequence[int]) -> list[bytes | np.ndarray | Exception]:
+        """What a loader makes a batch from: each sample's encoded bytes (:meth:`read_many`), or, for a source that
+        holds pixels (a dataset of arrays), its (H, W, 3) uint8 RGB array, which is cropped without a decode."""
+        return list(self.read_many(indices))
 
     @property
     def targets(self) -> list[int]:

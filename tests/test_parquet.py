@@ -1,0 +1,107 @@
+"""gpupipe/sources/parquet.py: Parquet files in the Hugging Face Hub's layout read by every backend as the same
+images written as an ImageFolder (labels, order, crops, resume, ranks), by path, glob, folder or list; class names
+from the schema's metadata; a bad row named by its file and row."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gpupipe.errors import DecodeError
+from gpupipe.sources.open import open_source
+
+from .common_utils import encoded, photo
+from .test_dataset import BACKENDS, _batches, _same
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+CLASSES = ["cat", "dog", "owl"]
+
+
+def _hub_table(cells, labels, names=CLASSES):
+    """A table as the ``datasets`` library writes one: ``{bytes, path}`` image structs, a ClassLabel's names."""
+    image = pa.array(cells, pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    return pa.table({"image": image, "label": pa.array(labels, pa.int64())}).replace_schema_metadata(meta)
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    """Eleven PNGs (several sizes and modes) as an ImageFolder and as two Parquet files of row groups of 3, the rows
+    in the folder's order."""
+    root = tmp_path_factory.mktemp("sets")
+    rng = np.random.default_rng(9)
+    folder = root / "folder"
+    for i in range(11):
+        img = photo(rng, 26 + 5 * i, 44 - 2 * i)
+        img = img.convert("L") if i % 4 == 1 else img.convert("RGBA") if i % 4 == 2 else img
+        (folder / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        img.save(folder / f"c{i % 3}" / f"{i:02d}.png")
+    samples = open_source(folder).samples
+    cells = [{"bytes": open(p, "rb").read(), "path": p.rsplit("/", 1)[1]} for p, _ in samples]
+    labels = [label for _, label in samples]
+    (root / "hub").mkdir()
+    for k, part in enumerate((slice(0, 7), slice(7, None))):
+        pq.write_table(_hub_table(cells[part], labels[part]), root / "hub" / f"train-{k:05d}.parquet", row_group_size=3)
+    return folder, root / "hub"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parquet_reads_as_the_same_images_in_a_folder(sets, backend):
+    folder, hub = sets
+    exact = backend in ("pillow", "nvjpeg")  # PNGs: Pillow decodes them for both
+    for train in (True, False):
+        _same(_batches(hub, backend, train=train), _batches(folder, backend, train=train), exact)
+
+
+def test_a_path_a_glob_a_folder_and_a_list_name_the_same_rows_and_class_names(sets):
+    _, hub = sets
+    files = sorted(str(p) for p in hub.glob("*.parquet"))
+    listed = open_source(hub)
+    assert listed.classes == CLASSES and len(listed) == 11
+    assert listed.samples[8] == (f"{files[1]} row 1", listed.targets[8])
+    for other in (str(hub / "*.parquet"), files):
+        assert open_source(other).samples == listed.samples
+    assert len(open_source(files[1])) == 4
+
+
+def test_parquet_resumes_mid_epoch_and_reads_its_rank_as_the_folder(sets):
+    folder, hub = sets
+    kw = dict(batch_size=2, train=True, drop_last=False)
+    loader = _batches(hub, "pillow", **kw)
+    loader.set_epoch(2)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = list(it)
+    resumed = _batches(hub, "pillow", **kw)
+    resumed.load_state_dict(state)
+    _same(resumed, rest, exact=True)
+    for rank in (0, 1):
+        _same(
+            _batches(hub, "pillow", rank=rank, world_size=2), _batches(folder, "pillow", rank=rank, world_size=2), True
+        )
+
+
+@pytest.mark.parametrize("backend", ["pillow", "nvjpeg"])
+def test_a_bad_row_is_named_by_its_file_and_row_and_skipped(tmp_path, backend):
+    good = encoded(photo(np.random.default_rng(0), 30, 30), "PNG")
+    cells = [{"bytes": good, "path": None}] * 2 + [{"bytes": b"junk", "path": None}, {"bytes": None, "path": None}]
+    path = tmp_path / "part-0003.parquet"
+    pq.write_table(_hub_table(cells, [0, 1, 0, 1]), path)
+    with pytest.raises(DecodeError, match=rf"^{path} row 2: cannot decode"):
+        list(_batches(path, backend, train=False))
+    loader = _batches(path, backend, train=False, on_error="skip")
+    assert sum(len(y) for _, y in loader) == 2
+    assert loader.skipped[1] == (f"{path} row 3", "the image cell holds neither bytes nor a path")
+
+
+def test_a_file_that_is_not_parquet_or_lacks_a_label_column_is_one_line(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"x.parquet: cannot read it as Parquet"):
+        open_source(tmp_path / "x.parquet")
+    pq.write_table(pa.table({"image": pa.array([b"a"])}), tmp_path / "y.parquet")
+    with pytest.raises(ValueError, match=r"y.parquet: columns image; expected an image column .* and a label column"):
+        open_source(tmp_path / "y.parquet")
