@@ -10,6 +10,13 @@ OnError = Literal["raise", "skip"]  # an unreadable sample: stop naming it, or l
 EraseMode = Literal["pixel", "rand", "const"]  # random erasing's fill: per-pixel noise, one colour per box, zeros
 ERASE_MODES: tuple[EraseMode, ...] = ("pixel", "rand", "const")
 
+# the train crop: RandomResizedCrop (ImageNet's), a crop of the image padded on each side (CIFAR's RandomCrop(size,
+# padding)), or the whole image resized (Resize of an int on a square image); and how the padding is filled
+CropMode = Literal["random-resized", "pad", "resize"]
+CROP_MODES: tuple[CropMode, ...] = ("random-resized", "pad", "resize")
+PaddingMode = Literal["zero", "reflect"]
+PADDING_MODES: tuple[PaddingMode, ...] = ("zero", "reflect")
+
 PrecisionName = Literal["fp32", "bf16", "fp16"]  # gpupipe train --precision
 BUILTIN_BACKENDS = ("pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic")  # the registry's, in order
 

@@ -350,6 +350,10 @@ def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[
     size = out.shape[0]
     h, w = (img.height, img.width) if isinstance(img, Image.Image) else img.shape[:2]
     sy, sx = h / upright_hw[0], w / upright_hw[1]
+    if reaches_out(box, upright_hw):  # the "pad" crop: zeros or the reflected image past the edges
+        cut = (round(box.top * sy), round(box.left * sx), round(box.height * sy), round(box.width * sx))
+        _resize_into(padded_window(np.asarray(img), *cut, box.fill), out, box.flip)
+        return
     if all(float(v).is_integer() for v in (box.top, box.left, box.height, box.width)):
         bh, bw = min(h, max(1, round(box.height * sy))), min(w, max(1, round(box.width * sx)))
         top, left = min(h - bh, round(box.top * sy)), min(w - bw, round(box.left * sx))
@@ -365,6 +369,25 @@ def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[
     top, left = min(rh - size, round(box.top * sy * fy)), min(rw - size, round(box.left * sx * fx))
     window = _resize(np.asarray(img), (rh, rw))[0, :, top : top + size, left : left + size]
     out.copy_((window.flip(-1) if box.flip else window).permute(1, 2, 0))
+
+
+def reaches_out(box: Box, upright_hw: tuple[int, int]) -> bool:
+    """Whether ``box`` reaches past the edges of an image of ``upright_hw`` by half a pixel or more (a ``"pad"`` crop
+    near an edge; a fractional box's rounding error stays inside)."""
+    height, width = upright_hw
+    return min(box.top, box.left) <= -0.5 or box.top + box.height >= height + 0.5 or box.left + box.width >= width + 0.5
+
+
+def padded_window(arr: np.ndarray, top: int, left: int, height: int, width: int, fill: str) -> np.ndarray:
+    """The ``height`` x ``width`` window at ``top, left`` of an (H, W, 3) image padded on every side: zeros past its
+    edges (``fill="zero"``), or the image reflected about its edge rows and columns (``"reflect"``, the edge itself not
+    repeated): torchvision's ``pad(padding_mode="constant" / "reflect")`` followed by the crop."""
+    h, w = arr.shape[:2]
+    pads = ((max(0, -top), max(0, top + height - h)), (max(0, -left), max(0, left + width - w)), (0, 0))
+    if fill == "reflect":
+        return np.pad(arr, pads, mode="reflect")[top + pads[0][0] :, left + pads[1][0] :][:height, :width]
+    inside = arr[max(0, top) : top + height, max(0, left) : left + width]
+    return np.pad(inside, pads)
 
 
 def is_jpeg(data: bytes) -> bool:

@@ -16,6 +16,7 @@ from typing import NamedTuple, cast
 
 import numpy as np
 
+from ._options import CROP_MODES, PADDING_MODES, CropMode, PaddingMode
 from .augment.parse import EraseMode, check_erasing, parse_auto_augment, parse_color_jitter
 from .draws import STREAM_CROP, sample_keys, uniforms
 
@@ -25,16 +26,19 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class Box:
-    """A crop in source pixels, then resized to ``size`` x ``size``; ``flip`` mirrors it horizontally."""
+    """A crop in source pixels, then resized to ``size`` x ``size``; ``flip`` mirrors it horizontally. A box may reach
+    past the image's edges (the ``"pad"`` crop): the pixels there are zeros, or the image reflected about its edge
+    (``fill``, torchvision's ``padding_mode`` ``"constant"`` and ``"reflect"``)."""
 
     top: float
     left: float
     height: float
     width: float
     flip: bool = False
+    fill: PaddingMode = "zero"
 
     def scaled(self, sy: float, sx: float) -> Box:
-        return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx, self.flip)
+        return Box(self.top * sy, self.left * sx, self.height * sy, self.width * sx, self.flip, self.fill)
 
 
 class DefaultSize(int):
@@ -110,6 +114,12 @@ class Recipe:
     ``color_jitter`` (0.4: brightness = contrast = saturation = 0.4), random erasing (``re_prob``, ``re_mode``
     ``"pixel"``/``"rand"``/``"const"``, up to ``re_count`` boxes).
 
+    ``crop`` picks the train crop: ``"random-resized"`` (the above), ``"pad"`` (torchvision's ``RandomCrop(size,
+    padding)``: a ``size`` x ``size`` window at a uniform offset in the image padded by ``padding`` pixels on each side,
+    zeros or the image reflected, ``padding_mode``; CIFAR's recipe) or ``"resize"`` (the whole image resized to
+    ``size`` x ``size``: ``Resize(size)`` of a square image). Both flip as the first does; their eval crop is the whole
+    image resized to the eval side, no centre crop.
+
     ``size`` may change with the epoch: a :class:`ResolutionSchedule` or a per-epoch list (progressive resizing);
     a loader then delivers epoch ``e``'s batches at ``train_size(e)`` without rebuilding anything, each crop box the
     same as at any other size. Eval loaders use ``eval_size``; its default is ``size``, or a schedule's last size
@@ -129,6 +139,9 @@ class Recipe:
     re_mode: EraseMode = "pixel"
     re_count: int = 1
     eval_size: int | None = None
+    crop: CropMode = "random-resized"
+    padding: int = 4
+    padding_mode: PaddingMode = "zero"
 
     def __post_init__(self):
         if not isinstance(self.size, (int, ResolutionSchedule)):  # a per-epoch list: kept as a tuple (hashable)
@@ -145,6 +158,7 @@ class Recipe:
             raise ValueError(f"ratio must satisfy 0 < lo <= hi, got {self.ratio}")
         if not 0 < self.crop_pct <= 1:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        self._check_crop()
         # the augmentation settings, checked now rather than in a decode worker
         parse_auto_augment(self.auto_augment)
         parse_color_jitter(self.color_jitter)
@@ -159,6 +173,14 @@ class Recipe:
     def for_eval(self) -> Recipe:
         """The recipe without its train-time policies: what an eval loader applies of it."""
         return dataclasses.replace(self, auto_augment=None, color_jitter=None, re_prob=0.0)
+
+    def _check_crop(self) -> None:
+        if self.crop not in CROP_MODES:
+            raise ValueError(f"crop must be one of {', '.join(CROP_MODES)}, got {self.crop!r}")
+        if self.padding < 0:
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if self.padding_mode not in PADDING_MODES:
+            raise ValueError(f"padding_mode must be one of {', '.join(PADDING_MODES)}, got {self.padding_mode!r}")
 
     def train_size(self, epoch: int) -> int:
         """The side of epoch ``epoch``'s train images."""
@@ -222,9 +244,15 @@ class Recipe:
         log_lo, log_hi = math.log(self.ratio[0]), math.log(self.ratio[1])
         return np.exp(log_lo + (log_hi - log_lo) * u)
 
-    def train_box(self, height: int, width: int, drawn: list[float]) -> Box:
+    def train_box(self, height: int, width: int, drawn: list[float], side: int | None = None) -> Box:
         """torchvision ``RandomResizedCrop.get_params``' algorithm, plus the flip coin, from one row of
-        :meth:`train_draws` (as a list). :meth:`train_boxes` is the same for a batch, to the bit."""
+        :meth:`train_draws` (as a list). :meth:`train_boxes` is the same for a batch, to the bit. The ``"pad"`` and
+        ``"resize"`` crops take the first attempt's top and left uniforms and the flip's (:meth:`fixed_boxes`);
+        ``side``: the output side (default: epoch 0's)."""
+        if self.crop != "random-resized":
+            offsets, flips = np.array([drawn[2:4]]), np.array([drawn[-1]])
+            row = self.fixed_boxes(np.array([height]), np.array([width]), offsets, flips, side or self.train_size(0))[0]
+            return Box(row[0], row[1], row[2], row[3], bool(row[4]), self.padding_mode)
         area = height * width
         for k in range(0, 4 * ATTEMPTS, 4):
             target_area = area * drawn[k]
@@ -235,6 +263,36 @@ class Recipe:
                 return Box(top, left, h, w, drawn[-1] < self.flip_p)
         h, w = self._fallback_size(height, width)
         return Box((height - h) // 2, (width - w) // 2, h, w, drawn[-1] < self.flip_p)
+
+    def fixed_boxes(self, heights, widths, offsets: np.ndarray, flips: np.ndarray, side: int) -> np.ndarray:
+        """(n, 5) float64 ``top, left, height, width, flip`` of the ``"pad"`` or ``"resize"`` crop, from each sample's
+        top and left uniforms (``offsets``, (n, 2)) and its flip's (``flips``, (n,)). ``"pad"``: torchvision
+        ``RandomCrop(side, padding)``'s offset in the padded image, ``floor(u * (padded - side + 1))``, less the
+        padding (so a box may start above or left of the image); ``"resize"``: the whole image."""
+        height, width = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+        out = np.empty((len(height), 5), np.float64)
+        if self.crop == "resize":
+            out[:, 0], out[:, 1], out[:, 2], out[:, 3] = 0, 0, height, width
+        else:
+            self._check_pad(height, width, side)
+            pad = self.padding
+            out[:, 0] = np.floor(offsets[:, 0] * (height + 2 * pad - side + 1)) - pad
+            out[:, 1] = np.floor(offsets[:, 1] * (width + 2 * pad - side + 1)) - pad
+            out[:, 2] = out[:, 3] = side
+        out[:, 4] = flips < self.flip_p
+        return out
+
+    def _check_pad(self, height: np.ndarray, width: np.ndarray, side: int) -> None:
+        """The ``"pad"`` crop needs each image, padded, at least ``side`` on both sides, and reflect padding less than
+        each side (torchvision's ``RandomCrop`` refuses both)."""
+        small = np.minimum(height, width)
+        if len(small) and small.min() + 2 * self.padding < side:
+            raise ValueError(
+                f"a {int(small.min())}-pixel side padded by {self.padding} is smaller than the crop {side}; take a "
+                "larger padding or a smaller image_size"
+            )
+        if self.padding_mode == "reflect" and len(small) and small.min() <= self.padding:
+            raise ValueError(f"reflect padding {self.padding} needs image sides above it, got {int(small.min())}")
 
     def _fallback_size(self, height: int, width: int) -> tuple[int, int]:
         """RandomResizedCrop's centre crop when no attempt fits: the whole image, clamped to the ratio range."""
@@ -308,10 +366,15 @@ class Recipe:
         if not train:
             return [self.eval_box] * len(keys)
         drawn = self.train_draws(seed, [key[0] for key in keys], [key[1] for key in keys]).tolist()
-        return [functools.partial(self.train_box, drawn=d) for d in drawn]
+        sides = [self.train_size(key[0]) for key in keys]
+        return [functools.partial(self.train_box, drawn=d, side=s) for d, s in zip(drawn, sides, strict=True)]
 
     def plan_boxes(self, train: bool, seed: int, epoch: int, indices, heights, widths) -> np.ndarray:
         """(n, 5) float64 ``top, left, height, width, flip``: :meth:`plan` for a whole batch of upright sizes."""
+        if train and self.crop != "random-resized":
+            keys = sample_keys(seed, epoch, indices)
+            offsets, flips = uniforms(keys, STREAM_CROP, 2, skip=2), uniforms(keys, STREAM_CROP, 1, skip=DRAWS - 1)
+            return self.fixed_boxes(heights, widths, offsets, flips[:, 0], self.train_size(epoch))
         if train:
             return self._drawn_boxes(sample_keys(seed, epoch, indices), heights, widths)
         sizes = zip(np.asarray(heights).tolist(), np.asarray(widths).tolist(), strict=True)
@@ -319,7 +382,10 @@ class Recipe:
         return np.array([(b.top, b.left, b.height, b.width, b.flip) for b in boxes], np.float64).reshape(-1, 5)
 
     def eval_resize(self, height: int, width: int) -> tuple[int, int]:
-        """The (height, width) that torchvision ``Resize(resize_size)`` gives: shorter side exact, longer truncated."""
+        """The (height, width) that torchvision ``Resize(resize_size)`` gives: shorter side exact, longer truncated
+        (the ``"pad"`` and ``"resize"`` crops: the eval side, square)."""
+        if self.crop != "random-resized":
+            return self.eval_side, self.eval_side
         short, long_ = (height, width) if height <= width else (width, height)
         new_short, new_long = self.resize_size, int(self.resize_size * long_ / short)
         return (new_short, new_long) if height <= width else (new_long, new_short)
@@ -333,7 +399,10 @@ class Recipe:
         return rh, rw, top, left
 
     def eval_box(self, height: int, width: int) -> Box:
-        """The eval crop expressed in source pixels, so one resize (with a box) does resize + crop."""
+        """The eval crop expressed in source pixels, so one resize (with a box) does resize + crop (the ``"pad"`` and
+        ``"resize"`` crops: the whole image)."""
+        if self.crop != "random-resized":
+            return Box(0, 0, height, width)
         rh, rw, top, left = self.eval_offsets(height, width)
         sy, sx = height / rh, width / rw
         side = self.eval_side

@@ -21,6 +21,7 @@ from gpupipe.backends import gpu_crop
 from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
 from gpupipe.backends.nvjpeg import NvjpegFeed, NvjpegLoader, _upright_chw
 from gpupipe.errors import DecodeError
+from gpupipe.image import padded_window
 from gpupipe.recipe import Recipe
 from gpupipe.sources.open import open_source as scan
 
@@ -151,6 +152,25 @@ def test_a_batch_of_mixed_orientations_and_chunks(monkeypatch, flips):
     for k, img in enumerate(images):
         alone = _crop([img], boxes[k : k + 1], orientation[k : k + 1], shapes[k : k + 1], 12)
         assert torch.equal(batch[k], alone[0])
+
+
+@pytest.mark.parametrize("fill", ["zero", "reflect"])
+def test_the_pad_crop_of_stored_images_is_the_padded_window_of_upright_ones(fill):
+    """The ``"pad"`` crop's gather: windows reaching past every edge, of images in every EXIF orientation, with and
+    without the flip, are exactly the upright image padded (zeros or reflected) and cut."""
+    rng = np.random.default_rng(5)
+    images = [torch.randint(0, 256, (3, 30 + k, 37 - k), dtype=torch.uint8) for k in range(8)]
+    shapes = np.array([im.shape[1:] for im in images], np.int64)
+    orientation = np.arange(1, 9)
+    uprights = [_upright_chw(im, o).permute(1, 2, 0).numpy() for im, o in zip(images, orientation, strict=True)]
+    boxes = np.array([(rng.integers(-4, 5), rng.integers(-4, 5), 32, 32, k % 2) for k in range(8)], np.float64)
+    boxes[:, 0] = np.where(np.arange(8) % 3 == 0, [u.shape[0] + 4 - 32 for u in uprights], boxes[:, 0])  # bottom edge
+    rois, steps = stored_rois(boxes, orientation, shapes)
+    got = gpu_crop.pad_crop_flip(images, rois, steps, shapes, 32, fill)
+    for k, upright in enumerate(uprights):
+        window = padded_window(upright, int(boxes[k, 0]), int(boxes[k, 1]), 32, 32, fill)
+        want = torch.from_numpy(np.ascontiguousarray(window[:, ::-1] if boxes[k, 4] else window)).permute(2, 0, 1)
+        assert torch.equal(got[k], want), k
 
 
 class _CpuNvjpegLoader(NvjpegLoader):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
+from gpupipe.image import crop_resize
 from gpupipe.recipe import Box, Recipe, ResolutionSchedule, dct_scale, key_uniforms
 
 
@@ -46,7 +47,7 @@ def test_a_batch_of_boxes_is_each_sample_s_box_to_the_bit():
     assert recipe.plan_boxes(True, 8, 3, indices, heights, widths).tolist() != batch.tolist()  # another seed
     evals = recipe.plan_boxes(False, 7, 3, indices[:5], heights[:5], widths[:5])
     assert evals.tolist() == [
-        list(vars(recipe.eval_box(h, w)).values()) for h, w in zip(heights[:5], widths[:5], strict=True)
+        list(vars(recipe.eval_box(h, w)).values())[:5] for h, w in zip(heights[:5], widths[:5], strict=True)
     ]
 
 
@@ -182,3 +183,43 @@ def test_a_side_whose_batch_cannot_fit_the_machine_is_refused_up_front(folder):
         "their float32 copy), more than this machine's 2.0 GiB; take a smaller side or batch size"
     )
     Recipe(size=224).check_fits(256, train=True, memory=16 << 30)  # ImageNet's: 0.2 GiB
+
+
+@pytest.mark.parametrize("fill, mode", [("zero", "constant"), ("reflect", "reflect")])
+def test_the_pad_crop_is_torchvision_random_crop_with_padding(fill, mode):
+    """``crop="pad"``: each box, cut from the image, is ``v2.RandomCrop(32, padding=4, padding_mode=...)``'s crop at
+    the same offsets (the image padded, then cut), and every offset from 0 to 8 is drawn, flips half the time."""
+    recipe = Recipe(32, crop="pad", padding=4, padding_mode=fill)
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    padded = v2.functional.pad(image, [4], padding_mode=mode)
+    boxes = recipe.plan_boxes(True, 3, 0, range(400), [32] * 400, [32] * 400)
+    plans = recipe.plans(True, 3, [(0, i) for i in range(400)])
+    assert [plan(32, 32) for plan in plans[:20]] == [Box(*b[:4], bool(b[4]), fill) for b in boxes[:20].tolist()]
+    assert set(boxes[:, 0].tolist()) == set(boxes[:, 1].tolist()) == set(range(-4, 5))
+    assert 0.4 < boxes[:, 4].mean() < 0.6 and (boxes[:, 2:4] == 32).all()
+    for box in boxes[:40].tolist():
+        top, left = int(box[0]) + 4, int(box[1]) + 4  # RandomCrop's offsets in the padded image
+        want = v2.functional.crop(padded, top, left, 32, 32)
+        got = torch.from_numpy(crop_resize(image.permute(1, 2, 0).numpy(), Box(*box[:4], False, fill), (32, 32), 32))
+        assert torch.equal(got, want)
+
+
+def test_the_resize_crop_is_the_whole_image_in_train_and_eval():
+    """``crop="resize"``: torchvision's ``Resize(227)`` of a square image, train (with its flips) and eval alike."""
+    recipe = Recipe(227, crop="resize")
+    boxes = recipe.plan_boxes(True, 0, 0, range(100), [32] * 100, [32] * 100)
+    assert (boxes[:, :4] == [0, 0, 32, 32]).all() and 0.3 < boxes[:, 4].mean() < 0.7
+    assert recipe.eval_box(32, 32) == Box(0, 0, 32, 32) and recipe.eval_offsets(32, 32) == (227, 227, 0, 0)
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    got = torch.from_numpy(crop_resize(image.permute(1, 2, 0).numpy(), recipe.eval_box(32, 32), (32, 32), 227))
+    want = v2.functional.resize(image, 227, antialias=True)
+    assert (got.int() - want.int()).abs().max() <= 1
+
+
+def test_a_pad_crop_larger_than_the_padded_image_is_refused():
+    with pytest.raises(ValueError, match="a 20-pixel side padded by 4 is smaller than the crop 32"):
+        Recipe(32, crop="pad").train_box(20, 40, [0.5] * 41)
+    with pytest.raises(ValueError, match="reflect padding 4 needs image sides above it, got 4"):
+        Recipe(8, crop="pad", padding_mode="reflect").plan_boxes(True, 0, 0, [0], [4], [30])
+    with pytest.raises(ValueError, match="crop must be one of random-resized, pad, resize"):
+        Recipe(crop="centre")  # type: ignore[arg-type]

@@ -247,3 +247,26 @@ def test_the_config_works_with_the_lowest_omegaconf_the_extra_allows(lowest_omeg
     f.write_text("precision: bf16\n")
     flag = run([target], "--precision", "fp16")
     assert flag.returncode == 0 and "precision: fp16\n" in flag.stdout
+
+
+def test_the_small_image_crop_flags_make_the_recipe(tmp_path, capsys):
+    """--crop, --padding, --padding-mode and --hflip reach the train loader's recipe; bad values are one line."""
+    import torch
+
+    from gpupipe.cli import main
+    from gpupipe.train.build import build_loaders
+
+    from .common_utils import make_folder, train_config
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--crop {random-resized,pad,resize}" in text and "--padding-mode {zero,reflect}" in text
+    data = make_folder(tmp_path / "d", 2, 4, sizes=((32, 32),))
+    cfg = train_config(data, tmp_path / "run", crop="pad", padding=2, padding_mode="reflect", hflip=0.0)
+    loader, _, _ = build_loaders(cfg, torch.device("cpu"))
+    recipe = loader.recipe
+    assert (recipe.crop, recipe.padding, recipe.padding_mode, recipe.flip_p) == ("pad", 2, "reflect", 0.0)
+    for flags, said in ((["--padding", "-1"], "padding must be >= 0"), (["--hflip", "2"], "hflip must be")):
+        assert main(["train", "--out", str(tmp_path / "run"), *flags, "--print-config"]) != 0
+        assert said in capsys.readouterr().err

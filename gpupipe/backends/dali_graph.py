@@ -70,7 +70,8 @@ def build_pipeline(
         else:
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         if train:
-            images, mirror = _train_crop(enc, meta, decode_kw)
+            crop = _pad_crop(recipe) if recipe.crop == "pad" else _train_crop
+            images, mirror = crop(enc, meta, decode_kw)
         else:
             images, mirror = _eval_crop(enc, meta, recipe.eval_side, decode_kw), 0
         if normalize:
@@ -98,6 +99,46 @@ def _read_files(lengths):
     paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=True)
     named = fn.slice(paths, types.Constant([0], dtype=types.INT64), lengths, axes=[0])
     return fn.io.file.read(named, dont_use_mmap=True)
+
+
+def _pad_crop(recipe):
+    """The ``"pad"`` crop's graph (``meta`` as :func:`_train_crop`'s, the window S x S): the whole image decoded, then
+    the window cut with zeros past the edges, or cut from the image reflected by ``recipe.padding`` on each side."""
+    from nvidia.dali import fn, types
+
+    def crop(enc, meta, decode_kw: dict):
+        images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
+        if recipe.padding_mode == "zero":
+            anchor, policy = meta[0:2], "pad"
+        else:  # cut from the reflected image: never past its edges
+            images = _reflected(_reflected(images, 0, recipe.padding), 1, recipe.padding)
+            anchor, policy = meta[0:2] + recipe.padding, "error"
+        images = fn.slice(
+            images,
+            anchor,
+            meta[2:4],
+            axis_names="HW",
+            normalized_anchor=False,
+            normalized_shape=False,
+            out_of_bounds_policy=policy,
+            fill_values=0,
+        )
+        return images, fn.cast(meta[4], dtype=types.INT32)
+
+    return crop
+
+
+def _reflected(images, axis: int, pad: int):
+    """``images`` (HWC) reflected by ``pad`` rows (``axis`` 0) or columns (1) past each edge, the edge not repeated."""
+    from nvidia.dali import fn, types
+
+    vertical, horizontal = int(axis == 0), int(axis == 1)
+    names, length = "HW"[axis], types.Constant([pad], dtype=types.INT64)
+    head = fn.slice(images, types.Constant([1], dtype=types.INT64), length, axis_names=names)
+    last = fn.reshape(fn.cast(images.shape()[axis], dtype=types.INT64) - 1 - pad, shape=[1])
+    tail = fn.slice(images, last, length, axis_names=names)
+    head, tail = (fn.flip(edge, vertical=vertical, horizontal=horizontal) for edge in (head, tail))
+    return fn.cat(head, images, tail, axis=axis)
 
 
 def _train_crop(enc, meta, decode_kw: dict):

@@ -183,3 +183,49 @@ def _column_orders(device: torch.device, size: int) -> torch.Tensor:
     """(2, size) int64 on ``device``: the columns in order, and reversed; made there once (no copy per batch)."""
     columns = torch.arange(size, device=device)
     return torch.stack([columns, columns.flip(0)])
+
+
+def pad_crop_flip(
+    images: list[torch.Tensor], rois: np.ndarray, steps: np.ndarray, shapes: np.ndarray, size: int, fill: str
+) -> torch.Tensor:
+    """The ``"pad"`` crop: each stored (3,H,W) uint8 image's S x S window (``rois`` from :func:`stored_rois`, which may
+    reach past its edges: zeros there, or the image reflected about its edge, ``fill``), turned upright and flipped
+    by its ``steps``, as (N,3,S,S) uint8. No resize: every pixel is gathered from one flat buffer of the batch by an
+    index made on the device, a few ops for the batch, none per image."""
+    device = images[0].device
+    sides, starts = pad_arguments(shapes)
+    pack = HostPack()
+    corner_slot = pack.add(np.round(rois[:, 1::-1]), torch.int64)  # each window's top, left in stored pixels
+    side_slot, start_slot, step_slot = (
+        pack.add(sides, torch.int64),
+        pack.add(starts, torch.int64),
+        pack.add(steps, torch.int64),
+    )
+    pack.send(device)
+    corner, sides_on, starts_on, flags = (pack.get(s) for s in (corner_slot, side_slot, start_slot, step_slot))
+    span = torch.arange(size, device=device)
+    h, w = sides_on[:, :1], sides_on[:, 1:]
+    rows, rows_in = _folded(corner[:, :1] + span, h, fill)  # (N, S) each
+    cols, cols_in = _folded(corner[:, 1:] + span, w, fill)
+    at = (starts_on[:, None] + rows * w)[:, :, None] + cols[:, None, :]  # (N, S, S): channel 0's source pixel
+    plane = (h * w)[:, :, None]
+    flat = torch.cat([img.reshape(-1) for img in images])
+    crops = torch.stack([flat[at + c * plane] for c in range(3)], 1)
+    if fill == "zero":
+        crops = torch.where((rows_in[:, :, None] & cols_in[:, None, :])[:, None], crops, 0)
+    crops = _turned(crops, steps, flags)
+    if steps[:, 2].any():
+        mirror = _column_orders(device, size).index_select(0, flags[:, 2]).view(-1, 1, 1, size)
+        crops = torch.gather(crops, -1, mirror.expand_as(crops))
+    return crops
+
+
+def _folded(index: torch.Tensor, length: torch.Tensor, fill: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(source, inside)``: where each of the rows (or columns) ``index`` of an image ``length`` long reads from, and
+    whether it lies in the image: reflected about the edges (``fill="reflect"``), else clamped (and zeroed later)."""
+    if fill == "reflect":
+        index = index.abs()
+        index = torch.where(index >= length, 2 * (length - 1) - index, index)
+        return index, torch.ones_like(index, dtype=torch.bool)
+    inside = (index >= 0) & (index < length)
+    return torch.minimum(index.clamp(min=0), length - 1), inside

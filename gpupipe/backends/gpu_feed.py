@@ -296,6 +296,8 @@ def eval_rows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.nda
     """(n, 4) int64: :meth:`Recipe.eval_offsets` for a batch in a few array ops, to the bit (the same float64
     division, truncation and round-half-to-even)."""
     size, side = recipe.resize_size, recipe.eval_side
+    if recipe.crop != "random-resized":  # the whole image resized to the eval side
+        return np.tile(np.array([side, side, 0, 0], np.int64), (len(heights), 1))
     short, long_ = np.minimum(heights, widths), np.maximum(heights, widths)
     new_long = (size * long_ / short).astype(np.int64)
     wide = heights <= widths

@@ -38,7 +38,7 @@ from ..image import (
 from ..plumbing.decode_ahead import DecodeAhead
 from ..recipe import Recipe
 from .cpu_stream import Gate, Stream, StreamedLoader
-from .gpu_crop import PadSize, crop_resize_flip, stored_rois
+from .gpu_crop import PadSize, crop_resize_flip, pad_crop_flip, stored_rois
 from .gpu_feed import Feed, Work, nvjpeg_takes
 from .pillow import PillowDecoder
 from .registry import BackendSpec
@@ -290,7 +290,7 @@ class NvjpegLoader(StreamedLoader):
         if not images and not cpu:
             return empty_batch(size, self.stage.device, work.errors)
         positions = work.gpu
-        crops = crop_resize_flip(images, rois, steps, work.stored, size, self._pad) if images else None
+        crops = self._crops(images, rois, steps, work.stored, size) if images else None
         if cpu:  # in the batch's order
             parts = dict(zip(work.gpu, crops, strict=True)) if crops is not None else {}
             parts.update(cpu)
@@ -300,6 +300,13 @@ class NvjpegLoader(StreamedLoader):
         index, labels = torch.from_numpy(work.index[positions]), torch.from_numpy(work.labels[positions])
         keys = torch.stack([torch.full_like(index, epoch), index], 1)
         return Batch(crops, labels, "NCHW", work.errors, work.fallbacks, keys)
+
+    def _crops(self, images: list[torch.Tensor], rois, steps, stored, size: int) -> torch.Tensor:
+        """The batch's crops on the GPU: the ``"pad"`` crop gathered (its windows reach past the edges, and are not
+        resized), any other cropped and resized."""
+        if self._data.train and self.recipe.crop == "pad":
+            return pad_crop_flip(images, rois, steps, stored, size, self.recipe.padding_mode)
+        return crop_resize_flip(images, rois, steps, stored, size, self._pad)
 
     def _decode_jpegs(self, work: Work, decode: Decode) -> list[torch.Tensor]:
         """Each GPU sample's image as stored: the whole batch in one nvJPEG call; when that fails, one by one to find

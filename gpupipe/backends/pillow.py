@@ -19,6 +19,7 @@ from ..image import (
     decode_failure,
     default_max_pixels,
     probe,
+    reaches_out,
     resize_box_into,
     to_rgb,
     upright,
@@ -70,7 +71,8 @@ class PillowDecoder:
         ((3, size, size) uint8, a view of that slot; whether a slower decoder had to take the file)."""
         out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
         img, box, upright_hw, fell_back = self.decode(data, path, plan, size)
-        if self.pil_resize and isinstance(img, Image.Image):  # Pillow's decode gives a PIL image
+        # Pillow's decode gives a PIL image; its resampler would stretch the edge over a box past the image
+        if self.pil_resize and isinstance(img, Image.Image) and not reaches_out(box, upright_hw):
             resize_box_into(img, box, upright_hw, np.asarray(out))
         else:
             crop_resize_into(img, box, upright_hw, torch.as_tensor(out))

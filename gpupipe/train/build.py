@@ -59,6 +59,10 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         re_prob=cfg.reprob,
         re_mode=cfg.remode,
         re_count=cfg.recount,
+        crop=cfg.crop,
+        padding=cfg.padding,
+        padding_mode=cfg.padding_mode,
+        flip_p=cfg.hflip,
     )  # the policies apply to the train loader only
     loader = partial(
         build_loader,

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from .._options import ALLOW_OUTSIDE_ROOT_HELP, EraseMode, OnError, PrecisionName
+from .._options import ALLOW_OUTSIDE_ROOT_HELP, CropMode, EraseMode, OnError, PaddingMode, PrecisionName
 
 if TYPE_CHECKING:  # the recipe imports numpy and torch: --help and argument errors must not wait for them
     from ..recipe import ResolutionSchedule
@@ -60,6 +60,18 @@ class TrainConfig:
     warmup_epochs: float = opt(1.0, "linear warm-up length, in epochs", resume="changeable")
     label_smoothing: float = opt(0.0, "cross-entropy label smoothing", resume="changeable")  # also --smoothing
     # augmentation, with timm's flag names (see gpupipe.augment and gpupipe.Mix)
+    crop: CropMode = opt(
+        "random-resized",
+        "the train crop: random-resized (RandomResizedCrop, ImageNet's), pad (RandomCrop(--image-size, "
+        "padding=--padding), CIFAR's) or resize (the whole image resized to --image-size); pad and resize evaluate "
+        "the whole image resized",
+        resume="changeable",
+    )
+    padding: int = opt(4, "--crop pad: pixels of padding on each side of the image", resume="changeable")
+    padding_mode: PaddingMode = opt(
+        "zero", "--crop pad: zero, or reflect (the image mirrored about its edge)", resume="changeable"
+    )
+    hflip: float = opt(0.5, "probability of a horizontal flip per train image", resume="changeable")
     aa: str | None = opt(
         None,
         "per-image auto-augmentation, timm's names: rand-m9-mstd0.5-inc1 (RandAugment), original (AutoAugment), "
@@ -187,7 +199,15 @@ class TrainConfig:
         if self.loader_timeout_s < 0:
             raise ValueError(f"loader_timeout_s must be >= 0 (0: no timeout), got {self.loader_timeout_s}")
         self._check_resolution()
+        self._check_crop()
         self._check_cache_limit()
+
+    def _check_crop(self) -> None:
+        """``--padding`` and ``--hflip`` within their ranges (the crop's choices are checked with the others)."""
+        if self.padding < 0:
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if not 0 <= self.hflip <= 1:
+            raise ValueError(f"hflip must be a probability in [0, 1], got {self.hflip}")
 
     def _check_cache_limit(self) -> None:
         """``--cache-limit``: a size, parsed here (not when a loader is built); one line where it has no effect."""
