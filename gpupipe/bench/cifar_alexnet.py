@@ -16,6 +16,8 @@ the rest a wait that takes no CPU: the GPU's compute, as in :mod:`gpupipe.bench.
 the **data-wait** is the share of that run spent in ``next()``. On the CPU the simulated step's gpupipe loaders hand
 their batches to the meta device (every op dispatched, none computed, as a GPU's training thread only launches them);
 with ``--device cuda`` they are real. A loader that cannot be built or fails is a row saying why, and the rest go on.
+The report (``--json``) holds the machine, versions, date, settings, rows and ratios; the last line printed is its
+rows and ratios as one JSON line.
 
     python -m gpupipe.bench.cifar_alexnet DATA [--count 10000] [--workers 0,all] [--backends pillow,turbojpeg,dali]
         [--device cpu] [--seconds 10] [--steps 20] [--step-ms 30] [--json bench/results/cifar-alexnet-DATE.json]
@@ -215,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+    row = {"what": "cifar-alexnet", "device": report["device"], "results": report["results"], **report["ratios"]}
+    print(json.dumps(row))  # the last line: one JSON row, as bench/run_gpu.sh collects
 
 
 if __name__ == "__main__":
