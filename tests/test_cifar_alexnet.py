@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpupipe.bench import cifar_alexnet
 from gpupipe.bench.cifar import make_cifar10
@@ -60,7 +61,7 @@ def test_ratios_compare_like_workers_and_the_cache_with_each():
 
 def test_a_loader_that_fails_is_a_row_saying_why(root):
     s = cifar_alexnet.Settings(batch=8, size=40, seconds=0, steps=1, step_ms=1)
-    report = cifar_alexnet.run(root, s, [0], ["no-such-backend"], cifar_alexnet.torch.device("cpu"))
+    report = cifar_alexnet.run(root, s, [0], ["no-such-backend"], torch.device("cpu"))
     failed = report["results"][1]
     assert failed["loader"] == "no-such-backend" and failed["failed"].startswith("ValueError: ")
     assert "\n" not in failed["failed"]
