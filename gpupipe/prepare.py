@@ -40,6 +40,7 @@ from ._runlock import LOCK_NAME, RunLock
 from .backends.pillow import PillowDecoder
 from .errors import DecodeError, GpupipeError
 from .image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
+from .sources.named import is_named_dataset
 from .sources.open import open_source
 from .sources.remote import is_url
 from .sources.scan import ImageList
@@ -237,7 +238,8 @@ def prepare(
     """Write ``src`` (anything ``build_loader`` reads) to ``out`` as tar shards, index and metadata.
 
     Args:
-        src: an ImageFolder, a CSV list, or shards.
+        src: an ImageFolder, a CSV list, shards, Parquet files, or a dataset named ``module:callable`` or
+            ``module.Class:ROOT``.
         out: an empty folder (made if missing), or one this function was interrupted in, with the same source and
             options: it then resumes. Or a URL (``s3://bucket/prefix``): see :mod:`gpupipe.sources.publish`.
         workers: processes that read, check and re-encode; the shards are written in dataset order by this one.
@@ -245,7 +247,8 @@ def prepare(
         storage_options: for a URL ``out``, passed to its fsspec file system (credentials, endpoint).
     """
     options = options or PrepareOptions()
-    src = src if is_url(src) else _absolute(src)  # the same sample names (so fingerprint) from any working directory
+    if not is_url(src) and not (isinstance(src, str) and is_named_dataset(src)):  # a dataset's name is kept as is
+        src = _absolute(src)  # the same sample names (so fingerprint) from any working directory
     source = open_source(src, allow_outside_root=allow_outside_root)
     if is_url(out):
         return _prepare_to_url(source, src, str(out), options, workers, on_progress, storage_options)

@@ -4,7 +4,9 @@ item named; grey, palette and RGBA images made RGB as files are."""
 
 import hashlib
 import io
+import multiprocessing
 import pickle
+import socket
 import types
 
 import numpy as np
@@ -235,3 +237,51 @@ def test_a_dataset_workers_cannot_receive_is_refused_up_front(monkeypatch):
 def test_pixels_read_as_bytes_are_lossless_png(images):
     listed = open_dataset(_as_held(images, "hwc"))
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(listed.read(1)))), np.asarray(images[1][0].convert("RGB")))
+
+
+def test_a_hugging_face_dataset_gives_its_encoded_images_to_the_decoder_and_its_class_names(images, folder):
+    datasets = pytest.importorskip("datasets")
+    held = _in_folder_order(folder, _as_held(images, "bytes"))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    cells = [{"bytes": data, "path": None} for data, _ in held]
+    hub = datasets.Dataset.from_dict({"image": cells, "label": [lb for _, lb in held]}, features=features)
+    listed = open_dataset(hub)
+    assert isinstance(listed.read_samples([0])[0], bytes)  # not decoded by `datasets` into a PIL image
+    assert listed.classes == ["a", "b", "c"]
+    for backend in ("pillow", "nvjpeg"):
+        for train in (True, False):
+            _same(_batches(hub, backend, train=train), _batches(folder, backend, train=train), exact=True)
+
+
+def _rank(rank: int, port: int, data, out) -> None:
+    """One gloo rank: its batches of ``data``, the rank and world size taken from torch.distributed."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        batches = [(x.numpy(), y.numpy()) for x, y in _batches(data, "pillow", train=True)]
+        out.put((rank, batches))  # arrays, pickled whole: a tensor would be sent as a handle this process may close
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_read_a_dataset_as_each_reads_the_folder(images, folder):
+    results = on_two_ranks(_in_folder_order(folder, _as_held(images, "pil")))
+    for rank, got in results.items():
+        _same(got, _batches(folder, "pillow", train=True, rank=rank, world_size=2), exact=True)
+    labels = sorted(int(v) for got in results.values() for _, y in got for v in y)
+    assert len(labels) == 8  # 9 samples, batches of 4 on 2 ranks: one full batch each (train drops the rest)
+
+
+def on_two_ranks(data) -> dict:
+    """Each of two gloo ranks' train batches of ``data`` (forked processes): rank -> [(images, labels)]."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    with socket.socket() as free:  # a port no other test's ranks hold
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, port, data, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return {rank: [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in got] for rank, got in results.items()}

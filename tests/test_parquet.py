@@ -11,7 +11,7 @@ from gpupipe.errors import DecodeError
 from gpupipe.sources.open import open_source
 
 from .common_utils import encoded, photo
-from .test_dataset import BACKENDS, _batches, _same
+from .test_dataset import BACKENDS, _batches, _same, on_two_ranks
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -105,3 +105,18 @@ def test_a_file_that_is_not_parquet_or_lacks_a_label_column_is_one_line(tmp_path
     pq.write_table(pa.table({"image": pa.array([b"a"])}), tmp_path / "y.parquet")
     with pytest.raises(ValueError, match=r"y.parquet: columns image; expected an image column .* and a label column"):
         open_source(tmp_path / "y.parquet")
+
+
+def test_prepare_converts_parquet_to_shards_of_the_same_samples(sets, tmp_path):
+    from gpupipe.prepare import prepare
+
+    _, hub = sets
+    prepare(hub, tmp_path / "shards")
+    shards, rows = open_source(tmp_path / "shards"), open_source(hub)
+    assert shards.targets == rows.targets and shards.classes == CLASSES
+
+
+def test_two_gloo_ranks_read_parquet_as_each_reads_the_folder(sets):
+    folder, hub = sets
+    for rank, got in on_two_ranks(hub).items():
+        _same(got, _batches(folder, "pillow", train=True, rank=rank, world_size=2), exact=True)

@@ -95,10 +95,10 @@ class DatasetImageList(ImageList):
         data = source.dataset
         if len(data) == 0:
             raise ValueError(f"{name}: the dataset is empty")
-        self.data = data
         self.image_key, self.label_key = _fields(data, source, name)
+        self.data = data = _undecoded(data, self.image_key)
         labels = _labels(data, self.label_key, name)
-        classes = _classes(data, labels)
+        classes = _classes(data, labels, self.label_key)
         class_to_idx = getattr(data, "class_to_idx", None) or {c: i for i, c in enumerate(classes)}
         super().__init__(name, ItemNames(labels, name), classes, dict(class_to_idx))
 
@@ -232,10 +232,28 @@ def _item_label(data, i: int, key: str | int, name: str) -> Any:
         raise ValueError(f"{name}[{i}]: cannot read its label ({type(e).__name__}: {e})") from None
 
 
-def _classes(data, labels: list[int]) -> list[str]:
-    """The dataset's class names (``classes``, torchvision's) when they cover its labels, else ``"0"``..``"n-1"``."""
+def _undecoded(data, image_key: str | int):
+    """A Hugging Face dataset whose image column ``datasets`` decodes (to PIL images, in Python) as one whose items
+    hold the encoded ``{bytes, path}``, for the backend's decoder; any other dataset as it is."""
+    feature = _feature(data, image_key)
+    if type(feature).__name__ != "Image" or not getattr(feature, "decode", False) or not hasattr(data, "cast_column"):
+        return data
+    import datasets  # deferred: only a Hugging Face dataset gets here
+
+    return data.cast_column(image_key, datasets.Image(decode=False))
+
+
+def _feature(data, key: str | int) -> Any:
+    """A Hugging Face dataset's feature ``key`` (``Image``, ``ClassLabel``...), else None."""
+    features = getattr(data, "features", None)
+    return features.get(key) if isinstance(features, Mapping) else None
+
+
+def _classes(data, labels: list[int], label_key: str | int) -> list[str]:
+    """The dataset's class names (``classes``, torchvision's; a Hugging Face ``ClassLabel``'s names) when they cover
+    its labels, else ``"0"``..``"n-1"``."""
     count = max(labels) + 1
-    names = getattr(data, "classes", None)
+    names = getattr(data, "classes", None) or getattr(_feature(data, label_key), "names", None)
     if isinstance(names, Sequence) and not isinstance(names, str) and len(names) >= count:
         return [str(c) for c in names]
     return [str(i) for i in range(count)]

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import MissingFileError, SourceError
 from .dataset import DatasetSource, is_dataset, open_dataset
+from .named import is_named_dataset, open_named
 from .objstore import Remote
 from .parquet import ParquetImageList, is_parquet_source
 from .remote import is_url, scan_remote
@@ -32,13 +33,17 @@ def open_source(
     ``ImageFolder``), a CSV file list (``path,label``), or tar shards (a folder written by ``gpupipe prepare``, a
     ``.tar``, a glob or a list of them), on a disk or at a URL (``s3://``, ``gs://``..., or a :class:`Remote`).
 
+    Or Parquet files: a ``.parquet`` path, glob or list, or a folder of them (:mod:`.parquet`). Or a map-style
+    dataset object, a :class:`DatasetSource` or ``(images, labels)`` arrays (:mod:`.dataset`), or a dataset named
+    ``module:callable`` or ``module.Class:ROOT`` (:mod:`.named`).
+
     CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
-    Or a map-style dataset object, a :class:`DatasetSource` or ``(images, labels)`` arrays
-    (:mod:`.dataset`); or Parquet files: a ``.parquet`` path, glob or list, or a folder of them (:mod:`.parquet`).
 
     ``class_to_idx`` (a training set's) labels a held-out set the same way: a class it lacks is an error, a class
     missing here a warning.
     """
+    if isinstance(root, str) and is_named_dataset(root):
+        root = open_named(root)  # module:callable, module.Class:ROOT (the command line's way to pass a dataset)
     if is_dataset(root):
         return open_dataset(root)
     if is_parquet_source(root):

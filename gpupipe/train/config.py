@@ -34,7 +34,12 @@ def opt(default: Any, help: str, *, resume: ResumeRule | None = None) -> Any:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data: str = opt("data/sample", "training data: an ImageFolder directory or a CSV list (path,label)", resume="fixed")
+    data: str = opt(
+        "data/sample",
+        "training data: an ImageFolder directory, a CSV list (path,label), tar shards, Parquet files (a path, glob or "
+        "folder), or a dataset object: module:callable, or module.Class:ROOT (torchvision.datasets.CIFAR10:ROOT)",
+        resume="fixed",
+    )
     val: str | None = opt(None, "held-out data, labelled with --data's classes (default None: no validation)")
     model: str = opt("resnet18", "a timm model name, randomly initialised unless --pretrained", resume="fixed")
     pretrained: str | None = opt(

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from ..data.loader import Loader
+from ..sources.named import resolved
 from . import checkpoint, elastic
 from .checkpoint import TrainState
 from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig
@@ -84,9 +84,9 @@ def _paths_resolved(saved: dict, cfg: TrainConfig) -> tuple[dict, dict]:
     path was resolved when the checkpoint was saved (``data_resolved``); an older checkpoint's is resolved now."""
     now = asdict(cfg)
     if isinstance(now.get("data"), str):
-        now["data"] = os.path.realpath(now["data"])
+        now["data"] = resolved(now["data"])
     if isinstance(saved.get("data"), str):
-        saved = {**saved, "data": saved.get("data_resolved") or os.path.realpath(saved["data"])}
+        saved = {**saved, "data": saved.get("data_resolved") or resolved(saved["data"])}
     return saved, now
 
 
@@ -142,7 +142,7 @@ def save_checkpoint(
     the last optimizer step). Writers take the folder's save lock, so two never rotate the kept files at once."""
     rank_buffers = None if alone else dist.gather_buffers(state.model)  # a collective: every rank, or none
     if dist.is_main or alone:
-        config = {**asdict(cfg), "data_resolved": os.path.realpath(cfg.data)}  # resumable from another folder
+        config = {**asdict(cfg), "data_resolved": resolved(cfg.data)}  # resumable from another folder
         config["world_size"] = dist.world_size  # with batch_size and accum: the global batch (elastic.py)
         running = meter.state_dict()
         with _save_lock(checkpoint_path(cfg).parent):
