@@ -17,6 +17,10 @@ CROP_MODES: tuple[CropMode, ...] = ("random-resized", "pad", "resize")
 PaddingMode = Literal["zero", "reflect"]
 PADDING_MODES: tuple[PaddingMode, ...] = ("zero", "reflect")
 
+# build_loader(cache=...): the set decoded once and held on the loader's device, or in host memory
+Cache = Literal["device", "host"]
+CACHES: tuple[Cache, ...] = ("device", "host")
+
 PrecisionName = Literal["fp32", "bf16", "fp16"]  # gpupipe train --precision
 BUILTIN_BACKENDS = ("pillow", "pillow-simd", "turbojpeg", "dali", "nvjpeg", "synthetic")  # the registry's, in order
 

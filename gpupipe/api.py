@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._options import Cache
 from ._system import as_device, default_workers, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, get, names, require_backend
 from .backends.auto import choose_auto
+from .backends.held import held_loader
 from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler, window_mixing
@@ -86,6 +88,7 @@ def build_loader(
     persistent_workers: bool | None = None,
     allow_outside_root: bool = False,
     class_to_idx: dict[str, int] | None = None,
+    cache: Cache | None = None,
 ) -> Loader:
     """A loader yielding ``(images, labels)`` on ``device``: images (N,3,S,S) float32 normalized (uint8 with
     ``normalize=False``), labels int64 (N,). Every backend gives the same recipe, labels and batch contract.
@@ -131,6 +134,10 @@ def build_loader(
         allow_outside_root: let a CSV list name files outside its folder.
         class_to_idx: label with these classes (a training set's, for its held-out set); see
             :func:`gpupipe.sources.open.open_source`.
+        cache: ``"device"`` decodes the whole set once, held as uint8 on ``device``, and makes every epoch's
+            batches there by indexing it (no workers, no decode after the first); ``"host"`` holds it in host memory
+            (page-locked with CUDA). A set that does not fit is refused up front with its size. See
+            :mod:`gpupipe.backends.held`.
     """
     name = check_name(backend)
     _check(on_error, batch_size, num_workers, recipe, image_size)
@@ -161,7 +168,7 @@ def build_loader(
     augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
     parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dataloader)
-    loader = spec.make_loader(parts)
+    loader = held_loader(parts, spec, cache) if cache is not None else spec.make_loader(parts)
     _log.debug("built %r (rank %d of %d, seed %d, on_error=%r)", loader, rank, world_size, seed, on_error)
     return loader
 

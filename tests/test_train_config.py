@@ -270,3 +270,20 @@ def test_the_small_image_crop_flags_make_the_recipe(tmp_path, capsys):
     for flags, said in ((["--padding", "-1"], "padding must be >= 0"), (["--hflip", "2"], "hflip must be")):
         assert main(["train", "--out", str(tmp_path / "run"), *flags, "--print-config"]) != 0
         assert said in capsys.readouterr().err
+
+
+def test_cache_holds_the_training_and_validation_sets(tmp_path):
+    """--cache device: both loaders hold their set (decoded once, batches cut from it); the default decodes."""
+    import torch
+
+    from gpupipe.train.build import build_loaders
+
+    from .common_utils import make_folder, train_config
+
+    data = make_folder(tmp_path / "d", 2, 4, sizes=((32, 32),))
+    cfg = train_config(data, tmp_path / "run", val=str(data), cache="device", crop="resize", image_size=32)
+    train, val, _ = build_loaders(cfg, torch.device("cpu"))
+    assert val is not None and (getattr(train, "cache", None), getattr(val, "cache", None)) == ("device", "device")
+    assert train.held_bytes == val.held_bytes == 8 * 3 * 32 * 32  # type: ignore[attr-defined]
+    plain, _, _ = build_loaders(train_config(data, tmp_path / "run"), torch.device("cpu"))
+    assert getattr(plain, "cache", None) is None

@@ -1,5 +1,5 @@
 """The recipe's crop, resize, flip and EXIF orientation for a whole batch of decoded images on the GPU, in a
-handful of batched ops (nvjpeg's device side).
+handful of batched ops (nvjpeg's device side, and a held set's: :mod:`.held`).
 
 The images stay as the decoder stored them: each upright crop box is mapped into stored pixels on the host (numpy,
 the whole batch at once), one ``roi_align`` per chunk crops and resizes every image (its adaptive sampling averages

@@ -75,6 +75,7 @@ def build_loaders(cfg: TrainConfig, device: torch.device) -> tuple[Loader, Loade
         on_error=cfg.on_error,
         recipe=recipe,
         allow_outside_root=cfg.allow_outside_root,
+        cache=None if cfg.cache == "none" else cfg.cache,
     )
     train = partial(loader, _source(cfg, cfg.data), train=True, shuffle_window=cfg.shuffle_window)
     train_loader = train()

@@ -1,0 +1,232 @@
+"""Small sets held in memory (``build_loader(cache="device" | "host")``): every image decoded once into one uint8
+buffer, and every epoch's batches cut from it by index with the recipe's boxes, in a few batched ops, with no worker
+and no decode after the first.
+
+The images are kept as decoded (RGB, upright, their own size), so any recipe's crop is made from them as every
+backend makes it (:mod:`.gpu_crop`'s batched crop, resize and flip; the ``"pad"`` crop's gather); where the recipe
+resizes every image whole (the ``"resize"`` crop, the eval of the ``"pad"`` one), they are kept resized, as the CPU
+backends resize them, and a batch is only indexed and flipped. The memory the set
+needs is known from the headers alone, before any pixel is decoded: a set that does not fit is refused then, in one
+line with the figure and the fix. A file that cannot be read or decoded is found then too: raised, naming it, or
+(``on_error="skip"``) left out of every batch and listed in ``loader.skipped`` each pass, as for every loader.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .._options import CACHES, Cache
+from ..data.loader import Batch, Loader, LoaderParts, empty_batch
+from ..errors import DecodeError
+from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
+from ..plumbing.host_pack import HostPack
+from .gpu_crop import crop_resize_flip, pad_crop_flip, stored_rois
+from .pillow import PillowDecoder
+from .registry import BackendSpec, Decoder
+
+_READS = 256  # samples read together (object storage: one round trip's latency for them)
+
+
+@dataclass
+class HeldSet:
+    """The decoded images of a set, one after another in ``pixels`` (uint8; image ``i``'s (3, H, W) planes from
+    ``starts[i]``, its ``shapes[i]`` = (H, W)), and the samples that could not be read (index -> why)."""
+
+    pixels: torch.Tensor
+    shapes: np.ndarray  # int64 (N, 2)
+    starts: np.ndarray  # int64 (N,)
+    bad: dict[int, str]
+
+    def images(self, indices: list[int]) -> list[torch.Tensor]:
+        """The (3, H, W) images of ``indices``: views of the buffer, no copy."""
+        out = []
+        for i in indices:
+            h, w = self.shapes[i].tolist()
+            out.append(self.pixels[self.starts[i] : self.starts[i] + 3 * h * w].view(3, h, w))
+        return out
+
+
+def memory_for(where: torch.device) -> tuple[int, str]:
+    """``(bytes, what)``: the memory a set held on ``where`` may take: the GPU's free memory, else the machine's
+    available memory (the meta device stands in for a GPU it does not have: the machine's, too)."""
+    if where.type == "cuda":
+        return torch.cuda.mem_get_info(where)[0], f"{where}'s free memory"
+    return _available(), "this machine's available memory"
+
+
+def _available() -> int:
+    """The memory the kernel says can be taken without swapping (``MemAvailable``: free memory and the page cache it
+    can drop), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_fits(need: int, count: int, where: torch.device, cache: Cache, memory: int | None = None) -> None:
+    """A set of ``count`` images taking ``need`` bytes held on ``where`` must fit ``memory`` (default
+    :func:`memory_for`), with a tenth of it left over for the batches: refused otherwise, in one line."""
+    have, what = (memory, "the memory given") if memory is not None else memory_for(where)
+    if need > 0.9 * have:
+        raise ValueError(
+            f'cache="{cache}": the {count} decoded images need {_gib(need)}, more than {what} allows ({_gib(have)}, '
+            'a tenth kept for the batches); hold them elsewhere (cache="host"), take a smaller set or image '
+            "files at a smaller size, or leave cache=None to decode every epoch"
+        )
+
+
+def _gib(size: float) -> str:
+    return f"{size / (1 << 30):.2f} GiB"
+
+
+class HeldLoader(Loader):
+    """Batches cut from a :class:`HeldSet` on the device it is held on (``cache="device"``: the loader's device;
+    ``"host"``: page-locked host memory where CUDA is there, plain host memory otherwise), then through the device
+    stage (augmentation, normalisation) as every backend's batches."""
+
+    def __init__(self, parts: LoaderParts, decoder: Decoder, cache: Cache):
+        super().__init__(parts)
+        self.backend, self.cache = decoder.name, cache
+        device = parts.stage.device
+        self.held_on = device if cache == "device" else torch.device("cpu")
+        self.side = self._resized_side()
+        shapes, bad = self._headers(decoder)
+        if self.side is not None:  # held as the recipe resizes every image, whatever its own size
+            shapes[np.any(shapes > 0, axis=1)] = self.side
+        sizes = 3 * shapes[:, 0] * shapes[:, 1]
+        self.held_bytes = int(sizes.sum())
+        check_fits(self.held_bytes, len(shapes) - len(bad), self.held_on, cache)
+        starts = np.cumsum(sizes) - sizes
+        pinned = cache == "host" and torch.cuda.is_available() and device.type == "cuda"
+        pixels = torch.empty(self.held_bytes, dtype=torch.uint8, device=self.held_on, pin_memory=pinned)
+        self.held = HeldSet(pixels, shapes, starts, bad)
+        if self.held_on.type != "meta":  # the meta device holds shapes, no pixels
+            self._decode(decoder)
+        self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
+
+    def _resized_side(self) -> int | None:
+        """The side every image is resized to whole when the recipe's geometry does not depend on the draws (the
+        ``"resize"`` crop; the eval of the ``"pad"`` one): held resized, so that a batch is only indexed (and
+        flipped); None where each sample's box is drawn (held at its own size, cropped per batch)."""
+        recipe = self.recipe
+        if not self.train and recipe.crop != "random-resized":
+            return recipe.eval_side
+        if recipe.crop == "resize" and isinstance(recipe.size, int):  # one side for every epoch
+            return recipe.train_size(0)
+        return None
+
+    def _read(self) -> Iterator[tuple[int, str, bytes | Exception]]:
+        """Each sample's index, path and bytes (or why they could not be read), a few hundred read together."""
+        dataset = self.dataset
+        for lo in range(0, len(dataset), _READS):
+            indices = list(range(lo, min(lo + _READS, len(dataset))))
+            for i, data in zip(indices, dataset.read_many(indices), strict=True):
+                yield i, dataset.samples[i][0], data
+
+    def _headers(self, decoder: Decoder) -> tuple[np.ndarray, dict[int, str]]:
+        """Each image's upright (H, W) from its header (0 x 0 for one that cannot be read), and the failures: raised
+        now, naming the file, unless ``on_error="skip"``."""
+        shapes = np.zeros((len(self.dataset), 2), np.int64)
+        bad: dict[int, str] = {}
+        limit = self.parts.max_pixels or default_max_pixels()
+        for i, path, data in self._read():
+            try:
+                if isinstance(data, Exception):
+                    raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
+                shapes[i] = probe(data, path, decoder.name, limit).upright_size
+                self._check_crop(path, decoder.name, *shapes[i].tolist())
+            except DecodeError as e:
+                self._failed(bad, i, e)
+        return shapes, bad
+
+    def _check_crop(self, path: str, backend: str, height: int, width: int) -> None:
+        """An image the ``"pad"`` crop cannot be cut from (smaller than the crop once padded; reflect padding not
+        below its sides) is a bad sample, found now, as a backend finds it when it crops the file."""
+        if self.train and self.recipe.crop == "pad":
+            try:
+                self.recipe.fixed_boxes([height], [width], np.zeros((1, 2)), np.zeros(1), self.recipe.train_size(0))
+            except ValueError as e:
+                raise DecodeError(path, backend, str(e)) from None
+
+    def _decode(self, decoder: Decoder) -> None:
+        """Every readable image decoded once into its place in the buffer."""
+        held = self.held
+        for i, path, data in self._read():
+            if i in held.bad:
+                continue
+            try:
+                if isinstance(data, Exception):
+                    raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
+                image = self._image(decoder.decode(data, path).image)
+                if tuple(image.shape[1:]) != tuple(held.shapes[i].tolist()):
+                    raise DecodeError(
+                        path,
+                        decoder.name,
+                        f"decoded as {tuple(image.shape[1:])}, its header said {tuple(held.shapes[i].tolist())}",
+                    )
+            except DecodeError as e:
+                self._failed(held.bad, i, e)
+                continue
+            held.images([i])[0].copy_(image)
+
+    def _image(self, decoded) -> torch.Tensor:
+        """(3, H, W) uint8: a decoded image as it is held (resized whole to :attr:`side`, as every backend resizes)."""
+        if self.side is None:
+            return chw_tensor(decoded)
+        height, width = (decoded.height, decoded.width) if isinstance(decoded, Image.Image) else decoded.shape[:2]
+        return torch.from_numpy(crop_resize(decoded, whole(height, width), (height, width), self.side))
+
+    def _failed(self, bad: dict[int, str], index: int, error: DecodeError) -> None:
+        if self.on_error == "raise":
+            raise error
+        bad[index] = error.reason
+
+    def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
+        size = self.recipe.side(self.train, epoch)
+        for idx in self.sampler.batches(epoch, start_batch):
+            good = [i for i in idx if i not in self.held.bad]
+            errors = [(self.dataset.samples[i][0], self.held.bad[i]) for i in idx if i in self.held.bad]
+            if not good:
+                yield empty_batch(size, self.held_on, errors)
+                continue
+            index = torch.tensor(good, dtype=torch.int64)
+            keys = torch.stack([torch.full_like(index, epoch), index], 1)  # the device stage augments from these
+            yield Batch(self._crops(epoch, good, size), self._labels[index], "NCHW", errors, keys=keys)
+
+    def _crops(self, epoch: int, good: list[int], size: int) -> torch.Tensor:
+        """(n, 3, S, S) uint8 on the held set's device: the recipe's boxes of the samples ``good``, cut and resized
+        (the ``"pad"`` crop gathered) and flipped, the batch at once."""
+        shapes = self.held.shapes[good]
+        boxes = self.recipe.plan_boxes(self.train, self.seed, epoch, good, shapes[:, 0], shapes[:, 1])
+        if self.side is not None:  # held resized: indexed, and mirrored where the box says
+            pack = HostPack()
+            index_slot, flip_slot = pack.add(good, torch.int64), pack.add(boxes[:, 4] > 0.5, torch.bool)
+            pack.send(self.held_on)
+            resized = self.held.pixels.view(-1, 3, self.side, self.side).index_select(0, pack.get(index_slot))
+            return torch.where(pack.get(flip_slot).view(-1, 1, 1, 1), resized.flip(-1), resized)
+        rois, steps = stored_rois(boxes, np.ones(len(good), np.int64), shapes)
+        images = self.held.images(good)
+        if self.train and self.recipe.crop == "pad":
+            return pad_crop_flip(images, rois, steps, shapes, size, self.recipe.padding_mode)
+        return crop_resize_flip(images, rois, steps, shapes, size)
+
+
+def held_loader(parts: LoaderParts, spec: BackendSpec, cache: str) -> HeldLoader:
+    """``build_loader(cache=...)``'s loader: the set decoded once by ``spec``'s decoder (Pillow for a backend that
+    decodes whole batches: dali, nvjpeg), held as ``cache`` says."""
+    if cache not in CACHES:
+        raise ValueError(f"cache must be None, 'device' or 'host', got {cache!r}")
+    if spec.read is None:
+        raise ValueError(f"backend {spec.name!r} decodes no images, so it has none to hold: leave cache=None")
+    decoder = spec.decoder(parts.max_pixels, False) if spec.decoder is not None else PillowDecoder(parts.max_pixels)
+    return HeldLoader(parts, decoder, cache)

@@ -1,0 +1,135 @@
+"""gpupipe/backends/held.py: ``build_loader(cache="device" | "host")`` decodes the set once and cuts every epoch's
+batches from it: the pillow loader's samples, exact resume, DDP shards, bad files, a set too large refused with its
+size, on the CPU device and the meta device."""
+
+import dataclasses
+import io
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import gpupipe
+from gpupipe.backends import get
+from gpupipe.backends.held import check_fits, held_loader
+from gpupipe.data.device import DeviceStage
+from gpupipe.recipe import Recipe
+
+from .common_utils import assert_resume_is_exact, jpeg_bytes, photo
+
+PAD = Recipe(32, crop="pad", padding=4, padding_mode="reflect")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """CIFAR-sized JPEGs in three classes, and one larger image (held at its own size)."""
+    root = tmp_path_factory.mktemp("held")
+    rng = np.random.default_rng(2)
+    for c in range(3):
+        (root / f"c{c}").mkdir()
+        for i in range(6):
+            (root / f"c{c}" / f"{i}.jpg").write_bytes(jpeg_bytes(photo(rng, 32, 32), quality=95))
+    (root / "c2" / "large.jpg").write_bytes(jpeg_bytes(photo(rng, 40, 56), quality=95))
+    return root
+
+
+def _kw(**over):
+    return {"batch_size": 4, "device": "cpu", "num_workers": 0, "normalize": False, "seed": 3, **over}
+
+
+def _pairs(loader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.float(), y) for x, y in loader]
+
+
+@pytest.mark.parametrize("cache", ["device", "host"])
+def test_the_held_set_gives_the_pillow_loader_s_samples_without_decoding_again(tiny, tmp_path, cache):
+    """The pad crop (exact), two epochs, and rank 1 of 2; the files gone after the build change nothing."""
+    data = shutil.copytree(tiny, tmp_path / "d")
+    kw = _kw(recipe=PAD, rank=1, world_size=2)
+    held = gpupipe.build_loader(data, "turbojpeg", cache=cache, **kw)
+    assert held.held_bytes == 3 * (18 * 32 * 32 + 40 * 56)  # said before a pixel was decoded
+    reference = gpupipe.build_loader(data, "pillow", **kw)
+    expected = []
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        expected.append(_pairs(reference))
+    shutil.rmtree(data)  # held: nothing is read again
+    for epoch, theirs in enumerate(expected):
+        held.set_epoch(epoch)
+        ours = _pairs(held)
+        assert len(ours) == len(theirs) == 2
+        for (x, y), (ref_x, ref_y) in zip(ours, theirs, strict=True):
+            assert torch.equal(y, ref_y) and torch.equal(x, ref_x)
+
+
+def test_the_resized_and_the_random_resized_crops_are_the_pillow_loader_s(tiny):
+    """The whole image resized (train, flipped; eval, every sample once, in order), held resized: the pillow
+    loader's pixels. The random-resized crop: the same boxes, resampled within a level or two (a batched antialiased
+    bilinear)."""
+    cases = ((Recipe(64, crop="resize"), True, 0.0), (PAD, False, 0.0), (Recipe(24), True, 1.5))
+    for recipe, train, tolerance in cases:
+        ours = _pairs(gpupipe.build_loader(tiny, "pillow", cache="device", train=train, **_kw(recipe=recipe)))
+        theirs = _pairs(gpupipe.build_loader(tiny, "pillow", train=train, **_kw(recipe=recipe)))
+        assert len(ours) == len(theirs) == (5 if not train else 4)
+        for (x, y), (ref_x, ref_y) in zip(ours, theirs, strict=True):
+            assert torch.equal(y, ref_y) and (x - ref_x).abs().mean(dim=(1, 2, 3)).max() <= tolerance
+
+
+def test_a_resumed_held_loader_delivers_the_rest_of_the_epoch_exactly(tiny):
+    assert_resume_is_exact(lambda: gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD)), 1, 2)
+
+
+def test_on_the_meta_device_everything_is_shaped_and_nothing_decoded(tiny):
+    """The meta device (standing in for a GPU): the set sized from its headers, batches of the right shapes."""
+    base = gpupipe.build_loader(tiny, "pillow", **_kw(recipe=PAD))
+    parts = dataclasses.replace(base.parts, stage=DeviceStage(torch.device("meta"), PAD))
+    loader = held_loader(parts, get("pillow"), "device")
+    assert loader.held.pixels.device.type == "meta" and loader.held_bytes == 3 * (18 * 32 * 32 + 40 * 56)
+    batches = list(loader)
+    assert len(batches) == 4 and all(x.shape == (4, 3, 32, 32) and x.device.type == "meta" for x, _ in batches)
+
+
+def test_a_set_too_large_is_refused_up_front_with_its_size(tmp_path):
+    """A list naming an 8000 x 8000 JPEG 5,000 times: 894 GiB decoded, refused from the headers alone (the file
+    ends after its scan header: no pixel is decoded)."""
+    buf = io.BytesIO()
+    Image.new("L", (8000, 8000)).save(buf, "JPEG", quality=10)
+    (tmp_path / "big.jpg").write_bytes(buf.getvalue()[: buf.getvalue().index(b"\xff\xda") + 20])
+    (tmp_path / "list.csv").write_text("".join(f"big.jpg,{i % 2}\n" for i in range(5000)))
+    with pytest.raises(ValueError, match=r'cache="device": the 5000 decoded images need 894\.07 GiB, more than'):
+        gpupipe.build_loader(tmp_path / "list.csv", "pillow", cache="device", **_kw())
+    with pytest.raises(ValueError, match=r"need 0\.50 GiB, more than the memory given allows \(0\.50 GiB"):
+        check_fits(1 << 29, 10, torch.device("cuda"), "device", memory=1 << 29)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_bad_file_is_named_at_the_build_or_skipped_every_pass(tiny, tmp_path, on_error):
+    data = shutil.copytree(tiny, tmp_path / "d")
+    (data / "c1" / "3.jpg").write_bytes(b"not an image")
+    if on_error == "raise":
+        with pytest.raises(gpupipe.DecodeError, match=r"c1/3\.jpg"):
+            gpupipe.build_loader(data, "pillow", cache="device", **_kw(recipe=PAD))
+        return
+    loader = gpupipe.build_loader(data, "pillow", cache="device", on_error="skip", **_kw(recipe=PAD))
+    for _ in range(2):
+        batches = list(loader)
+        assert len(batches) == 4 and all(len(y) == 4 for _, y in batches)  # refilled from the next samples
+        assert [p.rsplit("/", 2)[-2:] for p, _ in loader.skipped] == [["c1", "3.jpg"]]
+
+
+def test_an_image_the_pad_crop_cannot_be_cut_from_is_named_at_the_build(tiny, tmp_path):
+    data = shutil.copytree(tiny, tmp_path / "d")
+    (data / "c0" / "small.jpg").write_bytes(jpeg_bytes(photo(np.random.default_rng(0), 20, 30)))
+    with pytest.raises(gpupipe.DecodeError, match=r"c0/small\.jpg.*a 20-pixel side padded by 4 is smaller than"):
+        gpupipe.build_loader(data, "pillow", cache="device", **_kw(recipe=PAD))
+    loader = gpupipe.build_loader(data, "pillow", cache="device", on_error="skip", **_kw(recipe=PAD))
+    assert len(list(loader)) == 5 and [p.rsplit("/", 1)[-1] for p, _ in loader.skipped] == ["small.jpg"]
+
+
+def test_a_backend_without_images_or_an_unknown_cache_is_one_line(tiny):
+    with pytest.raises(ValueError, match="backend 'synthetic' decodes no images"):
+        gpupipe.build_loader(tiny, "synthetic", cache="device", batch_size=4, device="cpu")
+    with pytest.raises(ValueError, match="cache must be None, 'device' or 'host', got 'gpu'"):
+        gpupipe.build_loader(tiny, "pillow", cache="gpu", **_kw())  # type: ignore[arg-type]
