@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .._options import Cache
 from .._system import usable_cores
 from ..api import build_loader
 from ..backends import available_backends
@@ -84,13 +85,14 @@ def gpupipe_batches(root: Path, backend: str, s: Settings, workers: int, device:
     """gpupipe's loader on the same dataset object (no transform): ``backend``'s, or the set held on the device when
     ``backend`` is ``cache=device``; yields each batch's size, epoch after epoch."""
     dataset = CIFAR10Files(root, train=True)
-    if backend == "cache=device":
-        loader = build_loader(dataset, "pillow", batch_size=s.batch, recipe=recipe(s), device=device, cache="device")
-    elif device == META:
-        loader = meta_loader(dataset, backend, recipe(s), s.batch, workers)
+    cache: Cache | None = "device" if backend == "cache=device" else None
+    name = "pillow" if cache else backend  # the held set decoded once by Pillow
+    if device == META:
+        loader = meta_loader(dataset, name, recipe(s), s.batch, workers, cache)
     else:
+        r, batch = recipe(s), s.batch
         loader = build_loader(
-            dataset, backend, batch_size=s.batch, recipe=recipe(s), device=device, num_workers=workers
+            dataset, name, batch_size=batch, recipe=r, device=device, num_workers=workers, cache=cache
         )
     with loader:
         for _images, labels in forever(loader):
