@@ -34,7 +34,7 @@ def test_a_run_writes_every_row_and_the_machine(root, tmp_path, capsys):
     ]
     for row in report["results"]:
         assert "failed" not in row, row
-        assert row["img_s"] > 0 and 0 <= row["data_wait"] <= 1
+        assert row["img_s"] > 0 and row["first_batch_s"] > 0 and 0 <= row["data_wait"] <= 1
     assert set(report["ratios"]) == {
         "pillow (0 workers) / torchvision (0 workers)",
         "cache=device (0 workers) / torchvision (0 workers)",

@@ -10,7 +10,8 @@ data made from photo-like images (:mod:`gpupipe.bench.cifar`, written first when
   resize to 227 px (``Recipe(crop="resize", flip_p=0)``), normalised float batches, with the same workers;
 - ``cache=device``: ``build_loader(..., cache="device")``, the set held on the device, no workers.
 
-Each is timed twice: the **loader alone** (images a second over ``--seconds``, after its first batches) and the
+Each is timed twice: the **loader alone** (images a second over ``--seconds``, after its first two batches; the
+time to the first batch beside it: the held set's one decode is there) and the
 **simulated step**: after each batch a fixed step of ``--step-ms`` (a quarter of it CPU time on the training thread,
 the rest a wait that takes no CPU: the GPU's compute, as in :mod:`gpupipe.bench.sim_step`), over ``--steps`` steps;
 the **data-wait** is the share of that run spent in ``next()``. On the CPU the simulated step's gpupipe loaders hand
@@ -99,16 +100,20 @@ def gpupipe_batches(root: Path, backend: str, s: Settings, workers: int, device:
             yield len(labels)
 
 
-def images_per_second(batches: Iterator[int], s: Settings, device: torch.device) -> float:
-    """The loader alone: images a second over at least ``s.seconds`` and 3 batches, after the first 2."""
-    next(batches), next(batches)
+def images_per_second(batches: Iterator[int], s: Settings, device: torch.device) -> tuple[float, float]:
+    """The loader alone: images a second over at least ``s.seconds`` and 3 batches, after the first 2; and the
+    seconds to the first batch (the loader built: a held set decoded, workers started)."""
+    t0 = time.perf_counter()
+    next(batches)
+    first = time.perf_counter() - t0
+    next(batches)
     t0, images, count = time.perf_counter(), 0, 0
     while count < 3 or time.perf_counter() - t0 < s.seconds:
         images += next(batches)
         count += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return images / (time.perf_counter() - t0)
+    return images / (time.perf_counter() - t0), first
 
 
 def data_wait(batches: Iterator[int], s: Settings) -> dict:
@@ -130,10 +135,10 @@ def measure(make: Callable[[torch.device], Generator[int]], s: Settings, device:
     """One loader's row: alone on ``device``, then under the simulated step (on the meta device for the CPU)."""
     gc.collect()
     with contextlib.closing(make(device)) as batches:
-        img_s = images_per_second(batches, s, device)
+        img_s, first = images_per_second(batches, s, device)
     with contextlib.closing(make(META if device.type == "cpu" else device)) as batches:
         waited = data_wait(batches, s)
-    return {"img_s": round(img_s, 1), **waited}
+    return {"img_s": round(img_s, 1), "first_batch_s": round(first, 4), **waited}
 
 
 def contenders(root: Path, s: Settings, workers: list[int], backends: list[str]) -> Iterator[tuple[dict, Callable]]:
