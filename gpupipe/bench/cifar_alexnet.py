@@ -11,10 +11,10 @@ data made from photo-like images (:mod:`gpupipe.bench.cifar`, written first when
 - ``cache=device``: ``build_loader(..., cache="device")``, the set held on the device, no workers.
 
 Each is timed twice: the **loader alone** (images a second over ``--seconds``, after its first two batches; the
-time to the first batch beside it: the held set's one decode is there) and the
-**simulated step**: after each batch a fixed step of ``--step-ms`` (a quarter of it CPU time on the training thread,
-the rest a wait that takes no CPU: the GPU's compute, as in :mod:`gpupipe.bench.sim_step`), over ``--steps`` steps;
-the **data-wait** is the share of that run spent in ``next()``. On the CPU the simulated step's gpupipe loaders hand
+time to the first batch beside it: the held set's one decode is there) and the **simulated step**: after each batch
+a fixed step of ``--step-ms`` (a quarter of it CPU time on the training thread, the rest a wait that takes no CPU:
+the GPU's compute, as in :mod:`gpupipe.bench.sim_step`), over ``--steps`` steps; the **data-wait** is the share of
+that run spent in ``next()``. On the CPU the simulated step's gpupipe loaders hand
 their batches to the meta device (every op dispatched, none computed, as a GPU's training thread only launches them);
 with ``--device cuda`` they are real. A loader that cannot be built or fails is a row saying why, and the rest go on.
 The report (``--json``) holds the machine, versions, date, settings, rows and ratios; the last line printed is its
