@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in three parts of under 10 minutes each (one device call each, the machine kept warm between them;
+# The GPU check, in four parts of under 10 minutes each (one device call each, the machine kept warm between them;
 # the first two need no DALI, so that DALI can be carried beside them in parts: ../shared/device/README.md):
 #   bash bench/run_gpu.sh 1   the `gpu` tests (pytest -m gpu), then the nvjpeg, pillow and turbojpeg loaders alone
 #   bash bench/run_gpu.sh 2   ResNet-50 trained end to end (bf16, channels-last, batch 256) fed by synthetic (the
@@ -7,9 +7,13 @@
 #   bash bench/run_gpu.sh 3   dali and DALI's own pipeline (bench/gpu_check.py dali-own, written as DALI's docs write
 #                             it), alone and feeding ResNet-50; `gpupipe train --backend dali` data-wait in fp16 and
 #                             bf16; the GPU memory the dali loader holds
-#   bash bench/run_gpu.sh --cpu 1|2|3   the same steps, small, on the CPU: a check of this script without a GPU
+#   bash bench/run_gpu.sh 4   the CIFAR-10 AlexNet experiment at 227 px, batch 64 (gpupipe.bench.cifar_alexnet):
+#                             torchvision's CIFAR10 loader with 0 workers and every core beside pillow, turbojpeg,
+#                             dali and cache="device" on the same dataset object, alone and under a simulated step;
+#                             its report also in ${OUT:-bench/results}/cifar-alexnet-cuda-DATE.json
+#   bash bench/run_gpu.sh --cpu 1|2|3|4   the same steps, small, on the CPU: a check of this script without a GPU
 # Every measurement runs in a fresh process under `timeout` (the step budgets below add up to under 9 minutes a
-# part: 1: data 120 + tests 270 + 3 x 45 s; 2: 4 x 80 s; 3: 2 x 50 + 2 x 75 + 2 x (90 + 15) + 45 s); a step that fails or runs out of time is a row saying so, and the rest go on (exit status 1). Each part
+# part: 1: data 120 + tests 270 + 3 x 45 s; 2: 4 x 80 s; 3: 2 x 50 + 2 x 75 + 2 x (90 + 15) + 45 s; 4: 480 s); a step that fails or runs out of time is a row saying so, and the rest go on (exit status 1). Each part
 # writes ${OUT:-bench/results}/gpu-check-partN-DATE.json: the rows with the device, date, commit and versions.
 set -uo pipefail
 shopt -s nullglob
@@ -17,11 +21,14 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUTDIR=${OUT:-bench/results}
 DEVICE=cuda BATCH=256 SIZE=224 SECONDS=10 MODEL=resnet50 CLASSES=10 PER_CLASS=40 COPIES=20 SCALE=1
+CIFAR=(--count 10000 --batch 64 --size 227 --seconds 10 --steps 20)  # part 4: the write-up's settings
 if [ "${1:-}" = --cpu ]; then  # small and quick: every step's code runs, no figure means anything
   shift
   DEVICE=cpu BATCH=8 SIZE=64 SECONDS=1 MODEL=test_resnet CLASSES=2 PER_CLASS=8 COPIES=2 SCALE=3
+  CIFAR=(--count 200 --batch 8 --size 64 --seconds 1 --steps 3)
 fi
 DATA=${DATA:-/tmp/gpupipe-check/$DEVICE-data}
+CIFAR_DATA=${CIFAR_DATA:-/tmp/gpupipe-check/$DEVICE-cifar}  # made there by the step when it holds none
 stamp=$(date -u +%Y-%m-%d)
 part_no=${1:-}
 rows="$OUTDIR/gpu-check-part${part_no}-${DEVICE}-${stamp}.jsonl"
@@ -109,8 +116,12 @@ case "$part_no" in
     train_wait bf16
     [ "$DEVICE" = cuda ] && step "gpu memory dali" 45 "${check[@]}" memory "$DATA" dali
     ;;
+  4)
+    step "cifar alexnet" 480 "$PYTHON" -m gpupipe.bench.cifar_alexnet "$CIFAR_DATA" --device "$DEVICE" "${CIFAR[@]}" \
+      --json "$OUTDIR/cifar-alexnet-${DEVICE}-${stamp}.json"
+    ;;
   *)
-    echo "usage: bash bench/run_gpu.sh [--cpu] 1|2|3" >&2
+    echo "usage: bash bench/run_gpu.sh [--cpu] 1|2|3|4" >&2
     exit 2
     ;;
 esac

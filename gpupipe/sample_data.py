@@ -17,7 +17,8 @@ from PIL import Image
 DEFAULT_DIR = Path("data/sample")
 
 
-def _image(rng: np.random.Generator, cls: int, num_classes: int) -> Image.Image:
+def photo(rng: np.random.Generator, cls: int, num_classes: int) -> Image.Image:
+    """One photo-like image of class ``cls`` of ``num_classes``, 300-600 px on each side, drawn from ``rng``."""
     h, w = (int(v) for v in rng.integers(300, 601, size=2))
     # smooth background (a colour gradient and soft, out-of-focus blobs) at 1/8 size, upscaled: it has no detail
     sh, sw = h // 8 + 1, w // 8 + 1
@@ -93,7 +94,7 @@ def make_sample_data(
             if not path.exists():
                 # train keeps the streams it always had; val draws from streams of its own
                 rng = np.random.default_rng([seed, cls, i] if split == "train" else [seed, cls, i, SPLITS.index(split)])
-                img = _image(rng, cls, classes)
+                img = photo(rng, cls, classes)
                 tmp = path.with_suffix(".tmp")
                 img.save(tmp, "JPEG", quality=int(rng.integers(70, 96)), subsampling=int(rng.choice([0, 2, 2])))
                 tmp.replace(path)

@@ -117,10 +117,11 @@ def _run_gpu(tmp_path, *args: str, fail: str = "-no-such-") -> tuple[subprocess.
                 "memory",
             ],
         ),
+        ("4", ["gpupipe.bench.cifar_alexnet", "--device cuda", "--batch 64 --size 227", "--json"]),
     ],
 )
 def test_run_gpu_script_runs_each_part_in_fresh_processes_under_timeouts(tmp_path, part, steps):
-    """The GPU check in three parts (parts 1 and 2 without DALI): each measurement its own process, each a row of the
+    """The GPU check in four parts (parts 1 and 2 without DALI): each measurement its own process, each a row of the
     part's JSON, which is collected with the device, date and versions at the end."""
     r, calls, rows = _run_gpu(tmp_path, part)
     assert r.returncode == 0, r.stderr

@@ -37,9 +37,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._options import Cache
 from ..api import build_loader
 from ..augment import Policy, SampleAugment
 from ..backends import available_backends, get
+from ..backends.held import held_loader
 from ..backends.nvjpeg import NvjpegLoader
 from ..data.device import DeviceStage
 from ..data.loader import Batch
@@ -103,13 +105,16 @@ class StandInNvjpegLoader(NvjpegLoader):
         return timed
 
 
-def meta_loader(root: str, backend: str, recipe: Recipe, batch: int, workers: int):
+def meta_loader(root: Any, backend: str, recipe: Recipe, batch: int, workers: int, cache: Cache | None = None):
     """``backend``'s loader as ``build_loader`` makes it for CUDA (augmentation on the device stage from the sample
-    keys), with the device stage on the meta device."""
+    keys), with the device stage on the meta device; with ``cache``, the set held as ``build_loader(cache=...)``
+    holds it, there (sized from the headers, nothing decoded)."""
     base = "pillow" if backend == "nvjpeg" else backend  # nvjpeg's constructor insists on CUDA: parts from pillow's
     loader = build_loader(root, base, batch_size=batch, num_workers=workers, device="cpu", recipe=recipe)
     stage = DeviceStage(META, recipe, augment=SampleAugment(Policy(recipe), loader.seed))
     parts = dataclasses.replace(loader.parts, stage=stage)
+    if cache is not None:
+        return held_loader(parts, get(backend), cache)
     if backend == "nvjpeg":
         return StandInNvjpegLoader(parts)
     return get(backend).make_loader(parts)
