@@ -139,3 +139,20 @@ def test_repr_says_the_set_is_held_not_read_by_workers(tiny):
     held = gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD, num_workers=2))
     text = repr(held)
     assert "worker" not in text.replace("no workers", "") and "held on cpu ('device')" in text, text
+
+
+def test_a_set_of_pixels_is_held_without_encoding_an_image(monkeypatch):
+    """Arrays (and datasets of pixels) are held as they are: no image is PNG-encoded to be decoded again, and the
+    batches equal the pillow loader's on the same arrays."""
+    rng = np.random.default_rng(5)
+    images = np.stack([photo(rng, 32, 32) for _ in range(8)]).astype(np.uint8)
+    labels = np.arange(8) % 2
+    kw = _kw(recipe=Recipe(48, crop="resize", flip_p=0.0))
+    reference = _pairs(gpupipe.build_loader((images, labels), "pillow", **kw))
+    saved = []
+    real = Image.Image.save
+    monkeypatch.setattr(Image.Image, "save", lambda self, *a, **k: saved.append(1) or real(self, *a, **k))
+    held = gpupipe.build_loader((images, labels), "pillow", cache="device", **kw)
+    assert not saved
+    for (x, y), (rx, ry) in zip(_pairs(held), reference, strict=True):
+        assert torch.equal(y, ry) and torch.equal(x, rx)

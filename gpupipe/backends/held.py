@@ -128,12 +128,13 @@ class HeldLoader(Loader):
             return recipe.train_size(0)
         return None
 
-    def _read(self) -> Iterator[tuple[int, str, bytes | Exception]]:
-        """Each sample's index, path and bytes (or why they could not be read), a few hundred read together."""
+    def _read(self) -> Iterator[tuple[int, str, bytes | np.ndarray | Exception]]:
+        """Each sample's index, path and bytes, or its (H, W, 3) pixels where the source holds pixels (never encoded
+        to be decoded again), or why they could not be read; a few hundred read together."""
         dataset = self.dataset
         for lo in range(0, len(dataset), _READS):
             indices = list(range(lo, min(lo + _READS, len(dataset))))
-            for i, data in zip(indices, dataset.read_many(indices), strict=True):
+            for i, data in zip(indices, dataset.read_samples(indices), strict=True):
                 yield i, dataset.samples[i][0], data
 
     def _headers(self, decoder: Decoder) -> tuple[np.ndarray, dict[int, str]]:
@@ -146,7 +147,11 @@ class HeldLoader(Loader):
             try:
                 if isinstance(data, Exception):
                     raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
-                shapes[i] = probe(data, path, decoder.name, limit).upright_size
+                shapes[i] = (
+                    data.shape[:2]
+                    if isinstance(data, np.ndarray)
+                    else probe(data, path, decoder.name, limit).upright_size
+                )
                 self._check_crop(path, decoder.name, *shapes[i].tolist())
             except DecodeError as e:
                 self._failed(bad, i, e)
@@ -170,7 +175,7 @@ class HeldLoader(Loader):
             try:
                 if isinstance(data, Exception):
                     raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
-                image = self._image(decoder.decode(data, path).image)
+                image = self._image(data if isinstance(data, np.ndarray) else decoder.decode(data, path).image)
                 if tuple(image.shape[1:]) != tuple(held.shapes[i].tolist()):
                     raise DecodeError(
                         path,
