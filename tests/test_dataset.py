@@ -285,3 +285,14 @@ def on_two_ranks(data) -> dict:
     for p in procs:
         p.join(timeout=60)
     return {rank: [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in got] for rank, got in results.items()}
+
+
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg", "dali"])
+@pytest.mark.parametrize("kind", ["pil", "hwc"])
+def test_a_dataset_reads_as_the_folder_with_the_default_two_workers(images, folder, backend, kind):
+    """The dataset sent to (forked) DataLoader or feed workers, as a user's default ``num_workers=2`` runs it: the
+    folder's samples, labels and order, train and eval."""
+    data = _in_folder_order(folder, _as_held(images, kind))
+    for train in (True, False):
+        loader = _batches(data, backend, train=train, num_workers=2)
+        _same(loader, _batches(folder, backend, train=train, num_workers=2), exact=backend == "pillow")

@@ -120,3 +120,15 @@ def test_two_gloo_ranks_read_parquet_as_each_reads_the_folder(sets):
     folder, hub = sets
     for rank, got in on_two_ranks(hub).items():
         _same(got, _batches(folder, "pillow", train=True, rank=rank, world_size=2), exact=True)
+
+
+@pytest.mark.parametrize("backend", ["pillow", "turbojpeg", "dali"])
+def test_parquet_reads_as_the_folder_with_the_default_two_workers(sets, backend):
+    """Parquet row groups read in the DataLoader or feed workers (``num_workers=2``, a user's default here)."""
+    folder, hub = sets
+    for train in (True, False):
+        _same(
+            _batches(hub, backend, train=train, num_workers=2),
+            _batches(folder, backend, train=train, num_workers=2),
+            exact=backend == "pillow",
+        )

@@ -27,7 +27,7 @@ import stat
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as AnswerTimeout  # not the builtin one before Python 3.11
 from concurrent.futures.process import BrokenProcessPool
@@ -302,13 +302,6 @@ class FileTable:
         for i in indices.tolist() if self.problems else ():  # a verdict replaces the problem it had, if any
             self.problems.pop(i, None)
         self.problems.update({int(indices[k]): problem for k, problem in verdicts.problems.items()})
-
-    def rescan(self, indices: Sequence[int]) -> None:
-        """Judge these samples again (their files changed)."""
-        chosen = np.asarray(indices, dtype=np.int64)
-        verdicts = [judge_file(self.dataset.samples[i][0], self.max_pixels) for i in chosen.tolist()]
-        self.set(chosen, Verdicts.of(verdicts))
-        self.checked[chosen] = self.passes
 
     def recheck(self, chosen: np.ndarray) -> None:
         """Judge these samples if not judged yet or if their files changed since (a ``stat`` each), here."""
