@@ -399,10 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a reader gone is caught, rather than at the interpreter's exit
         return code
     except KeyboardInterrupt:  # Ctrl-C (train's own stop says what it saved): one line, not a traceback
-        if show_traceback():
-            raise
-        console.print(f"interrupted: {args.interrupted}", highlight=False, markup=False)
-        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+        return _interrupted(args)
     except BrokenPipeError:  # the reader left (`gpupipe info --json | head`): nothing to say, nowhere to say it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet too
         return 141  # 128 + SIGPIPE, as a shell reports a command the pipe ended
@@ -411,6 +408,28 @@ def main(argv: list[str] | None = None) -> int:
             raise
         console.print(f"[red]error:[/] {escape(error_line(e))}", highlight=False)
         return 2
+    except Exception as e:  # Ctrl-C that a library wrapped in its own error (DALI, as it builds a pipeline)
+        if not _caused_by_interrupt(e):
+            raise
+        return _interrupted(args)
+
+
+def _interrupted(args) -> int:
+    if show_traceback():
+        raise  # the exception being handled
+    console.print(f"interrupted: {args.interrupted}", highlight=False, markup=False)
+    return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+
+
+def _caused_by_interrupt(e: BaseException) -> bool:
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 if __name__ == "__main__":

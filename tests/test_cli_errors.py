@@ -183,3 +183,34 @@ def test_a_shard_label_past_an_int64_is_one_line_naming_the_shard_and_member(tmp
         assert main(command) == 2
         (line,) = _lines(capsys.readouterr().err)
         assert line.startswith(f"error: {shard}: a.cls: label 111111111111...(30 characters) would make more than")
+
+
+def test_a_ctrl_c_a_library_wrapped_in_its_own_error_is_the_one_line_stop(monkeypatch, capsys):
+    """DALI turns a KeyboardInterrupt raised while it builds a pipeline into an error of its own: still the one-line
+    stop and 130, not a traceback and 1; another error keeps its traceback."""
+    from gpupipe import cli
+
+    def wrapped(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Critical error when building pipeline") from e
+
+    def other(args):
+        raise RuntimeError("not an interrupt")
+
+    monkeypatch.setattr(cli, "show_traceback", lambda: False)
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), wrapped))
+    assert cli.main(["info"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted: stopped"
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), other))
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        cli.main(["info"])
+
+
+def _with_func(parser, func):
+    for action in parser._subparsers._group_actions:  # the sub-commands
+        for sub in action.choices.values():
+            sub.set_defaults(func=func)
+    return parser
