@@ -381,6 +381,13 @@ class Recipe:
         boxes = [self.eval_box(h, w) for h, w in sizes]
         return np.array([(b.top, b.left, b.height, b.width, b.flip) for b in boxes], np.float64).reshape(-1, 5)
 
+    def flips(self, train: bool, seed: int, epoch: int, indices) -> np.ndarray:
+        """(n,) bool: the flip column of :meth:`plan_boxes` alone, for a batch whose geometry needs no draw (a set
+        held resized whole): nothing drawn when no sample can be mirrored (eval, ``flip_p=0``)."""
+        if not train or self.flip_p <= 0:
+            return np.zeros(len(indices), bool)
+        return uniforms(sample_keys(seed, epoch, indices), STREAM_CROP, 1, skip=DRAWS - 1)[:, 0] < self.flip_p
+
     def eval_resize(self, height: int, width: int) -> tuple[int, int]:
         """The (height, width) that torchvision ``Resize(resize_size)`` gives: shorter side exact, longer truncated
         (the ``"pad"`` and ``"resize"`` crops: the eval side, square)."""

@@ -68,7 +68,8 @@ def test_the_resized_and_the_random_resized_crops_are_the_pillow_loader_s(tiny):
     """The whole image resized (train, flipped; eval, every sample once, in order), held resized: the pillow
     loader's pixels. The random-resized crop: the same boxes, resampled within a level or two (a batched antialiased
     bilinear)."""
-    cases = ((Recipe(64, crop="resize"), True, 0.0), (PAD, False, 0.0), (Recipe(24), True, 1.5))
+    resized = [(Recipe(64, crop="resize", flip_p=p), True, 0.0) for p in (0.5, 1.0, 0.0)]  # some, all, none mirrored
+    cases = (*resized, (PAD, False, 0.0), (Recipe(24), True, 1.5))
     for recipe, train, tolerance in cases:
         ours = _pairs(gpupipe.build_loader(tiny, "pillow", cache="device", train=train, **_kw(recipe=recipe)))
         theirs = _pairs(gpupipe.build_loader(tiny, "pillow", train=train, **_kw(recipe=recipe)))

@@ -51,6 +51,17 @@ def test_a_batch_of_boxes_is_each_sample_s_box_to_the_bit():
     ]
 
 
+@pytest.mark.parametrize("recipe", [Recipe(224), Recipe(64, crop="resize"), Recipe(32, crop="pad", flip_p=0.3)])
+def test_the_flips_alone_are_the_boxes_flip_column(recipe):
+    """Recipe.flips (a set held resized draws only these) == plan_boxes' flip column, train and eval, every crop."""
+    indices = list(range(0, 5000, 7))
+    sizes = [64] * len(indices)
+    for train in (True, False):
+        boxes = recipe.plan_boxes(train, 5, 2, indices, sizes, sizes)
+        assert recipe.flips(train, 5, 2, indices).tolist() == (boxes[:, 4] > 0.5).tolist()
+    assert not Recipe(64, crop="resize", flip_p=0.0).flips(True, 5, 2, indices).any()
+
+
 def test_a_batch_draws_the_later_attempts_only_for_the_samples_that_need_them(monkeypatch):
     """A batch's boxes draw each sample's first attempts and the flip, and the later attempts only where none of those
     fitted: a few numbers a sample instead of RandomResizedCrop's 41 (the draws were most of the training thread's

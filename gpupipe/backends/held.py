@@ -214,19 +214,28 @@ class HeldLoader(Loader):
     def _crops(self, epoch: int, good: list[int], size: int) -> torch.Tensor:
         """(n, 3, S, S) uint8 on the held set's device: the recipe's boxes of the samples ``good``, cut and resized
         (the ``"pad"`` crop gathered) and flipped, the batch at once."""
+        if self.side is not None:  # held resized: indexed, and mirrored where the recipe draws it
+            return self._indexed(good, self.recipe.flips(self.train, self.seed, epoch, good), self.side)
         shapes = self.held.shapes[good]
         boxes = self.recipe.plan_boxes(self.train, self.seed, epoch, good, shapes[:, 0], shapes[:, 1])
-        if self.side is not None:  # held resized: indexed, and mirrored where the box says
-            pack = HostPack()
-            index_slot, flip_slot = pack.add(good, torch.int64), pack.add(boxes[:, 4] > 0.5, torch.bool)
-            pack.send(self.held_on)
-            resized = self.held.pixels.view(-1, 3, self.side, self.side).index_select(0, pack.get(index_slot))
-            return torch.where(pack.get(flip_slot).view(-1, 1, 1, 1), resized.flip(-1), resized)
         rois, steps = stored_rois(boxes, np.ones(len(good), np.int64), shapes)
         images = self.held.images(good)
         if self.train and self.recipe.crop == "pad":
             return pad_crop_flip(images, rois, steps, shapes, size, self.recipe.padding_mode)
         return crop_resize_flip(images, rois, steps, shapes, size)
+
+    def _indexed(self, good: list[int], flips: np.ndarray, side: int) -> torch.Tensor:
+        """The held (resized) images ``good``, mirrored where ``flips`` says: a batch that mirrors none (or all) is
+        one gather (and one flip), with no select between a mirrored and a plain copy of the whole batch."""
+        pack = HostPack()
+        index_slot = pack.add(good, torch.int64)
+        mixed = bool(flips.any()) and not bool(flips.all())
+        flip_slot = pack.add(flips, torch.bool) if mixed else None
+        pack.send(self.held_on)
+        images = self.held.pixels.view(-1, 3, side, side).index_select(0, pack.get(index_slot))
+        if flip_slot is not None:
+            return torch.where(pack.get(flip_slot).view(-1, 1, 1, 1), images.flip(-1), images)
+        return images.flip(-1) if flips.any() else images
 
 
 def held_loader(parts: LoaderParts, spec: BackendSpec, cache: str) -> HeldLoader:
