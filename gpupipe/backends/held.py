@@ -112,7 +112,7 @@ class HeldLoader(Loader):
         self.held = HeldSet(pixels, shapes, starts, bad)
         if self.held_on.type != "meta":  # the meta device holds shapes, no pixels
             self._decode(decoder)
-        self._labels = torch.tensor(parts.dataset.targets, dtype=torch.int64)
+        self._labels = np.asarray(parts.dataset.targets, np.int64)
 
     def _made_by(self) -> str:
         return f"no workers, {_gib(self.held_bytes)} held on {self.held_on.type} ({self.cache!r})"
@@ -207,9 +207,13 @@ class HeldLoader(Loader):
             if not good:
                 yield empty_batch(size, self.held_on, errors)
                 continue
-            index = torch.tensor(good, dtype=torch.int64)
-            keys = torch.stack([torch.full_like(index, epoch), index], 1)  # the device stage augments from these
-            yield Batch(self._crops(epoch, good, size), self._labels[index], "NCHW", errors, keys=keys)
+            index = np.asarray(good, np.int64)
+            keys = None  # the device stage augments from these, where it augments
+            if self.placement.keys:
+                keys = torch.from_numpy(np.stack([np.full_like(index, epoch), index], 1))
+            yield Batch(
+                self._crops(epoch, good, size), torch.from_numpy(self._labels[index]), "NCHW", errors, keys=keys
+            )
 
     def _crops(self, epoch: int, good: list[int], size: int) -> torch.Tensor:
         """(n, 3, S, S) uint8 on the held set's device: the recipe's boxes of the samples ``good``, cut and resized
