@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 from PIL import Image
 
 from .._options import CACHES, Cache
+from .._system import cores_per_rank
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
@@ -167,25 +169,35 @@ class HeldLoader(Loader):
                 raise DecodeError(path, backend, str(e)) from None
 
     def _decode(self, decoder: Decoder) -> None:
-        """Every readable image decoded once into its place in the buffer."""
+        """Every readable image decoded once into its place in the buffer, on a thread per core of this process's
+        share (decoders and resizes release the GIL; no worker is left behind); failures in the samples' order."""
         held = self.held
-        for i, path, data in self._read():
-            if i in held.bad:
-                continue
-            try:
-                if isinstance(data, Exception):
-                    raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
-                image = self._image(data if isinstance(data, np.ndarray) else decoder.decode(data, path).image)
-                if tuple(image.shape[1:]) != tuple(held.shapes[i].tolist()):
-                    raise DecodeError(
-                        path,
-                        decoder.name,
-                        f"decoded as {tuple(image.shape[1:])}, its header said {tuple(held.shapes[i].tolist())}",
-                    )
-            except DecodeError as e:
-                self._failed(held.bad, i, e)
-                continue
-            held.images([i])[0].copy_(image)
+        todo = [item for item in self._read() if item[0] not in held.bad]
+        with ThreadPoolExecutor(cores_per_rank()) as pool:
+            for lo in range(0, len(todo), _READS):  # a few hundred in flight
+                for i, failure in pool.map(lambda item: self._place(decoder, *item), todo[lo : lo + _READS]):
+                    if failure is not None:
+                        self._failed(held.bad, i, failure)
+
+    def _place(
+        self, decoder: Decoder, i: int, path: str, data: bytes | np.ndarray | Exception
+    ) -> tuple[int, DecodeError | None]:
+        """Sample ``i`` decoded (or taken as pixels) and copied into its place; the error that stopped it, if any."""
+        held = self.held
+        try:
+            if isinstance(data, Exception):
+                raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
+            image = self._image(data if isinstance(data, np.ndarray) else decoder.decode(data, path).image)
+            if tuple(image.shape[1:]) != tuple(held.shapes[i].tolist()):
+                raise DecodeError(
+                    path,
+                    decoder.name,
+                    f"decoded as {tuple(image.shape[1:])}, its header said {tuple(held.shapes[i].tolist())}",
+                )
+        except DecodeError as e:
+            return i, e
+        held.images([i])[0].copy_(image)
+        return i, None
 
     def _image(self, decoded) -> torch.Tensor:
         """(3, H, W) uint8: a decoded image as it is held (resized whole to :attr:`side`, as every backend resizes)."""
