@@ -157,3 +157,15 @@ def test_a_set_of_pixels_is_held_without_encoding_an_image(monkeypatch):
     assert not saved
     for (x, y), (rx, ry) in zip(_pairs(held), reference, strict=True):
         assert torch.equal(y, ry) and torch.equal(x, rx)
+
+
+def test_each_sample_is_read_once_to_be_held(tiny, monkeypatch):
+    """The headers' pass keeps what it read for the decode: each file is read once (a set on object storage is
+    fetched once)."""
+    from gpupipe.sources.scan import ImageList
+
+    reads: list[int] = []
+    real = ImageList.read_samples
+    monkeypatch.setattr(ImageList, "read_samples", lambda self, idx: reads.extend(idx) or real(self, idx))
+    held = gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD))
+    assert sorted(reads) == list(range(len(held.dataset)))

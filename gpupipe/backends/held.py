@@ -102,7 +102,8 @@ class HeldLoader(Loader):
         device = parts.stage.device
         self.held_on = device if cache == "device" else torch.device("cpu")
         self.side = self._resized_side()
-        shapes, bad = self._headers(decoder)
+        kept: list[tuple[int, str, bytes | np.ndarray | Exception]] = []  # what the headers' pass read, decoded next
+        shapes, bad = self._headers(decoder, kept if self.held_on.type != "meta" else None)
         if self.side is not None:  # held as the recipe resizes every image, whatever its own size
             shapes[np.any(shapes > 0, axis=1)] = self.side
         sizes = 3 * shapes[:, 0] * shapes[:, 1]
@@ -113,7 +114,7 @@ class HeldLoader(Loader):
         pixels = torch.empty(self.held_bytes, dtype=torch.uint8, device=self.held_on, pin_memory=pinned)
         self.held = HeldSet(pixels, shapes, starts, bad)
         if self.held_on.type != "meta":  # the meta device holds shapes, no pixels
-            self._decode(decoder)
+            self._decode(decoder, kept)
         self._labels = np.asarray(parts.dataset.targets, np.int64)
 
     def _made_by(self) -> str:
@@ -139,13 +140,16 @@ class HeldLoader(Loader):
             for i, data in zip(indices, dataset.read_samples(indices), strict=True):
                 yield i, dataset.samples[i][0], data
 
-    def _headers(self, decoder: Decoder) -> tuple[np.ndarray, dict[int, str]]:
+    def _headers(self, decoder: Decoder, kept: list | None) -> tuple[np.ndarray, dict[int, str]]:
         """Each image's upright (H, W) from its header (0 x 0 for one that cannot be read), and the failures: raised
-        now, naming the file, unless ``on_error="skip"``."""
+        now, naming the file, unless ``on_error="skip"``. What is read is added to ``kept`` (unless None), for the
+        decode: each sample is read once."""
         shapes = np.zeros((len(self.dataset), 2), np.int64)
         bad: dict[int, str] = {}
         limit = self.parts.max_pixels or default_max_pixels()
         for i, path, data in self._read():
+            if kept is not None:
+                kept.append((i, path, data))
             try:
                 if isinstance(data, Exception):
                     raise DecodeError(path, decoder.name, f"cannot read the file ({data})")
@@ -168,11 +172,12 @@ class HeldLoader(Loader):
             except ValueError as e:
                 raise DecodeError(path, backend, str(e)) from None
 
-    def _decode(self, decoder: Decoder) -> None:
+    def _decode(self, decoder: Decoder, read: list[tuple[int, str, bytes | np.ndarray | Exception]]) -> None:
         """Every readable image decoded once into its place in the buffer, on a thread per core of this process's
         share (decoders and resizes release the GIL; no worker is left behind); failures in the samples' order."""
         held = self.held
-        todo = [item for item in self._read() if item[0] not in held.bad]
+        todo = [item for item in read if item[0] not in held.bad]
+        read.clear()
         with ThreadPoolExecutor(cores_per_rank()) as pool:
             for lo in range(0, len(todo), _READS):  # a few hundred in flight
                 for i, failure in pool.map(lambda item: self._place(decoder, *item), todo[lo : lo + _READS]):
