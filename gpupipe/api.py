@@ -9,6 +9,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ._options import Cache
@@ -25,9 +26,7 @@ from .errors import MissingFileError
 from .recipe import DefaultSize, Recipe
 from .sources.dataset import check_sendable
 from .sources.open import Source, open_source
-from .sources.remote import RemoteShardImageList
 from .sources.scan import ImageList
-from .sources.shards import ShardImageList
 
 _ROW = re.compile(r"^.*?:\d+: ")  # a missing row is named "list.csv:LINE: path"
 
@@ -183,16 +182,17 @@ def _sampler(
     window: int | None,
 ) -> ShardSampler:
     """The loader's order. Train: every rank takes the same number of steps (DDP needs it); eval: every sample
-    exactly once, no padding. Shards at a URL are told the order, to read as it suits (and warn when it does not)."""
+    exactly once, no padding. The source is told the order, to read as it suits (shards or Parquet at a URL: through
+    the node's cache or by range, with a warning when neither suits it)."""
     shards = None
     if window is not None:
-        if not isinstance(dataset, ShardImageList):
+        shards = dataset.shard_of
+        if shards is None:
             raise ValueError(
                 f"shuffle_window={window} shuffles groups of shards and {dataset.root} has none (an ImageFolder or a "
                 "CSV list reads each file on its own; gpupipe prepare writes shards): leave it None"
             )
-        shards = dataset.shard_of
-        if why := window_mixing(shards, dataset.labels, window, batch_size):
+        if why := window_mixing(shards, np.asarray(dataset.targets, np.int64), window, batch_size):
             warnings.warn(f"{dataset.root}: {why}", stacklevel=3)
     rank, world_size = rank_world
     sampler = ShardSampler(
@@ -206,9 +206,9 @@ def _sampler(
         equal_steps=train,
         shards=shards,
         window=window,
+        shard_files=dataset.shard_files if window is not None else None,
     )
-    if isinstance(dataset, RemoteShardImageList):
-        dataset.plan_reads(sampler)
+    dataset.plan_reads(sampler)
     return sampler
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from .cache_folder import cache_folder
 from .cached import CachedShards, ReadAhead, plan
 from .objstore import Remote, Store
 from .ranges import BatchReader
+from .scan import ImageList
 from .shards import (
     FORMAT,
     INDEX,
@@ -142,7 +143,7 @@ def _shard_cache(store: Store, urls: list[str], listed: dict[str, dict] | None) 
     return CachedShards(store, cache, urls, [int(i.get("size") or 0) for i in infos], [etag_of(i) for i in infos])
 
 
-def scan_remote(root) -> RemoteShardImageList:
+def scan_remote(root) -> ImageList:
     """The data set at ``root`` (a URL, a list of them, or a :class:`Remote`)."""
     remote = as_remote(root)
     urls = [remote.url] if isinstance(remote.url, str) else list(remote.url)
@@ -172,16 +173,22 @@ def _expand(store: Store, urls: list[str]) -> list[str]:
     return out
 
 
-def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
-    """A prepared folder at ``url``: its metadata, and the index columns start-up needs, read by range."""
+def load_prepared_remote(store: Store, url: str) -> ImageList:
+    """A prepared folder at ``url``: its metadata, and the index columns start-up needs, read by range. A folder of
+    ``*.parquet`` objects instead is read as Parquet (:mod:`.parquet`)."""
     try:
         meta = json.loads(store.cat(f"{url}/{META}"))
     except StorageError as e:
-        if "no such object" in str(e):
+        if "no such object" not in str(e):
+            raise
+        from .parquet import parquet_at  # deferred: parquet.py reads its objects through this module
+
+        found = parquet_at(store.remote, url)
+        if found is None:
             raise StorageError(
-                f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards"
+                f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards nor .parquet files"
             ) from None
-        raise
+        return found
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise GpupipeError(
             f"{url}/{META}: format {meta.get('format')!r} version {meta.get('version')!r}; this gpupipe reads "
@@ -267,9 +274,21 @@ def _listed(store: Store, urls: list[str]) -> dict[str, dict]:
 
 
 def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict[str, np.ndarray]:
-    """The header index of a foreign shard at ``url``, cached under ``$XDG_CACHE_HOME/gpupipe/shard-index`` and
-    rebuilt when the object's size or ETag (``info``, else asked) changes. Building it streams the shard once (into
-    the node's shard cache when there is one: the reads that follow then stay local)."""
+    """The header index of a foreign shard at ``url`` (:func:`remote_index` of its tar headers)."""
+    return remote_index(store, url, info, _index_local, ("member", "offset", "size", "label"))
+
+
+def remote_index(
+    store: Store,
+    url: str,
+    info: dict | None,
+    build: Callable[[Path, str], dict[str, np.ndarray]],
+    keys: tuple[str, ...],
+) -> dict[str, np.ndarray]:
+    """The index ``build(local copy, url)`` makes of the object at ``url`` (its ``keys``), cached under
+    ``$XDG_CACHE_HOME/gpupipe/shard-index/remote`` and rebuilt when the object's size or ETag (``info``, else asked)
+    changes. Building it streams the object once (into the node's shard cache when there is one: the reads that
+    follow then stay local)."""
     info = info or store.info(url)
     tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
     digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
@@ -278,14 +297,14 @@ def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict
     try:
         with np.load(cached) as z:
             if np.array_equal(z["stamp"], stamp):
-                return {k: z[k] for k in ("member", "offset", "size", "label")}
+                return {k: z[k] for k in keys}
     except (OSError, KeyError, ValueError):
         pass  # absent, unreadable or stale: build it
     cache = _shard_cache(store, [url], {url: info})
     if cache is not None:
         pinned = cache.cache.pin(store, url, cache.sizes[0], cache.etags[0])
         try:
-            index = _index_local(pinned.path, url)
+            index = build(pinned.path, url)
         finally:
             pinned.close()
     else:
@@ -293,7 +312,7 @@ def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict
         tmp.parent.mkdir(parents=True, exist_ok=True)
         try:
             store.get(url, tmp)
-            index = _index_local(tmp, url)
+            index = build(tmp, url)
         finally:
             tmp.unlink(missing_ok=True)
     cached.parent.mkdir(parents=True, exist_ok=True)
