@@ -187,7 +187,7 @@ def test_parquet_on_s3_is_fetched_once_per_node_for_two_ranks_of_two_workers(s3,
 
     from .common_utils import CountingProxy
 
-    folder, hub = sets
+    _, hub = sets
     url = s3.upload(hub, "parquet-node")
     proxy = CountingProxy(s3.endpoint)
     try:
