@@ -107,14 +107,15 @@ def build_loader(
             one on CUDA (the training thread's), where the workers also run at a lower priority (nice +10).
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
         drop_last: ``None`` means True for train, False for eval.
-        shuffle_window: shards only, train only: ``K`` shuffles each epoch by shards rather than globally: the
-            shards in a random order (seeded by ``seed`` and the epoch), ``K`` at a time, the samples of each ``K``
-            shards shuffled among themselves, and each rank a contiguous part of the epoch (as Mosaic streaming's
-            and litdata's orders), so a batch touches at most ``K`` shards (``2K`` across a group's end). For shards
-            at a URL larger than the node's shard cache (``Remote(cache_limit=)``): the group's ``K`` shards are
-            fetched once per node and the next group's read ahead, instead of about a request per sample. The shards
-            must each hold a random part of the set (``gpupipe prepare --order shuffled``); shards written class by
-            class get a warning. ``None``: the global shuffle. A folder or CSV list (no shards) refuses it.
+        shuffle_window: shards or Parquet (its row groups as shards, file after file), train only: ``K`` shuffles
+            each epoch by shards rather than globally: the shards in a random order (seeded by ``seed`` and the
+            epoch), ``K`` at a time, the samples of each ``K`` shards shuffled among themselves, and each rank a
+            contiguous part of the epoch (as Mosaic streaming's and litdata's orders), so a batch touches at most
+            ``K`` shards (``2K`` across a group's end). For shards or Parquet files at a URL larger than the node's
+            shard cache (``Remote(cache_limit=)``): the group's ``K`` shards are fetched once per node and the next
+            group's read ahead, instead of about a request per sample. The shards must each hold a random part of
+            the set (``gpupipe prepare --order shuffled``); shards written class by class get a warning. ``None``:
+            the global shuffle. A folder or CSV list (no shards) refuses it.
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
