@@ -15,8 +15,8 @@ from ..errors import MissingFileError, SourceError
 from .dataset import DatasetSource, is_dataset, open_dataset
 from .named import is_named_dataset, open_named
 from .objstore import Remote
-from .parquet import is_parquet_source, open_parquet
-from .remote import is_url, scan_remote
+from .parquet import is_parquet_source, open_parquet, parquet_at
+from .remote import NotPrepared, as_remote, is_url, scan_remote
 from .scan import ImageList, scan_csv, scan_folder
 from .shards import is_shard_source, scan_shards
 
@@ -49,7 +49,7 @@ def open_source(
     if is_parquet_source(root):
         return open_parquet(root)
     if is_url(root) or is_shard_source(root):
-        shards = scan_remote(root) if is_url(root) else scan_shards(root, allow_outside_root)
+        shards = _at_url(root) if is_url(root) else scan_shards(root, allow_outside_root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
             raise SourceError(
                 f"{root}: the shards' classes differ from the training set's; prepare both from "
@@ -66,3 +66,15 @@ def open_source(
     if not path.exists():
         raise MissingFileError(f"{path}: no such directory or file list")
     raise SourceError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
+
+
+def _at_url(root) -> ImageList:
+    """Shards at a URL; a folder there that holds no prepared set but ``*.parquet`` objects is read as Parquet."""
+    try:
+        return scan_remote(root)
+    except NotPrepared:
+        remote = as_remote(root)
+        found = parquet_at(remote, str(remote.url).rstrip("/"))
+        if found is None:
+            raise
+        return found

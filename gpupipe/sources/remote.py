@@ -30,7 +30,6 @@ from .cache_folder import cache_folder
 from .cached import CachedShards, ReadAhead, plan
 from .objstore import Remote, Store
 from .ranges import BatchReader
-from .scan import ImageList
 from .shards import (
     FORMAT,
     INDEX,
@@ -143,7 +142,7 @@ def _shard_cache(store: Store, urls: list[str], listed: dict[str, dict] | None) 
     return CachedShards(store, cache, urls, [int(i.get("size") or 0) for i in infos], [etag_of(i) for i in infos])
 
 
-def scan_remote(root) -> ImageList:
+def scan_remote(root) -> RemoteShardImageList:
     """The data set at ``root`` (a URL, a list of them, or a :class:`Remote`)."""
     remote = as_remote(root)
     urls = [remote.url] if isinstance(remote.url, str) else list(remote.url)
@@ -173,22 +172,20 @@ def _expand(store: Store, urls: list[str]) -> list[str]:
     return out
 
 
-def load_prepared_remote(store: Store, url: str) -> ImageList:
-    """A prepared folder at ``url``: its metadata, and the index columns start-up needs, read by range. A folder of
-    ``*.parquet`` objects instead is read as Parquet (:mod:`.parquet`)."""
+class NotPrepared(StorageError):
+    """A folder at a URL without a prepared set's metadata (:func:`~.open.open_source` then looks for Parquet)."""
+
+
+def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
+    """A prepared folder at ``url``: its metadata, and the index columns start-up needs, read by range."""
     try:
         meta = json.loads(store.cat(f"{url}/{META}"))
     except StorageError as e:
         if "no such object" not in str(e):
             raise
-        from .parquet import parquet_at  # deferred: parquet.py reads its objects through this module
-
-        found = parquet_at(store.remote, url)
-        if found is None:
-            raise StorageError(
-                f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards nor .parquet files"
-            ) from None
-        return found
+        raise NotPrepared(
+            f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards nor .parquet files"
+        ) from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise GpupipeError(
             f"{url}/{META}: format {meta.get('format')!r} version {meta.get('version')!r}; this gpupipe reads "
