@@ -9,6 +9,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ._options import Cache
@@ -25,9 +26,7 @@ from .errors import MissingFileError
 from .recipe import DefaultSize, Recipe
 from .sources.dataset import check_sendable
 from .sources.open import Source, open_source
-from .sources.remote import RemoteShardImageList
 from .sources.scan import ImageList
-from .sources.shards import ShardImageList
 
 _ROW = re.compile(r"^.*?:\d+: ")  # a missing row is named "list.csv:LINE: path"
 
@@ -108,14 +107,15 @@ def build_loader(
             one on CUDA (the training thread's), where the workers also run at a lower priority (nice +10).
         seed: shuffling and augmentation seed; with ``set_epoch`` the order changes every epoch.
         drop_last: ``None`` means True for train, False for eval.
-        shuffle_window: shards only, train only: ``K`` shuffles each epoch by shards rather than globally: the
-            shards in a random order (seeded by ``seed`` and the epoch), ``K`` at a time, the samples of each ``K``
-            shards shuffled among themselves, and each rank a contiguous part of the epoch (as Mosaic streaming's
-            and litdata's orders), so a batch touches at most ``K`` shards (``2K`` across a group's end). For shards
-            at a URL larger than the node's shard cache (``Remote(cache_limit=)``): the group's ``K`` shards are
-            fetched once per node and the next group's read ahead, instead of about a request per sample. The shards
-            must each hold a random part of the set (``gpupipe prepare --order shuffled``); shards written class by
-            class get a warning. ``None``: the global shuffle. A folder or CSV list (no shards) refuses it.
+        shuffle_window: shards or Parquet (its row groups as shards, file after file), train only: ``K`` shuffles
+            each epoch by shards rather than globally: the shards in a random order (seeded by ``seed`` and the
+            epoch), ``K`` at a time, the samples of each ``K`` shards shuffled among themselves, and each rank a
+            contiguous part of the epoch (as Mosaic streaming's and litdata's orders), so a batch touches at most
+            ``K`` shards (``2K`` across a group's end). For shards or Parquet files at a URL larger than the node's
+            shard cache (``Remote(cache_limit=)``): the group's ``K`` shards are fetched once per node and the next
+            group's read ahead, instead of about a request per sample. The shards must each hold a random part of
+            the set (``gpupipe prepare --order shuffled``); shards written class by class get a warning. ``None``:
+            the global shuffle. A folder or CSV list (no shards) refuses it.
         normalize: ImageNet mean/std on the device (float32); ``False`` gives uint8.
         rank, world_size: the shard to read; ``None`` takes them from ``torch.distributed`` when initialised.
         on_error: ``"raise"`` a :class:`gpupipe.DecodeError` naming the file, or ``"skip"`` it (see ``loader.skipped``).
@@ -183,16 +183,17 @@ def _sampler(
     window: int | None,
 ) -> ShardSampler:
     """The loader's order. Train: every rank takes the same number of steps (DDP needs it); eval: every sample
-    exactly once, no padding. Shards at a URL are told the order, to read as it suits (and warn when it does not)."""
+    exactly once, no padding. The source is told the order, to read as it suits (shards or Parquet at a URL: through
+    the node's cache or by range, with a warning when neither suits it)."""
     shards = None
     if window is not None:
-        if not isinstance(dataset, ShardImageList):
+        shards = dataset.shard_of
+        if shards is None:
             raise ValueError(
                 f"shuffle_window={window} shuffles groups of shards and {dataset.root} has none (an ImageFolder or a "
                 "CSV list reads each file on its own; gpupipe prepare writes shards): leave it None"
             )
-        shards = dataset.shard_of
-        if why := window_mixing(shards, dataset.labels, window, batch_size):
+        if why := window_mixing(shards, np.asarray(dataset.targets, np.int64), window, batch_size):
             warnings.warn(f"{dataset.root}: {why}", stacklevel=3)
     rank, world_size = rank_world
     sampler = ShardSampler(
@@ -206,9 +207,9 @@ def _sampler(
         equal_steps=train,
         shards=shards,
         window=window,
+        shard_files=dataset.shard_files if window is not None else None,
     )
-    if isinstance(dataset, RemoteShardImageList):
-        dataset.plan_reads(sampler)
+    dataset.plan_reads(sampler)
     return sampler
 
 

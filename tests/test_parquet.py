@@ -6,11 +6,12 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
-from gpupipe.errors import DecodeError
+from gpupipe.errors import DecodeError, StorageError
 from gpupipe.sources.open import open_source
 
-from .common_utils import encoded, photo
+from .common_utils import S3Server, assert_resume_is_exact, encoded, photo
 from .test_dataset import BACKENDS, _batches, _same, on_two_ranks
 
 pa = pytest.importorskip("pyarrow")
@@ -132,3 +133,98 @@ def test_parquet_reads_as_the_folder_with_the_default_two_workers(sets, backend)
             _batches(folder, backend, train=train, num_workers=2),
             exact=backend == "pillow",
         )
+
+
+# -- shuffle_window: row groups, file after file --------------------------------------------------------------------
+
+
+def test_a_shuffle_window_reads_row_groups_file_after_file_and_resumes_exactly(sets):
+    """``shuffle_window=2``: each window is two row groups (of one file or two), the loader delivers the sampler's
+    order, the same for the same seed, and a loader resumed mid-epoch delivers exactly the rest."""
+    _, hub = sets
+    kw = dict(batch_size=2, train=True, drop_last=False, shuffle_window=2)
+    loader = _batches(hub, "pillow", **kw)
+    data, sampler = loader.dataset, loader.sampler
+    assert data.shard_of.tolist() == [0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 4] and data.shard_files.tolist() == [0, 0, 0, 1, 1]
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        order = sampler.rank_indices(epoch)
+        assert torch.cat([y for _, y in loader]).tolist() == [data.targets[i] for i in order]
+        windows = [set(data.shard_of[order[j : j + 4]].tolist()) for j in range(0, 8, 4)]  # groups of 3 rows but one
+        assert all(len(w) <= 3 for w in windows)
+    assert sampler.order(0) != sampler.order(1)
+    assert _batches(hub, "pillow", **kw).sampler.order(1) == sampler.order(1)
+    assert_resume_is_exact(lambda: _batches(hub, "pillow", **kw), epoch=1, batch=2)
+    ranks = [_batches(hub, "pillow", rank=r, world_size=2, **kw).sampler.rank_indices(0) for r in (0, 1)]
+    assert ranks[0] + ranks[1] == (sampler.order(0) * 2)[:12]  # each rank a contiguous part (11 rows, one padded)
+
+
+# -- on object storage: the tests' S3 server -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub_url(s3, sets):
+    return s3.upload(sets[1], "parquet")
+
+
+@pytest.mark.parametrize("backend", ["pillow", "dali"])
+def test_parquet_on_s3_reads_as_the_same_images_in_a_folder(sets, hub_url, backend):
+    """A folder at a URL, a glob and a list of URLs: the folder's labels, order and crops."""
+    folder, _ = sets
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    urls = [f"{hub_url}/train-00000.parquet", f"{hub_url}/train-00001.parquet"]
+    assert open_source(hub_url).samples == open_source(f"{hub_url}/*.parquet").samples == open_source(urls).samples
+    assert open_source(hub_url).classes == CLASSES
+    for train in (True, False) if backend == "pillow" else (False,):
+        _same(_batches(hub_url, backend, train=train), _batches(folder, backend, train=train), backend == "pillow")
+
+
+def test_parquet_on_s3_is_fetched_once_per_node_for_two_ranks_of_two_workers(s3, sets, tmp_path):
+    """Two ranks of this node (one cache folder), two workers each, two epochs with a shuffle window: each object is
+    asked of the server once, whole (the index is read from that copy too), and the ranks read the folder's rows."""
+    from gpupipe import Remote
+
+    from .common_utils import CountingProxy
+
+    _, hub = sets
+    url = s3.upload(hub, "parquet-node")
+    proxy = CountingProxy(s3.endpoint)
+    try:
+        source = Remote(url, storage_options={"endpoint_url": proxy.endpoint}, cache_dir=str(tmp_path))
+        kw = dict(batch_size=2, train=True, shuffle_window=2, num_workers=2, world_size=2)
+        loaders = [_batches(source, "pillow", rank=r, **kw) for r in (0, 1)]
+        for epoch in (0, 1):
+            for r, loader in enumerate(loaders):
+                loader.set_epoch(epoch)
+                local = _batches(hub, "pillow", rank=r, **kw)
+                local.set_epoch(epoch)
+                _same(loader, local, exact=True)
+        gets = proxy.gets(f"/{S3Server.BUCKET}/parquet-node/")
+    finally:
+        proxy.stop()
+    assert gets == {f"/{S3Server.BUCKET}/parquet-node/train-0000{k}.parquet": 1 for k in (0, 1)}, proxy.log
+    assert loaders[0].dataset.cached and len(list(tmp_path.glob("*.parquet"))) == 2
+
+
+def test_parquet_without_the_node_cache_reads_row_groups_by_range(hub_url, sets):
+    from gpupipe import Remote
+
+    folder, _ = sets
+    data = open_source(Remote(hub_url, cache_limit=0))
+    assert data.cache is None and not data.cached
+    _same(_batches(data.root, "pillow", train=False), _batches(folder, "pillow", train=False), exact=True)
+    assert [data.read(i) for i in range(len(data))] == [open_source(folder).read(i) for i in range(len(data))]
+
+
+def test_a_missing_parquet_object_or_bucket_is_named_in_one_line(s3, sets):
+    _, hub = sets
+    url = s3.upload(hub, "parquet-missing")
+    with pytest.raises(StorageError, match=r"^s3://gpupipe-test/parquet-missing/nope\.parquet: no such object"):
+        open_source([f"{url}/train-00000.parquet", f"{url}/nope.parquet"])
+    with pytest.raises(StorageError, match=r"no such bucket 'no-such-bucket-here'"):
+        open_source("s3://no-such-bucket-here/train/part-0.parquet")
+    with pytest.raises(StorageError, match=r"parquet-nowhere/\*\.parquet: no object matches"):
+        open_source(f"s3://{S3Server.BUCKET}/parquet-nowhere/*.parquet")
+    with pytest.raises(StorageError, match=r"parquet-nowhere: neither a folder written by .* nor \.parquet files$"):
+        open_source(f"s3://{S3Server.BUCKET}/parquet-nowhere")

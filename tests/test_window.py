@@ -3,6 +3,8 @@ random order, K at a time, the samples of each group shuffled among themselves; 
 equal steps; exact resume; refused where there are no shards or no shuffle. The object-storage side (blocks read once
 per epoch): tests/test_ranges.py."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -59,6 +61,23 @@ def test_the_window_order_is_groups_of_shards_shuffled_among_themselves():
     for batch in sampler.batches(0):  # a batch lies in one group, or two where it straddles their boundary
         touched = {i for i, g in enumerate(groups) if g & set(shards[batch].tolist())}
         assert max(touched) - min(touched) <= 1 and len(set(shards[batch].tolist())) <= 2 * 3
+
+
+def test_shards_that_are_parts_of_files_come_file_after_file():
+    """Row groups (``shard_files``: each one's file): the files in a random order, each file's groups in a random
+    order one after another, then windows of groups as for shards; an epoch needs each file during one stretch."""
+    shards = _shards(2, 24)
+    files = np.arange(24) // 4  # 6 files of 4 groups
+    counts = np.bincount(shards)
+    kw = dict(shuffle=True, seed=3, shards=shards, shard_files=files)
+    one = ShardSampler(len(shards), 4, window=1, **kw).order(0)
+    firsts = list(dict.fromkeys(shards[one].tolist()))
+    assert len([f for f, _ in itertools.groupby(files[firsts])]) == 6  # each file once, its groups together
+    assert firsts != sorted(firsts)  # the files and their groups shuffled, not in order
+    order = ShardSampler(len(shards), 4, window=3, **kw).order(0)
+    groups = _groups(shards[order], counts, 3)
+    assert all(len({int(files[g]) for g in group}) <= 2 for group in groups)  # a window spans one file or two
+    assert ShardSampler(len(shards), 4, window=3, **kw).order(1) != order
 
 
 def test_a_window_of_every_shard_is_a_global_shuffle_and_one_shard_reads_shard_after_shard():

@@ -198,6 +198,8 @@ class LoaderState:
         digest = hashlib.sha256(np.asarray(self._targets, np.int64).tobytes())
         if sampler.window is not None and sampler.shards is not None:
             digest.update(np.asarray(sampler.shards, np.int64).tobytes())
+            if sampler.shard_files is not None:
+                digest.update(np.asarray(sampler.shard_files, np.int64).tobytes())
         return {
             "seed": sampler.seed,
             "num_samples": sampler.num_samples,

@@ -43,7 +43,7 @@ class ShardSampler:
     ``window`` (with ``shuffle``; ``shards[i]``: sample ``i``'s shard number): the epoch's order is
     :func:`window_order` over groups of ``window`` shards, and each rank takes a contiguous part of it (the same
     counts, padding and dropping as above), so ranks read mostly disjoint shards. The order is then a function of
-    ``(seed, epoch, rank, world_size, window, shards)``.
+    ``(seed, epoch, rank, world_size, window, shards)`` (and ``shard_files``: see :func:`window_order`).
     """
 
     def __init__(
@@ -59,6 +59,7 @@ class ShardSampler:
         equal_steps: bool = True,
         shards: np.ndarray | None = None,
         window: int | None = None,
+        shard_files: np.ndarray | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -67,7 +68,7 @@ class ShardSampler:
         if num_samples < 1:
             raise ValueError("the data set has no samples")
         _check_window(window, shards, num_samples, shuffle)
-        self.shards, self.window = shards, window
+        self.shards, self.window, self.shard_files = shards, window, shard_files
         self.num_samples, self.batch_size = num_samples, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.rank, self.world_size, self.equal_steps = rank, world_size, equal_steps
@@ -107,7 +108,7 @@ class ShardSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         if self.window is None or self.shards is None:
             return torch.randperm(self.num_samples, generator=g).tolist()
-        return window_order(self.shards, self.window, g).tolist()
+        return window_order(self.shards, self.window, g, self.shard_files).tolist()
 
     def rank_indices(self, epoch: int) -> list[int]:
         """This rank's sample indices for ``epoch``, padded or cut to a whole number of equal shares: every
@@ -168,6 +169,7 @@ class ShardSampler:
                 drop_last=drop_last,
                 shards=self.shards,
                 window=self.window,
+                shard_files=self.shard_files,
             )
             return other.stream(epoch)
         order, b = self.order(epoch), self.batch_size
@@ -184,15 +186,25 @@ class ShardSampler:
         return iter(self.keys(self.position.epoch, self.position.batch))
 
 
-def window_order(shards: np.ndarray, window: int, generator: torch.Generator) -> np.ndarray:
+def window_order(
+    shards: np.ndarray, window: int, generator: torch.Generator, shard_files: np.ndarray | None = None
+) -> np.ndarray:
     """Every sample index (``shards[i]``: sample ``i``'s shard number) in a windowed shuffle: the shards in a random
     order, taken ``window`` at a time, and the samples of each group of shards in a random order among themselves;
-    the groups one after the other. Drawn from ``generator`` alone."""
+    the groups one after the other. Drawn from ``generator`` alone.
+
+    ``shard_files[s]``: the file that holds shard ``s``, where shards are parts of files (Parquet's row groups): the
+    files in a random order and each file's shards in a random order, one file after another, so that an epoch
+    needs each file during one stretch of it (fetched once per node where the files do not all fit its cache)."""
     count = int(shards.max()) + 1
-    # each shard's group: its place in a random order of the shards, // window (in the narrowest integer type, which
-    # numpy's stable sort sorts by radix: linear in the samples)
+    place = torch.randperm(count, generator=generator).numpy()
+    if shard_files is not None:
+        file_place = torch.randperm(int(shard_files.max()) + 1, generator=generator).numpy()
+        place = place[np.argsort(file_place[shard_files[place]], kind="stable")]
+    # each shard's group: its place in that order, // window (in the narrowest integer type, which numpy's stable sort
+    # sorts by radix: linear in the samples)
     group = np.empty(count, np.min_scalar_type(max(count // window, 1)))
-    group[torch.randperm(count, generator=generator).numpy()] = np.arange(count) // window
+    group[place] = np.arange(count) // window
     shuffled = torch.randperm(len(shards), generator=generator).numpy()
     return shuffled[np.argsort(group[shards[shuffled]], kind="stable")]  # a group's samples keep the random order
 

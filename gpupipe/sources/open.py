@@ -15,8 +15,8 @@ from ..errors import MissingFileError, SourceError
 from .dataset import DatasetSource, is_dataset, open_dataset
 from .named import is_named_dataset, open_named
 from .objstore import Remote
-from .parquet import ParquetImageList, is_parquet_source
-from .remote import is_url, scan_remote
+from .parquet import is_parquet_source, open_parquet, parquet_at
+from .remote import NotPrepared, as_remote, is_url, scan_remote
 from .scan import ImageList, scan_csv, scan_folder
 from .shards import is_shard_source, scan_shards
 
@@ -33,9 +33,9 @@ def open_source(
     ``ImageFolder``), a CSV file list (``path,label``), or tar shards (a folder written by ``gpupipe prepare``, a
     ``.tar``, a glob or a list of them), on a disk or at a URL (``s3://``, ``gs://``..., or a :class:`Remote`).
 
-    Or Parquet files: a ``.parquet`` path, glob or list, or a folder of them (:mod:`.parquet`). Or a map-style
-    dataset object, a :class:`DatasetSource` or ``(images, labels)`` arrays (:mod:`.dataset`), or a dataset named
-    ``module:callable`` or ``module.Class:ROOT`` (:mod:`.named`).
+    Or Parquet files: a ``.parquet`` path, glob or list, or a folder of them, on a disk or at a URL
+    (:mod:`.parquet`). Or a map-style dataset object, a :class:`DatasetSource` or ``(images, labels)`` arrays
+    (:mod:`.dataset`), or a dataset named ``module:callable`` or ``module.Class:ROOT`` (:mod:`.named`).
 
     CSV paths are relative to the CSV's folder and may not leave it unless ``allow_outside_root``.
 
@@ -47,9 +47,9 @@ def open_source(
     if is_dataset(root):
         return open_dataset(root)
     if is_parquet_source(root):
-        return ParquetImageList(root)
+        return open_parquet(root)
     if is_url(root) or is_shard_source(root):
-        shards = scan_remote(root) if is_url(root) else scan_shards(root, allow_outside_root)
+        shards = _at_url(root) if is_url(root) else scan_shards(root, allow_outside_root)
         if class_to_idx is not None and shards.class_to_idx != class_to_idx:
             raise SourceError(
                 f"{root}: the shards' classes differ from the training set's; prepare both from "
@@ -66,3 +66,15 @@ def open_source(
     if not path.exists():
         raise MissingFileError(f"{path}: no such directory or file list")
     raise SourceError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
+
+
+def _at_url(root) -> ImageList:
+    """Shards at a URL; a folder there that holds no prepared set but ``*.parquet`` objects is read as Parquet."""
+    try:
+        return scan_remote(root)
+    except NotPrepared:
+        remote = as_remote(root)
+        found = parquet_at(remote, str(remote.url).rstrip("/"))
+        if found is None:
+            raise
+        return found

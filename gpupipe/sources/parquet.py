@@ -1,12 +1,24 @@
 """Parquet files as the :class:`~gpupipe.sources.scan.ImageList` every backend reads: a path, a glob, a folder of
-``*.parquet`` or a list of them, in the Hugging Face Hub's layout (an image column of ``{bytes, path}`` structs or of
-encoded bytes, a label column, class names in the schema's metadata), read with pyarrow one row group at a time."""
+``*.parquet`` or a list of them, on a disk or at a URL (``s3://bucket/train/*.parquet``, a folder, a list), in the
+Hugging Face Hub's layout (an image column of ``{bytes, path}`` structs or of encoded bytes, a label column, class
+names in the schema's metadata), read with pyarrow one row group at a time.
+
+A row group is what ``build_loader(shuffle_window=K)`` groups by (a tar shard's part): the files in a random order,
+each file's groups in a random order, ``K`` groups at a time with their rows shuffled among themselves, so a batch
+reads at most ``2K`` groups and an epoch needs each file during one stretch of it
+(:func:`~gpupipe.data.sampler.window_order`). Files at a URL are read as shards at a URL are (:mod:`.remote`): each
+fetched whole once per node into the node's shard cache (:mod:`.cache`), the next ones read ahead; a file's labels
+and row groups indexed once per object version and kept on the local disk; each row group read by range where the
+cache is off or the loader's order cannot use it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,24 +29,33 @@ import numpy as np
 from .._deps import require
 from .._files import read_regular
 from ..errors import DecodeError, MissingFileError, SourceError
+from .cached import ReadAhead, plan
 from .compact import SampleList
 from .dataset import IMAGE_FIELDS, LABEL_FIELDS
+from .objstore import Remote, Store
+from .remote import _expand, _listed, _shard_cache, as_remote, is_url, remote_index
 from .scan import ImageList, read_each
 
 _KEPT_GROUPS = 4  # row groups a reading process keeps decoded from Parquet (a batch often spans two)
+_INDEX_KEYS = ("label", "group_rows", "columns", "classes")
 
 
-ParquetSource = str | os.PathLike | Sequence[str | os.PathLike]
+ParquetSource = str | os.PathLike | Sequence[str | os.PathLike] | Remote
 
 
 def is_parquet_source(root: object) -> TypeGuard[ParquetSource]:
-    """A ``.parquet`` path or glob, a folder holding ``*.parquet`` files, or a list of ``.parquet`` paths."""
+    """A ``.parquet`` path, glob or URL, a folder holding ``*.parquet`` files, or a list of ``.parquet`` paths or URLs
+    (a :class:`Remote` of one of them too). A folder at a URL is known by listing it (:mod:`.remote`)."""
+    if isinstance(root, Remote):
+        return is_parquet_source(root.url)
     if isinstance(root, (list, tuple)):
         return len(root) > 0 and all(isinstance(p, (str, os.PathLike)) and _is_parquet(p) for p in root)
     if not isinstance(root, (str, os.PathLike)):
         return False
     if _is_parquet(root):
         return True
+    if is_url(root):
+        return False
     path = Path(root)
     return path.is_dir() and any(path.glob("*.parquet")) and not any(p.is_dir() for p in path.iterdir())
 
@@ -43,7 +64,7 @@ def _is_parquet(path: str | os.PathLike) -> bool:
     return os.fspath(path).lower().endswith(".parquet")
 
 
-def parquet_files(root: ParquetSource) -> list[str]:
+def parquet_files(root: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """The files ``root`` names, in order (a glob's and a folder's sorted)."""
     if not isinstance(root, (str, os.PathLike)):
         return [os.fspath(p) for p in root]
@@ -59,6 +80,59 @@ def parquet_files(root: ParquetSource) -> list[str]:
     return found
 
 
+def open_parquet(root: ParquetSource) -> ParquetImageList:
+    """The rows of the Parquet files ``root`` names, on this machine's disks or at a URL."""
+    if is_url(root):
+        remote = as_remote(root)
+        return open_parquet_remote(remote, [remote.url] if isinstance(remote.url, str) else list(remote.url))
+    assert not isinstance(root, Remote)  # a Remote is a URL
+    files = parquet_files(root)
+    where = os.fspath(root) if isinstance(root, (str, os.PathLike)) else os.path.dirname(files[0]) or "."
+    return ParquetImageList(where, files, [file_index(Path(f), f) for f in files])
+
+
+def open_parquet_remote(remote: Remote, urls: list[str]) -> RemoteParquetImageList:
+    """Parquet objects at ``urls`` (globs and braces expanded), each indexed once per object version."""
+    store = Store(remote, urls[0])
+    urls = _expand(store, urls)
+    listed = _listed(store, urls)
+    parts = [remote_index(store, u, listed.get(u), file_index, _INDEX_KEYS) for u in urls]
+    where = remote.url if isinstance(remote.url, str) else os.path.dirname(urls[0])
+    return RemoteParquetImageList(store, where, urls, parts, listed)
+
+
+def parquet_at(remote: Remote, folder: str) -> RemoteParquetImageList | None:
+    """The ``*.parquet`` objects directly in ``folder`` (a URL), or None where it holds none."""
+    store = Store(remote, folder)
+    found = [u for u in store.glob(f"{folder}/*") if _is_parquet(u)]
+    return open_parquet_remote(dataclasses.replace(remote, url=folder), found) if found else None
+
+
+def file_index(path: Path, name: str) -> dict[str, np.ndarray]:
+    """What start-up needs of one Parquet file (``name``: its path or URL, for messages): each row's label, each row
+    group's row count, the image and label columns' names and the class names its schema's metadata gives."""
+    require("pyarrow", "parquet")
+    import pyarrow.parquet as pq  # deferred: an optional dependency
+
+    try:
+        f = pq.ParquetFile(path)
+    except FileNotFoundError:
+        raise MissingFileError(f"{name}: no such Parquet file") from None
+    except Exception as e:  # not Parquet, truncated
+        raise SourceError(f"{name}: cannot read it as Parquet ({type(e).__name__}: {e})") from None
+    with f:
+        image, label = _columns(name, f.schema_arrow)
+        column = f.read(columns=[label]).column(0)
+        rows = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+        classes = _class_names(f.schema_arrow, label) or []
+    return {
+        "label": _labels(name, column),
+        "group_rows": np.array(rows, np.int64),
+        "columns": np.array([image, label]),
+        "classes": np.array(classes, dtype=str),
+    }
+
+
 class RowNames(SampleList):
     """``(name, label)`` per row: ``FILE row R``, from each row's file number and row in it."""
 
@@ -70,40 +144,51 @@ class RowNames(SampleList):
 
 
 class ParquetImageList(ImageList):
-    """Rows of Parquet files: the label column read once when the list is made, the image column one row group at a
-    time in the process that reads (a few kept: a loader's batch of neighbouring rows reads its group once)."""
+    """Rows of Parquet files: the labels read when the list is made (:func:`file_index`), the image column one row
+    group at a time in the process that reads (a few kept: a loader's batch of neighbouring rows reads its group
+    once; with a ``shuffle_window`` of ``K`` groups, the ``2K`` a batch may span)."""
 
     reads_files = False
 
-    def __init__(self, root: ParquetSource):
-        require("pyarrow", "parquet")
-        import pyarrow.parquet as pq  # deferred: an optional dependency
-
-        files = parquet_files(root)
-        metas = [_open(pq, f) for f in files]
-        self.image_key, self.label_key = _columns(files[0], metas[0].schema_arrow)
-        labels, file_of, rows, starts = [], [], [], []
-        for k, (f, meta) in enumerate(zip(files, metas, strict=True)):
-            column = _read(pq, f, [self.label_key]).column(0)
-            labels.append(_labels(f, column))
-            file_of.append(np.full(len(column), k, np.int32))
-            rows.append(np.arange(len(column), dtype=np.int64))
-            starts.append(np.cumsum([0] + [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]))
-        all_labels = np.concatenate(labels)
+    def __init__(self, where: str, files: list[str], parts: list[dict[str, np.ndarray]]):
+        self.image_key, self.label_key = (str(c) for c in parts[0]["columns"])
+        all_labels = np.concatenate([p["label"] for p in parts])
         if len(all_labels) == 0:
             raise SourceError(f"{files[0]}: the Parquet files hold no rows")
-        classes = _class_names(metas[0].schema_arrow, self.label_key) or []
+        classes = [str(c) for c in parts[0]["classes"]]
         count = int(all_labels.max()) + 1
         if len(classes) < count:
             classes = [str(i) for i in range(count)]
-        names = RowNames(files, np.concatenate(file_of), np.concatenate(rows), all_labels)
-        where = os.fspath(root) if isinstance(root, (str, os.PathLike)) else os.path.dirname(files[0]) or "."
+        file_of = np.concatenate([np.full(len(p["label"]), k, np.int32) for k, p in enumerate(parts)])
+        rows = np.concatenate([np.arange(len(p["label"]), dtype=np.int64) for p in parts])
+        names = RowNames(files, file_of, rows, all_labels)
         super().__init__(where, names, classes, {c: i for i, c in enumerate(classes)})
-        self.files, self.group_starts = files, starts
+        self.files, self.file_of = files, file_of
+        self.group_starts = [np.concatenate([[0], np.cumsum(p["group_rows"])]) for p in parts]
+        # each row group's number over all files (what a shuffle window groups by), and the file that holds it
+        first = np.cumsum([0] + [len(p["group_rows"]) for p in parts])
+        self._group_of = np.concatenate(
+            [first[k] + np.searchsorted(s, np.arange(s[-1]), side="right") - 1 for k, s in enumerate(self.group_starts)]
+        ).astype(np.int64)
+        self._group_file = np.concatenate([np.full(len(p["group_rows"]), k, np.int64) for k, p in enumerate(parts)])
+        self.kept_groups = _KEPT_GROUPS
         self._groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
 
     def __getstate__(self):  # a spawned worker keeps its own row groups
         return {**self.__dict__, "_groups": OrderedDict()}
+
+    @property
+    def shard_of(self) -> np.ndarray:
+        """Each row's row group, numbered over all the files."""
+        return self._group_of
+
+    @property
+    def shard_files(self) -> np.ndarray:
+        return self._group_file
+
+    def plan_reads(self, sampler) -> None:
+        """Keep the row groups a batch of the loader's order may span decoded."""
+        self.kept_groups = max(_KEPT_GROUPS, 2 * (sampler.window or 0))
 
     def read(self, index: int) -> bytes:
         """Row ``index``'s encoded image; a :class:`DecodeError` naming the file and row when it holds none."""
@@ -126,27 +211,68 @@ class ParquetImageList(ImageList):
         if key in self._groups:
             self._groups.move_to_end(key)
             return self._groups[key]
-        import pyarrow.parquet as pq  # deferred: an optional dependency
-
-        with pq.ParquetFile(self.files[k]) as f:
-            values = f.read_row_group(group, columns=[self.image_key]).column(0).to_pylist()
+        values = self._read_group(k, group)
         self._groups[key] = values
-        while len(self._groups) > _KEPT_GROUPS:
+        while len(self._groups) > self.kept_groups:
             self._groups.popitem(last=False)
         return values
 
-
-def _open(pq, path: str):
-    try:
-        return pq.ParquetFile(path)
-    except FileNotFoundError:
-        raise MissingFileError(f"{path}: no such Parquet file") from None
-    except Exception as e:  # not Parquet, truncated
-        raise SourceError(f"{path}: cannot read it as Parquet ({type(e).__name__}: {e})") from None
+    def _read_group(self, k: int, group: int) -> list[Any]:
+        return _group_values(self.files[k], group, self.image_key)
 
 
-def _read(pq, path: str, columns: list[str]):
-    return pq.read_table(path, columns=columns)
+class RemoteParquetImageList(ParquetImageList):
+    """Parquet objects at URLs, read through the node's shard cache as shards at a URL are (each object fetched whole
+    once per node, the coming ones read ahead), or a row group at a time by range where the cache is off or a
+    shuffled epoch cannot use it."""
+
+    def __init__(
+        self, store: Store, where: str, urls: list[str], parts: list[dict[str, np.ndarray]], listed: dict[str, dict]
+    ):
+        super().__init__(where, urls, parts)
+        self.store = store
+        self.cache = _shard_cache(store, urls, listed)  # None: no cache folder
+        self.cached = self.cache is not None and plan(self.cache.sizes, self.cache.cache.limit, True, None).cached
+        self.read_ahead: ReadAhead | None = None
+
+    def __getstate__(self):  # a spawned worker reads; the read ahead is its parent's
+        return {**super().__getstate__(), "read_ahead": None}
+
+    def plan_reads(self, sampler) -> None:
+        """As shards at a URL (:meth:`~.remote.RemoteShardImageList.plan_reads`), a file standing for a shard: a
+        window of ``K`` row groups spans at most ``K`` files."""
+        super().plan_reads(sampler)
+        if self.cache is None:
+            return
+        ranks = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks sharing this node's cache
+        local_ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
+        how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks)
+        self.cached, self.cache.keep = how.cached, how.keep
+        if how.cached and how.ahead:
+            self.read_ahead = ReadAhead(self.cache, sampler, self.file_of, how.ahead)
+        elif how.why:
+            warnings.warn(f"{self.root}: {how.why}", stacklevel=4)
+
+    def _read_group(self, k: int, group: int) -> list[Any]:
+        url = self.files[k]
+        if self.cached:
+            assert self.cache is not None  # cached: there is one
+            with self.cache.cache.pin(self.store, url, self.cache.sizes[k], self.cache.etags[k]) as pinned:
+                return _group_values(pinned.path, group, self.image_key)
+
+        def by_range() -> list[Any]:
+            with self.store.fs.open(self.store.path(url), "rb", block_size=1 << 20) as f:
+                return _group_values(f, group, self.image_key)
+
+        return self.store.call(url, by_range)
+
+
+def _group_values(source: str | Path | Any, group: int, column: str) -> list[Any]:
+    """Row group ``group`` of ``column`` of a Parquet file (a path or an open file) as Python values."""
+    import pyarrow.parquet as pq  # deferred: an optional dependency
+
+    with pq.ParquetFile(source) as f:
+        return f.read_row_group(group, columns=[column]).column(0).to_pylist()
 
 
 def _columns(path: str, schema) -> tuple[str, str]:

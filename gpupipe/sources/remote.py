@@ -18,7 +18,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -172,16 +172,20 @@ def _expand(store: Store, urls: list[str]) -> list[str]:
     return out
 
 
+class NotPrepared(StorageError):
+    """A folder at a URL without a prepared set's metadata (:func:`~.open.open_source` then looks for Parquet)."""
+
+
 def load_prepared_remote(store: Store, url: str) -> RemoteShardImageList:
     """A prepared folder at ``url``: its metadata, and the index columns start-up needs, read by range."""
     try:
         meta = json.loads(store.cat(f"{url}/{META}"))
     except StorageError as e:
-        if "no such object" in str(e):
-            raise StorageError(
-                f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards"
-            ) from None
-        raise
+        if "no such object" not in str(e):
+            raise
+        raise NotPrepared(
+            f"{url}: neither a folder written by gpupipe prepare (no {META}) nor .tar shards nor .parquet files"
+        ) from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise GpupipeError(
             f"{url}/{META}: format {meta.get('format')!r} version {meta.get('version')!r}; this gpupipe reads "
@@ -267,9 +271,21 @@ def _listed(store: Store, urls: list[str]) -> dict[str, dict]:
 
 
 def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict[str, np.ndarray]:
-    """The header index of a foreign shard at ``url``, cached under ``$XDG_CACHE_HOME/gpupipe/shard-index`` and
-    rebuilt when the object's size or ETag (``info``, else asked) changes. Building it streams the shard once (into
-    the node's shard cache when there is one: the reads that follow then stay local)."""
+    """The header index of a foreign shard at ``url`` (:func:`remote_index` of its tar headers)."""
+    return remote_index(store, url, info, _index_local, ("member", "offset", "size", "label"))
+
+
+def remote_index(
+    store: Store,
+    url: str,
+    info: dict | None,
+    build: Callable[[Path, str], dict[str, np.ndarray]],
+    keys: tuple[str, ...],
+) -> dict[str, np.ndarray]:
+    """The index ``build(local copy, url)`` makes of the object at ``url`` (its ``keys``), cached under
+    ``$XDG_CACHE_HOME/gpupipe/shard-index/remote`` and rebuilt when the object's size or ETag (``info``, else asked)
+    changes. Building it streams the object once (into the node's shard cache when there is one: the reads that
+    follow then stay local)."""
     info = info or store.info(url)
     tag = str(info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") or "")
     digest = int.from_bytes(hashlib.sha256(tag.encode()).digest()[:7], "little")
@@ -278,14 +294,14 @@ def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict
     try:
         with np.load(cached) as z:
             if np.array_equal(z["stamp"], stamp):
-                return {k: z[k] for k in ("member", "offset", "size", "label")}
+                return {k: z[k] for k in keys}
     except (OSError, KeyError, ValueError):
         pass  # absent, unreadable or stale: build it
     cache = _shard_cache(store, [url], {url: info})
     if cache is not None:
         pinned = cache.cache.pin(store, url, cache.sizes[0], cache.etags[0])
         try:
-            index = _index_local(pinned.path, url)
+            index = build(pinned.path, url)
         finally:
             pinned.close()
     else:
@@ -293,7 +309,7 @@ def remote_shard_index(store: Store, url: str, info: dict | None = None) -> dict
         tmp.parent.mkdir(parents=True, exist_ok=True)
         try:
             store.get(url, tmp)
-            index = _index_local(tmp, url)
+            index = build(tmp, url)
         finally:
             tmp.unlink(missing_ok=True)
     cached.parent.mkdir(parents=True, exist_ok=True)

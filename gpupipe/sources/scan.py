@@ -67,6 +67,21 @@ class ImageList:
         return list(self.read_many(indices))
 
     @property
+    def shard_of(self) -> np.ndarray | None:
+        """Each sample's shard number, what ``build_loader(shuffle_window=)`` groups by; None: files read one at a
+        time have none."""
+        return None
+
+    @property
+    def shard_files(self) -> np.ndarray | None:
+        """The file holding each shard where shards are parts of files (Parquet's row groups); None otherwise."""
+        return None
+
+    def plan_reads(self, sampler) -> None:
+        """Told the loader's order (its sampler) before any worker starts, for a layout that reads in blocks or
+        through the node's cache as that order suits; files read one at a time need nothing."""
+
+    @property
     def targets(self) -> list[int]:
         if isinstance(self.samples, SampleList):
             return self.samples.labels.tolist()
