@@ -7,6 +7,7 @@ import functools
 import io
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -319,15 +320,18 @@ def _resize_into(region: np.ndarray, out: torch.Tensor, flip: bool = False) -> N
         torch.ops.aten.flip.out(dest, [1], out=out)
 
 
-_SCRATCH: dict[tuple[int, ...], torch.Tensor] = {}
+_SCRATCH = threading.local()
 
 
 def _scratch(like: torch.Tensor) -> torch.Tensor:
-    """A reusable image of ``like``'s shape (one per shape and process: decoders run one image at a time)."""
+    """A reusable image of ``like``'s shape, one per shape and thread: a process may crop on several threads at once
+    (a dali or nvjpeg loader's own thread, another loader's, the held set's decode threads, the caller), and a scratch
+    image shared between two of them gave one image the other's pixels."""
     key = tuple(like.shape)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = torch.empty(key, dtype=torch.uint8)
-    return _SCRATCH[key]
+    images: dict[tuple[int, ...], torch.Tensor] = _SCRATCH.__dict__.setdefault("images", {})
+    if key not in images:
+        images[key] = torch.empty(key, dtype=torch.uint8)
+    return images[key]
 
 
 def crop_resize(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[int, int], size: int) -> np.ndarray:

@@ -5,6 +5,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from PIL import Image
 
 import gpupipe
+from gpupipe.image import crop_resize
 from gpupipe.recipe import Box
 
 from .common_utils import (
@@ -234,3 +236,24 @@ def test_read_image_of_a_one_pixel_image_is_a_writable_copy_without_a_warning(tm
         timeout=120,
     )
     assert run.returncode == 0 and not run.stderr, run.stderr
+
+
+def test_crops_mirrored_on_several_threads_at_once_are_each_their_own():
+    """A mirrored crop goes through a scratch image: each thread has its own (a dali or nvjpeg loader's thread, the
+    held set's decode threads and the caller may crop at once), so no image gets another's pixels."""
+    failures = []
+
+    def run(level):
+        img = np.full((40, 40, 3), level, np.uint8)
+        for _ in range(1000):
+            out = crop_resize(img, Box(0, 0, 40, 40, True), (40, 40), 24)
+            if not (out == level).all():
+                failures.append(level)
+                return
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in (10, 200, 90)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures

@@ -99,8 +99,6 @@ def test_a_state_resumes_at_the_same_sample_under_another_number_of_ranks(colour
     per-rank batch 12 / ranks) the next steps take exactly the samples the straight run's would; with the per-rank
     batch kept (so another global batch) the epoch's remaining samples, in the same order, in steps of the new size,
     said in one line."""
-    if source == "dataset" and backend == "dali":
-        pytest.skip("DALI's pass over a dataset of held pixels delivers another sample's pixels now and then")
     window = 2 if source in ("shards", "parquet") else None
     runs = {(1, 12): [(2, 6), (4, 3)], (2, 6): [(1, 12), (4, 3), (1, 6), (4, 6)], (4, 3): [(2, 6), (1, 3)]}
     for (world, batch), targets in runs.items():
