@@ -3,6 +3,8 @@ images written as an ImageFolder (labels, order, crops, resume, ranks), by path,
 from the schema's metadata; a bad row named by its file and row."""
 
 import json
+import os
+import warnings
 
 import numpy as np
 import pytest
@@ -228,3 +230,16 @@ def test_a_missing_parquet_object_or_bucket_is_named_in_one_line(s3, sets):
         open_source(f"s3://{S3Server.BUCKET}/parquet-nowhere/*.parquet")
     with pytest.raises(StorageError, match=r"parquet-nowhere: neither a folder written by .* nor \.parquet files$"):
         open_source(f"s3://{S3Server.BUCKET}/parquet-nowhere")
+
+
+def test_a_global_shuffle_over_more_row_groups_than_are_kept_is_a_warning_with_the_fix(sets):
+    """Parquet has no access to one row: a shuffled epoch over more row groups than a reader keeps reads a group for
+    nearly every sample, said once at the build with the fix; a shuffle window, or an eval pass, says nothing."""
+    _, hub = sets
+    with pytest.warns(UserWarning, match=r"5 Parquet row groups .* shuffle_window=K") as said:
+        _batches(hub, "pillow", batch_size=2, train=True)
+    assert said[0].filename.startswith(os.path.dirname(__file__))  # the caller's build_loader line, not gpupipe's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _batches(hub, "pillow", batch_size=2, train=True, shuffle_window=2)
+        _batches(hub, "pillow", batch_size=2, train=False)

@@ -18,6 +18,7 @@ import dataclasses
 import glob
 import json
 import os
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -187,8 +188,20 @@ class ParquetImageList(ImageList):
         return self._group_file
 
     def plan_reads(self, sampler) -> None:
-        """Keep the row groups a batch of the loader's order may span decoded."""
+        """Keep the row groups a batch of the loader's order may span decoded. A global shuffle over more groups than
+        that is worth a warning, once, with the fix: Parquet has no access to one row, so nearly every sample then
+        costs a whole group's read and decompression."""
         self.kept_groups = max(_KEPT_GROUPS, 2 * (sampler.window or 0))
+        groups = len(self._group_file)
+        if sampler.shuffle and sampler.window is None and groups > self.kept_groups:
+            rows = len(self._group_of) / groups
+            warnings.warn(
+                f"{self.root}: a global shuffle over {groups} Parquet row groups (about {rows:.0f} rows each) reads "
+                "and decompresses a whole group for nearly every sample; shuffle_window=K (16, say) reads each group "
+                "once an epoch, K groups' rows shuffled together (or prepare the set into tar shards: gpupipe "
+                "prepare)",
+                stacklevel=_caller(),
+            )
 
     def read(self, index: int) -> bytes:
         """Row ``index``'s encoded image; a :class:`DecodeError` naming the file and row when it holds none."""
@@ -265,6 +278,15 @@ class RemoteParquetImageList(ParquetImageList):
                 return _group_values(f, group, self.image_key)
 
         return self.store.call(url, by_range)
+
+
+def _caller() -> int:
+    """The ``stacklevel`` of the first frame outside gpupipe (the user's ``build_loader`` call), from the caller's."""
+    frame, level = sys._getframe(1), 1
+    package = os.path.dirname(os.path.dirname(__file__))
+    while frame is not None and frame.f_code.co_filename.startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _group_values(source: str | Path | Any, group: int, column: str) -> list[Any]:
