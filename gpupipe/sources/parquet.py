@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import sys
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -282,7 +283,8 @@ class RemoteParquetImageList(ParquetImageList):
 
 def _caller() -> int:
     """The ``stacklevel`` of the first frame outside gpupipe (the user's ``build_loader`` call), from the caller's."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     package = os.path.dirname(os.path.dirname(__file__))
     while frame is not None and frame.f_code.co_filename.startswith(package + os.sep):
         frame, level = frame.f_back, level + 1
