@@ -84,7 +84,8 @@ class FeedStream:
         self._cpu = cpu if cpu is not None else [0.0]  # the receiving thread's CPU seconds (it shares the interpreter)
         self._requests = _Requests()
         extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
-        self._began = multiprocessing.RawArray("q", max(1, workers))  # each worker's pid, once it has begun
+        # each worker's pid, once it has begun (a pid: persistent workers go on across restarts, and report once)
+        self._began = multiprocessing.RawArray("q", max(1, workers))
         if workers > 0:
             # by name, below the trainer
             extra["worker_init_fn"] = functools.partial(_feed_worker_init, nicer=nicer, began=self._began)
@@ -108,7 +109,6 @@ class FeedStream:
             self._source.stop()  # opens the gate: a worker waiting on it lets the DataLoader's reset through
         self._source = None
         self._requests.plan = requests
-        self._began[:] = [0] * len(self._began)
         it = start_workers(self._loader)
         self._source = _Receiver(it, self.feed.gate, self._cpu, self._began) if self._loader.num_workers > 0 else it
 
@@ -240,7 +240,9 @@ def _await_workers(it: Any, began: Any, stop: threading.Event) -> None:
             for w in stuck:
                 w.kill()
             pids = ", ".join(str(w.pid) for w in stuck)
-            raise GpupipeError(f"dali's feed worker (pid {pids}) did not begin within {_START:.0f} s of its start: killed")
+            raise GpupipeError(
+                f"dali's feed worker (pid {pids}) did not begin within {_START:.0f} s of its start: killed"
+            )
         time.sleep(0.01)
 
 

@@ -82,7 +82,7 @@ class Zygote:
         bytes counted, not kept."""
         sink = _Counter()
         popen = _Trial()
-        mp_context.set_spawning_popen(popen)
+        mp_context.set_spawning_popen(popen)  # type: ignore[arg-type]  # any popen with its two names
         try:
             _Pickler(sink, self._held).dump(obj)
         except Exception:
@@ -154,34 +154,39 @@ def _serve(sock: socket.socket, held: dict[int, Any]) -> None:
     status: dict[int, int] = {}  # worker pid -> its status pipe
     exits: dict[int, int] = {}  # a worker's pidfd -> its pid
     while os.getppid() == parent:
-        ready, _, _ = select.select([sock, *exits], [], [], 0.5)
+        ready, _, _ = select.select([sock.fileno(), *exits], [], [], 0.5)
         for fd in ready:
-            if fd is not sock:
+            if fd != sock.fileno():
                 _reap(exits.pop(fd), status)
                 os.close(fd)
-        if sock in ready:
+        if sock.fileno() in ready:
             try:
                 fds = reduction.recvfds(sock, 255)
             except (EOFError, OSError):
                 return  # the training process let go of it
-            child_r, child_w, *sent = fds
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                for fd in [*status.values(), *exits, child_w]:
-                    os.close(fd)
-                os._exit(_worker(child_r, sent, held))
-            os.close(child_r)
-            for fd in sent:
-                os.close(fd)
-            status[pid] = child_w
-            os.write(child_w, _SIGNED.pack(pid))
-            try:
-                exits[os.pidfd_open(pid)] = pid
-            except OSError:  # no pidfd (an old kernel): reaped on the next wake-up
-                pass
+            _fork_one(sock, fds, held, status, exits)
         for pid in [p for p in status if p not in exits.values()]:
             _reap(pid, status, block=False)
+
+
+def _fork_one(sock: socket.socket, fds: list[int], held: dict[int, Any], status: dict[int, int], exits: dict[int, int]):
+    """One worker forked, for a request's ``fds`` (its process object's pipe, its status pipe, what it was sent)."""
+    child_r, child_w, *sent = fds
+    pid = os.fork()
+    if pid == 0:
+        sock.close()
+        for fd in [*status.values(), *exits, child_w]:
+            os.close(fd)
+        os._exit(_worker(child_r, sent, held))
+    os.close(child_r)
+    for fd in sent:
+        os.close(fd)
+    status[pid] = child_w
+    os.write(child_w, _SIGNED.pack(pid))
+    try:
+        exits[os.pidfd_open(pid)] = pid
+    except OSError:  # no pidfd (an old kernel): reaped on the next wake-up
+        pass
 
 
 def _reap(pid: int, status: dict[int, int], block: bool = True) -> None:
@@ -252,14 +257,15 @@ class _Popen(popen_fork.Popen):
         if zygote is None:
             raise GpupipeError("the worker fork server was let go of")
         buf = io.BytesIO()
-        mp_context.set_spawning_popen(self)
+        mp_context.set_spawning_popen(self)  # type: ignore[arg-type]
         try:
             _Pickler(buf, zygote._held).dump(process_obj)
         finally:
             mp_context.set_spawning_popen(None)
         self.sentinel, w = zygote.connect(self._fds)
         parent_w = os.dup(w)  # the worker's sentinel of its parent (``parent_process()``), as forkserver keeps it
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        close = util.close_fds  # type: ignore[attr-defined]  # not in typeshed
+        self.finalizer = util.Finalize(self, close, (parent_w, self.sentinel))
         self.pid = _read_signed(self.sentinel, f"the worker fork server (pid {zygote.pid}) did not fork")
         try:
             _write_all(w, buf.getbuffer(), f"worker {self.pid} (forked by pid {zygote.pid}) did not start")
@@ -308,7 +314,7 @@ class _Counter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:  # type: ignore[override]
+    def write(self, b) -> int:
         return len(memoryview(b))
 
 
@@ -331,7 +337,7 @@ class _Context(mp_context.BaseContext):
         self.owner = os.getpid()
         self._zygote = weakref.ref(zygote)  # the zygote ends with its owner, not with this context
 
-    def Process(self, *args, **kwargs) -> ZygoteProcess:  # type: ignore[override]  # noqa: N802  # multiprocessing's name
+    def Process(self, *args, **kwargs) -> ZygoteProcess:  # multiprocessing's name
         started = ZygoteProcess(*args, **kwargs)
         _zygote_of[started] = self._zygote
         return started
