@@ -61,23 +61,34 @@ def test_a_dropped_nvjpeg_loader_ends_its_workers_without_the_garbage_collector(
     _ends_with_its_last_reference(lambda: _CpuNvjpegLoader(parts))
 
 
+def _workers(pid: int) -> set[int]:
+    """The live processes below ``pid``, but multiprocessing's resource tracker (kept for the process's life once a
+    worker is started by a fork server: no loader's): its children and theirs (dali's workers are forked by a fork
+    server, :mod:`gpupipe.plumbing.zygote`)."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker._pid  # private: multiprocessing has no public handle of it
+    found = set(_children(pid)) - {tracker}
+    return found | {grandchild for child in found for grandchild in _workers(child)}
+
+
 def _ends_with_its_last_reference(make) -> None:
     """The loader ``make()`` builds, two batches of a pass taken, then it and its pass dropped with gc off: its
     workers end."""
-    before = set(_children(os.getpid()))
+    before = _workers(os.getpid())
     loader = make()
     it = iter(loader)
     next(it)
     next(it)
-    workers = set(_children(os.getpid())) - before
+    workers = _workers(os.getpid()) - before
     assert workers, "the loader started no worker process"
     gc.disable()
     try:
         del it, loader
         deadline = time.monotonic() + 3  # torch's own wait for a worker that missed the stop is 5 s
-        while workers & set(_children(os.getpid())) and time.monotonic() < deadline:
+        while workers & _workers(os.getpid()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = workers & set(_children(os.getpid()))
+        left = workers & _workers(os.getpid())
     finally:
         gc.enable()
         gc.collect()
@@ -97,17 +108,17 @@ def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_work
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 30.0)
     data = shards if backend == "dali" else folder
     loader = gpupipe.build_loader(data, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
-    before = set(_children(os.getpid()))
+    before = _workers(os.getpid())
     it = iter(loader)
     next(it)
-    workers = set(_children(os.getpid())) - before
+    workers = _workers(os.getpid()) - before
     assert workers, "the loader started no worker process"
     loader.cycle = (loader, it)  # type: ignore[attr-defined]
     del loader, it
 
     def collect_until_gone() -> None:
         deadline = time.monotonic() + 10
-        while workers & set(_children(os.getpid())) and time.monotonic() < deadline:
+        while workers & _workers(os.getpid()) and time.monotonic() < deadline:
             gc.collect()
             time.sleep(0.05)
 
@@ -115,7 +126,7 @@ def test_a_loader_in_a_reference_cycle_is_collected_without_waiting_out_its_work
     collecting.start()
     collecting.join(timeout=20)
     assert not collecting.is_alive(), "the collector waited out the workers of a loader in a reference cycle"
-    assert not workers & set(_children(os.getpid())), "a loader in a reference cycle was never collected"
+    assert not workers & _workers(os.getpid()), "a loader in a reference cycle was never collected"
 
 
 def test_a_dali_pass_an_error_ends_stops_its_feed_workers_and_the_next_pass_starts_them(tmp_path):
@@ -131,11 +142,11 @@ def test_a_dali_pass_an_error_ends_stops_its_feed_workers_and_the_next_pass_star
     loader = gpupipe.build_loader(
         str(tmp_path / "shards" / "part-0.tar"), "dali", batch_size=4, num_workers=2, device="cpu", image_size=32
     )
-    before = set(_children(os.getpid()))
+    before = _workers(os.getpid())
     for _ in range(2):
         with pytest.raises(gpupipe.DecodeError, match="s0009"):
             list(loader)
-        workers = set(_children(os.getpid())) - before
+        workers = _workers(os.getpid()) - before
         assert not workers, f"workers {sorted(workers)} outlived the pass the error ended"
 
 
@@ -157,10 +168,10 @@ def test_a_pass_an_error_ends_stops_its_workers_before_the_error_is_raised(tmp_p
         loader = _CpuNvjpegLoader(gpupipe.build_loader(root, "pillow", **kw).parts)
     else:
         loader = gpupipe.build_loader(root, backend, batch_size=4, num_workers=2, device="cpu", image_size=32)
-    before = set(_children(os.getpid()))
+    before = _workers(os.getpid())
     with pytest.raises(gpupipe.DecodeError, match=bad.name) as raised:
         list(loader)
-    workers = set(_children(os.getpid())) - before
+    workers = _workers(os.getpid()) - before
     assert not workers, f"workers {sorted(workers)} outlived the pass the error ended"
     bad.write_bytes(good)
     assert sum(len(y) for _, y in loader) == 16 and raised.value.path.endswith(bad.name)
@@ -307,7 +318,7 @@ def test_a_killed_process_leaves_no_worker_and_no_shared_memory_behind(folder, s
     run = subprocess.Popen([sys.executable, "-c", _KILLED, *args], stdout=subprocess.PIPE, text=True)
     try:
         assert run.stdout is not None and run.stdout.readline() == "ready\n"
-        workers = _children(run.pid)
+        workers = _workers(run.pid)
         files = [f for pid in workers for f in glob.glob(f"/dev/shm/torch_{pid}_*")]
         assert workers and files
     finally:

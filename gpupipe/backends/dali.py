@@ -33,6 +33,8 @@ from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..image import default_max_pixels
 from ..plumbing.decode_ahead import DecodeAhead
+from ..plumbing.zygote import Zygote
+from ._fork import pipelines_running
 from .dali_feed import DaliFeed
 from .dali_files import FileStream, FileTable
 from .dali_graph import Driver, build_pipeline, consumer_stream, read_dali, to_torch
@@ -103,6 +105,7 @@ class DaliLoader(Loader):
         self._feed: FeedStream | FileStream | None = None
         self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
         self._ahead: DecodeAhead | None = None  # the pass's thread: it alone drives the pipeline while the pass runs
+        self._zygote = _zygote(self.dataset) if _helpers(parts.workers) else None
         DaliLoader._live.add(self)
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
@@ -230,11 +233,13 @@ class DaliLoader(Loader):
         time it comes, in processes. Else the feed: works prepared ahead in its workers."""
         if self._feed is None and self._files:
             table = FileTable(self.dataset, self.max_pixels)
-            self._feed = FileStream(table, self.recipe, self.train, self.seed, _helpers(self.parts.workers))
+            workers = _helpers(self.parts.workers)
+            self._feed = FileStream(table, self.recipe, self.train, self.seed, workers, self._zygote)
         if self._feed is None:
             feed = DaliFeed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
             nicer = self.device.type != "cpu"
-            self._feed = FeedStream(feed, _helpers(self.parts.workers), nicer=nicer, cpu=self.thread_cpu)
+            workers = _helpers(self.parts.workers)
+            self._feed = FeedStream(feed, workers, nicer=nicer, cpu=self.thread_cpu, zygote=self._zygote)
         return self._feed
 
     def _recover(self, work: Work) -> torch.Tensor | None:
@@ -421,6 +426,16 @@ def _works(loader: weakref.ref[DaliLoader], epoch: int, start_batch: int) -> Ite
 def _tensors(batch: Batch) -> list[torch.Tensor]:
     """A batch's tensors on the GPU (those the training stream must be recorded on)."""
     return [t for t in (batch.images, batch.labels) if t.is_cuda]
+
+
+def _zygote(dataset) -> Zygote | None:
+    """The fork server of a loader's helper processes (:mod:`~gpupipe.plumbing.zygote`): made now, as the loader is
+    built, while no DALI pipeline runs in the process (it then holds the loader's dataset: its workers share it as
+    forked ones do); else the newest one made earlier in the process, which is sent the dataset; else none (the
+    helpers are forked from this process, each start bounded)."""
+    if not pipelines_running():
+        return Zygote(hold=(dataset, dataset.samples))
+    return Zygote.newest()
 
 
 def _helpers(workers: int) -> int:

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as AnswerTimeout  # not the builtin one before Python 3.11
 from concurrent.futures.process import BrokenProcessPool
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -41,6 +41,7 @@ from .._names import escape
 from ..errors import DecodeError
 from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
 from ..plumbing.workers import leave_with_parent
+from ..plumbing.zygote import Zygote
 from ..recipe import Recipe
 from ..sources.compact import PathList
 from ._fork import pipelines_running
@@ -164,15 +165,15 @@ class Scanner:
     checked once a pass, :meth:`FileTable.unchecked`), in ``workers`` processes (none: on the caller's thread when the
     batch is made). The pool starts with the first batch that needs it and lives as long as the loader's stream: a
     file that did not change costs its worker a ``stat`` a pass, and the caller's thread nothing. Its processes are
-    forked only while no DALI pipeline runs in this process (:func:`._fork.pipelines_running`: a fork beside DALI's
-    threads may inherit a lock one of them holds): a loader's first batches come before its pipeline, and what is
-    judged once a pipeline runs (another loader's, or this one's after its pool was lost) is judged on the caller's
-    thread."""
+    forked by ``zygote`` (:mod:`~gpupipe.plumbing.zygote`, where no DALI thread ever ran) when there is one, else from
+    this process only while no DALI pipeline runs in it (:func:`._fork.pipelines_running`: a fork beside DALI's
+    threads may inherit a lock one of them holds); without a zygote, what is judged once a pipeline runs (another
+    loader's, or this one's after its pool was lost) is judged on the caller's thread."""
 
     _live: ClassVar[weakref.WeakSet[Scanner]] = weakref.WeakSet()  # for :meth:`_close_all_at_exit`
 
-    def __init__(self, table: FileTable, workers: int):
-        self.table, self.workers = table, workers
+    def __init__(self, table: FileTable, workers: int, zygote: Zygote | None = None):
+        self.table, self.workers, self.zygote = table, workers, zygote
         self._pool: ProcessPoolExecutor | None = None
         Scanner._live.add(self)
 
@@ -191,10 +192,13 @@ class Scanner:
         if not len(todo) or self.workers < 1:
             return None
         if self._pool is None:
-            if pipelines_running():
+            samples = self.table.dataset.samples
+            context: Any = multiprocessing.get_context("fork")
+            if self.zygote is not None and self.zygote.sendable(samples):
+                context = self.zygote.context
+            elif pipelines_running():
                 return None
-            context = multiprocessing.get_context("fork")
-            self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (self.table.dataset.samples,))
+            self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (samples,))
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
         try:
             stamps = self.table.stamps[todo]
@@ -315,11 +319,13 @@ class FileStream:
     """The works of one plan (:func:`.dali_stream.plan`), made on the caller's thread when asked: the same interface
     as :class:`.dali_stream.FeedStream`, with nothing to read but the tables."""
 
-    def __init__(self, table: FileTable, recipe: Recipe, train: bool, seed: int, workers: int):
+    def __init__(
+        self, table: FileTable, recipe: Recipe, train: bool, seed: int, workers: int, zygote: Zygote | None = None
+    ):
         self.table, self.recipe, self.train, self.seed = table, recipe, train, seed
         self.check = PillowDecoder(table.max_pixels)
         self.gate = Gate()  # the plan's; nothing here waits on it
-        self.scanner = Scanner(table, workers)
+        self.scanner = Scanner(table, workers, zygote)
         # batches taken from the plan ahead: their samples judged, their crops drawn together
         self._depth = max(_CHUNK, workers)
         self._requests: Iterator[Request] = iter(())

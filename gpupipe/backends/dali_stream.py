@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import multiprocessing
 import os
 import queue
 import threading
@@ -17,11 +18,15 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..errors import GpupipeError
 from ..plumbing.reaper import Reaper
 from ..plumbing.workers import put_unless_stopped, start_workers, worker_init
+from ..plumbing.zygote import Zygote
 from .dali_feed import DaliFeed, Gate, Request
 from .gpu_feed import Work
 from .handover import let_go
+
+_START = 60.0  # seconds a feed worker may take to begin (forked, its first step run)
 
 
 class _Requests:
@@ -59,15 +64,33 @@ class FeedStream:
     drop and read again what the workers had started on, and make the training thread wait for each worker's answer).
     Works are taken from the DataLoader by a thread of this stream (:class:`_Receiver`), as DataLoader's own
     pin-memory thread does: receiving one (a pipe read, unpickling, mapping its shared memory) is no work for the
-    training thread. With no workers, works are made when asked, on the caller's thread."""
+    training thread. With no workers, works are made when asked, on the caller's thread.
 
-    def __init__(self, feed: DaliFeed, workers: int, nicer: bool = True, cpu: list[float] | None = None):
+    The workers are forked by ``zygote`` (:mod:`~gpupipe.plumbing.zygote`: a process in which no DALI thread ever
+    ran) when it is given and can be sent the feed; else from this process, where a DALI pipeline may run (a fork
+    beside its threads may hang as it begins). Either way each worker must report that it began within ``_START``
+    seconds: one that does not is killed, and the pass ends with an error naming it, where it would have waited for
+    ever."""
+
+    def __init__(
+        self,
+        feed: DaliFeed,
+        workers: int,
+        nicer: bool = True,
+        cpu: list[float] | None = None,
+        zygote: Zygote | None = None,
+    ):
         self.feed = feed
         self._cpu = cpu if cpu is not None else [0.0]  # the receiving thread's CPU seconds (it shares the interpreter)
         self._requests = _Requests()
         extra: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 2} if workers > 0 else {}
+        # each worker's pid, once it has begun (a pid: persistent workers go on across restarts, and report once)
+        self._began = multiprocessing.RawArray("q", max(1, workers))
         if workers > 0:
-            extra["worker_init_fn"] = functools.partial(worker_init, nicer=nicer)  # by name, below the trainer
+            # by name, below the trainer
+            extra["worker_init_fn"] = functools.partial(_feed_worker_init, nicer=nicer, began=self._began)
+            if zygote is not None and zygote.sendable(feed):
+                extra["multiprocessing_context"] = zygote.context
         self._loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
             feed,
             batch_size=None,
@@ -87,7 +110,7 @@ class FeedStream:
         self._source = None
         self._requests.plan = requests
         it = start_workers(self._loader)
-        self._source = _Receiver(it, self.feed.gate, self._cpu) if self._loader.num_workers > 0 else it
+        self._source = _Receiver(it, self.feed.gate, self._cpu, self._began) if self._loader.num_workers > 0 else it
 
     def stop(self) -> None:
         """The plan ends and the workers stop now (a pass an error ended: the error's traceback may hold this stream
@@ -143,13 +166,13 @@ class _Receiver:
     _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
     _exit_hook = False
 
-    def __init__(self, it: Iterator[Work], gate: Gate, cpu: list[float], depth: int = 1):
+    def __init__(self, it: Iterator[Work], gate: Gate, cpu: list[float], began: Any, depth: int = 1):
         self._gate, self._pid = gate, os.getpid()
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
         self._ended = False
         self._thread = threading.Thread(
-            target=_receive, args=(it, self._queue, self._stop, cpu), daemon=True, name="gpupipe-dali-feed"
+            target=_receive, args=(it, self._queue, self._stop, cpu, began), daemon=True, name="gpupipe-dali-feed"
         )
         self._thread.start()
         weakref.finalize(self, _abandon, self._stop, gate, os.getpid())
@@ -196,9 +219,38 @@ def _abandon(stop: threading.Event, gate: Gate, pid: int) -> None:
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
 
 
-def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event, cpu: list[float]) -> None:
-    """The thread's loop; its CPU seconds (receiving and preparing each work, not waiting) are added to ``cpu[0]``."""
+def _feed_worker_init(worker_id: int, nicer: bool, began: Any) -> None:
+    """A feed worker's first step: :func:`worker_init`, then its pid in ``began`` (it has begun)."""
+    worker_init(worker_id, nicer)
+    began[worker_id] = os.getpid()
+
+
+def _await_workers(it: Any, began: Any, stop: threading.Event) -> None:
+    """Until every worker of the DataLoader iteration ``it`` has begun (or ended: the DataLoader reports why), for at
+    most ``_START`` seconds: a worker stuck as it was forked (a lock another thread held at the fork, never released
+    in the child) is killed, and the error names it. Only the start is bounded: a worker that has begun may wait at
+    the gate for as long as its epoch takes to come."""
+    deadline = time.monotonic() + _START
+    while not stop.is_set():
+        workers = list(getattr(it, "_workers", ()))  # private: torch lists no public handle of its workers
+        stuck = [w for k, w in enumerate(workers) if began[k] != w.pid and w.is_alive()]
+        if not stuck:
+            return
+        if time.monotonic() > deadline:
+            for w in stuck:
+                w.kill()
+            pids = ", ".join(str(w.pid) for w in stuck)
+            raise GpupipeError(
+                f"dali's feed worker (pid {pids}) did not begin within {_START:.0f} s of its start: killed"
+            )
+        time.sleep(0.01)
+
+
+def _receive(it: Iterator[Work], out: queue.Queue, stop: threading.Event, cpu: list[float], begun: Any) -> None:
+    """The thread's loop, once the workers have begun; its CPU seconds (receiving and preparing each work, not
+    waiting) are added to ``cpu[0]``."""
     try:
+        _await_workers(it, begun, stop)
         began = time.thread_time()
         for work in it:
             work.prepare()
