@@ -14,7 +14,7 @@ from PIL import Image
 import gpupipe
 from gpupipe.backends import handover
 
-from .common_utils import assert_resume_is_exact, cpu_and_cuda, decode_tolerance, photo
+from .common_utils import assert_resume_is_exact, cpu_and_cuda, decode_tolerance, encoded, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -560,3 +560,87 @@ def test_a_loader_holds_as_many_threads_after_each_epoch(photos, photo_shards, s
         first = first or len(os.listdir("/proc/self/task"))
     assert python == python[:1] * 6
     assert _os_threads(at_most=first) <= first
+
+
+# -- pixels: a dataset of arrays fed to DALI as they are --------------------------------------------------------------
+
+PIXEL_RECIPES = {
+    "random-resized": dict(image_size=24),
+    "pad-zero": dict(recipe=gpupipe.Recipe(32, crop="pad", padding=4, padding_mode="zero")),
+    "pad-reflect": dict(recipe=gpupipe.Recipe(32, crop="pad", padding=4, padding_mode="reflect")),
+    "resize": dict(recipe=gpupipe.Recipe(48, crop="resize")),
+}
+
+
+@pytest.fixture
+def no_cpu_crop(monkeypatch):
+    """The feed crops no pixels on the CPU (in its worker too: forked after this)."""
+    from gpupipe.backends import gpu_feed
+
+    def refused(*args, **kw):
+        raise AssertionError("the feed cropped pixels on the CPU")
+
+    monkeypatch.setattr(gpu_feed, "crop_resize", refused)
+
+
+def _pixel_sources(rng) -> dict[str, object]:
+    """CIFAR-like ``(images, labels)`` arrays (one shape: a dense batch), and a dataset of HWC arrays of several
+    shapes (one sample at a time)."""
+    same = np.stack([np.asarray(photo(rng, 32, 32)) for _ in range(12)])
+    shapes = [(32, 40), (44, 32), (36, 36)]
+    mixed = [(np.asarray(photo(rng, *shapes[i % 3])), i % 3) for i in range(12)]
+    return {"arrays": (torch.from_numpy(same), np.arange(12) % 4), "dataset": mixed}
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("name", list(PIXEL_RECIPES))
+def test_pixels_are_cropped_by_dali_as_pillow_crops_them(device, name, no_cpu_crop):
+    """Items that are pixels go to DALI raw (the feed crops none), with the recipe's boxes: Pillow's samples and
+    labels within resampling's difference, train and eval, in the caller (dense and listed batches) and through the
+    feed's worker (shared memory)."""
+    sources = _pixel_sources(np.random.default_rng(4))
+    for (kind, source), train, workers in zip(
+        [*sources.items()] * 2, (True, True, False, False), (0, 1, 1, 0), strict=True
+    ):
+        kw = dict(batch_size=4, train=train, num_workers=workers, normalize=False, seed=6, **PIXEL_RECIPES[name])
+        dali = gpupipe.build_loader(source, "dali", device=device, **kw)
+        (x, y), (rx, ry) = _all(dali), _all(gpupipe.build_loader(source, "pillow", device="cpu", **kw))
+        assert torch.equal(y.cpu(), ry) and x.shape == rx.shape and dali.fallbacks == 0
+        per_image = (x.cpu() - rx).abs().mean(dim=(1, 2, 3))
+        assert per_image.max() < 1.5, (kind, train, per_image)  # a box off by a pixel or a missed flip: tens
+
+
+def test_pixels_resume_mid_epoch_exactly(no_cpu_crop):
+    source = _pixel_sources(np.random.default_rng(2))["dataset"]
+    kw = dict(batch_size=3, train=True, image_size=24, num_workers=1, normalize=False, seed=9, device="cpu")
+    assert_resume_is_exact(lambda: gpupipe.build_loader(source, "dali", **kw), epoch=1, batch=2)
+
+
+def test_the_feed_hands_pixels_over_raw_with_their_crops():
+    """A batch's work holds the samples' pixels as they are (one dense array of one shape) and the recipe's rows,
+    nothing cropped in the worker."""
+    from gpupipe.backends.dali_feed import DaliFeed
+    from gpupipe.sources.dataset import open_dataset
+
+    images, labels = _pixel_sources(np.random.default_rng(1))["arrays"]
+    dataset = open_dataset((images, labels))
+    recipe = gpupipe.Recipe(32, crop="pad", padding=4)
+    assert dataset.holds_pixels()
+    work = DaliFeed(dataset, recipe, True, 3, 1 << 30, pixels=True).work(2, [5, 0, 7])
+    assert work.cpu == {} and work.gpu == [0, 1, 2]
+    assert work.encoded is not None and torch.equal(work.encoded, images[[5, 0, 7]])
+    assert work.shapes is not None and work.shapes.tolist() == [[32, 32, 3]] * 3
+    boxes = recipe.plan_boxes(True, 3, 2, np.array([5, 0, 7]), np.full(3, 32), np.full(3, 32))
+    assert work.rows is not None and np.array_equal(work.rows[:, :5], boxes) and (work.rows[:, 5] == 32).all()
+
+
+def test_an_encoded_item_among_pixels_is_decoded_whole_for_dali(no_cpu_crop):
+    """A dataset of pixels with an encoded image among them (rare): DALI's pipeline has no decoder, so Pillow decodes
+    that one whole (a fallback) and DALI crops it with the rest."""
+    items = _pixel_sources(np.random.default_rng(7))["dataset"]
+    items[5] = (encoded(Image.fromarray(items[5][0]), "PNG"), items[5][1])
+    kw = dict(batch_size=4, train=True, image_size=24, num_workers=0, normalize=False, seed=1, device="cpu")
+    dali = gpupipe.build_loader(items, "dali", **kw)
+    (x, y), (rx, ry) = _all(dali), _all(gpupipe.build_loader(items, "pillow", **kw))
+    assert torch.equal(y, ry) and (x - rx).abs().mean(dim=(1, 2, 3)).max() < 1.5
+    assert dali.fallbacks == 1

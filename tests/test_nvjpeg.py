@@ -492,3 +492,26 @@ def test_the_workers_run_nicer_than_the_training_process_and_send_batches_by_nam
     assert str(os.getpid()) not in {pid for pid, _, _ in seen}  # read in the workers
     nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
     assert {(int(n), strategy) for _, n, strategy in seen} == {(nice, "file_system")}
+
+
+def test_pixels_are_uploaded_and_cropped_by_the_batched_crop(monkeypatch):
+    """A dataset of HWC arrays (one shape, and several) on nvjpeg: the feed crops none on the CPU; the device side
+    takes them as they are, with the recipe's boxes: Pillow's samples and labels, train and eval, every crop."""
+    from gpupipe.backends import gpu_feed
+
+    def refused(*args, **kw):
+        raise AssertionError("the feed cropped pixels on the CPU")
+
+    monkeypatch.setattr(gpu_feed, "crop_resize", refused)
+    rng = np.random.default_rng(6)
+    same = (torch.from_numpy(np.stack([np.asarray(photo(rng, 32, 32)) for _ in range(8)])), np.arange(8) % 3)
+    mixed = [(np.asarray(photo(rng, 32 + 4 * (i % 3), 40 - 4 * (i % 2))), i % 3) for i in range(8)]
+    recipes = [dict(image_size=24), dict(recipe=Recipe(32, crop="pad", padding=4, padding_mode="reflect"))]
+    for source, extra, workers in ((same, recipes[0], 1), (mixed, recipes[0], 0), (mixed, recipes[1], 1)):
+        for train in (True, False):
+            kw = dict(batch_size=4, train=train, device="cpu", num_workers=workers, normalize=False, seed=5, **extra)
+            ours = _CpuNvjpegLoader(gpupipe.build_loader(source, "pillow", **kw).parts)
+            got, want = list(ours), list(gpupipe.build_loader(source, "pillow", **kw))
+            assert len(got) == len(want) > 0 and ours.fallbacks == 0
+            for (x, y), (rx, ry) in zip(got, want, strict=True):
+                assert torch.equal(y, ry) and (x.float() - rx.float()).abs().mean(dim=(1, 2, 3)).max() < 1.5

@@ -10,7 +10,9 @@ storage, their bytes, read a whole batch at a time in DataLoader workers by the 
 batches, so the training thread only takes finished ones. So DALI's geometry, order, labels, sharding and resume are
 every other backend's; only interpolation differs. Because the loader knows each batch's files, a batch DALI fails on
 is narrowed to its file(s) by Pillow; what only DALI cannot decode goes to the feed's fallback (Pillow, on the CPU),
-counted in ``loader.fallbacks``.
+counted in ``loader.fallbacks``. A source that holds pixels (a dataset of arrays, CIFAR's) is fed to a pipeline
+without a decoder: its (H, W, 3) samples go to DALI as they are, and DALI's ops crop, resize, flip and normalise them
+as they do decoded images.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class DaliLoader(Loader):
         # local files: DALI reads them (a path table, judged once); else a feed reads, judges and plans whole batches
         # in DataLoader workers
         self._files = parts.dataset.reads_files
+        # a source of pixels (a dataset of arrays): fed to DALI raw, cropped and resized by its ops, never decoded
+        self._pixels = parts.dataset.holds_pixels()
         self._feed: FeedStream | FileStream | None = None
         self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
         self._ahead: DecodeAhead | None = None  # the pass's thread: it alone drives the pipeline while the pass runs
@@ -122,6 +126,7 @@ class DaliLoader(Loader):
                 hw_decoder_load=self.hw_decoder_load,
                 normalize=self._normalized,
                 files=self._files,
+                pixels=self._pixels,
             )
             # DALI's threads decode: below the training thread where batches go to a GPU, as workers are
             self._pipe = Driver(made_below(build) if self.device.type != "cpu" else build())
@@ -150,7 +155,7 @@ class DaliLoader(Loader):
         if work.paths is not None:
             pipe.feed("paths", work.paths)
         else:
-            pipe.feed("enc", work.batch())
+            pipe.feed("pix" if self._pixels else "enc", work.batch())
         pipe.feed("meta", work.rows)  # one (n, 6) array: the whole batch at once
         pipe.run()
         self._scheduled += 1
@@ -236,7 +241,7 @@ class DaliLoader(Loader):
             workers = _helpers(self.parts.workers)
             self._feed = FileStream(table, self.recipe, self.train, self.seed, workers, self._zygote)
         if self._feed is None:
-            feed = DaliFeed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels)
+            feed = DaliFeed(self.dataset, self.recipe, self.train, self.seed, self.max_pixels, self._pixels)
             nicer = self.device.type != "cpu"
             workers = _helpers(self.parts.workers)
             self._feed = FeedStream(feed, workers, nicer=nicer, cpu=self.thread_cpu, zygote=self._zygote)
@@ -245,7 +250,11 @@ class DaliLoader(Loader):
     def _recover(self, work: Work) -> torch.Tensor | None:
         """DALI failed on ``work`` (and its pipeline is gone). Pillow decides about each of its samples: what Pillow
         rejects is an error, named; the rest goes through a fresh pipeline once more, and if DALI fails again, is
-        decoded on the CPU. Returns DALI's images for the positions left in ``work.gpu``, if any."""
+        decoded on the CPU. Returns DALI's images for the positions left in ``work.gpu``, if any. Pixels, which DALI
+        does not decode, have no culprit to find: they are cropped on the CPU."""
+        if self._pixels:
+            self._fallback.fallback(work, list(work.gpu), work.samples())
+            return None
         keep, datas = [], []
         for pos, data in zip(work.gpu, _sample_bytes(work, self.dataset), strict=True):
             path = self.dataset.samples[work.indices[pos]][0]

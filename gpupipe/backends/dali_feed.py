@@ -59,8 +59,8 @@ class DaliFeed(Feed, torch.utils.data.Dataset):
 
     decoder = "dali"
 
-    def __init__(self, dataset, recipe, train: bool, seed: int, max_pixels: int):
-        super().__init__(dataset, recipe, train, seed, max_pixels)
+    def __init__(self, dataset, recipe, train: bool, seed: int, max_pixels: int, pixels: bool = False):
+        super().__init__(dataset, recipe, train, seed, max_pixels, pixels)
         self.gate = Gate()
 
     def __getitem__(self, request: Request) -> Work:

@@ -10,6 +10,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ def build_pipeline(
     hw_decoder_load: float = 0.65,
     normalize: bool = False,
     files: bool = False,
+    pixels: bool = False,
 ):
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
     train ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
@@ -49,11 +51,15 @@ def build_pipeline(
     (torchvision's Resize + CenterCrop to the recipe's eval side). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
     same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` instead of ``enc``
-    (:mod:`.dali_files`), each path's length one more column of ``meta``, and DALI reads the files itself."""
+    (:mod:`.dali_files`), each path's length one more column of ``meta``, and DALI reads the files itself.
+    ``pixels``: fed ``pix`` instead of ``enc``, (H, W, 3) uint8 samples that need no decode (a dataset of arrays),
+    cropped, resized and mirrored by the same ops as decoded images, so that this work is DALI's (on the GPU where the
+    pipeline runs there), not the feed workers'."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
 
     gpu = device.type == "cuda"
     decode_kw = {"device": "mixed", "hw_decoder_load": hw_decoder_load} if gpu else {"device": "cpu"}
+    source = _Source(pixels, decode_kw)
 
     @pipeline_def(
         batch_size=batch_size,
@@ -65,15 +71,18 @@ def build_pipeline(
     def pipe():
         # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
         meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
-        if files:  # each path's length is the row's last column
+        if pixels:  # copied to the GPU as they are: its ops crop and resize them there
+            enc = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC", no_copy=True)
+            enc = enc.gpu() if gpu else enc
+        elif files:  # each path's length is the row's last column
             enc = _read_files(meta[6:7] if train else meta[4:5])
         else:
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         if train:
             crop = _pad_crop(recipe) if recipe.crop == "pad" else _train_crop
-            images, mirror = crop(enc, meta, decode_kw)
+            images, mirror = crop(enc, meta, source)
         else:
-            images, mirror = _eval_crop(enc, meta, recipe.eval_side, decode_kw), 0
+            images, mirror = _eval_crop(enc, meta, recipe.eval_side, source), 0
         if normalize:
             return fn.crop_mirror_normalize(
                 images,
@@ -101,13 +110,44 @@ def _read_files(lengths):
     return fn.io.file.read(named, dont_use_mmap=True)
 
 
+class _Source(NamedTuple):
+    """Where a crop's images come from: encoded bytes decoded (``decode_kw``: on the CPU, or "mixed" onto the GPU),
+    or, with ``pixels``, samples that are pixels already, which only need the window cut out."""
+
+    pixels: bool
+    decode_kw: dict
+
+    def whole(self, enc):
+        """The whole image, RGB."""
+        from nvidia.dali import fn, types
+
+        return enc if self.pixels else fn.decoders.image(enc, output_type=types.RGB, **self.decode_kw)
+
+    def window(self, enc, anchor, shape):
+        """The (top, left) ``anchor``, (height, width) ``shape`` window, in pixels; a JPEG decodes only its rows."""
+        from nvidia.dali import fn, types
+
+        if self.pixels:
+            return fn.slice(enc, anchor, shape, axis_names="HW", normalized_anchor=False, normalized_shape=False)
+        return fn.decoders.image_slice(
+            enc,
+            anchor,
+            shape,
+            output_type=types.RGB,
+            axis_names="HW",
+            normalized_anchor=False,
+            normalized_shape=False,
+            **self.decode_kw,
+        )
+
+
 def _pad_crop(recipe):
     """The ``"pad"`` crop's graph (``meta`` as :func:`_train_crop`'s, the window S x S): the whole image decoded, then
     the window cut with zeros past the edges, or cut from the image reflected by ``recipe.padding`` on each side."""
     from nvidia.dali import fn, types
 
-    def crop(enc, meta, decode_kw: dict):
-        images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
+    def crop(enc, meta, source: _Source):
+        images = source.whole(enc)
         if recipe.padding_mode == "zero":
             anchor, policy = meta[0:2], "pad"
         else:  # cut from the reflected image: never past its edges
@@ -141,31 +181,22 @@ def _reflected(images, axis: int, pad: int):
     return fn.cat(head, images, tail, axis=axis)
 
 
-def _train_crop(enc, meta, decode_kw: dict):
+def _train_crop(enc, meta, source: _Source):
     """The train crop: ``meta`` = ``[top, left, height, width, flip, S]``; the window decoded alone, resized to
     S x S."""
     from nvidia.dali import fn, types
 
-    images = fn.decoders.image_slice(
-        enc,
-        meta[0:2],
-        meta[2:4],
-        output_type=types.RGB,
-        axis_names="HW",
-        normalized_anchor=False,
-        normalized_shape=False,
-        **decode_kw,
-    )
+    images = source.window(enc, meta[0:2], meta[2:4])
     size = fn.cast(meta[5], dtype=types.FLOAT)
     images = fn.resize(images, resize_x=size, resize_y=size, antialias=True, interp_type=types.INTERP_LINEAR)
     return images, fn.cast(meta[4], dtype=types.INT32)
 
 
-def _eval_crop(enc, meta, size: int, decode_kw: dict):
+def _eval_crop(enc, meta, size: int, source: _Source):
     """The eval crop: ``meta`` = ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop)."""
     from nvidia.dali import fn, types
 
-    images = fn.decoders.image(enc, output_type=types.RGB, **decode_kw)
+    images = source.whole(enc)
     images = fn.resize(
         images,
         resize_x=fn.cast(meta[1], dtype=types.FLOAT),

@@ -9,6 +9,9 @@ bytes in **one** uint8 tensor (shared memory, not pickled; zero-padded rows when
 sample the GPU decodes, the images Pillow had to take, the failures. Before it, the training thread read every file
 and judged every header for DALI (most of its CPU per batch: bench/README.md), and nvJPEG had a feed of its own.
 
+A source that holds pixels (a dataset of arrays) gives DALI nothing to decode: its samples are handed over raw, in
+the same one tensor (``Work.shapes`` says how to read it), and DALI crops and resizes them as it does decoded images.
+
 **One fallback**: a file the GPU decoder does not take (a format or mode it lacks, CMYK, 16-bit) is decoded and
 cropped by Pillow in the worker, and so is one it refuses when decoding (:meth:`Feed.fallback`, on the loader's
 thread); each is counted in ``fallbacks``. Pillow decides about a JPEG that does not end whole (the GPU decoders may
@@ -20,7 +23,7 @@ the GPU takes (n, 5) boxes with each image's stored size and orientation (:class
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -55,8 +58,11 @@ class Work:
     indices: list[int]  # the sampler's batch, in order
     number: int = 0  # which batch of its epoch (the loader's count)
     gpu: list[int] = field(default_factory=list)  # positions in ``indices`` the GPU decoder takes
-    encoded: torch.Tensor | None = None  # uint8: the GPU samples' bytes (see :func:`_encoded`), shared memory
+    encoded: torch.Tensor | None = None  # uint8: the GPU samples' bytes (see :func:`_encoded`) or pixels, shared memory
     lengths: np.ndarray | None = None  # int64: each GPU sample's byte count
+    # set where the samples are pixels (a feed that takes them raw, :func:`_raw`): int64 (n, 3), each one's (H, W, 3)
+    # as ``encoded`` holds it, one after the other, or (n, H, W, 3) when they all have one shape
+    shapes: np.ndarray | None = None
     # DALI's crop layout, as it is fed: int64 (n, 6) top, left, height, width, flip, side (the recipe's crop in upright
     # pixels and the epoch's output side), or for eval (n, 4) the resize's offsets (Recipe.eval_offsets)
     rows: np.ndarray | None = None
@@ -100,9 +106,14 @@ class Work:
         if self.encoded is None or self.lengths is None:
             return []
         enc = self.encoded.numpy()
+        if enc.ndim == 4:  # pixels of one shape
+            return list(enc)
         if enc.ndim == 2:
             return [row[:n] for row, n in zip(enc, self.lengths.tolist(), strict=True)]
-        return np.split(enc, np.cumsum(self.lengths)[:-1])
+        views = np.split(enc, np.cumsum(self.lengths)[:-1])
+        if self.shapes is not None:
+            return [v.reshape(shape) for v, shape in zip(views, self.shapes.tolist(), strict=True)]
+        return views
 
     def narrow(self, chosen: list[int]) -> None:
         """Left with its GPU samples at ``chosen`` (positions in ``self.gpu``), for a retry after the decoder failed."""
@@ -117,9 +128,10 @@ class Work:
         self.gpu = [self.gpu[k] for k in chosen]
 
     def batch(self) -> Any:
-        """What DALI is fed: one (n, L) array when the feed padded the batch, else the samples as the TensorCPUs
-        :meth:`prepare` made (no per-sample work on the training thread either way), else one view per sample."""
-        if self.data is None and self.encoded is not None and self.encoded.dim() == 2:
+        """What DALI is fed: one (n, L) array when the feed padded the batch (or (n, H, W, 3) pixels of one shape),
+        else the samples as the TensorCPUs :meth:`prepare` made (no per-sample work on the training thread either
+        way), else one view per sample."""
+        if self.data is None and self.encoded is not None and self.encoded.dim() > 1:
             return self.encoded.numpy()
         if self.data is None and self.listed is not None:
             return self.listed
@@ -133,7 +145,8 @@ class Work:
         if self.encoded is not None and self.encoded.dim() == 1 and self.data is None:
             from nvidia.dali.tensors import TensorCPU  # defer: this module is imported without DALI too
 
-            self.listed = [TensorCPU(view, "") for view in self.samples()]
+            layout = "" if self.shapes is None else "HWC"
+            self.listed = [TensorCPU(view, layout) for view in self.samples()]
 
     def own(self, pinned: bool = False) -> Work:
         """As taken off the stream (:mod:`.cpu_stream`): the decode thread reads the bytes where the worker put them."""
@@ -169,8 +182,13 @@ class Feed:
     takes: Callable[[bytes, HeaderCheck], bool] = staticmethod(dali_takes)
     pad = True  # an all-JPEG batch's bytes as padded rows (DALI takes them as one dense batch)
 
-    def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int):
+    def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int, pixels: bool = False):
+        """``pixels``: the decoder takes pixels, not encoded bytes (a source that holds them: DALI's pipeline for it
+        has no decoder, :func:`.dali_graph.build_pipeline`). They are handed over raw, for the decoder's ops to crop
+        and resize; an encoded item among them is decoded whole here (:meth:`_as_pixels`). Else pixel items are
+        cropped and resized here, like the images Pillow decodes."""
         self.dataset, self.recipe, self.train, self.seed, self.max_pixels = dataset, recipe, train, seed, max_pixels
+        self.pixels = pixels
         self.check = PillowDecoder(max_pixels)  # the fallback; made once, not per sample
         self._targets: np.ndarray | None = None  # the labels as one array, made on first use (in each worker)
 
@@ -184,17 +202,22 @@ class Feed:
             self._targets = np.asarray(self.dataset.targets, dtype=np.int64)
         work.index = np.asarray(indices, dtype=np.int64)
         work.labels = self._targets[work.index]  # here, not on the training thread
-        chunks: list[bytes] = []
+        chunks: list[Any] = []  # bytes, or pixels for a decoder that takes them
         judged: list[Judged] = []
         read = self.dataset.read_samples(work.indices)  # together: object storage serves a batch in few requests
         for pos, (i, data) in enumerate(zip(work.indices, read, strict=True)):
+            if self.pixels and isinstance(data, bytes):
+                data = self._as_pixels(work, i, data)
             entry = self._sample(work, pos, i, data)
             if entry is not None:
                 work.gpu.append(pos)
-                chunks.append(data)  # bytes: the sample was read
+                chunks.append(data)  # the sample was read
                 judged.append(entry)
-        work.lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
-        work.encoded = _encoded(chunks, work.lengths, self.pad) if chunks else None
+        if self.pixels:
+            work.encoded, work.shapes, work.lengths = _raw(chunks)
+        else:
+            work.lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+            work.encoded = _encoded(chunks, work.lengths, self.pad) if chunks else None
         sizes = np.array([(j.height, j.width, j.orientation) for j in judged], np.int64).reshape(-1, 3)
         self.crops(work, sizes[:, 0], sizes[:, 1], sizes[:, 2])
         return work
@@ -214,21 +237,27 @@ class Feed:
         chosen = work.index[work.gpu] if work.index is not None else np.zeros(0, np.int64)
         return self.recipe.plan_boxes(self.train, self.seed, work.epoch, chosen, heights, widths)
 
-    def fallback(self, work: Work, positions: list[int], datas: list[bytes], why: list[str] | None = None) -> None:
-        """The GPU samples at ``positions`` (of ``work.indices``; ``datas``: their bytes), refused by the GPU decoder
-        (``why``, where it said), decoded and cropped by Pillow (:func:`decode_on_cpu`), or errors naming their files;
-        the rest stay the GPU's."""
+    def fallback(
+        self, work: Work, positions: list[int], datas: Sequence[bytes | np.ndarray], why: list[str] | None = None
+    ) -> None:
+        """The GPU samples at ``positions`` (of ``work.indices``; ``datas``: their bytes, or their pixels), refused by
+        the GPU decoder (``why``, where it said), decoded and cropped by Pillow (:func:`decode_on_cpu`), or errors
+        naming their files; the rest stay the GPU's."""
         for k, (pos, data) in enumerate(zip(positions, datas, strict=True)):
             i = work.indices[pos]
             plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
             size = self.recipe.side(self.train, work.epoch)
+            if isinstance(data, np.ndarray):  # pixels (a feed that takes them): nothing to decode
+                work.cpu[pos] = crop_resize(data, plan(*data.shape[:2]), data.shape[:2], size)
+                work.fallbacks += 1
+                continue
             refused = why[k] if why is not None else None
             decode_on_cpu(self.check, size, work, pos, self.dataset.samples[i][0], data, plan, refused)
         work.narrow([k for k, pos in enumerate(work.gpu) if pos not in set(positions)])
 
     def _sample(self, work: Work, pos: int, i: int, data: bytes | np.ndarray | Exception) -> Judged | None:
         """The sample judged, for the GPU; None: it failed (in ``work.errors``), Pillow decoded it, or it was pixels
-        already (a dataset of arrays: cropped and resized here, never encoded for the GPU decoder)."""
+        already (a dataset of arrays) and the decoder takes none (cropped and resized here, never encoded for it)."""
         path = self.dataset.samples[i][0]
         if isinstance(data, OSError):
             work.errors.append((path, f"cannot read the file ({data.strerror or data})"))
@@ -236,6 +265,8 @@ class Feed:
         if isinstance(data, DecodeError):  # a dataset's item that is no image
             work.errors.append((path, data.reason))
             return None
+        if isinstance(data, np.ndarray) and self.pixels:  # no header, no orientation: its shape is its upright size
+            return Judged(data.shape[0], data.shape[1], 1, True)
         if isinstance(data, np.ndarray):
             plan = self.recipe.plan(self.train, self.seed, work.epoch, i)
             size = self.recipe.side(self.train, work.epoch)
@@ -258,6 +289,16 @@ class Feed:
             decode_on_cpu(self.check, self.recipe.side(self.train, work.epoch), work, pos, path, data, plan)
             return None
         return entry
+
+    def _as_pixels(self, work: Work, i: int, data: bytes) -> np.ndarray | DecodeError:
+        """An encoded item of a source of pixels (a mixed dataset, rare), for a decoder that takes only pixels: decoded
+        whole by Pillow (RGB, upright; counted as a fallback), or why it cannot be."""
+        try:
+            image = np.asarray(self.check.decode(data, self.dataset.samples[i][0]).image)
+        except DecodeError as e:
+            return e
+        work.fallbacks += 1
+        return image
 
     def _judge(self, i: int, data: bytes) -> Judged:
         """From the bytes just read, or from the sizes a prepared data set recorded (its files are upright baseline
@@ -290,6 +331,23 @@ def _encoded(chunks: list[bytes], lengths: np.ndarray, pad: bool) -> torch.Tenso
     out = lent(int(lengths.sum()))
     np.concatenate([np.frombuffer(c, np.uint8) for c in chunks], out=out.numpy())
     return out
+
+
+def _raw(chunks: list[np.ndarray]) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray]:
+    """A batch of pixels as one tensor in a buffer the worker reuses (as :func:`_encoded` does bytes), with each
+    sample's shape and byte count: (n, H, W, 3) when they all have one shape (CIFAR's; DALI takes it as one dense
+    batch), else the samples one after the other (1-D)."""
+    shapes = np.array([c.shape for c in chunks], np.int64).reshape(-1, 3)
+    lengths = shapes.prod(axis=1)
+    if not chunks:
+        return None, shapes, lengths
+    if (shapes == shapes[0]).all():
+        out = lent(int(lengths.sum())).view(len(chunks), *chunks[0].shape)
+        np.stack(chunks, out=out.numpy())
+        return out, shapes, lengths
+    out = lent(int(lengths.sum()))
+    np.concatenate([c.reshape(-1) for c in chunks], out=out.numpy())
+    return out, shapes, lengths
 
 
 def eval_rows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.ndarray:

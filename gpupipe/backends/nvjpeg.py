@@ -9,7 +9,9 @@ bytes into views and decodes the whole batch on the GPU in one call, on streams 
 (:mod:`.decode_ahead`: the decoder's host work, nvJPEG's Huffman pass, stays off the training thread); the training
 thread crops, resizes, turns upright and flips it in a handful of batched ops (:mod:`.gpu_crop`). What nvJPEG cannot
 take (non-JPEG, CMYK), or refuses when decoding, goes to the feed's one fallback: Pillow decodes and crops it (in the
-worker, or on the decode thread), counted as a fallback."""
+worker, or on the decode thread), counted as a fallback. A source that holds pixels (a dataset of arrays) is not
+decoded: the worker hands its samples over raw, the decode thread copies them to the device, and the same batched ops
+crop them."""
 
 from __future__ import annotations
 
@@ -60,8 +62,8 @@ class NvjpegFeed(Feed, torch.utils.data.Dataset):
     takes = staticmethod(nvjpeg_takes)
     pad = False  # nvJPEG takes one view per file: no padded rows
 
-    def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int):
-        super().__init__(dataset, recipe, train, seed, max_pixels)
+    def __init__(self, dataset, recipe: Recipe, train: bool, seed: int, max_pixels: int, pixels: bool = False):
+        super().__init__(dataset, recipe, train, seed, max_pixels, pixels)
         self.gate = Gate()  # when a Task of the loader's stream may be made, or is skipped
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> Work | None:
@@ -200,7 +202,9 @@ class NvjpegLoader(StreamedLoader):
             raise ValueError("backend 'nvjpeg' decodes on CUDA: pass device='cuda' (or use 'dali' or 'turbojpeg')")
         super().__init__(parts)
         max_pixels = parts.max_pixels or default_max_pixels()
-        self._data = NvjpegFeed(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels)
+        # a source of pixels (a dataset of arrays): uploaded as they are and cropped by the batched ops, never decoded
+        pixels = parts.dataset.holds_pixels()
+        self._data = NvjpegFeed(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels, pixels)
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
         self._pad = PadSize()  # one padded size for every batch once the largest images were seen
         self._left: tuple[int, int] | None = None  # the last pass's epoch and how many of its batches it left
@@ -272,7 +276,7 @@ class NvjpegLoader(StreamedLoader):
     def _decoded(self, work: Work, decode: Decode) -> _Decoded:
         """A worker's batch decoded in one call (on the decode thread), what nvJPEG refuses handed to the feed's
         fallback, Pillow's crops sent to the device; its bytes are dropped."""
-        images = self._decode_jpegs(work, decode)
+        images = self._uploaded(work) if self._data.pixels else self._decode_jpegs(work, decode)
         assert work.rois is not None and work.steps is not None  # the feed's
         device = self.stage.device
         cpu = {pos: torch.from_numpy(img).to(device, non_blocking=True) for pos, img in work.cpu.items()}
@@ -307,6 +311,17 @@ class NvjpegLoader(StreamedLoader):
         if self._data.train and self.recipe.crop == "pad":
             return pad_crop_flip(images, rois, steps, stored, size, self.recipe.padding_mode)
         return crop_resize_flip(images, rois, steps, stored, size, self._pad)
+
+    def _uploaded(self, work: Work) -> list[torch.Tensor]:
+        """A batch of pixels copied to the device in one copy (a copy on the CPU too: the worker reuses the buffer),
+        each (3, H, W) as nvJPEG stores a decoded image, for the same batched crop."""
+        if work.encoded is None or work.shapes is None:
+            return []
+        flat = work.encoded.to(self.stage.device, non_blocking=True, copy=True)
+        if flat.dim() == 4:  # one shape: one layout change for the batch
+            return list(flat.permute(0, 3, 1, 2).contiguous())
+        parts = torch.split(flat, work.lengths.tolist()) if work.lengths is not None else ()
+        return [p.view(*shape).permute(2, 0, 1) for p, shape in zip(parts, work.shapes.tolist(), strict=True)]
 
     def _decode_jpegs(self, work: Work, decode: Decode) -> list[torch.Tensor]:
         """Each GPU sample's image as stored: the whole batch in one nvJPEG call; when that fails, one by one to find

@@ -101,6 +101,18 @@ class DatasetImageList(ImageList):
         classes = _classes(data, labels, self.label_key)
         class_to_idx = getattr(data, "class_to_idx", None) or {c: i for i, c in enumerate(classes)}
         super().__init__(name, ItemNames(labels, name), classes, dict(class_to_idx))
+        self._pixels = self._first_is_pixels()
+
+    def holds_pixels(self) -> bool:
+        return self._pixels
+
+    def _first_is_pixels(self) -> bool:
+        """Whether the first item's image is pixels, which stands for the dataset's (a dataset mixing pixels and
+        encoded bytes is rare: each backend still reads every item of either kind)."""
+        try:
+            return isinstance(self.item_image(0), np.ndarray)
+        except DecodeError:
+            return False
 
     def read(self, index: int) -> bytes:
         """The item's image as encoded bytes: as held, or PNG-encoded (lossless) when it is pixels."""

@@ -66,6 +66,11 @@ class ImageList:
         holds pixels (a dataset of arrays), its (H, W, 3) uint8 RGB array, which is cropped without a decode."""
         return list(self.read_many(indices))
 
+    def holds_pixels(self) -> bool:
+        """Whether :meth:`read_samples` gives pixels rather than encoded bytes (a dataset of arrays): a decoder that
+        can take pixels (DALI's pipeline) is then built for them instead of for bytes."""
+        return False
+
     @property
     def shard_of(self) -> np.ndarray | None:
         """Each sample's shard number, what ``build_loader(shuffle_window=)`` groups by; None: files read one at a
