@@ -13,7 +13,7 @@ from PIL import Image
 
 import gpupipe
 from gpupipe.backends import get
-from gpupipe.backends.held import check_fits, held_loader
+from gpupipe.backends.held import HeldLoader, check_fits, held_loader
 from gpupipe.data.device import DeviceStage
 from gpupipe.recipe import Recipe
 
@@ -90,6 +90,37 @@ def test_on_the_meta_device_everything_is_shaped_and_nothing_decoded(tiny):
     assert loader.held.pixels.device.type == "meta" and loader.held_bytes == 3 * (18 * 32 * 32 + 40 * 56)
     batches = list(loader)
     assert len(batches) == 4 and all(x.shape == (4, 3, 32, 32) and x.device.type == "meta" for x, _ in batches)
+
+
+def test_batches_for_a_gpu_are_cut_and_finished_off_the_training_thread(tiny, monkeypatch):
+    """For a device other than the CPU (the meta device standing in for a GPU) each batch is cut, and normalised by
+    the device stage, on the loader's own thread, two ahead: the training thread only takes finished batches. For the
+    CPU, where the model's step takes every core, on the caller's thread."""
+    import threading
+
+    from gpupipe.data import device as device_module
+
+    where: dict[str, set[str]] = {"cut": set(), "normalised": set()}
+    cut, normalize = HeldLoader._crops, device_module.normalize
+
+    def crops(self, *args):
+        where["cut"].add(threading.current_thread().name)
+        return cut(self, *args)
+
+    def normalised(*args):
+        where["normalised"].add(threading.current_thread().name)
+        return normalize(*args)
+
+    monkeypatch.setattr(HeldLoader, "_crops", crops)
+    monkeypatch.setattr(device_module, "normalize", normalised)
+    base = gpupipe.build_loader(tiny, "pillow", **_kw(recipe=PAD, normalize=True))
+    parts = dataclasses.replace(base.parts, stage=DeviceStage(torch.device("meta"), PAD))
+    batches = list(held_loader(parts, get("pillow"), "device"))
+    assert len(batches) == 4 and all(x.dtype == torch.float32 for x, _ in batches)
+    assert where == {"cut": {"gpupipe-held"}, "normalised": {"gpupipe-held"}}
+    where["cut"].clear()
+    list(gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD)))
+    assert where["cut"] == {threading.current_thread().name}
 
 
 def test_a_set_too_large_is_refused_up_front_with_its_size(tmp_path):

@@ -13,6 +13,7 @@ line with the figure and the fix. A file that cannot be read or decoded is found
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from .._system import cores_per_rank
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
+from ..plumbing.decode_ahead import DecodeAhead
 from ..plumbing.host_pack import HostPack
 from .gpu_crop import crop_resize_flip, pad_crop_flip, stored_rois
 from .pillow import PillowDecoder
@@ -101,6 +103,7 @@ class HeldLoader(Loader):
         self.backend, self.cache = decoder.name, cache
         device = parts.stage.device
         self.held_on = device if cache == "device" else torch.device("cpu")
+        self._ahead: DecodeAhead | None = None  # the last pass's thread cutting its batches
         self.side = self._resized_side()
         kept: list[tuple[int, str, bytes | np.ndarray | Exception]] = []  # what the headers' pass read, decoded next
         shapes, bad = self._headers(decoder, kept if self.held_on.type != "meta" else None)
@@ -217,20 +220,50 @@ class HeldLoader(Loader):
         bad[index] = error.reason
 
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
-        size = self.recipe.side(self.train, epoch)
-        for idx in self.sampler.batches(epoch, start_batch):
-            good = [i for i in idx if i not in self.held.bad]
-            errors = [(self.dataset.samples[i][0], self.held.bad[i]) for i in idx if i in self.held.bad]
-            if not good:
-                yield empty_batch(size, self.held_on, errors)
-                continue
-            index = np.asarray(good, np.int64)
-            keys = None  # the device stage augments from these, where it augments
-            if self.placement.keys:
-                keys = torch.from_numpy(np.stack([np.full_like(index, epoch), index], 1))
-            yield Batch(
-                self._crops(epoch, good, size), torch.from_numpy(self._labels[index]), "NCHW", errors, keys=keys
-            )
+        """This pass's batches, cut (and, where nothing may still change a batch: no adaptive policy, no bad sample to
+        fill in, also augmented and normalised by the device stage) two batches ahead on a thread of the loader's own
+        (:class:`DecodeAhead`: on CUDA, on a stream of its own, handed over with an event), so the training thread
+        only takes finished batches; the kernel launches of a batch (a few dozen op calls) are off it. Batches for
+        the CPU are cut on the caller's thread, when asked: the model's step takes every core there."""
+        if self._ahead is not None:
+            self._ahead.join()  # the last pass's thread (one left early: stopped after its batch), before this one
+        finish = self.adaptive is None and not self.held.bad
+        make = functools.partial(self._batch, epoch, self.recipe.side(self.train, epoch), finish)
+        if self.stage.device.type == "cpu":  # the model computes on every core: cut on the caller's thread
+            yield from map(make, self.sampler.batches(epoch, start_batch))
+            return
+        ahead = DecodeAhead(
+            iter(self.sampler.batches(epoch, start_batch)),
+            make,
+            self.stage.device,
+            _tensors,
+            depth=2,
+            name="gpupipe-held",
+        )
+        self._ahead = ahead
+        yield from ahead  # a pass left early closes it: what it made ahead is dropped
+
+    def _batch(self, epoch: int, size: int, finish: bool, idx: list[int]) -> Batch:
+        """One batch of the samples ``idx`` (less those that could not be held), cut; ``finish``: through the device
+        stage too, so that only its layout is left."""
+        good = [i for i in idx if i not in self.held.bad]
+        errors = [(self.dataset.samples[i][0], self.held.bad[i]) for i in idx if i in self.held.bad]
+        if not good:
+            return empty_batch(size, self.held_on, errors)
+        index = np.asarray(good, np.int64)
+        keys = None  # the device stage augments from these, where it augments
+        if self.placement.keys:
+            keys = torch.from_numpy(np.stack([np.full_like(index, epoch), index], 1))
+        batch = Batch(self._crops(epoch, good, size), torch.from_numpy(self._labels[index]), "NCHW", errors, keys=keys)
+        if not finish:
+            return batch
+        images, labels = self.stage.upload(batch)  # augmented and normalised as the stage does it
+        return Batch(images, labels, "NCHW", errors, normalized=True)
+
+    def _abandon(self) -> None:
+        """An error ended the pass (or the loader is closed): its thread ends now."""
+        if self._ahead is not None:
+            self._ahead.close()
 
     def _crops(self, epoch: int, good: list[int], size: int) -> torch.Tensor:
         """(n, 3, S, S) uint8 on the held set's device: the recipe's boxes of the samples ``good``, cut and resized
@@ -257,6 +290,11 @@ class HeldLoader(Loader):
         if flip_slot is not None:
             return torch.where(pack.get(flip_slot).view(-1, 1, 1, 1), images.flip(-1), images)
         return images.flip(-1) if flips.any() else images
+
+
+def _tensors(batch: Batch) -> list[torch.Tensor]:
+    """A batch's tensors on the GPU (those the training stream must be recorded on)."""
+    return [t for t in (batch.images, batch.labels) if t.is_cuda]
 
 
 def held_loader(parts: LoaderParts, spec: BackendSpec, cache: str) -> HeldLoader:
