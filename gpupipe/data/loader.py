@@ -3,12 +3,14 @@ with one policy for bad files (raise in the main process, or skip, refill and re
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
 import resource
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -176,6 +178,7 @@ class Loader:
         self.stats = LoaderStats()  # what it delivered: batches, images, images/s, the caller's wait, skipped
         self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
         self.made_in = os.getpid()  # its workers and threads are this process's: only here is it iterated
+        _made.add(self)
         augment = parts.stage.augment
         adaptive = augment.policy.adaptive if augment is not None and augment.policy is not None else None
         # an adaptive policy's hook (augment/adaptive.py): it tags each batch, hears it handed out, keeps its state
@@ -382,6 +385,22 @@ class Loader:
                 self.skipped.extend(b.errors)
                 self.stats.skipped += len(b.errors)
             yield b
+
+
+# every loader made in this process, closed by the exit hook while the modules are whole: one still open at exit (in
+# a generator of the main module that a ``with`` block holds open, a global) was closed by the interpreter's teardown,
+# its modules' names cleared ("Exception ignored in: <generator ...> ... 'NoneType' object is not callable")
+_made: weakref.WeakSet[Loader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for loader in list(_made):
+        if loader.made_in == os.getpid():
+            try:
+                loader.close()
+            except Exception as e:  # at exit, one loader's failure must not keep the others open
+                _log.debug("closing a %s loader at exit: %s", loader.backend, e)
 
 
 def _raise_storage_errors(errors: list[tuple[str, str]]) -> None:
