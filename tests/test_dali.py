@@ -644,3 +644,60 @@ def test_an_encoded_item_among_pixels_is_decoded_whole_for_dali(no_cpu_crop):
     (x, y), (rx, ry) = _all(dali), _all(gpupipe.build_loader(items, "pillow", **kw))
     assert torch.equal(y, ry) and (x - rx).abs().mean(dim=(1, 2, 3)).max() < 1.5
     assert dali.fallbacks == 1
+
+
+@pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
+def test_the_eval_window_cut_by_crop_mirror_normalize_is_the_slice_to_the_pixel():
+    """eval's centre crop is cut by crop_mirror_normalize from its position as a fraction of the room: the very pixels
+    a slice at the recipe's offsets cuts, for rooms of either parity."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    from gpupipe.backends.dali_graph import build_pipeline
+    from gpupipe.backends.gpu_feed import eval_rows
+    from gpupipe.recipe import Recipe
+
+    recipe, rng = Recipe(32), np.random.default_rng(4)
+    sizes = [(37, 37), (36, 52), (41, 38), (60, 45), (37, 101), (99, 37), (73, 88), (36, 36)]
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    rows = eval_rows(recipe, np.array([h for h, _ in sizes]), np.array([w for _, w in sizes]))
+    rooms = (rows[:, 0] - 32).tolist() + (rows[:, 1] - 32).tolist()
+    assert {r % 2 for r in rooms} == {0, 1} and max(rooms) > 60  # odd and even rooms, a wide one
+
+    @pipeline_def(batch_size=len(sizes), num_threads=1, device_id=None)
+    def sliced():
+        pix = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC")
+        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
+        size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
+        resized = fn.resize(pix, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR)
+        window = fn.slice(resized, meta[2:4], types.Constant([32, 32], dtype=types.INT64), axis_names="HW")
+        return fn.transpose(window, perm=[2, 0, 1])
+
+    ours = build_pipeline(
+        recipe, train=False, batch_size=len(sizes), device=torch.device("cpu"), num_threads=1, pixels=True
+    )
+    theirs = sliced()
+    theirs.build()
+    for pipe in (ours, theirs):
+        pipe.feed_input("pix", images)
+        pipe.feed_input("meta", list(rows))
+    (a,), (b,) = ours.run(), theirs.run()
+    for k in range(len(sizes)):
+        assert np.array_equal(np.array(a.at(k)), np.array(b.at(k))), sizes[k]
+    # the window's place alone (resized to their own size: untouched): every room to 200 pixels and some to 2,000,
+    # the offsets at both ends and between, across and down
+    cases = [
+        (d, o) for d in [*range(200), *range(200, 2001, 61)] for o in sorted({0, d // 3, d // 2, max(d - 1, 0), d})
+    ]
+    shapes = [(32, 32 + d) if k % 2 else (32 + d, 32) for k, (d, _) in enumerate(cases)]
+    images = [rng.integers(0, 256, (*hw, 3), dtype=np.uint8) for hw in shapes]
+    rows = np.array(
+        [(h, w, o if h > w else 0, o if w > h else 0) for (h, w), (_, o) in zip(shapes, cases, strict=True)]
+    )
+    places = build_pipeline(
+        recipe, train=False, batch_size=len(cases), device=torch.device("cpu"), num_threads=2, pixels=True
+    )
+    places.feed_input("pix", images)
+    places.feed_input("meta", list(rows))
+    (out,) = places.run()
+    for k, (_, _, top, left) in enumerate(rows.tolist()):
+        assert np.array_equal(np.array(out.at(k)).transpose(1, 2, 0), images[k][top : top + 32, left : left + 32]), k
