@@ -699,5 +699,6 @@ def test_the_eval_window_cut_by_crop_mirror_normalize_is_the_slice_to_the_pixel(
     places.feed_input("pix", images)
     places.feed_input("meta", list(rows))
     (out,) = places.run()
+    build_pipeline(Recipe(), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)  # its default size
     for k, (_, _, top, left) in enumerate(rows.tolist()):
         assert np.array_equal(np.array(out.at(k)).transpose(1, 2, 0), images[k][top : top + 32, left : left + 32]), k

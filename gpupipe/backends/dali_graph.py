@@ -210,7 +210,7 @@ def _eval_crop(enc, meta, size: int, source: _Source):
         antialias=True,
         interp_type=types.INTERP_LINEAR,
     )
-    room_y, room_x = (dmath.max(meta[k] - size, 1) for k in (0, 1))  # 1 where there is none: the offset is then 0
+    room_y, room_x = (dmath.max(meta[k] - int(size), 1) for k in (0, 1))  # 1 where there is none: the offset is 0
     return images, {"crop": (size, size), "crop_pos_y": meta[2] / room_y, "crop_pos_x": meta[3] / room_x}
 
 
