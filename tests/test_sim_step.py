@@ -33,7 +33,7 @@ def test_a_report_holds_each_backend_and_reads_as_a_table(data, tmp_path):
     (row,) = report["results"]
     assert row["backend"] == "pillow" and row["workers"] == 1
     assert row["steps_per_epoch"] == 5 and len(row["epoch_start_ms"]) == 2  # each pass left one batch early
-    assert 0 <= row["data_wait"] <= 1 and row["probe_ratio"] > 0
+    assert 0 <= row["data_wait"] <= 1 and row["probe_ratio"] > 0 and row["probe_flat_out_ratio"] > 0
     assert row["step_cpu_ms"] == pytest.approx(0.25 * 1.5 * row["loader_alone_ms"], rel=0.05, abs=0.02)
     path = tmp_path / "sim-step.json"
     path.write_text(json.dumps(report))

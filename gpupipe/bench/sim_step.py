@@ -12,7 +12,8 @@ the meta device (every op dispatched, none computed: gpupipe.bench.host_budget),
 The **contention probe** is a fixed CPU task on the training thread (pure Python, ``--probe-ms`` alone), timed in
 pairs: once with the loader idle (its read-ahead full), once right after a ``next()``, while the loader's processes
 and threads make the next batch. The ratio of the medians says how much the loader slows the training thread down;
-pairing keeps the machine's drift (other load, clock changes) out of it.
+pairing keeps the machine's drift (other load, clock changes) out of it. It is timed **flat out** too: between
+batches taken as fast as they come, the loader never idle (over the paired run's idle median).
 
     python -m gpupipe.bench.sim_step DATA [--backends pillow,turbojpeg,dali] [--batch 32] [--size 224]
         [--epochs 3] [--steps 30] [--json bench/results/sim-step-NAME-DATE.json]
@@ -93,6 +94,16 @@ def time_probe(n: int, rounds: int, take, settle: float) -> tuple[float, float]:
     return statistics.median(alone), statistics.median(loaded)
 
 
+def time_flat_out(n: int, rounds: int, take) -> float:
+    """Median wall ms of the probe run between batches taken as fast as they come (``take()`` then the probe, with no
+    pause: the loader's processes and threads always at work), over ``rounds``."""
+    out = []
+    for _ in range(rounds):
+        take()
+        out.append(_timed(n) * 1e3)
+    return statistics.median(out)
+
+
 def forever(loader):
     """The loader's batches across epochs, as a loop that runs whole passes reads them."""
     while True:
@@ -157,6 +168,7 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
     # a worker remakes the batch taken in ``workers`` batch times (they run side by side): twice that, refilled
     settle = max(0.1, 2 * max(1, workers) * alone_ms / 1e3)
     alone, loaded = time_probe(probe_n, s.probe_rounds, batches.__next__, settle)
+    flat = time_flat_out(probe_n, 2 * s.probe_rounds, batches.__next__)
     del batches, loader  # its workers end now
     return {
         "backend": backend,
@@ -171,6 +183,8 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
         "probe_alone_ms": round(alone, 3),
         "probe_with_loader_ms": round(loaded, 3),
         "probe_ratio": round(loaded / alone, 3),
+        "probe_flat_out_ms": round(flat, 3),
+        "probe_flat_out_ratio": round(flat / alone, 3),
     }
 
 
@@ -180,7 +194,8 @@ def _line(r: dict) -> str:
         f"{r['backend']:>10}: {r['workers']} worker(s), step {r['step_cpu_ms'] + r['step_wait_ms']:.0f} ms "
         f"(loader alone {r['loader_alone_ms']:.0f} ms/batch), data-wait {r['data_wait']:.1%} over {r['epochs']} x "
         f"{r['steps_per_epoch']} steps, epoch starts {starts} ms (median next() {r['next_median_ms']:.1f} ms), "
-        f"probe {r['probe_with_loader_ms']:.1f} / {r['probe_alone_ms']:.1f} ms alone = {r['probe_ratio']:.2f}x"
+        f"probe {r['probe_with_loader_ms']:.1f} / {r['probe_alone_ms']:.1f} ms alone = {r['probe_ratio']:.2f}x, "
+        f"flat out {r['probe_flat_out_ms']:.1f} ms = {r['probe_flat_out_ratio']:.2f}x"
     )
 
 
