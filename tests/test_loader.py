@@ -1,6 +1,7 @@
 """The batch contract, the same for every backend."""
 
 import gc
+import multiprocessing.resource_tracker
 import os
 import threading
 import time
@@ -446,6 +447,9 @@ def test_close_ends_every_process_and_thread_at_once_and_a_closed_loader_says_so
 
     torch.ones(64, 64) @ torch.ones(64, 64)  # torch's own thread pool, started before the count
     Reaper().drop(None)  # the process's one thread that frees buffers (every loader's, ended at exit)
+    # multiprocessing's resource tracker, which a fork server's workers (their named semaphores) start for the
+    # process's life
+    multiprocessing.resource_tracker.ensure_running()
     tasks, threads, children = _tasks(), set(threading.enumerate()), set(_children(os.getpid()))
     gc.disable()
     try:

@@ -47,15 +47,6 @@ def test_workers_are_forked_by_the_zygote_and_take_what_it_holds_by_reference():
     assert not [pid for pid in _children(os.getpid()) if pid == items[0][1]]
 
 
-def _feed_workers(loader) -> list[int]:
-    return [w.pid for w in loader._feed._loader._iterator._workers]
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 @pytest.fixture(scope="module")
 def shards(folder, tmp_path_factory):
     from gpupipe.prepare import PrepareOptions, prepare
@@ -65,26 +56,51 @@ def shards(folder, tmp_path_factory):
     return out
 
 
+_WHILE_A_PIPELINE_RUNS = """
+import sys
+import gpupipe
+from gpupipe.backends._fork import pipelines_running
+
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def feed_workers(loader):
+    return {parent(w.pid) for w in loader._feed._loader._iterator._workers}
+
+
+kw = dict(batch_size=4, image_size=32, num_workers=2, device="cpu")
+assert not pipelines_running()
+first = gpupipe.build_loader(sys.argv[1], "dali", **kw)
+zygote = first._zygote
+assert zygote is not None and first.pipelines_built == 0
+next(iter(first))
+assert pipelines_running() and feed_workers(first) == {zygote.pid}
+second = gpupipe.build_loader(sys.argv[1], "dali", train=False, **kw)
+assert sum(len(y) for _, y in second) == len(second.dataset)
+assert feed_workers(second) == {zygote.pid}
+first._feed.stop()  # as a pass an error ended does
+next(iter(first))
+assert feed_workers(first) == {zygote.pid}
+print("forked by the zygote")
+"""
+
+
+@pytest.mark.slow
 @needs_dali
 def test_a_loader_built_while_a_pipeline_runs_and_a_restart_fork_from_a_zygote_made_before_any(shards):
     """A second loader (a validation loader) whose first pass comes while the first one's DALI pipeline runs, and the
     first one's pass after an error-ended one (its feed stopped, then started again): their feed workers are forked
-    by the zygote the first loader made before its pipeline was built, not by this process."""
-    from gpupipe.backends._fork import pipelines_running
+    by the zygote the first loader made before its pipeline was built, not by this process. In a process of its own,
+    where no DALI pipeline ran before."""
+    import subprocess
+    import sys
 
-    kw = dict(batch_size=4, image_size=32, num_workers=2, device="cpu")
-    assert not pipelines_running()
-    first = gpupipe.build_loader(shards, "dali", **kw)
-    zygote = first._zygote
-    assert zygote is not None and first.pipelines_built == 0
-    next(iter(first))
-    assert pipelines_running() and {_parent(pid) for pid in _feed_workers(first)} == {zygote.pid}
-    second = gpupipe.build_loader(shards, "dali", train=False, **kw)
-    assert sum(len(y) for _, y in second) == len(second.dataset)
-    assert {_parent(pid) for pid in _feed_workers(second)} == {zygote.pid}
-    first._feed.stop()  # as a pass an error ended does
-    next(iter(first))
-    assert {_parent(pid) for pid in _feed_workers(first)} == {zygote.pid}
+    run = [sys.executable, "-c", _WHILE_A_PIPELINE_RUNS, str(shards)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[-2:] == ["forked by the zygote", ""], done.stderr
 
 
 def _stuck_init(worker_id, nicer, began):

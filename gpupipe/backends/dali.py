@@ -342,7 +342,8 @@ class DaliLoader(Loader):
         garbage collector)."""
         ahead = self._ahead
         self._abandon()
-        self._ahead, self._feed = None, None
+        # the fork server goes with its last user (another loader may have borrowed it): it and its workers end then
+        self._ahead, self._feed, self._zygote = None, None, None
         pipe, self._pipe = self._pipe, None
         if pipe is not None and (ahead is None or ahead.join(timeout=0)):  # never under a thread still in DALI
             pipe.pipe._shutdown()
