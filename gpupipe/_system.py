@@ -38,11 +38,17 @@ def local_rank() -> int | None:
     return env_int("LOCAL_RANK")
 
 
+def local_ranks() -> int:
+    """The ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside a launcher): they share its cores and its
+    shard cache."""
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
+
+
 def cores_per_rank() -> int:
     """The usable cores shared out among the node's ranks (``LOCAL_WORLD_SIZE`` under torchrun): the default for
     decode workers and DALI threads, so 8 ranks do not start 8 times the node's cores."""
-    ranks = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return max(1, usable_cores() // (int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1))
+    return max(1, usable_cores() // local_ranks())
 
 
 def default_workers(device: torch.device) -> int:

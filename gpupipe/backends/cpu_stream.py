@@ -21,12 +21,10 @@ batches (:class:`Made`). A backend's loader is a :class:`StreamedLoader`.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import multiprocessing
 import os
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -211,7 +209,6 @@ class Stream:
         self._pid = os.getpid()  # its workers' parent: only this process ends them or moves their gate
         self._it: Iterator | None = None  # the DataLoader's one iteration (again only after a failure)
         self._peeked: tuple[Task, Made] | None = None  # the next epoch's first batch, taken before its pass (peek)
-        _live.add(self)
 
     # read through the class: ``__del__`` may run at exit once the module's names are cleared
     _getpid = staticmethod(os.getpid)
@@ -319,20 +316,6 @@ class Stream:
         if getattr(self._dataloader, "_iterator", None) is it:  # persistent workers: the next iter() starts new ones
             self._dataloader._iterator = None
         let_go()
-
-
-# every stream of this process, ended by the exit hook while the modules are whole: one still held then (a pass left
-# mid-way in a global, a loader in a reference cycle) was ended by its ``__del__`` as the interpreter cleared the
-# modules' names, and failed there ("Exception ignored in Stream.__del__")
-_live: weakref.WeakSet[Stream] = weakref.WeakSet()
-
-
-@atexit.register
-def _end_all_at_exit() -> None:
-    for stream in list(_live):
-        if stream._pid == os.getpid() and stream._it is not None:
-            stream.gate.close()
-            stream._end()
 
 
 class StreamedLoader(Loader):

@@ -323,7 +323,7 @@ class DaliLoader(Loader):
             return me._deliver(work)
 
         works = _works(loader, epoch, start_batch)
-        ahead = DecodeAhead(works, deliver, self.stage.device, _tensors, name="gpupipe-dali", cpu=self.thread_cpu)
+        ahead = DecodeAhead(works, deliver, self.stage.device, Batch.on_gpu, name="gpupipe-dali", cpu=self.thread_cpu)
         self._ahead = ahead
         yield from ahead  # a pass left early closes it: its batches made ahead are dropped (their works are done)
 
@@ -431,11 +431,6 @@ def _works(loader: weakref.ref[DaliLoader], epoch: int, start_batch: int) -> Ite
             return
         me._fill()  # once the work before was delivered: never held back by the feed's next read or DALI's
         del me
-
-
-def _tensors(batch: Batch) -> list[torch.Tensor]:
-    """A batch's tensors on the GPU (those the training stream must be recorded on)."""
-    return [t for t in (batch.images, batch.labels) if t.is_cuda]
 
 
 def _zygote(dataset) -> Zygote | None:

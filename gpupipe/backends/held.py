@@ -236,7 +236,7 @@ class HeldLoader(Loader):
             iter(self.sampler.batches(epoch, start_batch)),
             make,
             self.stage.device,
-            _tensors,
+            Batch.on_gpu,
             depth=2,
             name="gpupipe-held",
         )
@@ -290,11 +290,6 @@ class HeldLoader(Loader):
         if flip_slot is not None:
             return torch.where(pack.get(flip_slot).view(-1, 1, 1, 1), images.flip(-1), images)
         return images.flip(-1) if flips.any() else images
-
-
-def _tensors(batch: Batch) -> list[torch.Tensor]:
-    """A batch's tensors on the GPU (those the training stream must be recorded on)."""
-    return [t for t in (batch.images, batch.labels) if t.is_cuda]
 
 
 def held_loader(parts: LoaderParts, spec: BackendSpec, cache: str) -> HeldLoader:

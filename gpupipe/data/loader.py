@@ -54,6 +54,11 @@ class Batch:
     stamps: list | None = None  # its files as they were before a read ahead of its pass (see backends/cpu_stream.py)
     normalized: bool = False  # the images are float32, normalised with the recipe's mean and std already
 
+    def on_gpu(self) -> list[torch.Tensor]:
+        """Its tensors on the GPU: those a training stream that takes it from another stream must be recorded on
+        (:class:`~gpupipe.plumbing.decode_ahead.DecodeAhead`'s ``tensors``)."""
+        return [t for t in (self.images, self.labels) if t.is_cuda]
+
     def own(self, pinned: bool = False) -> Batch:
         """The images in this process's own memory (page-locked with ``pinned``): out of a lent buffer in one copy,
         straight into the memory they end in; a batch already in its own memory is only pinned."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from .._deps import require
 from .._files import read_regular
+from .._system import local_ranks
 from ..errors import DecodeError, MissingFileError, SourceError
 from .cached import ReadAhead, plan
 from .compact import SampleList
@@ -258,9 +259,7 @@ class RemoteParquetImageList(ParquetImageList):
         super().plan_reads(sampler)
         if self.cache is None:
             return
-        ranks = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks sharing this node's cache
-        local_ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
-        how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks)
+        how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks())
         self.cached, self.cache.keep = how.cached, how.keep
         if how.cached and how.ahead:
             self.read_ahead = ReadAhead(self.cache, sampler, self.file_of, how.ahead)

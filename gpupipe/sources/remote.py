@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._system import local_ranks
 from ..errors import GpupipeError, SourceError, StorageError
 from .cache import ShardCache, etag_of, parse_limit
 from .cache_folder import cache_folder
@@ -88,9 +89,7 @@ class RemoteShardImageList(ShardImageList):
         self.reader.set_window(sampler.window)
         why = None
         if self.cache is not None:
-            ranks = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's: the ranks sharing this node's cache
-            local_ranks = int(ranks) if ranks.isdigit() and int(ranks) > 0 else 1
-            how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks)
+            how = plan(self.cache.sizes, self.cache.cache.limit, sampler.shuffle, sampler.window, local_ranks())
             self.cached, self.cache.keep, why = how.cached, how.keep, how.why
             if how.cached:
                 self.read_ahead = ReadAhead(self.cache, sampler, self._shard, how.ahead) if how.ahead else None
