@@ -237,6 +237,9 @@ def _await_workers(it: Any, began: Any, stop: threading.Event) -> None:
         if not stuck:
             return
         if time.monotonic() > deadline:
+            if getattr(it, "_worker_pids_set", False):  # torch's SIGCHLD check would raise its own error for them
+                torch.utils.data._utils.signal_handling._remove_worker_pids(id(it))
+                it._worker_pids_set = False
             for w in stuck:
                 w.kill()
             pids = ", ".join(str(w.pid) for w in stuck)
