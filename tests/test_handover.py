@@ -108,6 +108,20 @@ def test_host_blocks_reuse_only_what_no_one_holds():
     assert {d.data_ptr()} & {b.data_ptr(), c.data_ptr()} == set()
 
 
+def test_host_blocks_reuse_a_batch_over_32_mib():
+    """A batch over 32 MiB (a float32 batch of 64 at 227 px, a uint8 batch of 256 at 224) gets a mapping of its own,
+    whose view holds its base: reused once dropped all the same, and not while it is held."""
+    blocks = HostBlocks(keep=2)
+    shape = (64, 3, 227, 227)
+    a = blocks.take(shape, torch.float32)
+    assert a.numel() * 4 > 32 << 20
+    pa = a.data_ptr()
+    del a
+    b = blocks.take(shape, torch.float32)
+    assert b.data_ptr() == pa
+    assert blocks.take(shape, torch.float32).data_ptr() != pa
+
+
 def test_a_gpu_feeds_worker_reuses_its_buffers_for_batches_of_changing_size(tmp_path):
     """A GPU feed's batch of encoded files (its byte count changes with every batch) is written into one of its
     worker's shared-memory buffers with room for it, which the worker writes again once the main process has dropped

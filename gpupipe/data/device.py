@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -67,28 +68,36 @@ class HostBlocks:
 
     def __init__(self, keep: int = 4):
         self.keep = keep
-        self._blocks: list[torch.Tensor] = []  # flat uint8
+        self._blocks: list[tuple[torch.Tensor, int]] = []  # flat uint8, and its storage's use count held by none else
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``: in a kept block no one else holds, else a new one (kept if there is
         room, or in place of a block no one holds)."""
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        for block in self._blocks:
-            if block.numel() == nbytes and _held_only_here(block):
+        for block, idle in self._blocks:
+            if block.numel() == nbytes and _idle(block, idle):
                 return block.view(dtype).view(shape)
         block = host_tensor((nbytes,), torch.uint8)
+        kept = (block, _use_count(block))  # a mapped block's view holds its base too: counted as it is made
         if len(self._blocks) < self.keep:
-            self._blocks.append(block)
-        elif (idle := next((i for i, b in enumerate(self._blocks) if _held_only_here(b)), None)) is not None:
-            self._blocks[idle] = block  # a block of another size (a short last batch, another loader): replaced
+            self._blocks.append(kept)
+        elif (free := next((i for i, (b, n) in enumerate(self._blocks) if _idle(b, n)), None)) is not None:
+            self._blocks[free] = kept  # a block of another size (a short last batch, another loader): replaced
         return block.view(dtype).view(shape)
 
 
-def _held_only_here(block: torch.Tensor) -> bool:
-    """Whether only ``block`` itself refers to its memory (torch's count of the storage's owners: the block, and the
-    storage object asked for here). Without that count (a torch that lacks it), never."""
+def _use_count(block: torch.Tensor) -> int | None:
+    """The number of owners of ``block``'s memory (torch's count of its storage's owners: tensors, views' bases, and
+    the storage object asked for here); None in a torch without that count."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(block.untyped_storage()._cdata) <= 2
+    return use_count(block.untyped_storage()._cdata) if use_count is not None else None
+
+
+def _idle(block: torch.Tensor, idle: int | None) -> bool:
+    """Whether no one but the pool holds ``block`` (its owners as many as when it was made); never, without the
+    count."""
+    count = _use_count(block)
+    return count is not None and idle is not None and count <= idle
 
 
 def pinned_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -105,24 +114,38 @@ def copy_into(out: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
 
 
 def normalize_on_cpu(
-    images: torch.Tensor,
+    images: torch.Tensor | list[np.ndarray],
     mean: torch.Tensor,
     inv_std: torch.Tensor,
     out: torch.Tensor | None = None,
     memory_format: torch.memory_format = torch.contiguous_format,
+    pool: ThreadPoolExecutor | None = None,
+    threads: int = 1,
 ) -> torch.Tensor:
-    """:func:`normalize` of a uint8 (N, 3, H, W) batch on the CPU, in any strides (an NHWC batch's NCHW view), into
-    ``out`` (else a new float32 tensor in ``memory_format``): the same float32 operations, so the same bits, but in
-    one thread and image by image (one pass converts while writing the output's layout, the others subtract and
-    multiply while the image is still in cache). torch's ops would make four passes over the whole batch (layout
-    copy, float, sub, mul) on its intra-op threads: on the decode workers' cores, where they also spin after each op."""
+    """:func:`normalize` of a uint8 (N, 3, H, W) batch on the CPU, in any strides (an NHWC batch's NCHW view), or of
+    a list of its (3, H, W) images (views: a held set's, mirrored by a negative stride), into ``out`` (else a new
+    float32 tensor in ``memory_format``): the same float32 operations, so the same bits, but image by image (one pass
+    converts while subtracting and writing the output's layout, the other multiplies while the image is still in
+    cache), in this thread, or split over ``threads`` of ``pool``'s (numpy releases the GIL). torch's ops would make
+    four passes over the whole batch (layout copy, float, sub, mul) on its intra-op threads: on the decode workers'
+    cores, where they also spin after each op."""
     if out is None:
-        out = _host_batch(tuple(images.shape), torch.float32, memory_format)
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else (len(images), *images[0].shape)
+        out = host_batch(shape, torch.float32, memory_format)
     m, s = mean.reshape(-1, 1, 1).numpy(), inv_std.reshape(-1, 1, 1).numpy()
-    for x, o in zip(images.numpy(), out.numpy(), strict=True):
-        np.copyto(o, x, casting="unsafe")  # uint8 -> float32 is exact; the one pass that reads the input's strides
-        np.subtract(o, m, out=o)
-        np.multiply(o, s, out=o)
+    sources = list(images.numpy()) if isinstance(images, torch.Tensor) else images
+    outs = list(out.numpy())
+
+    def part(first: int, step: int) -> None:
+        for x, o in zip(sources[first::step], outs[first::step], strict=True):
+            np.subtract(x, m, out=o)  # uint8 - float32 is float32 - float32 (the uint8 converted exactly)
+            np.multiply(o, s, out=o)
+
+    threads = 1 if pool is None else min(threads, len(sources))
+    if threads <= 1:
+        part(0, 1)
+    else:  # every thread its share, interleaved; results taken so that an error is raised here
+        list(pool.map(part, range(threads), [threads] * threads))
     return out
 
 
@@ -131,17 +154,20 @@ def layout_on_cpu(images: torch.Tensor, memory_format: torch.memory_format) -> t
     :func:`normalize_on_cpu`, whose reasons apply)."""
     if images.is_contiguous(memory_format=memory_format) or images.dtype not in (torch.uint8, torch.float32):
         return images.contiguous(memory_format=memory_format)
-    out = _host_batch(tuple(images.shape), images.dtype, memory_format)
+    out = host_batch(tuple(images.shape), images.dtype, memory_format)
     for x, o in zip(images.numpy(), out.numpy(), strict=True):
         np.copyto(o, x)
     return out
 
 
-def _host_batch(shape: tuple[int, ...], dtype: torch.dtype, memory_format: torch.memory_format) -> torch.Tensor:
-    """A new (N, C, H, W) batch from :func:`host_tensor`, laid out in ``memory_format``."""
+def host_batch(
+    shape: tuple[int, ...], dtype: torch.dtype, memory_format: torch.memory_format, blocks: HostBlocks | None = None
+) -> torch.Tensor:
+    """A new (N, C, H, W) batch from :func:`host_tensor` (or from ``blocks``, reused), laid out in ``memory_format``."""
+    make = host_tensor if blocks is None else blocks.take
     if memory_format == torch.channels_last:  # (N, H, W, C) in memory, seen as (N, C, H, W)
-        return host_tensor((shape[0], *shape[2:], shape[1]), dtype).permute(0, 3, 1, 2)
-    return host_tensor(shape, dtype)
+        return make((shape[0], *shape[2:], shape[1]), dtype).permute(0, 3, 1, 2)
+    return make(shape, dtype)
 
 
 class DeviceStage:
