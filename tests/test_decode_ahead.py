@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from gpupipe.plumbing.decode_ahead import DecodeAhead
+from gpupipe.plumbing.decode_ahead import DecodeAhead, Turn
 
 
 class _SlowToDrop:
@@ -31,3 +31,29 @@ def test_a_pass_run_to_its_end_leaves_no_thread_behind():
         )
         assert list(ahead) == [0, 2, 4, 6, 8]
         assert _decode_threads() == []
+
+
+def test_no_item_is_begun_while_the_caller_is_inside_next_with_one_to_take():
+    """The thread's work runs Python in the caller's interpreter: begun while the caller is inside ``next()`` with a
+    made item waiting, it would take the GIL from it there. With a :class:`Turn` it waits for the caller to leave
+    (and begins at once when the caller waits for an item none has made: the first, here)."""
+    turn = Turn()
+    begun_inside = []
+    ahead: DecodeAhead | None = None
+
+    def decode(work: int) -> int:  # (the first may begin before ``ahead`` is assigned: nothing made yet)
+        begun_inside.append(turn._inside and ahead is not None and not ahead._queue.empty())
+        return work
+
+    ahead = DecodeAhead(iter(range(8)), decode, torch.device("cpu"), lambda r: [], depth=2, turn=turn)
+    it, got = iter(ahead), []
+    for _ in range(8):
+        turn.enter()
+        try:
+            got.append(next(it))
+            time.sleep(0.02)  # the rest of next(): the made items are there, the thread has room for one more
+        finally:
+            turn.leave()
+        time.sleep(0.05)  # the step
+    assert got == list(range(8))
+    assert not any(begun_inside)

@@ -78,6 +78,26 @@ def test_the_resized_and_the_random_resized_crops_are_the_pillow_loader_s(tiny):
             assert torch.equal(y, ref_y) and (x - ref_x).abs().mean(dim=(1, 2, 3)).max() <= tolerance
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalised_batches_on_the_cpu_are_the_pillow_loader_s_bits(tiny, channels_last):
+    """A set held resized on the CPU is normalised straight from the held images on a thread per core, into memory
+    reused once dropped: the pillow loader's normalised batches bit for bit (mirrored or not, in either layout), and
+    every batch kept by the caller stays as it was made."""
+    for p in (0.5, 1.0, 0.0):
+        kw = _kw(recipe=Recipe(64, crop="resize", flip_p=p), normalize=True, channels_last=channels_last)
+        with gpupipe.build_loader(tiny, "pillow", cache="device", **kw) as loader:
+            loader._threads = 2  # split, whatever this machine's cores
+            kept = [list(loader), list(loader)]  # two passes, every batch held
+            assert loader._normalizers is not None
+        assert loader._normalizers is None  # closed: its threads ended
+        reference = gpupipe.build_loader(tiny, "pillow", **kw)
+        for ours, theirs in zip(kept, [list(reference), list(reference)], strict=True):
+            assert len(ours) == len(theirs) == 4
+            for (x, y), (ref_x, ref_y) in zip(ours, theirs, strict=True):
+                assert x.dtype == torch.float32 and torch.equal(y, ref_y) and torch.equal(x, ref_x)
+                assert x.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
 def test_a_resumed_held_loader_delivers_the_rest_of_the_epoch_exactly(tiny):
     assert_resume_is_exact(lambda: gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD)), 1, 2)
 
@@ -121,6 +141,38 @@ def test_batches_for_a_gpu_are_cut_and_finished_off_the_training_thread(tiny, mo
     where["cut"].clear()
     list(gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD)))
     assert where["cut"] == {threading.current_thread().name}
+
+
+def test_the_loader_s_thread_begins_no_batch_while_the_caller_is_inside_next_with_one_made(tiny, monkeypatch):
+    """The caller's pass tells the loader's thread when it is inside ``next()``: a batch made there would take the
+    GIL from it (see plumbing/decode_ahead.py's Turn), so with a made batch to take, the next is begun after."""
+    import threading
+    import time
+
+    base = gpupipe.build_loader(tiny, "pillow", **_kw(recipe=PAD, normalize=True))
+    stage = DeviceStage(torch.device("meta"), PAD)
+    loader = held_loader(dataclasses.replace(base.parts, stage=stage), get("pillow"), "device")
+    begun_inside, batch, upload, inside = [], HeldLoader._batch, stage.upload, threading.Event()
+
+    def made(self, *args):
+        ahead = self._ahead
+        begun_inside.append(inside.is_set() and ahead is not None and not ahead._queue.empty())
+        return batch(self, *args)
+
+    def slow_upload(b):  # the training thread's part of next(), made long
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.02)
+        return upload(b)
+
+    monkeypatch.setattr(HeldLoader, "_batch", made)
+    monkeypatch.setattr(stage, "upload", slow_upload)
+    batches = iter(loader)
+    for _ in range(len(loader)):
+        inside.set()
+        next(batches)
+        inside.clear()
+        time.sleep(0.03)  # the step
+    assert len(begun_inside) == 4 and not any(begun_inside)
 
 
 def test_a_set_too_large_is_refused_up_front_with_its_size(tmp_path):

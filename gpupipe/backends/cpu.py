@@ -214,7 +214,9 @@ class CpuLoader(StreamedLoader):
         the meta device that stands in for CUDA): what that thread does on CUDA, taking each batch off the workers'
         queue (unpickling) and copying it out of the worker's buffer, is done on a thread of the loader's own, one
         batch ahead, not on the training thread."""
-        self._ahead = DecodeAhead(taken, _as_is, self.device, _none, name="gpupipe-take", cpu=self.thread_cpu)
+        self._ahead = DecodeAhead(
+            taken, _as_is, self.device, _none, name="gpupipe-take", cpu=self.thread_cpu, turn=self.turn
+        )
         return iter(self._ahead)
 
     def _open_stream(self) -> Stream:

@@ -323,7 +323,9 @@ class DaliLoader(Loader):
             return me._deliver(work)
 
         works = _works(loader, epoch, start_batch)
-        ahead = DecodeAhead(works, deliver, self.stage.device, Batch.on_gpu, name="gpupipe-dali", cpu=self.thread_cpu)
+        ahead = DecodeAhead(
+            works, deliver, self.stage.device, Batch.on_gpu, name="gpupipe-dali", cpu=self.thread_cpu, turn=self.turn
+        )
         self._ahead = ahead
         yield from ahead  # a pass left early closes it: its batches made ahead are dropped (their works are done)
 

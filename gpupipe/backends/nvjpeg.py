@@ -240,7 +240,7 @@ class NvjpegLoader(StreamedLoader):
             return me._decoded(work, me._decode)
 
         chained = itertools.chain(works, _peeked(self._stream(), epoch + 1))
-        ahead = self._ahead = DecodeAhead(chained, decoded, self.device, _tensors, cpu=self.thread_cpu)
+        ahead = self._ahead = DecodeAhead(chained, decoded, self.device, _tensors, cpu=self.thread_cpu, turn=self.turn)
         self._left = (epoch, count)  # the batches of ``epoch`` the thread makes that this pass has not taken
         for batch in ahead.take(count, keep=True):  # left early, the thread goes on (the next pass may drop the rest)
             self._left = (epoch, self._left[1] - 1)

@@ -20,6 +20,7 @@ import torch
 from .._options import OnError
 from ..augment.adaptive import LOADER_NAMES, LoaderHook, Snapshots, lag_for
 from ..errors import DecodeError, GpupipeError, LoaderClosedError, StorageError
+from ..plumbing.decode_ahead import Turn
 from ..recipe import Recipe
 from ..sources.scan import ImageList
 from .device import DeviceStage, Layout
@@ -182,6 +183,7 @@ class Loader:
         self.fallbacks = 0
         self.stats = LoaderStats()  # what it delivered: batches, images, images/s, the caller's wait, skipped
         self.thread_cpu = [0.0]  # CPU seconds of the loader's own Python threads in this process (a decode thread)
+        self.turn = Turn()  # the caller inside next(): the loader's threads start their next batch after it leaves
         self.made_in = os.getpid()  # its workers and threads are this process's: only here is it iterated
         _made.add(self)
         augment = parts.stage.augment
@@ -269,7 +271,7 @@ class Loader:
                 f"this loader was built in process {self.made_in}, and its workers and threads are that process's: "
                 f"a process forked from it ({os.getpid()}) cannot iterate it; build a loader in this process"
             )
-        return Pass(self.position, self._pass, self._abandon)
+        return Pass(self.position, self._pass, self._abandon, self.turn)
 
     def close(self) -> None:
         """Stop the loader's worker processes, threads and read-ahead now, not when the garbage collector frees it;

@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 
 from ..errors import GpupipeError
+from ..plumbing.decode_ahead import Turn
 
 T = TypeVar("T")
 
@@ -292,9 +293,14 @@ class Pass(Generic[T]):
     makes the iterator first). ``abandon()`` is called when an error ends the pass, before it is raised."""
 
     def __init__(
-        self, position: Position, make: Callable[[int, int], Iterator[T]], abandon: Callable[[], None] = lambda: None
+        self,
+        position: Position,
+        make: Callable[[int, int], Iterator[T]],
+        abandon: Callable[[], None] = lambda: None,
+        turn: Turn | None = None,
     ):
         self._position, self._make, self._abandon = position, make, abandon
+        self._turn = turn  # told when the caller is inside next(): the loader's threads make their items outside it
         self._batches: Iterator[T] | None = None
         self._done = False
         # the position knows this pass by a token of its own, not by the pass: a pass holds the loader (``make``),
@@ -324,6 +330,15 @@ class Pass(Generic[T]):
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
+        if self._turn is None:
+            return self._next()
+        self._turn.enter()
+        try:
+            return self._next()
+        finally:
+            self._turn.leave()
+
+    def _next(self) -> T:
         if self._batches is None:
             self._batches = self._make(*self._position.start(self._token))
         else:
