@@ -243,3 +243,27 @@ def test_a_global_shuffle_over_more_row_groups_than_are_kept_is_a_warning_with_t
         warnings.simplefilter("error")
         _batches(hub, "pillow", batch_size=2, train=True, shuffle_window=2)
         _batches(hub, "pillow", batch_size=2, train=False)
+
+
+def test_a_local_file_is_opened_once_per_process_and_reopened_after_a_fork(sets, monkeypatch):
+    """Each row group of a file read from one open of it (its footer read once, its column chunks mapped), and a
+    forked child opens its own."""
+    _, hub = sets
+    opened = []
+    real = pq.ParquetFile
+
+    def counted(source, *args, **kwargs):
+        opened.append(source)
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "ParquetFile", counted)
+    listed = open_source(sorted(str(p) for p in hub.glob("*.parquet"))[0])  # 7 rows, groups of 3
+    assert len(opened) == 1  # its index, read at the open
+    expected = [listed.read(i) for i in range(len(listed))]
+    assert len(opened) == 2  # three groups, one open
+    listed._groups.clear()
+    pid = os.fork()
+    if pid == 0:  # the child: its own open, the same bytes
+        ok = [listed.read(i) for i in range(len(listed))] == expected and len(opened) == 3
+        os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
