@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -81,6 +82,16 @@ class CachedShards:
         pinned = self._pinned_shard(s)
         try:
             return pinned.read(start, size)
+        finally:
+            with self._lock:
+                self._busy[s] -= 1
+
+    @contextlib.contextmanager
+    def using(self, s: int) -> Iterator[Pinned]:
+        """Shard ``s`` pinned, and kept pinned while the caller reads it (as :meth:`read` does for a slice)."""
+        pinned = self._pinned_shard(s)
+        try:
+            yield pinned
         finally:
             with self._lock:
                 self._busy[s] -= 1

@@ -32,6 +32,7 @@ from .._deps import require
 from .._files import read_regular
 from .._system import local_ranks
 from ..errors import DecodeError, MissingFileError, SourceError
+from .cache import Pinned
 from .cached import ReadAhead, plan
 from .compact import SampleList
 from .dataset import IMAGE_FIELDS, LABEL_FIELDS
@@ -177,7 +178,8 @@ class ParquetImageList(ImageList):
         self._group_file = np.concatenate([np.full(len(p["group_rows"]), k, np.int64) for k, p in enumerate(parts)])
         self.kept_groups = _KEPT_GROUPS
         self._groups: OrderedDict[tuple[int, int], list[Any]] = OrderedDict()
-        self._opened: OrderedDict[int, Any] = OrderedDict()  # file number -> its pyarrow ParquetFile, in this process
+        # file number -> (what it was opened from: its path, or the pin of its cached copy; its pyarrow ParquetFile)
+        self._opened: OrderedDict[int, tuple[object, Any]] = OrderedDict()
         self._pid = os.getpid()
 
     def __getstate__(self):  # a spawned worker keeps its own row groups and opens its own files
@@ -236,20 +238,22 @@ class ParquetImageList(ImageList):
         return values
 
     def _read_group(self, k: int, group: int) -> list[Any]:
-        return _group_values(self._open(k), group, self.image_key)
+        return _group_values(self._open(k, self.files[k]), group, self.image_key)
 
-    def _open(self, k: int) -> Any:
-        """File ``k`` opened once in this process, memory-mapped, as a tar shard is (an open per row group read its
-        footer again, and a read through a buffer copied every column chunk first: ~2.5x the time of a group)."""
+    def _open(self, k: int, source: object) -> Any:
+        """File ``k`` opened once in this process from ``source`` (its path, or the pin of its cached copy: opened
+        again once that pin was let go), memory-mapped, as a tar shard is (an open per row group read its footer again,
+        and a read through a buffer copied every column chunk first: ~2.5x the time of a group)."""
         if self._pid != os.getpid():  # a forked worker: its parent's files are not its own to share
             self._opened, self._pid = OrderedDict(), os.getpid()
-        f = self._opened.pop(k, None)
-        if f is None:
+        opened = self._opened.pop(k, None)
+        if opened is None or opened[0] is not source:
             while len(self._opened) >= _OPEN_FILES:  # dropped, not closed: a thread may still be reading it
                 self._opened.popitem(last=False)
-            f = _parquet_file(self.files[k], memory_map=True)
-        self._opened[k] = f  # last: kept in order of use
-        return f
+            path = source.path if isinstance(source, Pinned) else source
+            opened = (source, _parquet_file(path, memory_map=True))
+        self._opened[k] = opened  # last: kept in order of use
+        return opened[1]
 
 
 class RemoteParquetImageList(ParquetImageList):
@@ -286,9 +290,8 @@ class RemoteParquetImageList(ParquetImageList):
         url = self.files[k]
         if self.cached:
             assert self.cache is not None  # cached: there is one
-            with self.cache.cache.pin(self.store, url, self.cache.sizes[k], self.cache.etags[k]) as pinned:
-                with _parquet_file(pinned.path, memory_map=True) as f:
-                    return _group_values(f, group, self.image_key)
+            with self.cache.using(k) as pinned:  # kept pinned, as a cached shard is, and kept open while it is
+                return _group_values(self._open(k, pinned), group, self.image_key)
 
         def by_range() -> list[Any]:
             with self.store.fs.open(self.store.path(url), "rb", block_size=1 << 20) as f, _parquet_file(f) as pf:
