@@ -66,9 +66,12 @@ def recipe(s: Settings) -> Recipe:
     return Recipe(s.size, crop="resize", flip_p=0.0)
 
 
-def writeup_batches(root: Path, s: Settings, workers: int, device: torch.device) -> Generator[int]:
+Batches = Generator[tuple[torch.Tensor, torch.Tensor]]
+
+
+def writeup_batches(root: Path, s: Settings, workers: int, device: torch.device) -> Batches:
     """The write-up's loader: torchvision's CIFAR10 with ``Resize`` and ``ToTensor``, a shuffled ``DataLoader``; each
-    batch moved to ``device``; yields the batch's size, epoch after epoch."""
+    batch moved to ``device``; yields the batches, epoch after epoch."""
     from torchvision import transforms as T
 
     dataset = CIFAR10Files(root, train=True, transform=T.Compose([T.Resize(s.size), T.ToTensor()]))
@@ -77,14 +80,13 @@ def writeup_batches(root: Path, s: Settings, workers: int, device: torch.device)
         dataset, batch_size=s.batch, shuffle=True, num_workers=workers, pin_memory=cuda, persistent_workers=workers > 0
     )
     for images, labels in forever(loader):
-        if device.type != "meta":
-            images.to(device, non_blocking=cuda)
-        yield len(labels)
+        yield (images.to(device, non_blocking=cuda) if device.type != "meta" else images), labels
 
 
-def gpupipe_batches(root: Path, backend: str, s: Settings, workers: int, device: torch.device) -> Generator[int]:
+def gpupipe_batches(root: Path, backend: str, s: Settings, workers: int, device: torch.device) -> Batches:
     """gpupipe's loader on the same dataset object (no transform): ``backend``'s, or the set held on the device when
-    ``backend`` is ``cache=device``; yields each batch's size, epoch after epoch."""
+    ``backend`` is ``cache=device``; yields its batches as they come, epoch after epoch (what a loop over it runs after
+    each is the step's)."""
     dataset = CIFAR10Files(root, train=True)
     cache: Cache | None = "device" if backend == "cache=device" else None
     name = "pillow" if cache else backend  # the held set decoded once by Pillow
@@ -96,11 +98,10 @@ def gpupipe_batches(root: Path, backend: str, s: Settings, workers: int, device:
             dataset, name, batch_size=batch, recipe=r, device=device, num_workers=workers, cache=cache
         )
     with loader:
-        for _images, labels in forever(loader):
-            yield len(labels)
+        yield from forever(loader)
 
 
-def images_per_second(batches: Iterator[int], s: Settings, device: torch.device) -> tuple[float, float]:
+def images_per_second(batches: Batches, s: Settings, device: torch.device) -> tuple[float, float]:
     """The loader alone: images a second over at least ``s.seconds`` and 3 batches, after the first 2; and the
     seconds to the first batch (the loader built: a held set decoded, workers started)."""
     t0 = time.perf_counter()
@@ -109,14 +110,14 @@ def images_per_second(batches: Iterator[int], s: Settings, device: torch.device)
     next(batches)
     t0, images, count = time.perf_counter(), 0, 0
     while count < 3 or time.perf_counter() - t0 < s.seconds:
-        images += next(batches)
+        images += len(next(batches)[1])
         count += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return images / (time.perf_counter() - t0), first
 
 
-def data_wait(batches: Iterator[int], s: Settings) -> dict:
+def data_wait(batches: Batches, s: Settings) -> dict:
     """The simulated step after each batch, over ``s.steps`` steps after 2: the share of the run in ``next()``."""
     step_cpu, step_wait = s.step_ms * s.cpu_share / 1e3, s.step_ms * (1 - s.cpu_share) / 1e3
     next(batches), next(batches)
@@ -131,7 +132,7 @@ def data_wait(batches: Iterator[int], s: Settings) -> dict:
     return {"data_wait": round(sum(waits) / total, 4), "next_median_ms": round(statistics.median(waits) * 1e3, 2)}
 
 
-def measure(make: Callable[[torch.device], Generator[int]], s: Settings, device: torch.device) -> dict:
+def measure(make: Callable[[torch.device], Batches], s: Settings, device: torch.device) -> dict:
     """One loader's row: alone on ``device``, then under the simulated step (on the meta device for the CPU)."""
     gc.collect()
     with contextlib.closing(make(device)) as batches:
