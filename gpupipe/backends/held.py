@@ -286,6 +286,7 @@ class HeldLoader(Loader):
         of each (no gather into a uint8 batch first), on a thread per core of this process's share, into memory the
         loader's earlier batches used once nothing else holds them (fresh memory costs a page fault per page)."""
         side, stage = self.side, self.stage
+        assert side is not None  # held resized: what makes a batch normalised here
         flips = self.recipe.flips(self.train, self.seed, epoch, good)
         held = self.held.pixels.numpy().reshape(-1, 3, side, side)
         images = [held[i][..., ::-1] if flip else held[i] for i, flip in zip(good, flips.tolist(), strict=True)]

@@ -68,7 +68,9 @@ class HostBlocks:
 
     def __init__(self, keep: int = 4):
         self.keep = keep
-        self._blocks: list[tuple[torch.Tensor, int]] = []  # flat uint8, and its storage's use count held by none else
+        self._blocks: list[
+            tuple[torch.Tensor, int | None]
+        ] = []  # flat uint8, and its storage's use count held by none else
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``: in a kept block no one else holds, else a new one (kept if there is
@@ -141,8 +143,8 @@ def normalize_on_cpu(
             np.subtract(x, m, out=o)  # uint8 - float32 is float32 - float32 (the uint8 converted exactly)
             np.multiply(o, s, out=o)
 
-    threads = 1 if pool is None else min(threads, len(sources))
-    if threads <= 1:
+    threads = min(threads, len(sources))
+    if pool is None or threads <= 1:
         part(0, 1)
     else:  # every thread its share, interleaved; results taken so that an error is raised here
         list(pool.map(part, range(threads), [threads] * threads))
