@@ -42,9 +42,9 @@ class Turn:
     """When a loader's thread may start its next item: not while the training thread is inside the loader's
     ``next()`` with a made item there to take. Both run Python in one interpreter, and a thread woken by the take
     (its queue has room again) would otherwise take the GIL in the middle of that ``next()`` and make the training
-    thread wait for its whole item (a quarter of the batches waited ~1 ms so, where 0.2 ms is the take's own
-    CPU). Waiting for the training thread to leave, it makes the item during the step instead. When the training
-    thread waits for an item (none made), the thread starts at once."""
+    thread wait for its whole item (bench/README.md, the CIFAR-10 run: several times the take's own CPU). Waiting for
+    the training thread to leave, it makes the item during the step instead. When the training thread waits for an
+    item (none made), the thread starts at once."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
