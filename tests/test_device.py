@@ -73,3 +73,30 @@ def test_one_cuda_device_object_and_the_policy_on_the_gpu(folder, backend):
     assert loader.device == torch.device("cuda", torch.cuda.current_device())
     for x, _ in loader:
         assert x.device == loader.device and x.shape[1:] == (3, 48, 48) and torch.isfinite(x).all()
+
+
+def test_a_cpu_batch_is_normalised_over_the_stage_s_threads_into_memory_it_reuses():
+    """On the CPU, a stage of several threads normalises as one thread does, bit for bit, in either layout; once a
+    batch is dropped its memory makes the next, and a batch still held is never written over."""
+    import numpy as np
+
+    from gpupipe.data.device import DeviceStage
+    from gpupipe.recipe import Recipe
+
+    rng = np.random.default_rng(0)
+    for channels_last in (False, True):
+        one = DeviceStage(torch.device("cpu"), Recipe(32), channels_last=channels_last)
+        two = DeviceStage(torch.device("cpu"), Recipe(32), channels_last=channels_last, host_threads=2)
+        batches = [torch.from_numpy(rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)) for _ in range(3)]
+        expected = [one.finish(b, "NHWC").clone() for b in batches]
+        held = two.finish(batches[0], "NHWC")
+        dropped = two.finish(batches[1], "NHWC")
+        where = dropped.data_ptr()
+        assert torch.equal(dropped, expected[1])
+        del dropped
+        again = two.finish(batches[2], "NHWC")
+        assert again.data_ptr() == where and torch.equal(again, expected[2])
+        assert torch.equal(held, expected[0])  # held meanwhile: not written over
+        assert held.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        two.close()
+        assert two._pool is None

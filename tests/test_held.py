@@ -86,10 +86,10 @@ def test_normalised_batches_on_the_cpu_are_the_pillow_loader_s_bits(tiny, channe
     for p in (0.5, 1.0, 0.0):
         kw = _kw(recipe=Recipe(64, crop="resize", flip_p=p), normalize=True, channels_last=channels_last)
         with gpupipe.build_loader(tiny, "pillow", cache="device", **kw) as loader:
-            loader._threads = 2  # split, whatever this machine's cores
+            loader.stage.host_threads = 2  # split, whatever this machine's cores
             kept = [list(loader), list(loader)]  # two passes, every batch held
-            assert loader._normalizers is not None
-        assert loader._normalizers is None  # closed: its threads ended
+            assert loader.stage._pool is not None
+        assert loader.stage._pool is None  # closed: its threads ended
         reference = gpupipe.build_loader(tiny, "pillow", **kw)
         for ours, theirs in zip(kept, [list(reference), list(reference)], strict=True):
             assert len(ours) == len(theirs) == 4

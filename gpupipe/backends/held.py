@@ -25,7 +25,6 @@ from PIL import Image
 
 from .._options import CACHES, Cache
 from .._system import cores_per_rank
-from ..data.device import HostBlocks, host_batch, normalize_on_cpu
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
@@ -120,9 +119,6 @@ class HeldLoader(Loader):
         if self.held_on.type != "meta":  # the meta device holds shapes, no pixels
             self._decode(decoder, kept)
         self._labels = np.asarray(parts.dataset.targets, np.int64)
-        self._blocks = HostBlocks()  # the memory of the CPU batches normalised here, reused
-        self._threads = cores_per_rank()
-        self._normalizers: ThreadPoolExecutor | None = None  # made at the first batch that uses them
 
     def _made_by(self) -> str:
         return f"no workers, {_gib(self.held_bytes)} held on {self.held_on.type} ({self.cache!r})"
@@ -284,30 +280,18 @@ class HeldLoader(Loader):
     def _normalized(self, epoch: int, good: list[int]) -> torch.Tensor:
         """(n, 3, S, S) float32: the held images ``good``, mirrored where the recipe draws it, normalised in one read
         of each (no gather into a uint8 batch first), on a thread per core of this process's share, into memory the
-        loader's earlier batches used once nothing else holds them (fresh memory costs a page fault per page)."""
+        stage's earlier batches used once nothing else holds them (fresh memory costs a page fault per page)."""
         side, stage = self.side, self.stage
         assert side is not None  # held resized: what makes a batch normalised here
         flips = self.recipe.flips(self.train, self.seed, epoch, good)
         held = self.held.pixels.numpy().reshape(-1, 3, side, side)
         images = [held[i][..., ::-1] if flip else held[i] for i, flip in zip(good, flips.tolist(), strict=True)]
-        out = host_batch((len(good), 3, side, side), torch.float32, stage.memory_format, self._blocks)
-        return normalize_on_cpu(images, stage.mean, stage.inv_std, out, pool=self._pool(), threads=self._threads)
-
-    def _pool(self) -> ThreadPoolExecutor | None:
-        if self._threads > 1 and self._normalizers is None:
-            self._normalizers = ThreadPoolExecutor(self._threads, thread_name_prefix="gpupipe-normalize")
-        return self._normalizers
+        return stage.normalize_on_host(images)
 
     def _abandon(self) -> None:
         """An error ended the pass (or the loader is closed): its thread ends now."""
         if self._ahead is not None:
             self._ahead.close()
-
-    def _shut(self) -> None:
-        self._abandon()
-        if self._normalizers is not None:
-            self._normalizers.shutdown()
-            self._normalizers = None
 
     def _crops(self, epoch: int, good: list[int], size: int) -> torch.Tensor:
         """(n, 3, S, S) uint8 on the held set's device: the recipe's boxes of the samples ``good``, cut and resized

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -185,9 +186,15 @@ class DeviceStage:
         normalize: bool = True,
         channels_last: bool = False,
         augment: SampleAugment | None = None,
+        host_threads: int = 1,
     ):
         self.device = device
         self.normalize = normalize
+        # a CPU batch is normalised on this many threads of the process (the cores its workers leave), into memory
+        # the stage's earlier batches used once nothing else holds them
+        self.host_threads = host_threads
+        self._blocks = HostBlocks()
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in, the pool)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.augment = augment if augment is not None and augment.active else None
         shape = (1, 3, 1, 1)
@@ -207,13 +214,34 @@ class DeviceStage:
         if self.augment is not None:  # on uint8, before normalization
             images = self.augment.run(images, job, pack)
         if self.normalize and not normalized:  # else the decode workers or the decoder did
-            if images.device.type == "cpu":  # layout and normalization in one pass, one thread
-                return normalize_on_cpu(images, self.mean, self.inv_std, memory_format=self.memory_format)
+            if images.device.type == "cpu":  # layout and normalization in one pass
+                return self.normalize_on_host(images)
             images = images.contiguous(memory_format=self.memory_format)  # on uint8: a quarter of the bytes
             return normalize(images, self.mean, self.inv_std)
         if images.device.type == "cpu":
             return layout_on_cpu(images, self.memory_format)
         return images.contiguous(memory_format=self.memory_format)
+
+    def normalize_on_host(self, images: torch.Tensor | list[np.ndarray]) -> torch.Tensor:
+        """:func:`normalize_on_cpu` of a CPU batch (or of its images), on :attr:`host_threads` threads, into reused
+        memory."""
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else (len(images), *images[0].shape)
+        out = host_batch(shape, torch.float32, self.memory_format, self._blocks)
+        return normalize_on_cpu(images, self.mean, self.inv_std, out, pool=self._host_pool(), threads=self.host_threads)
+
+    def _host_pool(self) -> ThreadPoolExecutor | None:
+        """The stage's threads, made at their first use in this process (a forked child has none of its parent's)."""
+        if self.host_threads <= 1:
+            return None
+        if self._pool is None or self._pool[0] != os.getpid():
+            self._pool = (os.getpid(), ThreadPoolExecutor(self.host_threads, thread_name_prefix="gpupipe-normalize"))
+        return self._pool[1]
+
+    def close(self) -> None:
+        """Its threads ended (the loader is closed)."""
+        if self._pool is not None and self._pool[0] == os.getpid():
+            self._pool[1].shutdown()
+        self._pool = None
 
     def upload(self, b: BatchLike) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch's images and labels on the device, finished: the images in one non-blocking copy (pinned by the

@@ -282,6 +282,7 @@ class Loader:
         self._closed = True
         if os.getpid() == self.made_in:  # in a forked child, the workers and threads are the parent's: left alone
             self._shut()
+            self.stage.close()
 
     def __enter__(self) -> Loader:
         return self
