@@ -133,10 +133,14 @@ def data_wait(batches: Batches, s: Settings) -> dict:
 
 
 def measure(make: Callable[[torch.device], Batches], s: Settings, device: torch.device) -> dict:
-    """One loader's row: alone on ``device``, then under the simulated step (on the meta device for the CPU)."""
+    """One loader's row: alone on ``device``, then under the simulated step (on the meta device for the CPU), each
+    after a pause in which the last one's processes end and its memory goes back."""
     gc.collect()
+    time.sleep(1.0)
     with contextlib.closing(make(device)) as batches:
         img_s, first = images_per_second(batches, s, device)
+    gc.collect()
+    time.sleep(1.0)
     with contextlib.closing(make(META if device.type == "cpu" else device)) as batches:
         waited = data_wait(batches, s)
     return {"img_s": round(img_s, 1), "first_batch_s": round(first, 4), **waited}
