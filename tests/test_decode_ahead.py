@@ -57,3 +57,19 @@ def test_no_item_is_begun_while_the_caller_is_inside_next_with_one_to_take():
         time.sleep(0.05)  # the step
     assert got == list(range(8))
     assert not any(begun_inside)
+
+
+def test_a_thread_waiting_for_its_turn_ends_when_closed(monkeypatch):
+    """Closed while it waits for the caller to leave ``next()`` (a pass left early, its next begun), the thread is
+    told at once, not at its next look."""
+    monkeypatch.setattr(Turn, "LOOK", 60.0)
+    turn = Turn()
+    ahead = DecodeAhead(iter(range(8)), lambda w: w, torch.device("cpu"), lambda r: [], depth=2, turn=turn)
+    it = iter(ahead)
+    turn.enter()
+    next(it)  # inside next(), a made item waiting: the thread waits for its turn
+    deadline = time.monotonic() + 10
+    while ahead._queue.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ahead.join(timeout=10)
+    turn.leave()

@@ -46,6 +46,8 @@ class Turn:
     the training thread to leave, it makes the item during the step instead. When the training thread waits for an
     item (none made), the thread starts at once."""
 
+    LOOK = 0.1  # seconds between a waiting thread's looks at its stop, where nothing told it
+
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._inside = False
@@ -70,7 +72,7 @@ class Turn:
         ``stop``)."""
         with self._changed:
             while self._inside and not made.empty() and not stop.is_set():
-                self._changed.wait(0.1)  # the timeout: a stop, which does not notify
+                self._changed.wait(self.LOOK)  # a stop at exit may not notify
 
 
 class DecodeAhead(Generic[W, R]):
@@ -180,6 +182,11 @@ class DecodeAhead(Generic[W, R]):
         """Tell the thread to stop (it does once its current batch is done); what it holds is dropped. Reads no name
         of this module: it may run at interpreter exit, from ``__del__``, once the module's names are cleared."""
         self._stop.set()
+        if self._turn is not None:
+            try:
+                self._turn.wanted()  # a thread waiting for its turn sees the stop now
+            except Exception:  # at exit, with threading's names cleared: it sees it at its next look
+                pass
         out, empty = self._queue, self._EMPTY
         while not out.empty():  # (``get_nowait`` on an empty queue raises a name of ``queue``, cleared at exit too)
             try:
