@@ -166,10 +166,8 @@ def build_loader(
     drop_last = train if drop_last is None else drop_last
     sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)
     augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
-    threads = max(1, cores_per_rank() - (0 if cache is not None else workers))  # the cores its workers leave
-    stage = DeviceStage(
-        dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment, host_threads=threads
-    )
+    stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
+    stage.host_threads = max(1, cores_per_rank() - (0 if cache is not None else workers))  # what workers leave
     parts = LoaderParts(dataset, sampler, stage, recipe, on_error, seed, workers, max_pixels, dataloader)
     loader = held_loader(parts, spec, cache) if cache is not None else spec.make_loader(parts)
     _log.debug("built %r (rank %d of %d, seed %d, on_error=%r)", loader, rank, world_size, seed, on_error)
