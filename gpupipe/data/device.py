@@ -69,9 +69,8 @@ class HostBlocks:
 
     def __init__(self, keep: int = 4):
         self.keep = keep
-        self._blocks: list[
-            tuple[torch.Tensor, int | None]
-        ] = []  # flat uint8, and its storage's use count held by none else
+        # each block (flat uint8) with its storage's use count when no one else holds it
+        self._blocks: list[tuple[torch.Tensor, int | None]] = []
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape``: in a kept block no one else holds, else a new one (kept if there is
