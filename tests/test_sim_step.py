@@ -88,3 +88,21 @@ def test_the_probe_times_the_training_thread_idle_and_beside_the_loaders_work_in
 
     assert any(r > 1.3 for r in ratios(crowding, 0.25))  # two threads share the GIL: about 2x
     assert any(r < 1.3 for r in ratios(lambda: None, 0.01))
+
+
+def test_flat_out_is_set_beside_the_probe_alone_of_its_own_round_so_the_machines_drift_stays_out(monkeypatch):
+    """The machine halves its speed for the second half of the run (on a shared 2-core machine a pure-Python task
+    alone moved by 2x within a minute). A loader that costs the training thread nothing reads 1.0x flat out, where
+    the flat-out times over the probe alone of the run's start read 1.5x."""
+    takes = []
+    slow = {"by": 1.0}
+
+    def take():
+        takes.append(1)
+        slow["by"] = 2.0 if len(takes) > 3 * 8 else 1.0  # rounds 4-6 (5 drained + 3 timed a round) at half speed
+
+    monkeypatch.setattr(sim_step, "_timed", lambda n: 0.007 * slow["by"])
+    flat_ms, ratio = sim_step.time_flat_out(1, 6, take, settle=0.0, drain=5, per_round=3)
+    assert len(takes) == 6 * (5 + 3)
+    assert flat_ms / 7.0 == pytest.approx(1.5)  # the drift: half the rounds at twice the time
+    assert ratio == pytest.approx(1.0)

@@ -370,3 +370,22 @@ def test_a_killed_process_leaves_no_worker_and_no_shared_memory_behind(folder, s
         time.sleep(0.1)
     assert [pid for pid in workers if _alive(pid)] == []
     assert [f for f in files if os.path.exists(f)] == []
+
+
+def test_end_workers_stops_an_iterations_workers_now_and_a_persistent_dataloader_starts_new_ones():
+    """The one way both streams (the CPU backends' and dali's feed) end a DataLoader iteration: its workers gone when it
+    returns, and a DataLoader with persistent workers lets go of it, so that its next ``iter()`` starts fresh ones
+    instead of handing back the ended iteration."""
+    from gpupipe.plumbing.workers import end_workers, start_workers
+
+    dataloader = torch.utils.data.DataLoader(range(8), batch_size=2, num_workers=1, persistent_workers=True)
+    it = start_workers(dataloader)
+    assert next(it).tolist() == [0, 1]
+    workers = list(it._workers)
+    end_workers(dataloader, it)
+    assert not any(w.is_alive() for w in workers)
+    assert dataloader._iterator is None
+    again = start_workers(dataloader)
+    assert again is not it and [b.tolist() for b in again] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    end_workers(dataloader, again)
+    end_workers(dataloader, None)  # nothing begun: nothing to end

@@ -34,7 +34,7 @@ import torch
 from .._files import Stamp, file_stamp, unchanged
 from ..data.loader import Loader
 from ..plumbing.decode_ahead import DecodeAhead
-from ..plumbing.workers import start_workers, worker_init
+from ..plumbing.workers import end_workers, start_workers, worker_init
 from .handover import let_go
 
 if TYPE_CHECKING:
@@ -307,14 +307,11 @@ class Stream:
         self._end()
 
     def _end(self) -> None:
-        """The DataLoader's iteration ends, its workers stopped now: a failure's traceback holds the iterator until the
-        garbage collector frees it, which closes its queues first (each worker then killed after 5 s, the shared memory
-        of its batch buffers left in /dev/shm); their files go with this process's mappings of them (handover.py)."""
+        """The DataLoader's iteration ends, its workers stopped now (:func:`end_workers`); their buffers' files go
+        with this process's mappings of them (handover.py)."""
         it, self._it = self._it, None
         _iterations.discard(it)
-        getattr(it, "_shutdown_workers", lambda: None)()
-        if getattr(self._dataloader, "_iterator", None) is it:  # persistent workers: the next iter() starts new ones
-            self._dataloader._iterator = None
+        end_workers(self._dataloader, it)
         let_go()
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import GpupipeError
 from ..plumbing.reaper import Reaper
-from ..plumbing.workers import put_unless_stopped, start_workers, worker_init
+from ..plumbing.workers import end_workers, put_unless_stopped, start_workers, worker_init
 from ..plumbing.zygote import Zygote
 from .dali_feed import DaliFeed, Gate, Request
 from .gpu_feed import Work
@@ -119,10 +119,7 @@ class FeedStream:
         if isinstance(self._source, _Receiver):
             self._source.stop(timeout=5)
         self._source = None
-        it = getattr(self._loader, "_iterator", None)
-        if it is not None:
-            it._shutdown_workers()
-            self._loader._iterator = None
+        end_workers(self._loader, getattr(self._loader, "_iterator", None))
         let_go()
 
     @property

@@ -13,7 +13,8 @@ The **contention probe** is a fixed CPU task on the training thread (pure Python
 pairs: once with the loader idle (its read-ahead full), once right after a ``next()``, while the loader's processes
 and threads make the next batch. The ratio of the medians says how much the loader slows the training thread down;
 pairing keeps the machine's drift (other load, clock changes) out of it. It is timed **flat out** too: between
-batches taken as fast as they come, the loader never idle (over the paired run's idle median).
+batches taken as fast as they come, the loader never idle, each round's flat-out times over the probe alone timed
+just before and after them.
 
     python -m gpupipe.bench.sim_step DATA [--backends pillow,turbojpeg,dali] [--batch 32] [--size 224]
         [--epochs 3] [--steps 30] [--json bench/results/sim-step-NAME-DATE.json]
@@ -94,14 +95,30 @@ def time_probe(n: int, rounds: int, take, settle: float) -> tuple[float, float]:
     return statistics.median(alone), statistics.median(loaded)
 
 
-def time_flat_out(n: int, rounds: int, take) -> float:
-    """Median wall ms of the probe run between batches taken as fast as they come (``take()`` then the probe, with no
-    pause: the loader's processes and threads always at work), over ``rounds``."""
-    out = []
+def time_flat_out(n: int, rounds: int, take, settle: float, drain: int, per_round: int = 3) -> tuple[float, float]:
+    """The probe between batches taken as fast as they come (``take()`` then the probe, with no pause: the loader's
+    processes and threads always at work): its median wall ms, and the median over ``rounds`` of its time over the
+    probe's time alone in the same round. Each round times the probe alone once the loader is idle (``settle`` s
+    after a take: its read-ahead refilled) before and after it, takes ``drain`` batches flat out (the read-ahead
+    emptied), then times ``per_round`` probes flat out. Set beside the probe alone of its own round, not of another
+    run: a pure-Python task's time alone moved by 2x within a minute on a shared 2-core machine."""
+    flat, ratios = [], []
+    time.sleep(settle)
+    alone = _timed(n)
     for _ in range(rounds):
-        take()
-        out.append(_timed(n) * 1e3)
-    return statistics.median(out)
+        for _ in range(drain):
+            take()
+        times = []
+        for _ in range(per_round):
+            take()
+            times.append(_timed(n))
+        time.sleep(settle)
+        after = _timed(n)
+        middle = statistics.median(times)
+        flat.append(middle * 1e3)
+        ratios.append(middle / ((alone + after) / 2))
+        alone = after
+    return statistics.median(flat), statistics.median(ratios)
 
 
 def forever(loader):
@@ -168,7 +185,8 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
     # a worker remakes the batch taken in ``workers`` batch times (they run side by side): twice that, refilled
     settle = max(0.1, 2 * max(1, workers) * alone_ms / 1e3)
     alone, loaded = time_probe(probe_n, s.probe_rounds, batches.__next__, settle)
-    flat = time_flat_out(probe_n, 2 * s.probe_rounds, batches.__next__)
+    # emptied: a worker's prefetch, the take thread's batch and the one waiting for the training thread, each worker
+    flat, flat_ratio = time_flat_out(probe_n, s.probe_rounds, batches.__next__, settle, drain=2 + 3 * max(1, workers))
     del batches, loader  # its workers end now
     return {
         "backend": backend,
@@ -184,7 +202,7 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
         "probe_with_loader_ms": round(loaded, 3),
         "probe_ratio": round(loaded / alone, 3),
         "probe_flat_out_ms": round(flat, 3),
-        "probe_flat_out_ratio": round(flat / alone, 3),
+        "probe_flat_out_ratio": round(flat_ratio, 3),
     }
 
 
@@ -214,7 +232,7 @@ def run(data: str, backends: list[str], s: Settings) -> dict:
         "machine": machine_info(),
         "data": data,
         "config": asdict(s),
-        "probe": "paired",  # idle and right after a next(), in pairs
+        "probe": "paired",  # idle and right after a next(), in pairs; flat out in rounds between idle ones
         "results": results,
     }
 

@@ -74,6 +74,19 @@ def start_workers(dataloader: torch.utils.data.DataLoader) -> Iterator:
     return it
 
 
+def end_workers(dataloader: torch.utils.data.DataLoader, it: Iterator | None) -> None:
+    """``it`` (:func:`start_workers`' iteration of ``dataloader``) ends, its workers stopped now: a failure's
+    traceback holds an iteration until the garbage collector frees it, which closes its queues first (each worker then
+    killed after 5 s, the shared memory of its batch buffers left in /dev/shm). A DataLoader with persistent workers
+    lets go of it too, so that its next ``iter()`` starts new ones."""
+    if it is None:
+        return
+    _iterations.discard(it)
+    getattr(it, "_shutdown_workers", lambda: None)()  # private: DataLoader has no public way to stop its workers
+    if getattr(dataloader, "_iterator", None) is it:
+        dataloader._iterator = None
+
+
 # the DataLoader iterations begun here (start_workers): in a process forked from this one, none is ended
 _iterations: weakref.WeakSet[Iterator] = weakref.WeakSet()
 
