@@ -103,6 +103,28 @@ def test_only_the_failing_file_leaves_dali(tmp_path):
     assert loader.pipelines_built == 2  # DALI's failure invalidated the first pipeline
 
 
+def test_an_empty_batch_is_made_only_for_a_batch_with_no_image_left(tmp_path, monkeypatch):
+    """A batch of decoded images is assembled from them alone (making an empty batch for every batch cost the loader's
+    thread an allocation each); a batch whose every file is bad is the empty batch (then left out)."""
+    from gpupipe.backends import dali as dali_backend
+
+    made = []
+    real = dali_backend.empty_batch
+    monkeypatch.setattr(dali_backend, "empty_batch", lambda *a, **k: made.append(1) or real(*a, **k))
+    rng = np.random.default_rng(4)
+    (tmp_path / "a").mkdir()
+    for i in range(4):
+        photo(rng, 60, 80).save(tmp_path / "a" / f"{i}.jpg", quality=90)
+    for i in range(4, 8):
+        (tmp_path / "a" / f"{i}.jpg").write_bytes(b"not a jpeg")
+    loader = gpupipe.build_loader(
+        tmp_path, "dali", batch_size=4, train=False, image_size=32, num_workers=1, device="cpu", on_error="skip"
+    )
+    shapes = [(tuple(x.shape), x.dtype) for x, _ in loader]
+    assert shapes == [((4, 3, 32, 32), torch.float32)]  # the empty batch is not delivered
+    assert len(made) == 1 and len(loader.skipped) == 4
+
+
 @pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     """A DALI pipeline left in a garbage cycle used to be freed inside the next forked DataLoader worker, where its

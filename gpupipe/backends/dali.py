@@ -283,9 +283,7 @@ class DaliLoader(Loader):
         device = self.stage.device if self.stage.device.type == "cuda" else torch.device("cpu")  # where DALI outputs
         if not work.cpu:
             positions = work.gpu
-            size = self.recipe.side(self.train, work.epoch)
-            empty = empty_batch(size, device).images  # in the dtype DALI outputs: the batch says it is normalised
-            images = decoded if decoded is not None else (empty.float() if self._normalized else empty)
+            images = decoded if decoded is not None else self._empty(work.epoch, device)
         else:
             parts = {pos: decoded[k] for k, pos in enumerate(work.gpu)} if decoded is not None else {}
             parts.update({pos: self._as_dali_would(torch.from_numpy(img).to(device)) for pos, img in work.cpu.items()})
@@ -297,6 +295,12 @@ class DaliLoader(Loader):
             index, labels = index[positions], labels[positions]
         keys = torch.stack([torch.full_like(index, work.epoch), index], 1) if self.placement.keys else None
         return Batch(images, labels, "NCHW", work.errors, work.fallbacks, keys, normalized=self._normalized)
+
+    def _empty(self, epoch: int, device: torch.device) -> torch.Tensor:
+        """No image of a batch left (every sample bad): none, in the dtype DALI outputs (the batch says it is
+        normalised)."""
+        empty = empty_batch(self.recipe.side(self.train, epoch), device).images
+        return empty.float() if self._normalized else empty
 
     def _as_dali_would(self, image: torch.Tensor) -> torch.Tensor:
         """An image Pillow decoded, in the dtype of the pipeline's output (normalized when DALI normalizes)."""
