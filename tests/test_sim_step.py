@@ -91,8 +91,8 @@ def test_the_probe_times_the_training_thread_idle_and_beside_the_loaders_work_in
 
 
 def test_flat_out_is_set_beside_the_probe_alone_of_its_own_round_so_the_machines_drift_stays_out(monkeypatch):
-    """The machine halves its speed for the second half of the run (on a shared 2-core machine a pure-Python task
-    alone moved by 2x within a minute). A loader that costs the training thread nothing reads 1.0x flat out, where
+    """The machine halves its speed for the second half of the run (on a shared machine a pure-Python task's time
+    alone moves: bench/README.md). A loader that costs the training thread nothing reads 1.0x flat out, where
     the flat-out times over the probe alone of the run's start read 1.5x."""
     takes = []
     slow = {"by": 1.0}

@@ -101,7 +101,8 @@ def time_flat_out(n: int, rounds: int, take, settle: float, drain: int, per_roun
     probe's time alone in the same round. Each round times the probe alone once the loader is idle (``settle`` s
     after a take: its read-ahead refilled) before and after it, takes ``drain`` batches flat out (the read-ahead
     emptied), then times ``per_round`` probes flat out. Set beside the probe alone of its own round, not of another
-    run: a pure-Python task's time alone moved by 2x within a minute on a shared 2-core machine."""
+    moment: a pure-Python task's time alone moves with the machine (bench/README.md, the simulated step flat out,
+    timed in rounds)."""
     flat, ratios = [], []
     time.sleep(settle)
     alone = _timed(n)
