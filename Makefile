@@ -10,19 +10,21 @@ TORCH_INDEX ?=
 
 .PHONY: setup system-deps demo test lint check fast-tests bench-cpu clean docker docker-test
 
-# System packages, installed when run as root: TurboJPEG's C library (the turbojpeg backend loads it at run time)
-# and libjpeg-turbo's tools (the tests make an arithmetic-coded JPEG with jpegtran).
-APT_PKGS := libturbojpeg0 libjpeg-turbo-progs
+# System packages, installed when run as root: TurboJPEG's C library (the turbojpeg backend loads it at run time),
+# libjpeg-turbo's headers (the install builds the turbojpeg backend's window decode against them: gpupipe/_jpeg_window.c)
+# and its tools (the tests make an arithmetic-coded JPEG with jpegtran).
+APT_PKGS := libturbojpeg0 libjpeg-dev libjpeg-turbo-progs
 system-deps:
-	@if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg || ! command -v jpegtran >/dev/null; then \
+	@if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg || ! command -v jpegtran >/dev/null || \
+	  ! [ -e /usr/include/jpeglib.h ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing $(APT_PKGS)"; \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PKGS) >/dev/null 2>&1 || \
 	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PKGS) >/dev/null; }; \
-	  else echo "note: apt-get install $(APT_PKGS): without them the turbojpeg backend is unavailable and the arithmetic-JPEG test is skipped"; fi; \
+	  else echo "note: apt-get install $(APT_PKGS): without them the turbojpeg backend is unavailable (or decodes whole images) and the arithmetic-JPEG test is skipped"; fi; \
 	fi
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml gpupipe/_jpeg_window.c
 	$(MAKE) system-deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -1,8 +1,8 @@
 """Run while the image is built: fails the build, naming what is wrong, unless every backend is in the image.
 
 pillow-simd (built with AVX2) stands in for Pillow; every installed package's ``pillow`` requirement must be met by
-its version, and ``pip check`` may report nothing else. TurboJPEG and DALI can be built; DALI's CUDA is torch's;
-torchcodec loads against this torch and decodes a JPEG.
+its version, and ``pip check`` may report nothing else. TurboJPEG (with gpupipe's window decode) and DALI can be
+built; DALI's CUDA is torch's; torchcodec loads against this torch and decodes a JPEG.
 """
 
 import io
@@ -54,10 +54,19 @@ def torchcodec_decodes() -> str | None:
     return None if tuple(img.shape) == (3, 24, 32) else f"torchcodec decoded a 32x24 JPEG to {tuple(img.shape)}"
 
 
+def window_decode_loads() -> bool:
+    """Whether the turbojpeg backend's window decode was built with gpupipe and loads against the image's libjpeg."""
+    from gpupipe.backends.turbojpeg import TurboJpegDecoder
+
+    return TurboJpegDecoder.window_decode
+
+
 def problems() -> list[str]:
     found = [] if pil_is_simd() else [f"PIL {PIL.__version__} is not pillow-simd"]
     found += pillow_requirements() + [f"pip check: {line}" for line in pip_check()]
     found += [f"backend {b}: {why}" for b in CPU_BACKENDS if (why := unavailable_reason(b)) is not None]
+    if not window_decode_loads():
+        found.append("turbojpeg's window decode (gpupipe/_jpeg_window.c) was not built or does not load")
     dali = dali_info().get("package") or ""
     dali_cuda = re.search(r"cuda(\d+)\d", dali)
     if not dali_cuda or dali_cuda.group(1) != (torch.version.cuda or "").split(".")[0]:

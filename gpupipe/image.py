@@ -306,7 +306,7 @@ def _resize(region: np.ndarray, hw: tuple[int, int]) -> torch.Tensor:
     return F.interpolate(x, size=hw, mode="bilinear", antialias=True, align_corners=False)
 
 
-def _resize_into(region: np.ndarray, out: torch.Tensor, flip: bool = False) -> None:
+def resize_into(region: np.ndarray, out: torch.Tensor, flip: bool = False) -> None:
     """:func:`_resize` to ``out``'s size, written by the resampler straight into ``out`` ((S, S, 3) uint8); with
     ``flip``, resized into a scratch image and mirrored into ``out`` (one pass each, no allocation)."""
     x = _as_tensor(region)
@@ -356,23 +356,50 @@ def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[
     sy, sx = h / upright_hw[0], w / upright_hw[1]
     if reaches_out(box, upright_hw):  # the "pad" crop: zeros or the reflected image past the edges
         cut = (round(box.top * sy), round(box.left * sx), round(box.height * sy), round(box.width * sx))
-        _resize_into(padded_window(np.asarray(img), *cut, box.fill), out, box.flip)
+        resize_into(padded_window(np.asarray(img), *cut, box.fill), out, box.flip)
         return
-    if all(float(v).is_integer() for v in (box.top, box.left, box.height, box.width)):
-        bh, bw = min(h, max(1, round(box.height * sy))), min(w, max(1, round(box.width * sx)))
-        top, left = min(h - bh, round(box.top * sy)), min(w - bw, round(box.left * sx))
+    if (window := pixel_window(box, upright_hw, (h, w))) is not None:
+        top, left, bh, bw = window
         # a PIL image is cut before it becomes an array, so only the crop's pixels are copied out of Pillow
         if isinstance(img, Image.Image):
             region = np.asarray(img.crop((left, top, left + bw, top + bh)))
         else:
             region = img[top : top + bh, left : left + bw]
-        _resize_into(region, out, box.flip)
+        resize_into(region, out, box.flip)
         return
     fy, fx = size / (box.height * sy), size / (box.width * sx)
     rh, rw = round(h * fy), round(w * fx)
     top, left = min(rh - size, round(box.top * sy * fy)), min(rw - size, round(box.left * sx * fx))
     window = _resize(np.asarray(img), (rh, rw))[0, :, top : top + size, left : left + size]
     out.copy_((window.flip(-1) if box.flip else window).permute(1, 2, 0))
+
+
+Window = tuple[int, int, int, int]  # (top, left, height, width) in pixels of a decoded image
+
+
+def pixel_window(box: Box, upright_hw: tuple[int, int], hw: tuple[int, int]) -> Window | None:
+    """The pixels of a decoded upright image of ``hw`` (the source's ``upright_hw``, or less after a DCT reduction)
+    that a box in whole source pixels cuts out, rounded to that image's grid: what :func:`crop_resize_into` resizes.
+    None for a box of fractions or one that reaches past the edges (those are not a cut of the image alone)."""
+    if reaches_out(box, upright_hw) or not all(
+        float(v).is_integer() for v in (box.top, box.left, box.height, box.width)
+    ):
+        return None
+    (h, w), sy, sx = hw, hw[0] / upright_hw[0], hw[1] / upright_hw[1]
+    bh, bw = min(h, max(1, round(box.height * sy))), min(w, max(1, round(box.width * sx)))
+    return min(h - bh, round(box.top * sy)), min(w - bw, round(box.left * sx)), bh, bw
+
+
+def stored_window(window: Window, orientation: int, hw: tuple[int, int]) -> Window:
+    """The window of the stored image (before EXIF ``orientation`` turns it) that :func:`upright_array` turns into
+    ``window`` of the upright image of ``hw``."""
+    if orientation == 1:
+        return window
+    top, left, height, width = window
+    transpose, mirror, flip = ORIENT_STEPS[orientation]
+    top = hw[0] - top - height if flip else top
+    left = hw[1] - left - width if mirror else left
+    return (left, top, width, height) if transpose else (top, left, height, width)
 
 
 def reaches_out(box: Box, upright_hw: tuple[int, int]) -> bool:

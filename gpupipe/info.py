@@ -52,10 +52,22 @@ def machine_info() -> dict:
         "pil_libjpeg_turbo": features.version("libjpeg_turbo"),  # the copy inside Pillow's wheel
         "turbojpeg_library": turbojpeg_library(),  # the system libturbojpeg the turbojpeg backend loads
         "pyturbojpeg": _version("PyTurboJPEG"),
+        "turbojpeg_window_decode": window_decode(),
         "dali": dali_info(),
         "cuda_devices": gpus,
         "gpupipe": install_info(),
     }
+
+
+def window_decode() -> str:
+    """The turbojpeg backend's window decode (gpupipe/_jpeg_window.c): the libjpeg-turbo it was built against, or how
+    to build it."""
+    try:
+        from . import _jpeg_window
+    except ImportError:
+        return "not built (the whole image is decoded): apt-get install gcc libjpeg-dev, then install gpupipe again"
+    v = _jpeg_window.LIBJPEG_TURBO_VERSION_NUMBER
+    return f"built against libjpeg-turbo {v // 1000000}.{v // 1000 % 1000}.{v % 1000}"
 
 
 def decode_workers() -> dict:

@@ -22,9 +22,13 @@ from ..image import (
     crop_resize_into,
     decode_failure,
     default_max_pixels,
+    ends_whole,
     is_jpeg,
     jpeg_exif_orientation,
     pixel_limit_reason,
+    pixel_window,
+    resize_into,
+    stored_window,
     upright_array,
     upright_hw,
     whole,
@@ -32,6 +36,11 @@ from ..image import (
 from ..recipe import Box, dct_scale
 from .cpu import cpu_decoder_spec
 from .pillow import PillowDecoder
+
+try:
+    from .. import _jpeg_window  # built with the package where libjpeg-turbo's headers were (pyproject.toml)
+except ImportError:  # not built: the whole image is decoded, then cut (the same pixels)
+    _jpeg_window = None
 
 
 def turbojpeg_handle():
@@ -51,6 +60,7 @@ def turbojpeg_handle():
 
 class TurboJpegDecoder:
     name = "turbojpeg"
+    window_decode = _jpeg_window is not None  # decode only the crop's part of a JPEG (see :meth:`_window`)
 
     def __init__(self, max_pixels: int | None = None, reduced_decode: bool = True):
         self.max_pixels = max_pixels or default_max_pixels()
@@ -103,20 +113,54 @@ class TurboJpegDecoder:
         header = self._header(data, path)
         if header is None:
             return self._fallback.decode(data, path, plan, size)._replace(fell_back=True)
-        height, width, orientation = header
-        size_hw = upright_hw(height, width, orientation)
+        size_hw, box, denom = self._planned(header, plan, size)
+        return ForCrop(upright_array(self._decode_array(data, path, denom), header[2]), box, size_hw, False)
+
+    def _planned(
+        self, header: tuple[int, int, int], plan: Callable[[int, int], Box] | None, size: int
+    ) -> tuple[tuple[int, int], Box, int]:
+        """(upright size, box, DCT reduction) of an image whose header is ``header``."""
+        size_hw = upright_hw(*header)
         box = whole(*size_hw) if plan is None else plan(*size_hw)
-        denom = dct_scale(box, size) if plan is not None and self.reduced_decode else 1
-        return ForCrop(upright_array(self._decode_array(data, path, denom), orientation), box, size_hw, False)
+        return size_hw, box, dct_scale(box, size) if plan is not None and self.reduced_decode else 1
 
     def crop(
         self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int, out: Slot | None = None
     ) -> tuple[Slot, bool]:
-        """As :meth:`PillowDecoder.crop`: the crop resized straight into ``out`` (or a new array)."""
+        """As :meth:`PillowDecoder.crop`: the crop resized straight into ``out`` (or a new array). Only the crop's
+        part of the image is decoded where :meth:`_window` can."""
         out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
-        img, box, size_hw, fell_back = self.decode(data, path, plan, size)
-        crop_resize_into(img, box, size_hw, torch.as_tensor(out))
-        return chw_view(out), fell_back
+        header = self._header(data, path)
+        if header is None:
+            img, box, size_hw, _ = self._fallback.decode(data, path, plan, size)
+            crop_resize_into(img, box, size_hw, torch.as_tensor(out))
+            return chw_view(out), True
+        size_hw, box, denom = self._planned(header, plan, size)
+        if (region := self._window(data, path, header, box, denom)) is not None:
+            resize_into(region, torch.as_tensor(out), box.flip)
+        else:
+            img = upright_array(self._decode_array(data, path, denom), header[2])
+            crop_resize_into(img, box, size_hw, torch.as_tensor(out))
+        return chw_view(out), False
+
+    def _window(self, data: bytes, path: str, header: tuple[int, int, int], box: Box, denom: int) -> np.ndarray | None:
+        """The box's pixels alone, upright, from libjpeg-turbo's window decode (gpupipe/_jpeg_window.c: the rows
+        above the box entropy-decoded only, those below not at all), the same pixels as the whole image's decode
+        cut; None where the whole image is decoded instead: no window decode built, a box that is not a cut of the
+        image (a fraction, past its edges), or a file without its end marker (the whole decode judges a truncated
+        file, whatever the crop). Corrupt data below the box goes unnoticed, as in DALI's own region decode."""
+        height, width, orientation = header
+        reduced = upright_hw(-(-height // denom), -(-width // denom), orientation)  # libjpeg rounds up
+        window = pixel_window(box, upright_hw(*header), reduced)
+        if not self.window_decode or window is None or not ends_whole(data):
+            return None
+        top, left, h, w = stored_window(window, orientation, reduced)
+        region = np.empty((h, w, 3), dtype=np.uint8)
+        try:
+            _jpeg_window.decode_window(data, denom, top, left, h, w, region)
+        except (OSError, RuntimeWarning) as e:  # as PyTurboJPEG's errors and warnings
+            raise DecodeError(path, self.name, decode_failure(e)) from None
+        return upright_array(region, orientation)
 
 
 def _unavailable() -> str | None:

@@ -1,0 +1,145 @@
+"""The turbojpeg backend's window decode (gpupipe/_jpeg_window.c, ``TurboJpegDecoder._window``): only the crop's part
+of a JPEG decoded, with the pixels of the whole image's decode cut, for every chroma subsampling, progressive,
+arithmetic-coded and grey files, every EXIF orientation and DCT reduction; bad input a clear error; a truncated file
+judged as the whole decode judges it."""
+
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpupipe.backends import turbojpeg as tj_backend
+from gpupipe.errors import DecodeError
+from gpupipe.image import TRUNCATED, pixel_window, stored_window, upright_array
+from gpupipe.recipe import Box
+
+from .common_utils import VALID, jpeg_with_orientation, photo
+
+pytest.importorskip("turbojpeg")
+
+
+def _headers_present() -> bool:
+    """Whether libjpeg's header is where the compiler looks: then `pip install` built the window decode."""
+    dirs = [sysconfig.get_config_var("INCLUDEDIR"), "/usr/include", "/usr/local/include"]
+    return any(Path(d, "jpeglib.h").exists() for d in dirs if d)
+
+
+def test_the_window_decode_is_built_where_libjpeg_turbo_headers_are():
+    if not _headers_present():
+        pytest.skip("no jpeglib.h: the package was built without its window decode (apt-get install libjpeg-dev)")
+    assert tj_backend._jpeg_window is not None and tj_backend.TurboJpegDecoder.window_decode
+
+
+@pytest.fixture
+def window_module():
+    if tj_backend._jpeg_window is None:
+        pytest.skip("the window decode is not built (no libjpeg-turbo headers at install time)")
+    return tj_backend._jpeg_window
+
+
+def _decoders():
+    whole = tj_backend.TurboJpegDecoder()
+    whole.window_decode = False
+    return whole, tj_backend.TurboJpegDecoder()
+
+
+def _random_boxes(rng: np.random.Generator, h: int, w: int, count: int) -> list[Box]:
+    """Train-recipe-like boxes: any size from a few pixels to the whole image, at the edges too, half mirrored."""
+    boxes = [Box(0, 0, h, w), Box(h - 9, w - 7, 9, 7, flip=True), Box(0, w - 40, 33, 40)]
+    for _ in range(count):
+        bh, bw = int(rng.integers(1, h + 1)), int(rng.integers(1, w + 1))
+        boxes.append(
+            Box(int(rng.integers(0, h - bh + 1)), int(rng.integers(0, w - bw + 1)), bh, bw, bool(rng.random() < 0.5))
+        )
+    return boxes
+
+
+KINDS = {
+    "420": lambda img: jpeg_with_orientation(img, 1),
+    **{k: VALID[k] for k in ("444", "422", "gray", "progressive", "arithmetic")},
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_window_decode_gives_the_whole_decodes_crop_to_the_bit(window_module, kind):
+    whole, windowed = _decoders()
+    rng = np.random.default_rng(len(kind))
+    data = KINDS[kind](photo(rng, 203, 317))
+    for box in _random_boxes(rng, 203, 317, 40):
+        for size in (16, 24, 61):  # 16 leaves room for a 1/8 reduction of the larger boxes, 61 for none
+            plan = lambda h, w, box=box: box
+            want, _ = whole.crop(data, "x.jpg", plan, size)
+            got, fell_back = windowed.crop(data, "x.jpg", plan, size)
+            assert not fell_back and np.array_equal(got, want), (kind, box, size)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_window_decode_of_a_turned_file_is_the_upright_crop_to_the_bit(window_module, orientation):
+    whole, windowed = _decoders()
+    rng = np.random.default_rng(orientation)
+    data = jpeg_with_orientation(photo(rng, 150, 238), orientation)
+    upright = (238, 150) if orientation > 4 else (150, 238)
+    for box in _random_boxes(rng, *upright, 25):
+        for size in (16, 40):
+            want, _ = whole.crop(data, "x.jpg", lambda h, w, box=box: box, size)
+            got, _ = windowed.crop(data, "x.jpg", lambda h, w, box=box: box, size)
+            assert np.array_equal(got, want), (orientation, box, size)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_stored_window_turned_upright_is_the_upright_window(orientation):
+    stored = np.arange(7 * 11 * 3).reshape(7, 11, 3)
+    upright = upright_array(stored, orientation)
+    for window in [(0, 0, 1, 1), (1, 2, 3, 4), (0, 0, *upright.shape[:2]), (2, 1, 1, upright.shape[1] - 1)]:
+        top, left, h, w = stored_window(window, orientation, upright.shape[:2])
+        t, le, wh, ww = window
+        assert np.array_equal(
+            upright_array(stored[top : top + h, left : left + w], orientation), upright[t : t + wh, le : le + ww]
+        )
+
+
+def test_a_box_that_is_not_a_cut_of_the_image_has_no_window():
+    assert pixel_window(Box(-4, 0, 20, 20, fill="reflect"), (50, 50), (50, 50)) is None  # past the edge
+    assert pixel_window(Box(2.5, 3.5, 40.0, 40.0), (50, 50), (50, 50)) is None  # the eval recipe's fractions
+    assert pixel_window(Box(8, 4, 24, 40), (50, 50), (25, 25)) == (4, 2, 12, 20)  # on a 1/2 reduction's grid
+
+
+def test_a_truncated_file_is_refused_whatever_the_crop(window_module, tmp_path):
+    """A file cut short keeps its top rows: a crop there alone could be decoded. It is refused as the whole decode
+    refuses it, so a file is good or bad whatever an epoch's crop."""
+    data = jpeg_with_orientation(photo(np.random.default_rng(1), 160, 160), 1)
+    cut = data[: len(data) * 2 // 3]
+    for decoder in _decoders():
+        with pytest.raises(DecodeError) as e:
+            decoder.crop(cut, "cut.jpg", lambda h, w: Box(0, 0, 20, 20), 16)
+        assert e.value.reason == TRUNCATED and "cut.jpg" in str(e.value)
+
+
+def test_corrupt_data_inside_the_window_is_the_whole_decodes_error(window_module):
+    data = bytearray(jpeg_with_orientation(photo(np.random.default_rng(2), 160, 160), 1))
+    scan = data.index(b"\xff\xda")  # start of scan: the entropy-coded data follows its header
+    data[scan + 60 : scan + 62] = b"\xff\xd3"  # a restart marker where none belongs, in the top rows
+    errors = []
+    for decoder in _decoders():
+        with pytest.raises(DecodeError) as e:
+            decoder.crop(bytes(data), "bad.jpg", lambda h, w: Box(0, 0, 40, 40), 16)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "bad.jpg" in errors[0] and "Corrupt JPEG data" in errors[0]
+
+
+def test_decode_window_refuses_what_it_cannot_do(window_module):
+    data = jpeg_with_orientation(photo(np.random.default_rng(3), 40, 60), 1)
+    out = np.empty((10, 10, 3), np.uint8)
+    with pytest.raises(ValueError, match="denom must be 1, 2, 4 or 8, not 3"):
+        window_module.decode_window(data, 3, 0, 0, 10, 10, out)
+    with pytest.raises(ValueError, match="not inside the image reduced 1/2"):
+        window_module.decode_window(data, 2, 15, 0, 10, 10, out)  # rows 15-24 of a 20-row image
+    with pytest.raises(ValueError, match="contiguous buffer of 10 x 12 x 3"):
+        window_module.decode_window(data, 1, 0, 0, 10, 12, out)
+    with pytest.raises(ValueError, match="not a window"):
+        window_module.decode_window(data, 1, -1, 0, 10, 10, out)
+    with pytest.raises(OSError, match="Not a JPEG file"):
+        window_module.decode_window(b"GIF89a" + bytes(100), 1, 0, 0, 10, 10, out)
+    with pytest.raises(TypeError):
+        window_module.decode_window(data, 1, 0, 0, 10, 10, bytes(300))  # read-only out
