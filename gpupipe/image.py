@@ -358,8 +358,8 @@ def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[
         cut = (round(box.top * sy), round(box.left * sx), round(box.height * sy), round(box.width * sx))
         resize_into(padded_window(np.asarray(img), *cut, box.fill), out, box.flip)
         return
-    if (window := pixel_window(box, upright_hw, (h, w))) is not None:
-        top, left, bh, bw = window
+    if (cut_out := pixel_window(box, upright_hw, (h, w))) is not None:
+        top, left, bh, bw = cut_out
         # a PIL image is cut before it becomes an array, so only the crop's pixels are copied out of Pillow
         if isinstance(img, Image.Image):
             region = np.asarray(img.crop((left, top, left + bw, top + bh)))
