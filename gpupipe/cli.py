@@ -324,9 +324,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", help="comma-separated (default: every available backend)")
     p.add_argument(
         "--pipelines",
-        help="comma-separated from decode, floor, train, eval (floor: the decode a train pipeline cannot "
-        "avoid, at the DCT scale its crops allow; train rows then say how close they come); default decode,train,eval, "
-        "train alone with --model or a policy",
+        help="comma-separated from decode, floor, train, eval (floor: each whole image decoded at the DCT scale its "
+        "train crop allows; train rows then say how close they come, or how far past it where only the crop's part "
+        "is decoded); default decode,train,eval, train alone with --model or a policy",
     )
     p.add_argument("--workers", type=_non_negative_int, help="decode workers (default: every usable core)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where batches are delivered (default: cuda if any)")

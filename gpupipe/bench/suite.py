@@ -33,8 +33,9 @@ from .jobs import DECODE_JOBS, dali_reference_counts
 from .records import Config, Result
 
 PIPELINES = ("decode", "floor", "train", "eval", "augment")
-# decode: the whole image at full size. floor (CPU decoders): only the decode the train pipeline cannot avoid, at the
-# DCT scale each train crop allows; the train figure's ``vs_floor`` says how close the rest of the pipeline comes.
+# decode: the whole image at full size. floor (CPU decoders): the whole image at the DCT scale each train crop allows,
+# nothing else; the train figure's ``vs_floor`` says how close the rest of the pipeline comes (or how far past it, for
+# a decoder that decodes only the crop's part: turbojpeg's window decode).
 # augment: the train pipeline with each of the config's recipe policies (--aa, repeatable; --color-jitter, --reprob),
 # beside plain train: one row per policy, with its cost in ms per image over plain train.
 
