@@ -3,6 +3,9 @@ of a JPEG decoded, with the pixels of the whole image's decode cut, for every ch
 arithmetic-coded and grey files, every EXIF orientation and DCT reduction; bad input a clear error; a truncated file
 judged as the whole decode judges it."""
 
+import io
+import shutil
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -55,9 +58,29 @@ def _random_boxes(rng: np.random.Generator, h: int, w: int, count: int) -> list[
     return boxes
 
 
+def _cjpeg(*options: str):
+    """A JPEG written by libjpeg-turbo's cjpeg (`make test` installs it), for what Pillow cannot write: 4:4:0 and 4:1:1
+    chroma, restart markers."""
+
+    def write(img) -> bytes:
+        if shutil.which("cjpeg") is None:
+            pytest.skip("cjpeg is missing (apt-get install libjpeg-turbo-progs)")
+        buf = io.BytesIO()
+        img.save(buf, "PPM")
+        return subprocess.run(
+            ["cjpeg", "-quality", "90", *options], input=buf.getvalue(), capture_output=True, check=True
+        ).stdout
+
+    return write
+
+
 KINDS = {
     "420": lambda img: jpeg_with_orientation(img, 1),
     **{k: VALID[k] for k in ("444", "422", "gray", "progressive", "arithmetic")},
+    "440": _cjpeg("-sample", "1x2"),
+    "411": _cjpeg("-sample", "4x1"),
+    "440-progressive": _cjpeg("-sample", "1x2", "-progressive"),
+    "420-restarts": _cjpeg("-sample", "2x2", "-restart", "1"),
 }
 
 
