@@ -95,6 +95,7 @@ done:
 }
 
 static PyObject *decode_window(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer data, out;
     window w;
     if (!PyArg_ParseTuple(args, "y*iiiiiw*", &data, &w.denom, &w.top, &w.left, &w.height, &w.width, &out)) return NULL;
@@ -136,7 +137,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg_window", NULL, -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_jpeg_window",
+    .m_size = -1,
+    .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__jpeg_window(void) {
     PyObject *m = PyModule_Create(&module);
