@@ -238,12 +238,12 @@ def test_the_timing_rule(text, hit):
 # ---- CONTRIBUTING.md's map of the code -----------------------------------------------------------------------------
 
 
-_MAP_NAMES = re.compile(r"((?:[\w.]+(?:/|\.py))(?:, [\w.]+(?:/|\.py))*)(?:\s|$)")
+_MAP_NAMES = re.compile(r"((?:[\w.]+(?:/|\.py|\.c))(?:, [\w.]+(?:/|\.py|\.c))*)(?:\s|$)")
 
 
 def layout_map() -> list[str]:
     """The paths under gpupipe/ that CONTRIBUTING.md's Layout block names, as written (repeats kept). An entry is a
-    line indented less than 10 spaces that starts with the files (``a.py``) or the folder (``name/``) it is about,
+    line indented less than 10 spaces that starts with the files (``a.py``, ``b.c``) or the folder (``name/``) it is about,
     several separated by ``, ``; each two spaces of indent are one folder deeper. Deeper lines go on with the entry
     above (its words name no file)."""
     text = (ROOT / "CONTRIBUTING.md").read_text().split("## Layout", 1)[1]
@@ -265,12 +265,14 @@ def layout_map() -> list[str]:
 
 
 def test_the_layout_map_names_every_module_once_and_nothing_else():
-    """Every module under gpupipe/ is on the map (a package's ``__init__.py`` may go unnamed, but gpupipe's own),
-    once, and every file or folder it names exists: a move or a new module updates the map in the same change."""
+    """Every module under gpupipe/ (Python or C) is on the map (a package's ``__init__.py`` may go unnamed, but
+    gpupipe's own), once, and every file or folder it names exists: a move or a new module updates the map in the same
+    change."""
     named = layout_map()
-    tree = {str(p.relative_to(ROOT)) for p in (ROOT / "gpupipe").rglob("*.py") if "__pycache__" not in p.parts}
+    sources = [*(ROOT / "gpupipe").rglob("*.py"), *(ROOT / "gpupipe").rglob("*.c")]
+    tree = {str(p.relative_to(ROOT)) for p in sources if "__pycache__" not in p.parts}
     faces = {p for p in tree if p.endswith("/__init__.py") and p != "gpupipe/__init__.py"}
-    files = [p for p in named if p.endswith(".py")]
+    files = [p for p in named if p.endswith((".py", ".c"))]
     assert not [p for p in named if not (ROOT / p).exists()], "the map names what is not there"
     assert sorted(tree - faces - set(files)) == [], "modules missing from CONTRIBUTING.md's layout"
     assert [p for p, n in Counter(named).items() if n > 1] == [], "named twice in CONTRIBUTING.md's layout"
