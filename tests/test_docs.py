@@ -243,9 +243,9 @@ _MAP_NAMES = re.compile(r"((?:[\w.]+(?:/|\.py|\.c))(?:, [\w.]+(?:/|\.py|\.c))*)(
 
 def layout_map() -> list[str]:
     """The paths under gpupipe/ that CONTRIBUTING.md's Layout block names, as written (repeats kept). An entry is a
-    line indented less than 10 spaces that starts with the files (``a.py``, ``b.c``) or the folder (``name/``) it is about,
-    several separated by ``, ``; each two spaces of indent are one folder deeper. Deeper lines go on with the entry
-    above (its words name no file)."""
+    line indented less than 10 spaces that starts with the files (``a.py``, ``b.c``) or the folder (``name/``) it is
+    about, several separated by ``, ``; each two spaces of indent are one folder deeper. Deeper lines go on with the
+    entry above (its words name no file)."""
     text = (ROOT / "CONTRIBUTING.md").read_text().split("## Layout", 1)[1]
     block = text.split("```", 2)[1]
     found, folders = [], []
