@@ -9,7 +9,8 @@
    The pixels are those of the whole image's decode (TurboJPEG's defaults: the accurate integer inverse DCT, fancy
    upsampling): fancy upsampling treats the ends of a cropped scanline as the image's edges, so one more column is
    decoded on each side of the window than it needs. A warning from libjpeg (corrupt or truncated data) is an error
-   here, as it is in gpupipe's other decoders. */
+   here, as in the turbojpeg backend's whole decode; the data after the window's last row is not read, so what is
+   wrong there (and only there) goes unnoticed. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -54,18 +55,19 @@ static int decode(const unsigned char *data, size_t size, window w, unsigned cha
     cinfo.err = jpeg_std_error(&err->pub);
     err->pub.error_exit = on_error;
     err->pub.emit_message = on_message;
-    jpeg_create_decompress(&cinfo);
-    if (setjmp(err->jump)) {
+    if (setjmp(err->jump)) { /* before jpeg_create_decompress, which reports a library mismatch through it */
         status = 1;
         goto done;
     }
+    jpeg_create_decompress(&cinfo); /* sets cinfo.mem first: jpeg_destroy_decompress is safe whatever fails */
     jpeg_mem_src(&cinfo, data, (unsigned long)size);
     jpeg_read_header(&cinfo, TRUE);
     cinfo.out_color_space = JCS_RGB;
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)w.denom;
     jpeg_start_decompress(&cinfo);
-    if ((JDIMENSION)(w.top + w.height) > cinfo.output_height || (JDIMENSION)(w.left + w.width) > cinfo.output_width) {
+    if ((long long)w.top + w.height > (long long)cinfo.output_height ||
+        (long long)w.left + w.width > (long long)cinfo.output_width) {
         status = 2;
         goto done;
     }
@@ -75,6 +77,12 @@ static int decode(const unsigned char *data, size_t size, window w, unsigned cha
                                                                           : cinfo.output_width;
     JDIMENSION x0 = first, cols = end - first;
     if (cols < cinfo.output_width) jpeg_crop_scanline(&cinfo, &x0, &cols); /* x0 moves left to an iMCU edge */
+    if (x0 > (JDIMENSION)w.left || (size_t)x0 + cols < (size_t)w.left + (size_t)w.width) {
+        snprintf(err->message, JMSG_LENGTH_MAX, "libjpeg cropped the scanline to columns %u-%u, not around the window",
+                 (unsigned)x0, (unsigned)(x0 + cols));
+        status = 1;
+        goto done;
+    }
     row = (unsigned char *)malloc((size_t)cols * 3);
     if (row == NULL) {
         snprintf(err->message, JMSG_LENGTH_MAX, "out of memory");
@@ -85,7 +93,11 @@ static int decode(const unsigned char *data, size_t size, window w, unsigned cha
     size_t skip = ((size_t)w.left - x0) * 3, line = (size_t)w.width * 3;
     for (int y = 0; y < w.height; y++) {
         JSAMPROW rows[1] = {row};
-        jpeg_read_scanlines(&cinfo, rows, 1);
+        if (jpeg_read_scanlines(&cinfo, rows, 1) != 1) {
+            snprintf(err->message, JMSG_LENGTH_MAX, "libjpeg gave no row %d", w.top + y);
+            status = 1;
+            goto done;
+        }
         memcpy(out + (size_t)y * line, row + skip, line);
     }
 done:
@@ -144,7 +156,26 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+/* Whether the libjpeg loaded is the one the module was built against (same API version and struct layout): a
+   decompressor made and dropped. Else the module does not load, and the backend decodes whole images. */
+static int library_matches(error_mgr *err) {
+    struct jpeg_decompress_struct cinfo;
+    cinfo.err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    if (setjmp(err->jump)) return 0;
+    jpeg_create_decompress(&cinfo);
+    jpeg_destroy_decompress(&cinfo);
+    return 1;
+}
+
 PyMODINIT_FUNC PyInit__jpeg_window(void) {
+    error_mgr err;
+    err.message[0] = 0;
+    if (!library_matches(&err)) {
+        PyErr_Format(PyExc_ImportError, "the libjpeg loaded is not the one gpupipe._jpeg_window was built against: %s",
+                     err.message);
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER", LIBJPEG_TURBO_VERSION_NUMBER) < 0) {
         Py_DECREF(m);

@@ -431,8 +431,13 @@ _EOI, _EOI_TAIL = b"\xff\xd9", 4096  # a whole JPEG ends with its end-of-image m
 def ends_whole(data: bytes) -> bool:
     """Whether a JPEG's last ``_EOI_TAIL`` bytes hold its end-of-image marker. nvJPEG (the hardware decoder too) may
     decode a truncated baseline JPEG into grey rows without an error: one without the marker goes to Pillow, which
-    decides (as the dali feed does)."""
-    return data.rfind(_EOI, max(0, len(data) - _EOI_TAIL)) >= 0
+    decides (as the dali feed does). Given a whole file (not only its tail), the marker counts only after the header:
+    an EXIF thumbnail's own end marker, inside the header, is no sign that a small file is whole."""
+    start = 0
+    if is_jpeg(data):
+        for _, at, length in _jpeg_segments(data):
+            start = at + length
+    return data.rfind(_EOI, max(start, len(data) - _EOI_TAIL)) >= 0
 
 
 ARITHMETIC_SOF = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})  # start-of-frame markers of arithmetic coding

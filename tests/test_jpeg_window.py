@@ -22,15 +22,26 @@ from .common_utils import VALID, jpeg_with_orientation, photo
 pytest.importorskip("turbojpeg")
 
 
-def _headers_present() -> bool:
-    """Whether libjpeg's header is where the compiler looks: then `pip install` built the window decode."""
-    dirs = [sysconfig.get_config_var("INCLUDEDIR"), "/usr/include", "/usr/local/include"]
-    return any(Path(d, "jpeglib.h").exists() for d in dirs if d)
+def _buildable() -> str | None:
+    """Why `pip install` could not build the window decode here (no C compiler, Python's or libjpeg-turbo's headers),
+    or None."""
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [sysconfig.get_config_var("INCLUDEDIR"), "/usr/include", f"/usr/include/{multiarch}", "/usr/local/include"]
+    jconfig = next((Path(d, "jconfig.h") for d in dirs if d and Path(d, "jconfig.h").exists()), None)
+    if not any(Path(d, "jpeglib.h").exists() for d in dirs if d):
+        return "no jpeglib.h (apt-get install libjpeg-dev)"
+    if jconfig is None or "LIBJPEG_TURBO_VERSION" not in jconfig.read_text():
+        return "the libjpeg headers are not libjpeg-turbo's"
+    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        return "no Python.h for this Python"
+    if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
+        return "no C compiler"
+    return None
 
 
-def test_the_window_decode_is_built_where_libjpeg_turbo_headers_are():
-    if not _headers_present():
-        pytest.skip("no jpeglib.h: the package was built without its window decode (apt-get install libjpeg-dev)")
+def test_the_window_decode_is_built_where_it_can_be():
+    if (why := _buildable()) is not None:
+        pytest.skip(f"the package was built without its window decode: {why}")
     assert tj_backend._jpeg_window is not None and tj_backend.TurboJpegDecoder.window_decode
 
 
@@ -39,6 +50,23 @@ def window_module():
     if tj_backend._jpeg_window is None:
         pytest.skip("the window decode is not built (no libjpeg-turbo headers at install time)")
     return tj_backend._jpeg_window
+
+
+@pytest.fixture
+def windows(window_module, monkeypatch) -> list[tuple]:
+    """The windows decoded by the window decode, each call's arguments as it was made (the decode itself unchanged)."""
+    calls: list[tuple] = []
+
+    class Counted:
+        LIBJPEG_TURBO_VERSION_NUMBER = window_module.LIBJPEG_TURBO_VERSION_NUMBER
+
+        @staticmethod
+        def decode_window(*args):
+            calls.append(args[1:6])
+            return window_module.decode_window(*args)
+
+    monkeypatch.setattr(tj_backend, "_jpeg_window", Counted)
+    return calls
 
 
 def _decoders():
@@ -85,20 +113,24 @@ KINDS = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_window_decode_gives_the_whole_decodes_crop_to_the_bit(window_module, kind):
+def test_window_decode_gives_the_whole_decodes_crop_to_the_bit(windows, kind):
     whole, windowed = _decoders()
     rng = np.random.default_rng(len(kind))
     data = KINDS[kind](photo(rng, 203, 317))
+    crops = 0
     for box in _random_boxes(rng, 203, 317, 40):
         for size in (16, 24, 61):  # 16 leaves room for a 1/8 reduction of the larger boxes, 61 for none
             plan = lambda h, w, box=box: box
             want, _ = whole.crop(data, "x.jpg", plan, size)
             got, fell_back = windowed.crop(data, "x.jpg", plan, size)
             assert not fell_back and np.array_equal(got, want), (kind, box, size)
+            crops += 1
+    assert len(windows) == crops  # every crop by the window decode (the whole decoder's none)
+    assert {w[0] for w in windows} == {1, 2, 4, 8}  # at every DCT reduction
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
-def test_window_decode_of_a_turned_file_is_the_upright_crop_to_the_bit(window_module, orientation):
+def test_window_decode_of_a_turned_file_is_the_upright_crop_to_the_bit(windows, orientation):
     whole, windowed = _decoders()
     rng = np.random.default_rng(orientation)
     data = jpeg_with_orientation(photo(rng, 150, 238), orientation)
@@ -108,6 +140,7 @@ def test_window_decode_of_a_turned_file_is_the_upright_crop_to_the_bit(window_mo
             want, _ = whole.crop(data, "x.jpg", lambda h, w, box=box: box, size)
             got, _ = windowed.crop(data, "x.jpg", lambda h, w, box=box: box, size)
             assert np.array_equal(got, want), (orientation, box, size)
+    assert len(windows) == 2 * 28
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -137,6 +170,20 @@ def test_a_truncated_file_is_refused_whatever_the_crop(window_module, tmp_path):
         with pytest.raises(DecodeError) as e:
             decoder.crop(cut, "cut.jpg", lambda h, w: Box(0, 0, 20, 20), 16)
         assert e.value.reason == TRUNCATED and "cut.jpg" in str(e.value)
+
+
+def test_a_truncated_file_whose_header_holds_an_end_marker_is_refused(windows):
+    """An EXIF thumbnail is a JPEG inside the header, with its own end marker: in the last bytes of a small file cut
+    short, it is no sign that the file is whole."""
+    rng = np.random.default_rng(4)
+    thumbnail = jpeg_with_orientation(photo(rng, 24, 24), 1)
+    comment = b"\xff\xfe" + (len(thumbnail) + 2).to_bytes(2, "big") + thumbnail  # a segment holding it
+    data = jpeg_with_orientation(photo(rng, 96, 96), 1)
+    cut = (data[:2] + comment + data[2:])[: len(comment) + 1200]
+    assert len(cut) - cut.rfind(b"\xff\xd9") < 4096  # the thumbnail's marker is among the last bytes
+    with pytest.raises(DecodeError) as e:
+        tj_backend.TurboJpegDecoder().crop(cut, "cut.jpg", lambda h, w: Box(0, 0, 8, 8), 8)
+    assert e.value.reason == TRUNCATED and not windows
 
 
 def test_corrupt_data_inside_the_window_is_the_whole_decodes_error(window_module):

@@ -148,7 +148,9 @@ class TurboJpegDecoder:
         above the box entropy-decoded only, those below not at all), the same pixels as the whole image's decode
         cut; None where the whole image is decoded instead: no window decode built, a box that is not a cut of the
         image (a fraction, past its edges), or a file without its end marker (the whole decode judges a truncated
-        file, whatever the crop). Corrupt data below the box goes unnoticed, as in DALI's own region decode."""
+        file, whatever the crop). Corrupt data above the box or in it is an error, as in the whole decode; below it,
+        it goes unnoticed (the crop's pixels are whole), as in DALI's region decode (Pillow and DALI accept corrupt
+        data anywhere)."""
         height, width, orientation = header
         reduced = upright_hw(-(-height // denom), -(-width // denom), orientation)  # libjpeg rounds up
         window = pixel_window(box, upright_hw(*header), reduced)
