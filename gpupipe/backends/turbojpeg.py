@@ -38,7 +38,7 @@ from .cpu import cpu_decoder_spec
 from .pillow import PillowDecoder
 
 try:
-    from .. import _jpeg_window  # built with the package where libjpeg-turbo's headers were (pyproject.toml)
+    from .. import _jpeg_window  # built with the package where libjpeg-turbo's headers were (setup.py)
 except ImportError:  # not built: the whole image is decoded, then cut (the same pixels)
     _jpeg_window = None
 
