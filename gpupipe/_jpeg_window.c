@@ -141,11 +141,53 @@ static PyObject *decode_window(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* header(data): what a decode of `data` would read before its first scan. No libjpeg call after jpeg_read_header,
+   so Python objects are only made once nothing can jump. Holds the GIL (a header is a few microseconds). */
+static PyObject *header(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+    struct jpeg_decompress_struct cinfo;
+    error_mgr err;
+    PyObject *volatile result = NULL;
+    err.message[0] = 0;
+    err.warning = 0;
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = on_error;
+    err.pub.emit_message = on_message;
+    if (setjmp(err.jump)) {
+        PyErr_SetString(err.warning ? PyExc_RuntimeWarning : PyExc_OSError, err.message);
+        goto done;
+    }
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, (const unsigned char *)data.buf, (unsigned long)data.len);
+    jpeg_save_markers(&cinfo, JPEG_APP0 + 1, 0xFFFF);
+    jpeg_read_header(&cinfo, TRUE);
+    jpeg_saved_marker_ptr exif = cinfo.marker_list;
+    while (exif != NULL && !(exif->marker == JPEG_APP0 + 1 && exif->data_length >= 6 &&
+                             memcmp(exif->data, "Exif\0\0", 6) == 0))
+        exif = exif->next;
+    result = Py_BuildValue("(IIOny#)", (unsigned)cinfo.image_height, (unsigned)cinfo.image_width,
+                           cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK ? Py_True
+                                                                                                    : Py_False,
+                           (Py_ssize_t)(data.len - (Py_ssize_t)cinfo.src->bytes_in_buffer),
+                           exif != NULL ? (const char *)exif->data : NULL,
+                           exif != NULL ? (Py_ssize_t)exif->data_length : (Py_ssize_t)0);
+done:
+    jpeg_destroy_decompress(&cinfo);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"decode_window", decode_window, METH_VARARGS,
      "decode_window(data, denom, top, left, height, width, out): the window of the JPEG `data` reduced by 1/denom "
      "(1, 2, 4 or 8), decoded as RGB into `out` (a writable contiguous buffer of height x width x 3 bytes). libjpeg's "
      "message as OSError when it cannot decode, as RuntimeWarning (raised) for corrupt or truncated data."},
+    {"header", header, METH_VARARGS,
+     "header(data): (height, width, cmyk, end, exif) of the JPEG `data` as libjpeg reads it before a decode: cmyk "
+     "when it is CMYK or YCCK, end the bytes read up to its first scan's data, exif its first APP1 Exif block "
+     "(bytes, from 'Exif\\0\\0' on) or None. Errors as decode_window's."},
     {NULL, NULL, 0, NULL},
 };
 

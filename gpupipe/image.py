@@ -437,6 +437,11 @@ def ends_whole(data: bytes) -> bool:
     if is_jpeg(data):
         for _, at, length in _jpeg_segments(data):
             start = at + length
+    return ends_after(data, start)
+
+
+def ends_after(data: bytes, start: int) -> bool:
+    """:func:`ends_whole` of a JPEG whose header ends at ``start`` (known from a header read already)."""
     return data.rfind(_EOI, max(start, len(data) - _EOI_TAIL)) >= 0
 
 
@@ -476,8 +481,13 @@ def jpeg_exif_orientation(data: bytes) -> int:
     header walk: no PIL open, no scan of the pixel data; 1 without one."""
     for marker, at, length in _jpeg_segments(data):
         if marker == 0xE1 and data[at : at + 6] == b"Exif\x00\x00":
-            return _orientation(functools.partial(_exif_from_block, data[at : at + length]))
+            return exif_block_orientation(data[at : at + length])
     return 1
+
+
+def exif_block_orientation(block: bytes) -> int:
+    """The orientation an APP1 "Exif" block (from its ``Exif\\0\\0`` identifier on) holds; 1 when it holds none."""
+    return _orientation(functools.partial(_exif_from_block, block))
 
 
 def _exif_from_block(block: bytes) -> Image.Exif:

@@ -7,6 +7,7 @@ import io
 import shutil
 import subprocess
 import sysconfig
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,16 @@ import pytest
 
 from gpupipe.backends import turbojpeg as tj_backend
 from gpupipe.errors import DecodeError
-from gpupipe.image import TRUNCATED, pixel_window, stored_window, upright_array
+from gpupipe.image import (
+    TRUNCATED,
+    ends_after,
+    ends_whole,
+    exif_block_orientation,
+    jpeg_exif_orientation,
+    pixel_window,
+    stored_window,
+    upright_array,
+)
 from gpupipe.recipe import Box
 
 from .common_utils import VALID, jpeg_with_orientation, photo
@@ -59,6 +69,7 @@ def windows(window_module, monkeypatch) -> list[tuple]:
 
     class Counted:
         LIBJPEG_TURBO_VERSION_NUMBER = window_module.LIBJPEG_TURBO_VERSION_NUMBER
+        header = staticmethod(window_module.header)
 
         @staticmethod
         def decode_window(*args):
@@ -196,6 +207,58 @@ def test_corrupt_data_inside_the_window_is_the_whole_decodes_error(window_module
             decoder.crop(bytes(data), "bad.jpg", lambda h, w: Box(0, 0, 40, 40), 16)
         errors.append(str(e.value))
     assert errors[0] == errors[1] and "bad.jpg" in errors[0] and "Corrupt JPEG data" in errors[0]
+
+
+def _header_files() -> dict[str, bytes]:
+    """Every kind of file the window decode's header reader must read as TurboJPEG and the header walk do."""
+    rng = np.random.default_rng(5)
+    img = photo(rng, 64, 96)
+    files = {kind: write(img) for kind, write in KINDS.items() if not kind.startswith(("440", "411", "420-"))}
+    files.update({f"orientation-{o}": jpeg_with_orientation(img, o) for o in range(2, 9)})
+    files["cmyk"] = VALID["cmyk"](img)
+    xmp = b"http://ns.adobe.com/xap/1.0/\x00<x/>"
+    files["xmp-before-exif"] = (lambda d: d[:2] + b"\xff\xe1" + (len(xmp) + 2).to_bytes(2, "big") + xmp + d[2:])(
+        jpeg_with_orientation(img, 6)
+    )
+    whole = files["420"]
+    files["truncated"] = whole[: len(whole) // 2]
+    files["cut-in-header"] = whole[:40]
+    files["not-a-jpeg"] = b"GIF89a" + bytes(100)
+    return files
+
+
+def test_the_window_modules_header_reads_what_turbojpeg_and_the_header_walk_read(window_module):
+    """One C call reads the header for the window decode: the size, CMYK, the EXIF orientation and where the header
+    ends, as TurboJPEG's header reader, the EXIF walk and ends_whole read them; a broken header is an error."""
+    from turbojpeg import TJCS_CMYK, TJCS_YCCK, TurboJPEG
+
+    tj = TurboJPEG()
+    for kind, data in _header_files().items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # as the backend reads it: a warning is a header TurboJPEG rejects
+                width, height, _, colorspace = tj.decode_header(data)
+        except (OSError, Warning):
+            width = height = 0
+        if not width:  # TurboJPEG rejects it, or reads 0 x 0 (cut before its frame header)
+            with pytest.raises((OSError, RuntimeWarning)):
+                window_module.header(data)
+            continue
+        got_h, got_w, cmyk, end, exif = window_module.header(data)
+        assert (got_h, got_w, cmyk) == (height, width, colorspace in (TJCS_CMYK, TJCS_YCCK)), kind
+        assert (1 if exif is None else exif_block_orientation(exif)) == jpeg_exif_orientation(data), kind
+        assert ends_after(data, end) == ends_whole(data), kind
+        assert data.rfind(b"\xff\xda", 0, end) > 0 and len(data) > end, kind  # read up to the first scan's data
+
+
+def test_a_file_whose_first_app1_block_is_not_exif_is_turned_by_its_exif_block(windows):
+    data = _header_files()["xmp-before-exif"]
+    whole, windowed = _decoders()
+    plan = lambda h, w: Box(0, 0, h, w)
+    got, _ = windowed.crop(data, "x.jpg", plan, 32)
+    want, _ = whole.crop(data, "x.jpg", plan, 32)
+    assert np.array_equal(got, want) and len(windows) == 1
+    assert got.shape == (3, 32, 32) and windowed._window_header(data, "x.jpg").upright == (96, 64)
 
 
 def test_decode_window_refuses_what_it_cannot_do(window_module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +23,8 @@ from ..image import (
     crop_resize_into,
     decode_failure,
     default_max_pixels,
-    ends_whole,
+    ends_after,
+    exif_block_orientation,
     is_jpeg,
     jpeg_exif_orientation,
     pixel_limit_reason,
@@ -89,10 +91,9 @@ class TurboJpegDecoder:
         except (OSError, Warning, ValueError) as e:
             raise DecodeError(path, self.name, decode_failure(e)) from None
 
-    def _header(self, data: bytes, path: str) -> tuple[int, int, int] | None:
-        """(height, width, orientation) from libjpeg-turbo's header reader (C, no Python marker parsing), or None
-        when TurboJPEG cannot take the file (not a JPEG, CMYK/YCCK, no frame header, or a header it rejects: Pillow
-        then decides)."""
+    def _header(self, data: bytes, path: str) -> _Header | None:
+        """The header as libjpeg-turbo's TurboJPEG reads it (C, no Python marker parsing), or None when TurboJPEG
+        cannot take the file (not a JPEG, CMYK/YCCK, no frame header, or a header it rejects: Pillow then decides)."""
         if not is_jpeg(data):
             return None
         try:
@@ -103,9 +104,27 @@ class TurboJpegDecoder:
             return None
         if colorspace in self._no_rgb or not width or not height:  # 0 x 0: a JPEG cut before its frame header
             return None
-        if (reason := pixel_limit_reason(width, height, self.max_pixels)) is not None:
+        return self._checked(_Header(height, width, jpeg_exif_orientation(data)), path)
+
+    def _window_header(self, data: bytes, path: str) -> _Header | None:
+        """As :meth:`_header`, read by the window decode's module in one call (libjpeg's own header reader, which
+        also says where the header ends and hands over the EXIF block): None where it is not built or TurboJPEG's
+        header reader would decide otherwise (:meth:`decode` then does, with TurboJPEG's own)."""
+        if not self.window_decode or not is_jpeg(data):
+            return None
+        try:
+            height, width, cmyk, end, exif = _jpeg_window.header(data)
+        except (OSError, RuntimeWarning):
+            return None
+        if cmyk or not width or not height:
+            return None
+        orientation = 1 if exif is None else exif_block_orientation(exif)
+        return self._checked(_Header(height, width, orientation, ends_after(data, end)), path)
+
+    def _checked(self, header: _Header, path: str) -> _Header:
+        if (reason := pixel_limit_reason(header.width, header.height, self.max_pixels)) is not None:
             raise DecodeError(path, self.name, reason)
-        return height, width, jpeg_exif_orientation(data)
+        return header
 
     def decode(self, data: bytes, path: str, plan: Callable[[int, int], Box] | None = None, size: int = 0) -> ForCrop:
         """As :meth:`PillowDecoder.decode`; the image is an (H, W, 3) array here (a view when turned; a PIL image
@@ -114,13 +133,13 @@ class TurboJpegDecoder:
         if header is None:
             return self._fallback.decode(data, path, plan, size)._replace(fell_back=True)
         size_hw, box, denom = self._planned(header, plan, size)
-        return ForCrop(upright_array(self._decode_array(data, path, denom), header[2]), box, size_hw, False)
+        return ForCrop(upright_array(self._decode_array(data, path, denom), header.orientation), box, size_hw, False)
 
     def _planned(
-        self, header: tuple[int, int, int], plan: Callable[[int, int], Box] | None, size: int
+        self, header: _Header, plan: Callable[[int, int], Box] | None, size: int
     ) -> tuple[tuple[int, int], Box, int]:
         """(upright size, box, DCT reduction) of an image whose header is ``header``."""
-        size_hw = upright_hw(*header)
+        size_hw = header.upright
         box = whole(*size_hw) if plan is None else plan(*size_hw)
         return size_hw, box, dct_scale(box, size) if plan is not None and self.reduced_decode else 1
 
@@ -128,33 +147,28 @@ class TurboJpegDecoder:
         self, data: bytes, path: str, plan: Callable[[int, int], Box], size: int, out: Slot | None = None
     ) -> tuple[Slot, bool]:
         """As :meth:`PillowDecoder.crop`: the crop resized straight into ``out`` (or a new array). Only the crop's
-        part of the image is decoded where :meth:`_window` can."""
+        part of the image is decoded where :meth:`_window` can; else :meth:`decode` decodes it whole."""
         out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
-        header = self._header(data, path)
-        if header is None:
-            img, box, size_hw, _ = self._fallback.decode(data, path, plan, size)
-            crop_resize_into(img, box, size_hw, torch.as_tensor(out))
-            return chw_view(out), True
-        size_hw, box, denom = self._planned(header, plan, size)
-        if (region := self._window(data, path, header, box, denom)) is not None:
-            resize_into(region, torch.as_tensor(out), box.flip)
-        else:
-            img = upright_array(self._decode_array(data, path, denom), header[2])
-            crop_resize_into(img, box, size_hw, torch.as_tensor(out))
-        return chw_view(out), False
+        if (header := self._window_header(data, path)) is not None:
+            _, box, denom = self._planned(header, plan, size)
+            if (region := self._window(data, path, header, box, denom)) is not None:
+                resize_into(region, torch.as_tensor(out), box.flip)
+                return chw_view(out), False
+        img, box, size_hw, fell_back = self.decode(data, path, plan, size)
+        crop_resize_into(img, box, size_hw, torch.as_tensor(out))
+        return chw_view(out), fell_back
 
-    def _window(self, data: bytes, path: str, header: tuple[int, int, int], box: Box, denom: int) -> np.ndarray | None:
+    def _window(self, data: bytes, path: str, header: _Header, box: Box, denom: int) -> np.ndarray | None:
         """The box's pixels alone, upright, from libjpeg-turbo's window decode (gpupipe/_jpeg_window.c: the rows
         above the box entropy-decoded only, those below not at all), the same pixels as the whole image's decode
-        cut; None where the whole image is decoded instead: no window decode built, a box that is not a cut of the
-        image (a fraction, past its edges), or a file without its end marker (the whole decode judges a truncated
-        file, whatever the crop). Corrupt data above the box or in it is an error, as in the whole decode; below it,
-        it goes unnoticed (the crop's pixels are whole), as in DALI's region decode (Pillow and DALI accept corrupt
-        data anywhere)."""
-        height, width, orientation = header
+        cut; None where the whole image is decoded instead: a box that is not a cut of the image (a fraction, past
+        its edges), or a file without its end marker (the whole decode judges a truncated file, whatever the crop).
+        Corrupt data above the box or in it is an error, as in the whole decode; below it, it goes unnoticed (the
+        crop's pixels are whole), as in DALI's region decode (Pillow and DALI accept corrupt data anywhere)."""
+        height, width, orientation, ends = header
         reduced = upright_hw(-(-height // denom), -(-width // denom), orientation)  # libjpeg rounds up
-        window = pixel_window(box, upright_hw(*header), reduced)
-        if not self.window_decode or window is None or not ends_whole(data):
+        window = pixel_window(box, header.upright, reduced)
+        if window is None or not ends:
             return None
         top, left, h, w = stored_window(window, orientation, reduced)
         region = np.empty((h, w, 3), dtype=np.uint8)
@@ -163,6 +177,21 @@ class TurboJpegDecoder:
         except (OSError, RuntimeWarning) as e:  # as PyTurboJPEG's errors and warnings
             raise DecodeError(path, self.name, decode_failure(e)) from None
         return upright_array(region, orientation)
+
+
+class _Header(NamedTuple):
+    """What a decode needs from a JPEG's header: its stored size, its EXIF orientation, and whether it ends with its
+    end-of-image marker after the header (:func:`~gpupipe.image.ends_whole`; None where the header reader did not
+    say)."""
+
+    height: int
+    width: int
+    orientation: int
+    ends: bool | None = None
+
+    @property
+    def upright(self) -> tuple[int, int]:
+        return upright_hw(self.height, self.width, self.orientation)
 
 
 def _unavailable() -> str | None:
