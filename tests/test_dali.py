@@ -164,7 +164,7 @@ def test_the_next_epoch_is_scheduled_before_this_one_ends(photos):
 
     loader = gpupipe.build_loader(photos, "dali", **kw)
     list(loader)
-    assert [(w.epoch, w.number, w.scheduled) for w in loader._pending] == [(1, k, True) for k in range(4)]
+    assert [(w.epoch, w.number, w.scheduled) for w in loader._carry] == [(1, k, True) for k in range(4)]
     for (a, la), (b, lb) in zip(list(loader), epoch_of_fresh(1), strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     loader.set_epoch(5)  # not the epoch scheduled ahead (2): those batches are dropped
@@ -203,14 +203,74 @@ def test_a_pass_left_one_batch_short_goes_on_into_the_next_epoch(photos, photo_s
             assert torch.equal(a, b) and torch.equal(la, lb)
     loader._ahead.join()  # the pass's thread, which may have made the epoch's last batch ahead (then dropped)
     assert restarts.count(loader._feed) == 1 and loader.pipelines_built == 1
-    ahead = [(w.epoch, w.number) for w in loader._pending]
+    ahead = [(w.epoch, w.number) for w in loader._carry]
     assert (3, 0) in ahead and min(ahead) >= (2, 4)  # the next epoch's start is made
-    assert loader._scheduled == sum(bool(w.gpu) for w in loader._pending)  # none taken and lost
+    assert loader._scheduled == sum(bool(w.gpu) for w in loader._carry)  # none taken and lost
     loader.load_state_dict({"epoch": 3, "batch": 2})  # not where the stream stands: it restarts there
     straight.set_epoch(3)
     for (a, la), (b, lb) in zip(list(loader), list(straight)[2:], strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     assert restarts.count(loader._feed) == 2
+
+
+def _restarts(monkeypatch) -> list:
+    """The feed streams restarted (a new plan: what was in flight dropped), each time it happens."""
+    from gpupipe.backends.dali_files import FileStream
+    from gpupipe.backends.dali_stream import FeedStream
+
+    restarts = []
+    for stream in (FeedStream, FileStream):
+
+        def restart(self, requests, real=stream.restart):
+            restarts.append(self)
+            return real(self, requests)
+
+        monkeypatch.setattr(stream, "restart", restart)
+    return restarts
+
+
+@pytest.mark.parametrize("beyond", [0, 1])
+def test_a_pass_left_up_to_the_limit_short_goes_on_and_one_left_more_restarts(photos, monkeypatch, beyond):
+    """A pass left a few batches short: the loader's thread made the next two during the step (one waiting, one in
+    hand: dropped with the pass), and the next pass fetches and drops the ``_LEFT_OVER`` after them and goes on with
+    the works in flight (no restart of the feed); one left a batch more drops everything in flight and restarts the
+    feed at its first batch.
+    Either way its batches are a fresh loader's, and a whole pass after it starts warm: its first batch was scheduled
+    in DALI before it began."""
+    from gpupipe.backends.dali import _LEFT_OVER, DaliLoader
+
+    scheduled, lost = [], []
+    submit, decoded_or_lost = DaliLoader._submit, DaliLoader._decoded_or_lost
+    monkeypatch.setattr(DaliLoader, "_submit", lambda self, w: scheduled.append((self, w.tag)) or submit(self, w))
+    monkeypatch.setattr(
+        DaliLoader, "_decoded_or_lost", lambda self, w: lost.append((self, w.tag)) or decoded_or_lost(self, w)
+    )
+    restarts = _restarts(monkeypatch)
+    kw = dict(batch_size=2, train=True, image_size=32, num_workers=0, normalize=False, seed=5, device="cpu")
+    loader = gpupipe.build_loader(photos, "dali", **kw)
+    left = 2 + _LEFT_OVER + beyond
+    it = iter(loader)
+    for _ in range(len(loader) - left):
+        next(it)
+    time.sleep(0.3)  # the step: the thread makes the next batches
+    del it
+    loader._ahead.join()
+    assert loader._carry.owed() == _LEFT_OVER + beyond
+    loader.set_epoch(1)
+    got = list(loader)
+    assert restarts.count(loader._feed) == 1 + beyond and loader.pipelines_built == 1
+    if not beyond:
+        assert [tag for who, tag in lost if who is loader] == [
+            (0, k) for k in range(len(loader) - _LEFT_OVER, len(loader))
+        ]
+    fresh = gpupipe.build_loader(photos, "dali", **kw)
+    fresh.set_epoch(1)
+    for (a, la), (b, lb) in zip(got, list(fresh), strict=True):
+        assert torch.equal(la, lb) and torch.equal(a, b)
+    loader._ahead.join()
+    assert (loader, (2, 0)) in scheduled  # before epoch 2's pass
+    loader.set_epoch(2)
+    assert len(list(loader)) == len(loader) and restarts.count(loader._feed) == 1 + beyond
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -553,7 +613,7 @@ def test_a_pass_left_early_behind_a_slow_step_loses_no_scheduled_batch(photos, l
     loader.set_epoch(1)
     got = list(loader)
     loader._ahead.join()
-    assert loader._scheduled == sum(bool(w.gpu) for w in loader._pending)
+    assert loader._scheduled == sum(bool(w.gpu) for w in loader._carry)
     fresh = gpupipe.build_loader(photos, "dali", **kw)
     fresh.set_epoch(1)
     for (a, la), (b, lb) in zip(got, list(fresh), strict=True):

@@ -19,7 +19,7 @@ import gpupipe
 from gpupipe._system import WORKER_NICENESS
 from gpupipe.backends import gpu_crop
 from gpupipe.backends.gpu_crop import crop_resize_flip, stored_rois
-from gpupipe.backends.nvjpeg import NvjpegFeed, NvjpegLoader, _upright_chw
+from gpupipe.backends.nvjpeg import _LEFT_OVER, NvjpegFeed, NvjpegLoader, _upright_chw
 from gpupipe.errors import DecodeError
 from gpupipe.image import padded_window
 from gpupipe.recipe import Recipe
@@ -400,10 +400,11 @@ def test_the_decode_runs_off_the_training_thread(folder):
 
 
 class _BatchRecordingNvjpegLoader(_CpuNvjpegLoader):
-    """The CPU nvjpeg loader noting the epoch and samples of each batch it decodes."""
+    """The CPU nvjpeg loader noting the epoch and samples of each batch it decodes, and the thread that did."""
 
     def _decoded(self, work, decode):
         self.decoded.append((work.epoch, tuple(work.indices)))
+        self.decoded_on[self.decoded[-1]] = threading.current_thread()
         return super()._decoded(work, decode)
 
 
@@ -415,27 +416,58 @@ def _decoded_once(loader, batch: tuple) -> bool:
     return loader.decoded.count(batch) == 1
 
 
-@pytest.mark.parametrize("left", [0, 1])
+@pytest.mark.parametrize("left", [0, 1, _LEFT_OVER])
 def test_the_next_epochs_first_batch_is_decoded_while_this_pass_ends(folder, left):
     """The decode thread runs on past a pass's last batch into the next epoch's first one (its workers read it ahead),
     also after a pass left ``left`` batches short (an accumulation's remainder): the next pass starts with it decoded,
-    no decode of its own, and its batches are a fresh loader's."""
+    no decode of its own, and its batches are a fresh loader's. Left ``_LEFT_OVER`` short, the thread holds two
+    batches made (one waiting, one in hand) and makes the next epoch's first once the next pass takes them over: that
+    pass still goes on from them, its first batch decoded once."""
     args = dict(batch_size=4, num_workers=1, image_size=24, normalize=False, device="cpu", seed=1)
     loader = _BatchRecordingNvjpegLoader(gpupipe.build_loader(folder, "pillow", **args).parts)
-    loader.decoded = []
+    loader.decoded, loader.decoded_on = [], {}
     count = len(loader)
     first = iter(loader)
     for _ in range(count - left):
         next(first)
     batches = [(1, tuple(b)) for b in loader.sampler.batches(1)]
-    assert _decoded_once(loader, batches[0])  # before epoch 1's pass began
+    if left < _LEFT_OVER:
+        assert _decoded_once(loader, batches[0])  # before epoch 1's pass began
     loader.set_epoch(1)
     got = list(loader)
     assert all(loader.decoded.count(b) == 1 for b in batches)  # its first not decoded again
+    assert loader.decoded_on[batches[0]] is not loader.decoded_on[batches[1]]  # but by the last pass's thread
     fresh = _recording(folder)
     fresh.set_epoch(1)
     want = list(fresh)
     assert len(got) == len(want) == count
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("where", ["left beyond the limit", "resumed mid-epoch"])
+def test_a_pass_that_does_not_go_on_drops_what_was_decoded_ahead(folder, where):
+    """A pass left more than ``_LEFT_OVER`` batches short: the next one does not wait for the decode thread to make
+    them (it is stopped: the epoch's last batch is never decoded) and decodes its own first batch. A pass resumed at
+    batch 2 drops the first batch decoded ahead for its epoch. Either way its batches are a fresh loader's: a batch
+    decoded ahead (its bytes given back) is never handed to a pass it does not lead."""
+    args = dict(batch_size=4, num_workers=1, image_size=24, normalize=False, device="cpu", seed=1)
+    loader = _BatchRecordingNvjpegLoader(gpupipe.build_loader(folder, "pillow", **args).parts)
+    loader.decoded, loader.decoded_on = [], {}
+    count, start = len(loader), 0 if where == "left beyond the limit" else 2
+    last, upcoming = (0, tuple(loader.sampler.batches(0)[-1])), (1, tuple(loader.sampler.batches(1)[0]))
+    first = iter(loader)
+    for _ in range(count - (_LEFT_OVER + 1 if start == 0 else 0)):
+        next(first)
+    if start:
+        assert _decoded_once(loader, upcoming)  # decoded ahead of its pass
+    loader.load_state_dict(loader.position_at(1, start))
+    got = list(loader)
+    if not start:
+        assert last not in loader.decoded and loader.decoded.count(upcoming) == 1
+    fresh = _recording(folder)
+    fresh.load_state_dict(fresh.position_at(1, start))
+    want = list(fresh)
+    assert len(got) == len(want) == count - start
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want, strict=True))
 
 

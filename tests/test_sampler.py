@@ -54,6 +54,14 @@ def test_a_start_batch_skips_what_was_consumed():
         sampler.set_epoch(0, 6)
 
 
+@pytest.mark.parametrize("equal_steps", [True, False])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_count_is_how_many_batches_are_dealt_from_a_start(equal_steps, drop_last):
+    for rank in range(3):
+        s = ShardSampler(23, 4, shuffle=True, rank=rank, world_size=3, drop_last=drop_last, equal_steps=equal_steps)
+        assert [s.count(2, b) for b in range(len(s) + 2)] == [len(s.batches(2, b)) for b in range(len(s) + 2)]
+
+
 def test_bad_arguments_are_errors():
     with pytest.raises(ValueError, match="batch_size"):
         ShardSampler(10, 0, shuffle=False)
@@ -80,6 +88,8 @@ def test_a_position_in_samples_carries_over_to_other_layouts(window, drop_last):
 
     def steps(samplers: list[ShardSampler]) -> list[list[int]]:
         batches = [s.batches(1, s.position.batch) for s in samplers]
+        # a re-split epoch's batches counted without dealing it, from its start and from where it stands
+        assert all(s.count(1, b) == len(s.batches(1, b)) for s in samplers for b in (0, s.position.batch))
         return [[i for b in step for i in b] for step in zip(*batches, strict=True)]
 
     layouts = [(1, 12), (2, 6), (4, 3), (2, 3), (1, 3)]

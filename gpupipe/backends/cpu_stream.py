@@ -270,6 +270,11 @@ class Stream:
         self._peeked = self._next()
         return self._peeked[1]
 
+    def drop_peeked(self) -> None:
+        """The batch :meth:`peek` took is not handed to a pass (its taker used it up, or dropped it): a pass that
+        starts there has it made again."""
+        self._peeked = None
+
     def take(self, count: int) -> Iterator[Made]:
         """The pass's ``count`` batches, in order, each in this process's own memory."""
         for _ in range(count):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import re
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from functools import partial
 from typing import ClassVar
@@ -28,12 +27,13 @@ from typing import ClassVar
 import torch
 
 from .._deps import INSTALL_HINTS, has_module, require
-from .._files import read_regular, unchanged
+from .._files import read_regular
 from .._system import made_below
 from ..data.device import normalize
 from ..data.loader import Batch, Loader, LoaderParts, empty_batch
 from ..errors import DecodeError
 from ..image import default_max_pixels
+from ..plumbing.carry import Carry
 from ..plumbing.decode_ahead import DecodeAhead
 from ..plumbing.zygote import Zygote
 from ._fork import pipelines_running
@@ -107,7 +107,8 @@ class DaliLoader(Loader):
         # a source of pixels (a dataset of arrays): fed to DALI raw, cropped and resized by its ops, never decoded
         self._pixels = parts.dataset.holds_pixels()
         self._feed: FeedStream | FileStream | None = None
-        self._pending: deque[Work] = deque()  # the stream's works in flight, in order, across epochs
+        # the stream's works in flight (scheduled in DALI), in order, across epochs
+        self._carry: Carry[Work] = Carry(lambda work: work.tag, _LEFT_OVER, Work.read_as_now)
         self._ahead: DecodeAhead | None = None  # the pass's thread: it alone drives the pipeline while the pass runs
         self._zygote = _zygote(self.dataset) if _helpers(parts.workers) else None
         DaliLoader._live.add(self)
@@ -187,48 +188,35 @@ class DaliLoader(Loader):
 
     def _resubmit(self) -> None:
         """After DALI lost its pipeline: the works still waiting are scheduled again, in order, on a new one."""
-        for work in self._pending:
+        for work in self._carry:
             if work.gpu:
                 self._submit(work)
 
-    def _continue(self, epoch: int, start_batch: int) -> deque[Work]:
+    def _continue(self, epoch: int, start_batch: int) -> None:
         """The stream of works for this pass. The one in flight goes on when this pass is the start of the epoch it
         leads to (the next one, as the loader moves on by itself), also when the last pass was left a few batches
-        short of its end (those are dropped): its first batches are then decoded already. Else what is in flight is
-        dropped and the feed starts again at this pass's first batch."""
-        planned = start_batch == 0 and self.sampler.resplit(epoch) is None  # the epoch's own start, not a re-split
-        if planned and self._feed is not None and self._skip_to(epoch):
+        short of its end (those are fetched and dropped): its first batches are then scheduled already
+        (:class:`Carry`). Else what is in flight is dropped and the feed starts again at this pass's first batch."""
+        replanned = self.sampler.resplit(epoch) is not None  # a resumed re-split: not the batches made ahead
+        count = self.sampler.count(epoch, start_batch)
+        begun = self._carry.begin((epoch, start_batch), count, self._decoded_or_lost, self._take, replanned)
+        if begun.goes_on:
+            assert self._feed is not None  # what went on came from it
             self._feed.consuming(epoch)  # the rest of this epoch is read from now on
-            self._recheck_ahead(epoch)
-            return self._pending
+            if begun.changed:
+                self._reread(begun.changed)
+            return
         self._drain()
-        self._pending = deque()
         feed = self._feed_stream()
         feed.restart(plan(self.sampler, feed.gate, epoch, start_batch, _PREFETCH))
-        return self._pending
 
-    def _skip_to(self, epoch: int) -> bool:
-        """Drop the works of an earlier epoch at the stream's head, at most ``_LEFT_OVER``; whether the stream then
-        stands at ``epoch``'s first batch."""
-        for _ in range(_LEFT_OVER + 1):
-            if not self._pending and not self._take():
-                return False
-            head = self._pending[0]
-            if head.epoch != epoch - 1:  # an epoch further back: its rest would wait for the gate it passed
-                return head.epoch == epoch and head.number == 0
-            self._pending.popleft()
-            self._decoded_or_lost(head)
-        return False
-
-    def _recheck_ahead(self, epoch: int) -> None:
-        """The works of ``epoch`` read before its pass began: one whose files changed since is read again (each file
-        stat-ed once), and everything in flight is scheduled again behind it."""
-        changed = [bool(w.stamps and w.epoch == epoch and not unchanged(w.stamps)) for w in self._pending]
-        if not any(changed):
-            return
+    def _reread(self, changed: list[Work]) -> None:
+        """Works of this pass read before it began whose files changed since: read again, and everything in flight
+        scheduled again behind them."""
         assert self._feed is not None  # works with stamps came from the feed
         self._drain()
-        self._pending = deque(self._feed.reread(w) if c else w for w, c in zip(self._pending, changed, strict=True))
+        for work in changed:
+            self._carry.replace(work, self._feed.reread(work))
         self._resubmit()
 
     # -- the samples ------------------------------------------------------------------------------------------------
@@ -338,7 +326,7 @@ class DaliLoader(Loader):
         next pass starts them again on a new plan, once it has fetched what DALI still has scheduled)."""
         if self._ahead is not None and not self._ahead.join(timeout=5):
             return  # its batch waits on a stuck feed worker (a second Ctrl-C): raised now, the rest ends with it
-        self._pending = deque()
+        self._carry.clear()
         if self._feed is not None:
             self._feed.stop()
 
@@ -378,20 +366,17 @@ class DaliLoader(Loader):
         batch.images = batch.images.to(self.device, non_blocking=True)
         return batch
 
-    def _take(self) -> bool:
-        """The stream's next work, scheduled and appended to the pending ones; False when the plan has ended."""
+    def _take(self) -> Work | None:
+        """The stream's next work, scheduled; None when the plan has ended."""
         work = self._feed_stream().next()
-        if work is None:
-            return False
-        if work.gpu:
+        if work is not None and work.gpu:
             self._submit(work)
-        self._pending.append(work)
-        return True
+        return work
 
     def _fill(self) -> None:
         """Schedule works until ``_PREFETCH`` are in flight: this epoch's, then the next epoch's first ones."""
-        while len(self._pending) < _PREFETCH and self._take():
-            pass
+        while len(self._carry) < _PREFETCH and (work := self._take()) is not None:
+            self._carry.add(work)
 
     def _release(self, work: Work) -> None:
         if self._feed is not None:
@@ -426,12 +411,13 @@ def _works(loader: weakref.ref[DaliLoader], epoch: int, start_batch: int) -> Ite
     loader is held only weakly (see :meth:`DaliLoader._source`)."""
     me = loader()
     assert me is not None  # the pass being made holds it
-    pending = me._continue(epoch, start_batch)
-    if not pending:  # a new stream: its first works (else those in flight go on, and the first is not held back)
+    me._continue(epoch, start_batch)
+    carry = me._carry
+    if not carry:  # a new stream: its first works (else those in flight go on, and the first is not held back)
         me._fill()
     del me
-    while pending and pending[0].epoch == epoch:
-        yield pending.popleft()
+    while (work := carry.take()) is not None:
+        yield work
         me = loader()
         if me is None:
             return

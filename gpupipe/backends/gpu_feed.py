@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._files import Stamp
+from .._files import Stamp, unchanged
 from ..errors import DecodeError
 from ..image import (
     ARITHMETIC_SOF,
@@ -98,6 +98,16 @@ class Work:
         self.__dict__.update(state)
         if self.encoded is not None:
             self.lease = arrived(self.encoded)  # the worker reuses the buffer once the work is done with (dropped)
+
+    @property
+    def tag(self) -> tuple[int, int]:
+        """``(epoch, number)``: its place in the loader's batches (what a :class:`~gpupipe.plumbing.carry.Carry`
+        orders it by)."""
+        return self.epoch, self.number
+
+    def read_as_now(self) -> bool:
+        """Whether its files are as they were when it was read (a work read before its pass began was stamped)."""
+        return not self.stamps or unchanged(self.stamps)
 
     def samples(self) -> list[np.ndarray]:
         """Each GPU sample's bytes, as views (no copy)."""

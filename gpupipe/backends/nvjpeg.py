@@ -37,9 +37,10 @@ from ..image import (
     jpeg_sof,
     probe,
 )
+from ..plumbing.carry import Carry
 from ..plumbing.decode_ahead import DecodeAhead
 from ..recipe import Recipe
-from .cpu_stream import Gate, Stream, StreamedLoader
+from .cpu_stream import Gate, Stream, StreamedLoader, Task
 from .gpu_crop import PadSize, crop_resize_flip, pad_crop_flip, stored_rois
 from .gpu_feed import Feed, Work, nvjpeg_takes
 from .pillow import PillowDecoder
@@ -76,8 +77,9 @@ class NvjpegFeed(Feed, torch.utils.data.Dataset):
         return work
 
     def remake(self, keys: list[tuple[int, int]]) -> Work:
-        """A batch's samples (of one epoch) read, judged and planned."""
-        return self.work(keys[0][0] if len(keys) else 0, [key[1] for key in keys])
+        """A batch's samples (of one epoch) read, judged and planned; numbered as its stream's task says."""
+        number = keys.batch if isinstance(keys, Task) else 0
+        return self.work(keys[0][0] if len(keys) else 0, [key[1] for key in keys], number)
 
     def crops(self, work: Work, heights: np.ndarray, widths: np.ndarray, orientation: np.ndarray) -> None:
         work.boxes = self.boxes(work, heights, widths)
@@ -207,8 +209,8 @@ class NvjpegLoader(StreamedLoader):
         self._data = NvjpegFeed(parts.dataset, parts.recipe, self.train, parts.seed, max_pixels, pixels)
         self._decode: Decode | None = None  # on the loader's own stream, for its life (made at the first batch)
         self._pad = PadSize()  # one padded size for every batch once the largest images were seen
-        self._left: tuple[int, int] | None = None  # the last pass's epoch and how many of its batches it left
-        self._early: _Decoded | None = None  # the next epoch's first batch, decoded by the last pass's thread
+        # the batches the decode thread made past what the pass took: the next epoch's first, and a pass's rest
+        self._carry: Carry[_Decoded] = Carry(lambda d: d.work.tag, _LEFT_OVER, lambda d: d.work.read_as_now())
 
     def decoder(self) -> Decode:
         return decoder_on_stream(self.stage.device, torch.cuda.Stream(self.stage.device))
@@ -221,19 +223,21 @@ class NvjpegLoader(StreamedLoader):
     def _source(self, epoch: int, start_batch: int) -> Iterator[Batch]:
         """The pass's batches, decoded on the loader's decode thread one batch ahead. The thread runs on past the
         pass's last batch into the next epoch's first (read ahead by the workers, :meth:`.cpu_stream.Stream.peek`), so
-        the next pass, when it starts there, finds it decoded (:meth:`_hand_over`), also after a pass left a few
-        batches short of its end: no epoch starts cold."""
+        the next pass, when it starts there, finds it decoded in the carry (:meth:`_hand_over`), also after a pass left
+        a few batches short of its end: no epoch starts cold."""
         self._decode = self._decode or self.decoder()
         count = len(self._batches(epoch, start_batch))  # the last pass's thread handed over (see _hand_over)
-        early, self._early = self._early, None
-        works: Iterator[Work] = self._taken(epoch, start_batch)  # type: ignore[assignment]  # the workers'
+        replanned = self.sampler.resplit(epoch) is not None
+        begun = self._carry.begin((epoch, start_batch), count, replanned=replanned)
+        if begun.changed:  # decoded before its files changed: the workers read it again
+            self._carry.drop_from(begun.changed[0])
+        # the batches carried are the pass's first: the workers' take on after them
+        works: Iterator[Work] = self._taken(epoch, start_batch + len(self._carry))  # type: ignore[assignment]
 
         # the thread may outlive the pass: it must not keep a dropped loader alive (nor its decode, which may hold it)
         loader = weakref.ref(self)
 
         def decoded(work: Work) -> _Decoded:
-            if early is not None and work is early.work:
-                return early
             me = loader()
             if me is None or me._decode is None:  # dropped: its DecodeAhead closed, so this ends the thread
                 raise RuntimeError("the loader was dropped")
@@ -241,33 +245,33 @@ class NvjpegLoader(StreamedLoader):
 
         chained = itertools.chain(works, _peeked(self._stream(), epoch + 1))
         ahead = self._ahead = DecodeAhead(chained, decoded, self.device, _tensors, cpu=self.thread_cpu, turn=self.turn)
-        self._left = (epoch, count)  # the batches of ``epoch`` the thread makes that this pass has not taken
-        for batch in ahead.take(count, keep=True):  # left early, the thread goes on (the next pass may drop the rest)
-            self._left = (epoch, self._left[1] - 1)
+        # left early, the thread goes on: the next pass may go on from what it makes (see _hand_over)
+        while (batch := self._carry.take(ahead.next)) is not None:
             yield self._cropped(epoch, batch)
 
     def _shut(self) -> None:
         """close(): the stream and the decode thread as every streamed loader's, and the decode's CUDA stream and the
-        next epoch's batch decoded early dropped."""
+        batches carried dropped."""
         super()._shut()
-        self._decode, self._early, self._left = None, None, None
+        self._decode = None
+
+    def _abandon(self) -> None:
+        """An error ended the pass: as every streamed loader's, and nothing is carried (its thread is gone)."""
+        super()._abandon()
+        self._carry.clear()
 
     def _hand_over(self) -> None:
-        """Before the last pass's thread is joined: the next epoch's first batch it decoded, kept for the next pass."""
-        self._early = self._early or self._decoded_early()
+        """Before the last pass's thread is joined: what it made that may lead the next pass (the batches it owes its
+        pass, then the next epoch's first) taken into the carry, which decides at the pass's start whether it goes
+        on from them. The batch that thread peeked is never handed to a pass by the stream again: decoded, its bytes
+        went back to its worker; it is carried, or made again."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        self._carry.collect(ahead.next)
         super()._hand_over()
-
-    def _decoded_early(self) -> _Decoded | None:
-        """Batch 0 of the epoch after the last pass's, as that pass's thread decoded it, when the pass left at most
-        ``_LEFT_OVER`` of its batches (dropped here). A pass uses it if the stream hands it the same work (it starts at
-        that batch, whose files did not change since)."""
-        ahead, left, self._left = self._ahead, self._left, None
-        if ahead is None or left is None or left[1] > _LEFT_OVER:
-            return None
-        for decoded in ahead.take(left[1] + 1, keep=True):
-            if decoded.work.epoch == left[0] + 1:
-                return decoded
-        return None
+        self._ahead = None
+        self._stream().drop_peeked()
 
     def _batch(self, epoch: int, work: Work, decode: Decode) -> Batch:
         """A worker's batch decoded and cropped on this thread (what the decode thread and this one do in turn)."""

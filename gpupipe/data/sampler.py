@@ -143,6 +143,13 @@ class ShardSampler:
         b = self.batch_size
         return [idx[i : i + b] for i in range(start_batch * b, len(idx), b)]
 
+    def count(self, epoch: int, start_batch: int = 0) -> int:
+        """How many batches :meth:`batches` gives, without dealing the epoch."""
+        plan = self.resplit(epoch)
+        if plan is not None:
+            return max(len(plan.batches) - max(start_batch - plan.first, 0), 0)
+        return max(self.num_batches - start_batch, 0)
+
     # -- the layout, and an epoch resumed from another (the loader's state, data/position.py, re-splits it) -----------
 
     @property

@@ -108,6 +108,7 @@ class DecodeAhead(Generic[W, R]):
         self._turn = turn
         self._queue: queue.Queue[Any] = queue.Queue(depth)
         self._stop = threading.Event()
+        self._ended = False  # :meth:`next` has seen the end of the works
         self.stream = _stream(device) if device.type == "cuda" else None
         spent = cpu if cpu is not None else [0.0]
         self._thread = threading.Thread(
@@ -134,17 +135,17 @@ class DecodeAhead(Generic[W, R]):
         finally:
             self.close()  # what it made ahead is dropped
 
-    def take(self, count: int, keep: bool = False) -> Iterator[R]:
-        """The next ``count`` results (fewer if the works end first); the thread goes on, and what it makes next is
-        kept for a later call. Left early, the thread is closed, unless ``keep`` (a later call takes on from there)."""
-        taken = 0
-        try:
-            while taken < count and (result := self._result()) is not _END:
-                taken += 1
-                yield result
-        finally:
-            if taken < count and not keep:
-                self.close()
+    def next(self) -> R | None:
+        """The next result, or None once the works have ended. Unlike iterating, taking results one by one never
+        closes the thread: it goes on making the next ones (a pass left early leaves them to the loader, see
+        :class:`~gpupipe.plumbing.carry.Carry`) until :meth:`close`."""
+        if self._ended:
+            return None
+        result = self._result()
+        if result is _END:
+            self._ended = True
+            return None
+        return result
 
     def _result(self) -> Any:
         """The next result, ready for the current stream (which waits for its event on the GPU), or ``_END``: the
