@@ -291,9 +291,10 @@ def test_a_loader_dropped_while_headers_are_judged_ends_the_scan_processes(folde
         gc.enable()
 
 
-def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
-    """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included; every row as
-    wide as the longest path, the last path of the buffer too (what follows a path in its row is sliced off by DALI)."""
+def test_each_samples_path_is_its_bytes_a_view_of_the_table(mixed, tmp_path):
+    """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included, the last path
+    of the buffer too: each sample DALI is fed is exactly its path's bytes (``io.file.read`` takes the whole sample as
+    the name), a view of the table's one buffer (nothing copied per batch)."""
     from gpupipe.backends.dali_files import FileTable
     from gpupipe.sources.scan import ImageList
 
@@ -304,10 +305,22 @@ def test_the_path_rows_are_each_samples_path_bytes(mixed, tmp_path):
         table = FileTable(dataset, 10**8)
         last = len(dataset.samples) - 1
         chosen = np.array([2, 0, 1, last, 2])
-        rows, lengths = table.paths(chosen)
-        assert rows.shape == (5, max(len(os.fsencode(p)) for p, _ in dataset.samples))
-        for row, n, i in zip(rows, lengths[:, 0], chosen, strict=True):
-            assert row[:n].tobytes() == os.fsencode(dataset.samples[i][0])
+        paths = table.paths(chosen)
+        assert [p.tobytes() for p in paths] == [os.fsencode(dataset.samples[i][0]) for i in chosen]
+        assert all(p.dtype == np.uint8 and p.ndim == 1 and p.base is not None for p in paths)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_reads_each_fed_path_with_no_operator_between(train):
+    """The file reader takes the ``paths`` input as it is fed: a slice of a path table in the graph was one more CPU
+    operator in DALI's chain per batch, which its threads waited on (bench/README.md, "dali with every core")."""
+    from gpupipe.backends.dali_graph import build_pipeline
+
+    device = torch.device("cpu")
+    pipe = build_pipeline(gpupipe.Recipe(32), train=train, batch_size=2, device=device, num_threads=1, files=True)
+    (read,) = [op for op in pipe._ops if type(op._op).__name__ == "Read"]  # DALI's graph, as built
+    assert [i.source.name for i in read.inputs] == ["paths"]
+    assert not [op for op in pipe._ops if type(op._op).__name__ == "Slice"]
 
 
 def test_crop_boxes_are_drawn_several_batches_at_a_time_while_samples_are_still_being_judged(tmp_path, monkeypatch):

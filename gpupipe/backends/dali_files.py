@@ -1,6 +1,6 @@
-"""DALI reads local files itself: for a folder or a file list, the training thread hands the pipeline, per batch, only
-the batch's rows of a path table and the recipe's crop rows, and ``fn.io.file.read`` reads the files in DALI's own
-threads. No feed process, no receiving thread, no copy of the bytes in Python.
+"""DALI reads local files itself: for a folder or a file list, the loader hands the pipeline, per batch, only the
+batch's paths (views of one path buffer) and the recipe's crop rows, and ``fn.io.file.read`` reads the files in
+DALI's own threads. No feed process, no receiving thread, no copy of the bytes in Python.
 
 What the feed judges from each file's bytes (:mod:`.gpu_feed`: its upright size, whether only Pillow decodes it, why
 it cannot be decoded) is judged from its header, in worker processes that run a few batches ahead of the stream the
@@ -34,7 +34,6 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
 from .._names import escape
@@ -270,13 +269,6 @@ class FileTable:
             self.lengths = np.fromiter(map(len, names), np.int64, len(names))
             self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
             self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
-        self.width = int(self.lengths.max(initial=1))  # every batch's path rows are this wide
-        if len(self._bytes) < self.width:  # no room for one window (no samples): padded
-            self._bytes = np.concatenate([self._bytes, np.zeros(self.width, np.uint8)])
-        # each path's row is a window of the buffer from its start (its length says where it ends): the buffer's last
-        # ``width`` bytes again, padded, for the paths that start near its end
-        self._tail_at = max(0, len(self._bytes) - self.width)
-        self._tail = np.concatenate([self._bytes[self._tail_at :], np.zeros(self.width, np.uint8)])
         self.targets = np.asarray(dataset.targets, dtype=np.int64)
         self.kind = np.full(len(samples), _UNKNOWN, np.int8)
         self.sizes = np.zeros((len(samples), 2), np.int64)
@@ -287,15 +279,13 @@ class FileTable:
         self.passes = 0
         self.checked = np.full(len(samples), -1, np.int64)
 
-    def paths(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The paths of samples ``chosen`` as (n, W) uint8 rows, each a path's bytes and whatever follows them in the
-        buffer (DALI slices each row to its length), and their lengths as (n, 1): one gather for the batch."""
-        starts = self.starts[chosen]
-        rows = sliding_window_view(self._bytes, self.width)[np.minimum(starts, self._tail_at)]
-        late = np.flatnonzero(starts > self._tail_at)
-        if len(late):  # the last few paths of the buffer: from its padded tail
-            rows[late] = sliding_window_view(self._tail, self.width)[starts[late] - self._tail_at]
-        return rows, self.lengths[chosen, None]
+    def paths(self, chosen: np.ndarray) -> list[np.ndarray]:
+        """The paths of samples ``chosen``, each its bytes as a view of the buffer (no copy): DALI is fed them as they
+        are, one sample each. (Sliced in the graph from one (n, W) array instead, the slice is one more CPU operator
+        in DALI's chain, and its threads wait on it: bench/README.md, "dali with every core".)"""
+        starts, ends = self.starts[chosen].tolist(), (self.starts[chosen] + self.lengths[chosen]).tolist()
+        buffer = self._bytes
+        return [buffer[a:b] for a, b in zip(starts, ends, strict=True)]
 
     def unchecked(self, index: np.ndarray) -> np.ndarray:
         """Which samples of ``index`` have no verdict yet, or one not checked against its file in this pass."""
@@ -414,22 +404,21 @@ class FileStream:
             self._others(work, np.flatnonzero(kind != _DALI).tolist())
         chosen = index[dali]
         work.gpu = dali.tolist()
-        work.paths, lengths = t.paths(chosen)
-        work.rows = self._rows(request, chosen, lengths)
+        work.paths = t.paths(chosen)
+        work.rows = self._rows(request, chosen)
         return work
 
-    def _rows(self, request: Request, chosen: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """The rows of the pipeline's ``meta`` input (see :func:`.dali_graph.build_pipeline`): the crop's, then the
-        path's length."""
+    def _rows(self, request: Request, chosen: np.ndarray) -> np.ndarray:
+        """The rows of the pipeline's ``meta`` input (see :func:`.dali_graph.build_pipeline`)."""
         heights, widths = self.table.sizes[chosen, 0], self.table.sizes[chosen, 1]
         if not self.train:
-            return np.concatenate([eval_rows(self.recipe, heights, widths), lengths], 1)
+            return eval_rows(self.recipe, heights, widths)
         boxes = self._boxes.pop((request.epoch, request.number), None)
         if boxes is None or len(boxes) != len(chosen):
             boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, chosen, heights, widths)
-        rows = np.empty((len(chosen), 7), np.int64)
+        rows = np.empty((len(chosen), 6), np.int64)
         rows[:, :5] = boxes
-        rows[:, 5], rows[:, 6:] = self.recipe.side(True, request.epoch), lengths
+        rows[:, 5] = self.recipe.side(True, request.epoch)
         return rows
 
     def _others(self, work: Work, positions: list[int]) -> None:

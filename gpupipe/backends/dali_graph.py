@@ -50,8 +50,8 @@ def build_pipeline(
     input, so one pipeline serves every epoch of a resolution schedule), eval ``[resized_h, resized_w, top, left]``
     (torchvision's Resize + CenterCrop to the recipe's eval side). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
-    same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` instead of ``enc``
-    (:mod:`.dali_files`), each path's length one more column of ``meta``, and DALI reads the files itself.
+    same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` (one path's bytes a
+    sample) instead of ``enc`` (:mod:`.dali_files`), and DALI reads the files itself.
     ``pixels``: fed ``pix`` instead of ``enc``, (H, W, 3) uint8 samples that need no decode (a dataset of arrays),
     cropped, resized and mirrored by the same ops as decoded images, so that this work is DALI's (on the GPU where the
     pipeline runs there), not the feed workers'."""
@@ -74,8 +74,8 @@ def build_pipeline(
         if pixels:  # copied to the GPU as they are: its ops crop and resize them there
             enc = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC", no_copy=True)
             enc = enc.gpu() if gpu else enc
-        elif files:  # each path's length is the row's last column
-            enc = _read_files(meta[6:7] if train else meta[4:5])
+        elif files:
+            enc = _read_files()
         else:
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         window: dict = {}  # the window crop_mirror_normalize cuts as it goes (eval's centre crop), else none
@@ -101,15 +101,14 @@ def build_pipeline(
     return p
 
 
-def _read_files(lengths):
-    """The encoded bytes of files named by ``paths`` (each row a path's bytes, then whatever follows them in the path
-    table's buffer; its length in ``lengths``), read in DALI's threads. Plain reads, not a mapping: a file truncated
-    while mapped would kill the process (SIGBUS) where a read fails and the batch is narrowed to it."""
+def _read_files():
+    """The encoded bytes of the files named by ``paths`` (each sample a path's bytes), read in DALI's own threads.
+    Plain reads, not a mapping: a file truncated while mapped would kill the process (SIGBUS) where a read fails and
+    the batch is narrowed to it."""
     from nvidia.dali import fn, types
 
     paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=True)
-    named = fn.slice(paths, types.Constant([0], dtype=types.INT64), lengths, axes=[0])
-    return fn.io.file.read(named, dont_use_mmap=True)
+    return fn.io.file.read(paths, dont_use_mmap=True)
 
 
 class _Source(NamedTuple):
