@@ -291,10 +291,10 @@ def test_a_loader_dropped_while_headers_are_judged_ends_the_scan_processes(folde
         gc.enable()
 
 
-def test_each_samples_path_is_its_bytes_a_view_of_the_table(mixed, tmp_path):
+def test_the_path_rows_are_each_samples_path_bytes_then_nuls(mixed, tmp_path):
     """From a folder's own path buffer and from a plain list of (path, label), non-UTF-8 names included, the last path
-    of the buffer too: each sample DALI is fed is exactly its path's bytes (``io.file.read`` takes the whole sample as
-    the name), a view of the table's one buffer (nothing copied per batch)."""
+    of the buffer too: each row is its path's bytes, then NULs only (DALI's reader takes a row as a C string); every
+    row as wide as the longest path and one NUL."""
     from gpupipe.backends.dali_files import FileTable
     from gpupipe.sources.scan import ImageList
 
@@ -305,9 +305,33 @@ def test_each_samples_path_is_its_bytes_a_view_of_the_table(mixed, tmp_path):
         table = FileTable(dataset, 10**8)
         last = len(dataset.samples) - 1
         chosen = np.array([2, 0, 1, last, 2])
-        paths = table.paths(chosen)
-        assert [p.tobytes() for p in paths] == [os.fsencode(dataset.samples[i][0]) for i in chosen]
-        assert all(p.dtype == np.uint8 and p.ndim == 1 and p.base is not None for p in paths)
+        rows = table.paths(chosen)
+        assert rows.shape == (5, max(len(os.fsencode(p)) for p, _ in dataset.samples) + 1)
+        for row, i in zip(rows, chosen, strict=True):
+            name = os.fsencode(dataset.samples[i][0])
+            assert row[: len(name)].tobytes() == name and not row[len(name) :].any()
+
+
+def test_dali_reads_a_path_row_up_to_its_first_nul(tmp_path):
+    """What the path rows rely on: DALI's file reader, fed a row of a path's bytes then NULs, reads that file."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    short, long = tmp_path / "a.bin", tmp_path / "a_longer_name.bin"
+    short.write_bytes(b"short"), long.write_bytes(b"the longer one")
+    names = [os.fsencode(p) for p in (short, long)]
+    rows = np.zeros((2, max(map(len, names)) + 3), np.uint8)
+    for row, name in zip(rows, names, strict=True):
+        row[: len(name)] = np.frombuffer(name, np.uint8)
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None)
+    def read():
+        return fn.io.file.read(fn.external_source(name="paths", dtype=types.UINT8, ndim=1), dont_use_mmap=True)
+
+    pipe = read()
+    pipe.build()
+    pipe.feed_input("paths", rows)
+    (out,) = pipe.run()
+    assert [np.array(out[k]).tobytes() for k in range(2)] == [b"short", b"the longer one"]
 
 
 @pytest.mark.parametrize("train", [True, False])

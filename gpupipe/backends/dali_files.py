@@ -1,6 +1,6 @@
 """DALI reads local files itself: for a folder or a file list, the loader hands the pipeline, per batch, only the
-batch's paths (views of one path buffer) and the recipe's crop rows, and ``fn.io.file.read`` reads the files in
-DALI's own threads. No feed process, no receiving thread, no copy of the bytes in Python.
+batch's rows of a path table (each path's bytes, then NULs) and the recipe's crop rows, and ``fn.io.file.read``
+reads the files in DALI's own threads. No feed process, no receiving thread, no copy of the bytes in Python.
 
 What the feed judges from each file's bytes (:mod:`.gpu_feed`: its upright size, whether only Pillow decodes it, why
 it cannot be decoded) is judged from its header, in worker processes that run a few batches ahead of the stream the
@@ -34,6 +34,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
 from .._names import escape
@@ -269,6 +270,14 @@ class FileTable:
             self.lengths = np.fromiter(map(len, names), np.int64, len(names))
             self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
             self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
+        self.width = int(self.lengths.max(initial=0)) + 1  # every batch's path rows: the longest path and a NUL
+        if len(self._bytes) < self.width:  # no room for one window (no samples): padded
+            self._bytes = np.concatenate([self._bytes, np.zeros(self.width, np.uint8)])
+        # each path's row is a window of the buffer from its start: the buffer's last ``width`` bytes again, padded,
+        # for the paths that start near its end (the buffer itself is not copied)
+        self._tail_at = max(0, len(self._bytes) - self.width)
+        self._tail = np.concatenate([self._bytes[self._tail_at :], np.zeros(self.width, np.uint8)])
+        self._columns = np.arange(self.width)
         self.targets = np.asarray(dataset.targets, dtype=np.int64)
         self.kind = np.full(len(samples), _UNKNOWN, np.int8)
         self.sizes = np.zeros((len(samples), 2), np.int64)
@@ -279,13 +288,18 @@ class FileTable:
         self.passes = 0
         self.checked = np.full(len(samples), -1, np.int64)
 
-    def paths(self, chosen: np.ndarray) -> list[np.ndarray]:
-        """The paths of samples ``chosen``, each its bytes as a view of the buffer (no copy): DALI is fed them as they
-        are, one sample each. (Sliced in the graph from one (n, W) array instead, the slice is one more CPU operator
-        in DALI's chain, and its threads wait on it: bench/README.md, "dali with every core".)"""
-        starts, ends = self.starts[chosen].tolist(), (self.starts[chosen] + self.lengths[chosen]).tolist()
-        buffer = self._bytes
-        return [buffer[a:b] for a, b in zip(starts, ends, strict=True)]
+    def paths(self, chosen: np.ndarray) -> np.ndarray:
+        """The paths of samples ``chosen`` as (n, W) uint8 rows, each a path's bytes, then NULs: one gather for the
+        batch, fed to DALI as one array. Its file reader takes each row as a C string (a path holds no NUL), so no
+        operator in DALI's chain cuts the rows to their lengths: one that did (a slice) was one more CPU operator per
+        batch, which DALI's threads waited on (bench/README.md, "dali with every core")."""
+        starts = self.starts[chosen]
+        rows = sliding_window_view(self._bytes, self.width)[np.minimum(starts, self._tail_at)]
+        late = np.flatnonzero(starts > self._tail_at)
+        if len(late):  # the last few paths of the buffer: from its padded tail
+            rows[late] = sliding_window_view(self._tail, self.width)[starts[late] - self._tail_at]
+        rows[self._columns >= self.lengths[chosen, None]] = 0
+        return rows
 
     def unchecked(self, index: np.ndarray) -> np.ndarray:
         """Which samples of ``index`` have no verdict yet, or one not checked against its file in this pass."""

@@ -50,8 +50,8 @@ def build_pipeline(
     input, so one pipeline serves every epoch of a resolution schedule), eval ``[resized_h, resized_w, top, left]``
     (torchvision's Resize + CenterCrop to the recipe's eval side). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
-    same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` (one path's bytes a
-    sample) instead of ``enc`` (:mod:`.dali_files`), and DALI reads the files itself.
+    same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` (each row a path's bytes,
+    then NULs) instead of ``enc`` (:mod:`.dali_files`), and DALI reads the files itself.
     ``pixels``: fed ``pix`` instead of ``enc``, (H, W, 3) uint8 samples that need no decode (a dataset of arrays),
     cropped, resized and mirrored by the same ops as decoded images, so that this work is DALI's (on the GPU where the
     pipeline runs there), not the feed workers'."""
@@ -102,7 +102,8 @@ def build_pipeline(
 
 
 def _read_files():
-    """The encoded bytes of the files named by ``paths`` (each sample a path's bytes), read in DALI's own threads.
+    """The encoded bytes of the files named by ``paths`` (each row a path's bytes, then NULs: DALI takes it as a C
+    string), read in DALI's own threads.
     Plain reads, not a mapping: a file truncated while mapped would kill the process (SIGBUS) where a read fails and
     the batch is narrowed to it."""
     from nvidia.dali import fn, types

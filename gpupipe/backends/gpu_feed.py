@@ -83,9 +83,9 @@ class Work:
     labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
     listed: Any = None  # the samples as DALI TensorCPUs over their bytes (no copy), made on the feed's thread
-    # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: each GPU sample's path, its
-    # bytes as a uint8 view of the path table
-    paths: list[np.ndarray] | None = None
+    # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (n, W), each GPU
+    # sample's path, then NULs
+    paths: np.ndarray | None = None
     # in the main process: the worker's buffer that holds ``encoded``, handed back to it when given back (or dropped)
     lease: Any = None
 
@@ -128,7 +128,7 @@ class Work:
     def narrow(self, chosen: list[int]) -> None:
         """Left with its GPU samples at ``chosen`` (positions in ``self.gpu``), for a retry after the decoder failed."""
         if self.paths is not None:
-            self.paths = [self.paths[k] for k in chosen]
+            self.paths = self.paths[chosen]
         else:
             views = self.samples()
             self.data = [views[k] for k in chosen]
