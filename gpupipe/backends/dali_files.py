@@ -34,7 +34,6 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .._files import file_stamp, read_regular
 from .._names import escape
@@ -271,12 +270,6 @@ class FileTable:
             self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
             self._bytes = np.frombuffer(b"".join(names) or b"\0", np.uint8)
         self.width = int(self.lengths.max(initial=0)) + 1  # every batch's path rows: the longest path and a NUL
-        if len(self._bytes) < self.width:  # no room for one window (no samples): padded
-            self._bytes = np.concatenate([self._bytes, np.zeros(self.width, np.uint8)])
-        # each path's row is a window of the buffer from its start: the buffer's last ``width`` bytes again, padded,
-        # for the paths that start near its end (the buffer itself is not copied)
-        self._tail_at = max(0, len(self._bytes) - self.width)
-        self._tail = np.concatenate([self._bytes[self._tail_at :], np.zeros(self.width, np.uint8)])
         self._columns = np.arange(self.width)
         self.targets = np.asarray(dataset.targets, dtype=np.int64)
         self.kind = np.full(len(samples), _UNKNOWN, np.int8)
@@ -293,11 +286,7 @@ class FileTable:
         batch, fed to DALI as one array. Its file reader takes each row as a C string (a path holds no NUL), so no
         operator in DALI's chain cuts the rows to their lengths: one that did (a slice) was one more CPU operator per
         batch, which DALI's threads waited on (bench/README.md, "dali with every core")."""
-        starts = self.starts[chosen]
-        rows = sliding_window_view(self._bytes, self.width)[np.minimum(starts, self._tail_at)]
-        late = np.flatnonzero(starts > self._tail_at)
-        if len(late):  # the last few paths of the buffer: from its padded tail
-            rows[late] = sliding_window_view(self._tail, self.width)[starts[late] - self._tail_at]
+        rows = self._bytes.take(self.starts[chosen, None] + self._columns, mode="clip")  # past the buffer: masked
         rows[self._columns >= self.lengths[chosen, None]] = 0
         return rows
 

@@ -103,9 +103,8 @@ def build_pipeline(
 
 def _read_files():
     """The encoded bytes of the files named by ``paths`` (each row a path's bytes, then NULs: DALI takes it as a C
-    string), read in DALI's own threads.
-    Plain reads, not a mapping: a file truncated while mapped would kill the process (SIGBUS) where a read fails and
-    the batch is narrowed to it."""
+    string), read in DALI's own threads. Plain reads, not a mapping: a file truncated while mapped would kill the
+    process (SIGBUS) where a read fails and the batch is narrowed to it."""
     from nvidia.dali import fn, types
 
     paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=True)
