@@ -107,13 +107,18 @@ def test_fp16_autocast_on_the_device_stage_batches(data):
             data, "pillow", batch_size=4, image_size=16, num_workers=0, device=accelerator.device, channels_last=True
         )
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 14 * 14, SAMPLES))
-        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        # lr 1e-3: 784 inputs of unit scale make a step of lr 0.1 diverge (fp32 included), and fp16 logits then overflow
+        model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+        assert accelerator.scaler is not None  # fp16 on CUDA: the GradScaler is in the loop
+        losses = []
         for images, labels in loader:
             assert same_device(images.device, accelerator.device) and images.dtype == torch.float32  # cuda:0, cuda
             loss = torch.nn.functional.cross_entropy(model(images), labels)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            assert torch.isfinite(loss)
+            losses.append(loss.detach())
+        assert len(losses) == len(loader) and bool(torch.isfinite(torch.stack(losses)).all())
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
