@@ -391,3 +391,27 @@ def test_a_ddp_training_step_makes_the_host_wait_for_nothing(data, tmp_path, pre
         print(f"rank {rank} {precision}, (syncs, collectives) per micro-batch:", [tuple(map(len, s)) for s in steps])
         assert all(collectives == [] for _, collectives in inside.values()), inside
         assert all(syncs == [] for syncs, _ in inside.values()), inside
+
+
+def test_the_loaders_start_up_is_reported_apart_and_a_cold_later_epoch_still_counts(data, tmp_path, monkeypatch):
+    """The first batch in the process (the loader's workers, pipeline, first decode) is ``startup_s`` of that epoch,
+    not data-wait: a short first epoch on a GPU read 27 % data-wait and the "loader is the bottleneck" hint from its
+    start-up alone. The first batch of a later epoch is a wait like any other."""
+    from gpupipe.train import loop
+
+    calls, real = [], loop.next_or_save
+
+    def slow_at(run, batches, epoch, boundary, meter):  # epoch 0's first batch: start-up; epoch 2's: a cold epoch
+        first = not calls or calls[-1] != epoch
+        calls.append(epoch)
+        if first and epoch in (0, 2):
+            time.sleep(1.0)
+        return real(run, batches, epoch, boundary, meter)
+
+    monkeypatch.setattr(loop, "next_or_save", slow_at)
+    out = tmp_path / "run"
+    train(_cfg(data, out, epochs=3, workers=0))
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["startup_s"] >= 1.0 and lines[0]["data_wait"] < 0.5
+    assert "startup_s" not in lines[1] and "startup_s" not in lines[2]
+    assert lines[2]["data_wait"] > 0.5  # 1 s of waiting in an epoch of 4 quick batches

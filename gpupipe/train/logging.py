@@ -35,6 +35,7 @@ class Meter:
     images: int = 0
     wait: float = 0.0  # seconds spent waiting for the loader
     time: float = 0.0  # seconds of training
+    startup: float = 0.0  # the loader's first batch in this process (its start-up): kept out of ``wait`` and ``time``
 
     def __post_init__(self) -> None:
         self._loss_sum: torch.Tensor | None = None  # on the loss's device: summed without a host sync
@@ -44,6 +45,13 @@ class Meter:
     def start(self) -> None:
         """Start the clock (at the first batch of the epoch, or of its resumed part)."""
         self._tick = time.perf_counter()
+
+    def started(self, wait: float) -> None:
+        """The loader's first batch in this process came after ``wait`` seconds: its start-up (processes, pipeline,
+        first decode) is reported apart, and the epoch's clock restarts, so that data-wait and images/s are the steady
+        state's (a later epoch's first batch is a wait like any other: an epoch that starts cold shows)."""
+        self.startup += wait
+        self.start()
 
     def update(self, loss: torch.Tensor, images: int, wait: float) -> None:
         """Add one micro-batch: its mean ``loss`` is weighted by ``images`` and stays on the device."""
@@ -72,7 +80,7 @@ class Meter:
         return Meter(mean * self.images, self.images, self.wait, self.time + time.perf_counter() - self._tick)
 
     def state_dict(self) -> dict[str, float]:
-        return {"loss": self.loss, "images": self.images, "wait": self.wait, "time": self.time}
+        return {"loss": self.loss, "images": self.images, "wait": self.wait, "time": self.time, "startup": self.startup}
 
 
 REFRESH_S = 0.5  # the longest the progress shown lags behind the run, batches allowing

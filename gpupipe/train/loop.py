@@ -55,6 +55,7 @@ class Run:
     steps_per_epoch: int  # optimizer steps
     stop: StopSignals  # a SIGINT or SIGTERM asked the run to save and stop
     feedback: CTFeedback | None = None  # --aa ctaugment: the probe batches that move its weights
+    warm: bool = False  # the train loader has delivered a batch in this process (its start-up is behind it)
 
     @property
     def micro_batches(self) -> int:
@@ -200,6 +201,10 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
         t_wait = time.perf_counter()
         images, labels = next_or_save(run, batches, epoch, boundary, meter)
         wait = time.perf_counter() - t_wait
+        if not run.warm:  # the loader's start-up, not a wait of the steady state: reported as startup_s
+            run.warm = True
+            meter.started(wait)
+            wait = 0.0
         targets = labels
         if run.mix is not None:  # its stream keyed by (seed, epoch, batch, rank): a resumed run mixes alike
             run.mix.set_key(cfg.seed, epoch, batch_idx, run.dist.rank)
@@ -378,14 +383,18 @@ def evaluate(model: nn.Module, loader: Loader, precision: Precision, dist: Distr
 def epoch_metrics(epoch: int, meter: Meter, dist: Distributed) -> dict:
     """The epoch's metrics over all ranks: mean loss, images per second (all ranks') and the share of time spent
     waiting for data."""
-    loss, images, wait, elapsed = dist.all_reduce_sum([meter.loss, meter.images, meter.wait, meter.time])
+    sums = [meter.loss, meter.images, meter.wait, meter.time, meter.startup]
+    loss, images, wait, elapsed, startup = dist.all_reduce_sum(sums)
     elapsed_mean = elapsed / dist.world_size
-    return {
+    metrics = {
         "epoch": epoch,
         "train_loss": loss / max(images, 1),
         "images_per_s": images / max(elapsed_mean, 1e-9),
         "data_wait": wait / max(elapsed, 1e-9),
     }
+    if startup > 0:  # the epoch in which the loader started (the run's first, or the first after a resume)
+        metrics["startup_s"] = startup / dist.world_size
+    return metrics
 
 
 def data_wait_hint(data_wait: float, cfg: TrainConfig) -> str | None:
