@@ -367,11 +367,41 @@ def crop_resize_into(img: np.ndarray | Image.Image, box: Box, upright_hw: tuple[
             region = img[top : top + bh, left : left + bw]
         resize_into(region, out, box.flip)
         return
-    fy, fx = size / (box.height * sy), size / (box.width * sx)
-    rh, rw = round(h * fy), round(w * fx)
-    top, left = min(rh - size, round(box.top * sy * fy)), min(rw - size, round(box.left * sx * fx))
+    (rh, rw), (top, left) = _resized_cut(box, upright_hw, (h, w), size)
     window = _resize(np.asarray(img), (rh, rw))[0, :, top : top + size, left : left + size]
     out.copy_((window.flip(-1) if box.flip else window).permute(1, 2, 0))
+
+
+def _resized_cut(
+    box: Box, upright_hw: tuple[int, int], hw: tuple[int, int], size: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A fractional box on a decoded image of ``hw``: the size the whole image is resized to, and the top-left corner
+    of the ``size`` x ``size`` cut out of that (torchvision's ``Resize`` + ``CenterCrop``)."""
+    (h, w), sy, sx = hw, hw[0] / upright_hw[0], hw[1] / upright_hw[1]
+    fy, fx = size / (box.height * sy), size / (box.width * sx)
+    rh, rw = round(h * fy), round(w * fx)
+    return (rh, rw), (min(rh - size, round(box.top * sy * fy)), min(rw - size, round(box.left * sx * fx)))
+
+
+def resized_cut_reads(box: Box, upright_hw: tuple[int, int], hw: tuple[int, int], size: int) -> Window | None:
+    """The pixels of a decoded upright image of ``hw`` that :func:`crop_resize_into` reads for a fractional box's
+    cut (the eval recipe's): the supports of its output rows and columns in the antialiased bilinear resize of the
+    whole image (torch's ``_upsample_bilinear2d_aa``: input/output scale, a support of the scale when shrinking, one
+    pixel when enlarging), with a pixel's margin each side. The resize of an image whose other pixels are anything
+    gives the same cut, bit for bit. None for a box of whole pixels (:func:`pixel_window` cuts those) or one that
+    reaches past the edges."""
+    if reaches_out(box, upright_hw) or pixel_window(box, upright_hw, hw) is not None:
+        return None
+    resized, corner = _resized_cut(box, upright_hw, hw, size)
+    spans = []
+    for n_in, n_out, first in zip(hw, resized, corner, strict=True):
+        scale = n_in / n_out
+        support = max(scale, 1.0)
+        lo = max(int(scale * (first + 0.5) - support + 0.5) - 1, 0)
+        hi = min(int(scale * (first + size - 0.5) + support + 0.5) + 1, n_in)
+        spans.append((lo, hi - lo))
+    (top, height), (left, width) = spans
+    return top, left, height, width
 
 
 Window = tuple[int, int, int, int]  # (top, left, height, width) in pixels of a decoded image

@@ -25,7 +25,7 @@ from gpupipe.image import (
     stored_window,
     upright_array,
 )
-from gpupipe.recipe import Box
+from gpupipe.recipe import Box, Recipe
 
 from .common_utils import VALID, jpeg_with_orientation, photo
 
@@ -138,6 +138,52 @@ def test_window_decode_gives_the_whole_decodes_crop_to_the_bit(windows, kind):
             crops += 1
     assert len(windows) == crops  # every crop by the window decode (the whole decoder's none)
     assert {w[0] for w in windows} == {1, 2, 4, 8}  # at every DCT reduction
+
+
+@pytest.mark.parametrize("kind", ["420", "444", "gray", "progressive", "440", "420-restarts"])
+def test_the_eval_crop_decodes_only_what_its_resize_reads_and_gives_the_whole_decodes_crop(windows, kind):
+    """The eval recipe's box is fractional (resize the whole image, then cut the centre): the decoded pixels are those
+    the cut's resize reads, in an image whose other pixels are left as they were (here 255s, a stale image's), and
+    the crop is the whole decode's to the bit, at every DCT reduction, landscape and portrait."""
+    whole, windowed = _decoders()
+    rng = np.random.default_rng(len(kind) + 7)
+    crops = 0
+    for h, w in ((203, 317), (317, 203), (96, 97)):
+        data = KINDS[kind](photo(rng, h, w))
+        for size in (8, 24, 61, 90):  # 8 and 24: reduced decodes; 61, 90: none
+            plan = Recipe(size).eval_box
+            tj_backend._CANVAS.buf = np.full(h * w * 3, 255, np.uint8)  # what the window does not decode stays 255
+            want, _ = whole.crop(data, "x.jpg", plan, size)
+            got, fell_back = windowed.crop(data, "x.jpg", plan, size)
+            assert not fell_back and np.array_equal(got, want), (kind, (h, w), size)
+            crops += 1
+    assert len(windows) == crops
+    denom_hw = {1: (203, 317), 2: (102, 159), 4: (51, 80), 8: (26, 40)}
+    first = [w for w in windows[:4]]  # the landscape image's: the columns beside the centre are not decoded
+    assert all(wh[3] < denom_hw[wh[0]][1] for wh in first), first
+    assert {w[0] for w in windows} >= {1, 2}
+
+
+def test_the_eval_cuts_reads_cover_its_resizes_supports():
+    """resized_cut_reads against torch's own resize: the cut is the same when every pixel outside its reads is
+    changed."""
+    import torch
+
+    from gpupipe.image import crop_resize_into, resized_cut_reads
+
+    rng = np.random.default_rng(3)
+    for h, w, size in ((203, 317, 61), (317, 203, 24), (50, 40, 90), (375, 500, 224)):
+        box = Recipe(size).eval_box(h, w)
+        top, left, rh, rw = resized_cut_reads(box, (h, w), (h, w), size)
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        base = torch.empty(size, size, 3, dtype=torch.uint8)
+        crop_resize_into(img, box, (h, w), base)
+        outside = img.copy()
+        outside[:top], outside[top + rh :], outside[:, :left], outside[:, left + rw :] = 0, 0, 0, 0
+        again = torch.empty_like(base)
+        crop_resize_into(outside, box, (h, w), again)
+        assert torch.equal(base, again), (h, w, size)
+        assert (top, left, rh, rw) != (0, 0, h, w) or size > min(h, w)  # the reads are less than the image
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))

@@ -7,6 +7,7 @@ so the orientation read from the header is applied afterwards, as Pillow does.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from ..image import (
     pixel_limit_reason,
     pixel_window,
     resize_into,
+    resized_cut_reads,
     stored_window,
     upright_array,
     upright_hw,
@@ -150,9 +152,12 @@ class TurboJpegDecoder:
         part of the image is decoded where :meth:`_window` can; else :meth:`decode` decodes it whole."""
         out = np.empty((size, size, 3), dtype=np.uint8) if out is None else out
         if (header := self._window_header(data, path)) is not None:
-            _, box, denom = self._planned(header, plan, size)
+            size_hw, box, denom = self._planned(header, plan, size)
             if (region := self._window(data, path, header, box, denom)) is not None:
                 resize_into(region, torch.as_tensor(out), box.flip)
+                return chw_view(out), False
+            if (canvas := self._cut_reads(data, path, header, box, denom, size)) is not None:
+                crop_resize_into(canvas, box, size_hw, torch.as_tensor(out))
                 return chw_view(out), False
         img, box, size_hw, fell_back = self.decode(data, path, plan, size)
         crop_resize_into(img, box, size_hw, torch.as_tensor(out))
@@ -177,6 +182,41 @@ class TurboJpegDecoder:
         except (OSError, RuntimeWarning) as e:  # as PyTurboJPEG's errors and warnings
             raise DecodeError(path, self.name, decode_failure(e)) from None
         return upright_array(region, orientation)
+
+    def _cut_reads(self, data: bytes, path: str, header: _Header, box: Box, denom: int, size: int) -> np.ndarray | None:
+        """A fractional box (the eval recipe's resize + centre crop): an image of the decoded size in which only the
+        pixels that the cut's resize reads are decoded (:func:`~gpupipe.image.resized_cut_reads`; the rows below
+        them not at all, the columns beside them entropy-decoded only), which :func:`crop_resize_into` resizes to
+        the whole decode's cut, bit for bit. None where the whole image is decoded instead (a turned image, a box
+        of whole pixels or past the edges, a file without its end marker)."""
+        height, width, orientation, ends = header
+        if orientation != 1 or not ends:
+            return None
+        hw = (-(-height // denom), -(-width // denom))  # libjpeg rounds up
+        if (reads := resized_cut_reads(box, header.upright, hw, size)) is None:
+            return None
+        top, left, h, w = reads
+        region = np.empty((h, w, 3), dtype=np.uint8)
+        try:
+            _jpeg_window.decode_window(data, denom, top, left, h, w, region)
+        except (OSError, RuntimeWarning) as e:  # as PyTurboJPEG's errors and warnings
+            raise DecodeError(path, self.name, decode_failure(e)) from None
+        canvas = _canvas(hw)
+        canvas[top : top + h, left : left + w] = region
+        return canvas
+
+
+_CANVAS = threading.local()
+
+
+def _canvas(hw: tuple[int, int]) -> np.ndarray:
+    """A reused (H, W, 3) uint8 image of this thread's (what is in it is whatever the last image left): one buffer,
+    grown to the largest image seen, so that an eval crop allocates nothing of the image's size."""
+    need = hw[0] * hw[1] * 3
+    buf = getattr(_CANVAS, "buf", None)
+    if buf is None or buf.size < need:
+        buf = _CANVAS.buf = np.empty(need, dtype=np.uint8)
+    return buf[:need].reshape(hw[0], hw[1], 3)
 
 
 class _Header(NamedTuple):
