@@ -153,6 +153,27 @@ def test_orientation_on_arrays_and_tensors_matches_pil(base, orientation):
     assert torch.equal(chw.permute(1, 2, 0), torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_a_turned_view_reaches_the_resampler_as_its_pixels_channels_last(orientation):
+    """``_as_tensor`` makes the resampler's (1, 3, H, W) channels-last input of any view ``upright_array`` gives
+    (mirrored, flipped, transposed; cut; read-only, as Pillow's arrays), with torch's copies instead of numpy's
+    element-by-element ones: the same pixels as numpy's copy."""
+    from gpupipe.image import _as_tensor, upright_array
+
+    rng = np.random.default_rng(orientation)
+    for shape in ((7, 11, 3), (1, 5, 3), (5, 1, 3), (64, 48, 3)):
+        stored = rng.integers(0, 256, shape, dtype=np.uint8)
+        for writeable in (True, False):
+            stored.flags.writeable = writeable
+            turned = upright_array(stored, orientation)
+            for view in (turned, turned[1:, :-1], turned[:, 1:2]):
+                if view.size == 0:
+                    continue
+                got = _as_tensor(view)
+                assert torch.equal(got[0].permute(1, 2, 0), torch.from_numpy(view.copy())), (shape, view.strides)
+                assert got.is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("backend", DECODERS)
 @pytest.mark.parametrize("orientation", [3, 6, 8])
 def test_train_crop_of_a_rotated_file_is_the_upright_crop(base, backend, orientation):
