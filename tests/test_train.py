@@ -110,13 +110,22 @@ def test_resume_says_what_it_did_and_refuses_what_it_cannot(data, tmp_path):
     ):
         err = _one_error_line(_run(*train_cli(data, out, "--resume", *flags)).stderr)
         assert said in err and "last.pt" in err, err
+        assert f"`gpupipe train --config {out / 'config.yaml'} --resume`" in err  # where the run's own settings are
     assert "--allow-config-change" in err
     first_config = (out / "config.yaml").read_text()
     r = _run(*train_cli(data, out, resume=True, epochs=2, allow_config_change=True))
     assert r.returncode == 0, r.stderr
     assert "resumed from epoch 1, batch 0 (optimizer step 8)" in r.stderr and "epochs 1 -> 2" in r.stderr
+    assert "the learning rate now follows the schedule of the new settings" in r.stderr
     kept = list(out.glob("config.before-step-*.yaml"))
     assert len(kept) == 1 and kept[0].read_text() == first_config and "epochs: 2" in (out / "config.yaml").read_text()
+    # the run-mode flags are the command's, not the run's: the file given back as --config starts no resume ...
+    assert not {"resume", "resume_or_start", "allow_config_change", "resume_from"} & {
+        line.split(":")[0] for line in (out / "config.yaml").read_text().splitlines()
+    }
+    # ... and with --resume typed, the command the refusals name resumes with the run's settings
+    r = _run(sys.executable, "-m", "gpupipe", "train", "--config", str(out / "config.yaml"), "--resume")
+    assert r.returncode == 0 and "already finished its 2 epochs; nothing to do" in r.stderr, r.stderr
 
 
 @pytest.mark.slow

@@ -402,7 +402,13 @@ def _read_yaml(path: str) -> tuple[str, dict[str, int]]:
     return text, lines
 
 
+# How a command runs, not what the run is: left out of a run's config.yaml, so that the file given back as --config
+# starts a run (it resumed one only with --resume typed on the command line).
+RUN_MODE = ("resume", "resume_or_start", "allow_config_change", "resume_from")
+
+
 def to_yaml(cfg: TrainConfig) -> str:
+    """The run's settings as YAML (``--print-config``, ``out/config.yaml``), the run-mode flags left out."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml({f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    return OmegaConf.to_yaml({f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in RUN_MODE})

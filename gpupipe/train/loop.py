@@ -328,7 +328,9 @@ def write_config(out: Path, cfg: TrainConfig, resume: bool, changed: list[str], 
     out.mkdir(parents=True, exist_ok=True)
     if changed and config_file.exists():  # keep the settings the run was started with
         kept = config_file.rename(out / f"config.before-step-{step}.yaml")
-        logger.note(f"settings changed: {'; '.join(changed)} (the previous config is kept in {kept})")
+        schedule = any(c.split(" ", 1)[0] in ("epochs", "lr", "warmup_epochs") for c in changed)
+        then = "; the learning rate now follows the schedule of the new settings from this step" if schedule else ""
+        logger.note(f"settings changed: {'; '.join(changed)} (the previous config is kept in {kept}){then}")
     elif not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
         # a run that stopped before its first checkpoint (a bad file, a typo): this one is its retry
         differ = _line_diff(config_file.read_text(), to_yaml(cfg))

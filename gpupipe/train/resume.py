@@ -120,14 +120,21 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
         also = f" (also changed, which --allow-config-change allows: {'; '.join(changeable)})" if changeable else ""
         raise ValueError(
             f"{path}: cannot resume with {'; '.join(fixed)}: they decide the checkpoint's shapes or the "
-            f"data order; restore them, or start a new run in another --out{also}"
+            f"data order; restore them{_settings_file(cfg)}, or start a new run in another --out{also}"
         )
     if changeable and not cfg.allow_config_change:
         raise ValueError(
-            f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them, or "
-            "pass --allow-config-change to resume with the new ones"
+            f"{path}: the run was made with other settings: {'; '.join(changeable)}; restore them"
+            f"{_settings_file(cfg)}, or pass --allow-config-change to resume with the new ones"
         )
     return changeable
+
+
+def _settings_file(cfg: TrainConfig) -> str:
+    """Where the run's own settings are, as a command that resumes with them (a resume takes the command's options,
+    not the run's: a bare ``--resume`` has the defaults)."""
+    config = Path(cfg.out) / "config.yaml"
+    return f" (the run's are in {config}: `gpupipe train --config {config} --resume`)" if config.exists() else ""
 
 
 def check_classes(saved: list[str] | None, now: list[str], path: Path) -> None:
