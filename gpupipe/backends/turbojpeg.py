@@ -176,12 +176,18 @@ class TurboJpegDecoder:
         if window is None or not ends:
             return None
         top, left, h, w = stored_window(window, orientation, reduced)
+        region = self._decode_window(data, path, denom, (top, left, h, w))
+        return upright_array(region, orientation)
+
+    def _decode_window(self, data: bytes, path: str, denom: int, window: tuple[int, int, int, int]) -> np.ndarray:
+        """The stored image's ``window`` (top, left, height, width) at ``1/denom``, from the window decode."""
+        top, left, h, w = window
         region = np.empty((h, w, 3), dtype=np.uint8)
         try:
             _jpeg_window.decode_window(data, denom, top, left, h, w, region)
         except (OSError, RuntimeWarning) as e:  # as PyTurboJPEG's errors and warnings
             raise DecodeError(path, self.name, decode_failure(e)) from None
-        return upright_array(region, orientation)
+        return region
 
     def _cut_reads(self, data: bytes, path: str, header: _Header, box: Box, denom: int, size: int) -> np.ndarray | None:
         """A fractional box (the eval recipe's resize + centre crop): an image of the decoded size in which only the
@@ -196,11 +202,7 @@ class TurboJpegDecoder:
         if (reads := resized_cut_reads(box, header.upright, hw, size)) is None:
             return None
         top, left, h, w = reads
-        region = np.empty((h, w, 3), dtype=np.uint8)
-        try:
-            _jpeg_window.decode_window(data, denom, top, left, h, w, region)
-        except (OSError, RuntimeWarning) as e:  # as PyTurboJPEG's errors and warnings
-            raise DecodeError(path, self.name, decode_failure(e)) from None
+        region = self._decode_window(data, path, denom, (top, left, h, w))
         canvas = _canvas(hw)
         canvas[top : top + h, left : left + w] = region
         return canvas
