@@ -87,6 +87,22 @@ def test_a_busy_run_and_rows_it_cannot_tell_apart_are_said_in_whole_lines():
     assert not any("eval:" in line for line in lines)  # 900 (880-950) vs 500 (450-520): told apart
 
 
+def test_the_report_names_the_commit_it_measured():
+    """`gpupipe bench --json` recorded the machine, the versions and the date, not the code: its tables read "commit not
+    recorded" where those of the simulated step and the host budget name theirs."""
+    import shutil
+    import subprocess
+
+    rep = report.report([], {}, {})
+    tree = Path(report.__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (tree / ".git").exists():
+        assert rep["commit"] is None
+        return
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    assert rep["commit"] == head.stdout.strip()
+    assert rep["commit"]
+
+
 def test_the_cpu_share_of_other_processes():
     start, end = report.CpuTimes(10.0, 100.0, 1.0), report.CpuTimes(60.0, 200.0, 21.0)
     assert report.others_share(start, end) == 0.3  # 50 s busy on the machine, 20 s of them ours, in 100 s of CPU

@@ -27,10 +27,13 @@ def report(
     ``since``: :func:`cpu_times` before the measurements, for the share of the CPU other processes took meanwhile;
     ``accept_busy``: the user takes its figures for this machine's even if it was busy (``backend="auto"`` then
     uses them)."""
+    from ..info import source_commit  # the code beside the figures, as the other benchmarks record it
+
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None  # 1, 5, 15 min, at the end
     others = others_share(since, cpu_times()) if since is not None else None
     rep = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": source_commit(),
         "machine": machine,
         "config": config,
         "load_average": load,
