@@ -413,6 +413,27 @@ def test_a_file_changed_between_epochs_is_judged_again_by_a_loader_living_across
         assert torch.equal(y, ey) and (x.float() - ex.float()).abs().mean() < 1  # (the old box: ~60)
 
 
+@pytest.mark.usefixtures("no_pipeline")
+def test_each_pass_checks_its_files_in_the_scan_processes_not_on_the_loaders_thread(tmp_path, monkeypatch):
+    """The batches taken from the plan ahead of a pass's start (asked about in the pass before) are asked about again
+    as the pass begins: the loader's thread made a ``stat`` a sample for up to eight batches at every epoch edge (the
+    scan's answer was a pass old), while the scan processes sat idle."""
+    from gpupipe.backends import dali_files
+
+    stats_here = []
+    real = dali_files.stamp_key
+    monkeypatch.setattr(dali_files, "stamp_key", lambda path: stats_here.append(path) or real(path))
+    root = make_folder(tmp_path, 2, 30)  # 60 samples, batches of 4: 15 an epoch
+    loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=1, device="cpu")
+    assert sum(len(y) for _, y in loader) == 60
+    stats_here.clear()
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        assert sum(len(y) for _, y in loader) == 60
+    assert loader._feed.scanner._pool is not None  # (else every check is this thread's)
+    assert stats_here == []
+
+
 def test_bad_files_are_judged_again_only_when_they_change(mixed, tmp_path, monkeypatch):
     """A bad file (truncated: Pillow decodes it to be sure) costs each later pass a ``stat`` in the scan processes,
     nothing on the loader's thread; once mended, the next pass reads it (judged here only if its batch was made

@@ -213,24 +213,28 @@ class Scanner:
         asked checked here (also what a worker left unanswered for ``_ANSWER`` seconds: it is taken for stuck and
         killed)."""
         if asked is not None:
-            try:
-                moved, verdicts = asked.verdicts.result(timeout=_ANSWER)
-                self.table.set(asked.indices[moved], verdicts)
-                self.table.checked[asked.indices] = asked.passes
-            except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
-                self.close()
-            except AnswerTimeout:
-                first = self.table.dataset.samples[int(asked.indices[0])][0]
-                log.warning(
-                    "a header-scan worker did not answer in %d s (samples from %s): killed, its samples judged on "
-                    "the loader's thread",
-                    _ANSWER,
-                    escape(first),
-                )
-                self.close(wait=0)
+            self.take(asked)
         todo = index[self.table.unchecked(index)]
         if len(todo):
             self.table.recheck(todo)
+
+    def take(self, asked: Asked) -> None:
+        """The workers' verdicts on ``asked`` kept (waited for); none if its worker died or was stuck."""
+        try:
+            moved, verdicts = asked.verdicts.result(timeout=_ANSWER)
+            self.table.set(asked.indices[moved], verdicts)
+            self.table.checked[asked.indices] = asked.passes
+        except (BrokenProcessPool, CancelledError):  # a worker died (killed, out of memory): judged here
+            self.close()
+        except AnswerTimeout:
+            first = self.table.dataset.samples[int(asked.indices[0])][0]
+            log.warning(
+                "a header-scan worker did not answer in %d s (samples from %s): killed, its samples judged on "
+                "the loader's thread",
+                _ANSWER,
+                escape(first),
+            )
+            self.close(wait=0)
 
     def close(self, wait: float | None = None) -> None:
         """End the pool, once what it was asked is done (batches asked ahead keep their verdicts); a worker still at
@@ -341,6 +345,18 @@ class FileStream:
         checked against their files as they come (one mended after an error is read by this pass)."""
         self.table.passes += 1
         self.gate.set(epoch)
+        self._ask_again()
+
+    def _ask_again(self) -> None:
+        """The batches taken from the plan ahead, asked about in the pass before: asked again, so that the scan
+        processes check their files in this pass, not the loader's thread as each batch is made. What an earlier ask
+        answered already is kept first (a sample's first verdict); one still at work is left to run, unheeded (its
+        samples are judged again by the new ask)."""
+        for k, (request, index, asked) in enumerate(self._ahead):
+            if asked is not None and asked.verdicts.done():
+                self.scanner.take(asked)
+                asked = None
+            self._ahead[k] = (request, index, self.scanner.ask(index) or asked)
 
     def next(self) -> Work | None:
         while len(self._ahead) < self._depth:
