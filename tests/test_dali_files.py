@@ -424,7 +424,7 @@ def test_each_pass_checks_its_files_in_the_scan_processes_not_on_the_loaders_thr
     real = dali_files.stamp_key
     monkeypatch.setattr(dali_files, "stamp_key", lambda path: stats_here.append(path) or real(path))
     root = make_folder(tmp_path, 2, 30)  # 60 samples, batches of 4: 15 an epoch
-    loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=1, device="cpu")
+    loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
     assert sum(len(y) for _, y in loader) == 60
     stats_here.clear()
     for epoch in (1, 2):

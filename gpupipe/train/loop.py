@@ -33,7 +33,7 @@ from .feedback import CTFeedback
 from .logging import Meter, RunLogger
 from .nonfinite import LossWatch
 from .precision import Precision
-from .resume import checkpoint_path, resume_state, resuming, save_checkpoint
+from .resume import checkpoint_path, moves_schedule, resume_state, resuming, save_checkpoint
 from .stop import LoaderStalled, StopSignals, WorkerLost, guard_run, next_batch, resume_command, stop_requested, stopped
 
 DATA_WAIT_WARN = 0.20
@@ -328,8 +328,8 @@ def write_config(out: Path, cfg: TrainConfig, resume: bool, changed: list[str], 
     out.mkdir(parents=True, exist_ok=True)
     if changed and config_file.exists():  # keep the settings the run was started with
         kept = config_file.rename(out / f"config.before-step-{step}.yaml")
-        schedule = any(c.split(" ", 1)[0] in ("epochs", "lr", "warmup_epochs") for c in changed)
-        then = "; the learning rate now follows the schedule of the new settings from this step" if schedule else ""
+        then = "; the learning rate now follows the schedule of the new settings from this step"
+        then = then if moves_schedule(changed) else ""
         logger.note(f"settings changed: {'; '.join(changed)} (the previous config is kept in {kept}){then}")
     elif not resume and config_file.exists() and config_file.read_text() != to_yaml(cfg):
         # a run that stopped before its first checkpoint (a bad file, a typo): this one is its retry

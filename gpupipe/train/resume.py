@@ -130,6 +130,15 @@ def check_resumable(saved: dict, cfg: TrainConfig, path: Path) -> list[str]:
     return changeable
 
 
+# The settings the learning-rate schedule is drawn from: a resume that changes one follows the new schedule
+SCHEDULE = ("epochs", "lr", "warmup_epochs")
+
+
+def moves_schedule(changed: list[str]) -> bool:
+    """Whether the ``key old -> new`` changes :func:`check_resumable` returned include a setting of the schedule."""
+    return any(change.split(" ", 1)[0] in SCHEDULE for change in changed)
+
+
 def _settings_file(cfg: TrainConfig) -> str:
     """Where the run's own settings are, as a command that resumes with them (a resume takes the command's options,
     not the run's: a bare ``--resume`` has the defaults)."""
