@@ -328,6 +328,7 @@ class FileStream:
         self._requests: Iterator[Request] = iter(())
         self._ahead: deque[tuple[Request, np.ndarray, Asked | None]] = deque()
         self._boxes: dict[tuple[int, int], np.ndarray] = {}  # (epoch, number) -> its DALI samples' crop boxes
+        self._asked_before = False  # a pass began since the batches ahead were asked about
 
     def restart(self, requests: Iterable[Request]) -> None:
         """A new plan, for a pass that begins: its files checked as they come (:meth:`FileTable.unchecked`)."""
@@ -345,13 +346,14 @@ class FileStream:
         checked against their files as they come (one mended after an error is read by this pass)."""
         self.table.passes += 1
         self.gate.set(epoch)
-        self._ask_again()
+        self._asked_before = True  # asked again by the next ``next()``: not on the way to the pass's first batch
 
     def _ask_again(self) -> None:
         """The batches taken from the plan ahead, asked about in the pass before: asked again, so that the scan
         processes check their files in this pass, not the loader's thread as each batch is made. What an earlier ask
         answered already is kept first (a sample's first verdict); one still at work is left to run, unheeded (its
         samples are judged again by the new ask)."""
+        self._asked_before = False
         for k, (request, index, asked) in enumerate(self._ahead):
             if asked is not None and asked.verdicts.done():
                 self.scanner.take(asked)
@@ -359,6 +361,8 @@ class FileStream:
             self._ahead[k] = (request, index, self.scanner.ask(index) or asked)
 
     def next(self) -> Work | None:
+        if self._asked_before:
+            self._ask_again()
         while len(self._ahead) < self._depth:
             request = next(self._requests, None)
             if request is None:
