@@ -132,12 +132,14 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     import gc
 
     from gpupipe.backends.dali_graph import build_pipeline
+    from gpupipe.backends.gpu_feed import eval_windows
     from gpupipe.recipe import Recipe
 
     files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:2]
     pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
     pipe.feed_input("enc", [np.fromfile(f, dtype=np.uint8) for f in files])
-    pipe.feed_input("meta", [np.array(Recipe(32).eval_offsets(h, w)) for h, w in [(120, 180), (200, 150)]])
+    sizes = np.array([Image.open(f).size[::-1] for f in files])
+    pipe.feed_input("meta", list(eval_windows(Recipe(32), sizes[:, 0], sizes[:, 1])))
     pipe.run()
     pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
     gc.disable()
@@ -718,59 +720,110 @@ def test_an_encoded_item_among_pixels_is_decoded_whole_for_dali(no_cpu_crop):
     assert dali.fallbacks == 1
 
 
-@pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
-def test_the_eval_window_cut_by_crop_mirror_normalize_is_the_slice_to_the_pixel():
-    """eval's centre crop is cut by crop_mirror_normalize from its position as a fraction of the room: the very pixels
-    a slice at the recipe's offsets cuts, for rooms of either parity."""
+def _eval_outputs(recipe, images, rows, whole: bool = False) -> list[np.ndarray]:
+    """The loader's eval graph run on pixels ``images`` with the eval rows ``rows`` (``whole``: the window widened to
+    the whole image, the crop in its pixels)."""
+    from gpupipe.backends.dali_graph import build_pipeline
+
+    if whole:
+        rows = rows.copy()
+        rows[:, 4:8] += np.tile(rows[:, 0:2], 2)
+        rows[:, 0:2] = 0
+        rows[:, 2:4] = [im.shape[:2] for im in images]
+    pipe = build_pipeline(
+        recipe, train=False, batch_size=len(images), device=torch.device("cpu"), num_threads=2, pixels=True
+    )
+    pipe.feed_input("pix", images)
+    pipe.feed_input("meta", list(rows))
+    (out,) = pipe.run()
+    return [np.array(out.at(k)).transpose(1, 2, 0) for k in range(len(images))]
+
+
+def test_the_eval_crop_is_the_whole_image_resized_and_cut():
+    """eval decodes only the window its resize reads, and resizes the crop in it (DALI's region of interest): the
+    pixels of torchvision's Resize + CenterCrop, the whole image resized and the window sliced at the recipe's offsets.
+    Bit for bit where every coordinate is exact in float32 (scales of a few bits, shrinking and enlarging), and then
+    the same from the window as from the whole image (the window holds every pixel the resize reads); within a level
+    for any size (float rounding of the scale), and never a pixel out of place (noise images: a shift shows)."""
     from nvidia.dali import fn, pipeline_def, types
 
-    from gpupipe.backends.dali_graph import build_pipeline
-    from gpupipe.backends.gpu_feed import eval_rows
+    from gpupipe.backends.gpu_feed import eval_rows, eval_windows
     from gpupipe.recipe import Recipe
 
-    recipe, rng = Recipe(32), np.random.default_rng(4)
-    sizes = [(37, 37), (36, 52), (41, 38), (60, 45), (37, 101), (99, 37), (73, 88), (36, 36)]
-    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-    rows = eval_rows(recipe, np.array([h for h, _ in sizes]), np.array([w for _, w in sizes]))
-    rooms = (rows[:, 0] - 32).tolist() + (rows[:, 1] - 32).tolist()
-    assert {r % 2 for r in rooms} == {0, 1} and max(rooms) > 60  # odd and even rooms, a wide one
+    rng = np.random.default_rng(4)
 
-    @pipeline_def(batch_size=len(sizes), num_threads=1, device_id=None)
-    def sliced():
-        pix = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC")
-        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
-        size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
-        resized = fn.resize(pix, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR)
-        window = fn.slice(resized, meta[2:4], types.Constant([32, 32], dtype=types.INT64), axis_names="HW")
-        return fn.transpose(window, perm=[2, 0, 1])
+    def resized_and_sliced(recipe, images, rows):
+        @pipeline_def(batch_size=len(images), num_threads=1, device_id=None, prefetch_queue_depth=1)
+        def sliced():
+            pix = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC")
+            meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
+            size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
+            resized = fn.resize(
+                pix, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR
+            )
+            side = recipe.eval_side
+            return fn.slice(resized, meta[2:4], types.Constant([side, side], dtype=types.INT64), axis_names="HW")
 
-    ours = build_pipeline(
-        recipe, train=False, batch_size=len(sizes), device=torch.device("cpu"), num_threads=1, pixels=True
-    )
-    theirs = sliced()
-    theirs.build()
-    for pipe in (ours, theirs):
+        pipe = sliced()
+        pipe.build()
         pipe.feed_input("pix", images)
         pipe.feed_input("meta", list(rows))
-    (a,), (b,) = ours.run(), theirs.run()
-    for k in range(len(sizes)):
-        assert np.array_equal(np.array(a.at(k)), np.array(b.at(k))), sizes[k]
-    # the window's place alone (resized to their own size: untouched): every room to 200 pixels and some to 2,000,
-    # the offsets at both ends and between, across and down
-    cases = [
-        (d, o) for d in [*range(200), *range(200, 2001, 61)] for o in sorted({0, d // 3, d // 2, max(d - 1, 0), d})
-    ]
-    shapes = [(32, 32 + d) if k % 2 else (32 + d, 32) for k, (d, _) in enumerate(cases)]
-    images = [rng.integers(0, 256, (*hw, 3), dtype=np.uint8) for hw in shapes]
-    rows = np.array(
-        [(h, w, o if h > w else 0, o if w > h else 0) for (h, w), (_, o) in zip(shapes, cases, strict=True)]
-    )
-    places = build_pipeline(
-        recipe, train=False, batch_size=len(cases), device=torch.device("cpu"), num_threads=2, pixels=True
-    )
-    places.feed_input("pix", images)
-    places.feed_input("meta", list(rows))
-    (out,) = places.run()
-    build_pipeline(Recipe(), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)  # its default size
-    for k, (_, _, top, left) in enumerate(rows.tolist()):
-        assert np.array_equal(np.array(out.at(k)).transpose(1, 2, 0), images[k][top : top + 32, left : left + 32]), k
+        (out,) = pipe.run()
+        return [np.array(out.at(k)) for k in range(len(images))]
+
+    # resize 64, crop 32: each size's scale (0.5 to 4) and crop offsets are exact in float32, and so the crop in the
+    # window and in the whole image
+    exact = Recipe(32, crop_pct=0.5)
+    sizes = [(128, 200), (256, 128), (32, 48), (96, 144), (192, 288), (80, 120), (48, 72), (160, 240), (112, 168)]
+    sizes += [(w, h) for h, w in sizes]
+    any_size = [tuple(hw) for hw in rng.integers(20, 400, (60, 2)).tolist()]
+    for recipe, shapes in ((exact, sizes), (Recipe(32), any_size)):
+        images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in shapes]
+        heights, widths = np.array([h for h, _ in shapes]), np.array([w for _, w in shapes])
+        windows = eval_windows(recipe, heights, widths)
+        ours = _eval_outputs(recipe, images, windows)
+        theirs = resized_and_sliced(recipe, images, eval_rows(recipe, heights, widths))
+        for k, hw in enumerate(shapes):
+            diff = np.abs(ours[k].astype(int) - theirs[k])
+            assert diff.max() <= 1, hw
+            assert diff.mean() < 0.02, hw
+        if recipe is exact:
+            assert (windows[:, 2] * windows[:, 3] < heights * widths).sum() >= len(shapes) // 2  # less than the image
+            whole = _eval_outputs(recipe, images, windows, whole=True)
+            short = windows.copy()  # two pixels less each side: no longer all the resize reads
+            short[:, 0:2] += 2
+            short[:, 2:4] -= 4
+            short[:, 4:8] -= 2
+            for a, b in zip(ours, whole, strict=True):
+                diff = np.abs(a.astype(int) - b)
+                assert diff.max() <= 1 and (diff > 0).mean() < 0.001  # the order of DALI's passes: a rare level
+            cut_short = _eval_outputs(recipe, images, short)
+            wrong = [np.abs(c.astype(int) - b).max() > 1 for c, b in zip(cut_short, whole, strict=True)]
+            assert sum(wrong) >= len(wrong) // 2  # (the window's edges are whole pixels: some have one to spare)
+
+
+def test_the_eval_window_holds_the_crop_and_its_resizes_reach():
+    """The window decoded for eval: whole pixels inside the image, around the crop by at least the resize's support
+    (a pixel enlarging, the scale shrinking) and a pixel more, and no more than that beyond it."""
+    from gpupipe.backends.gpu_feed import eval_rows, eval_windows
+    from gpupipe.recipe import Recipe
+
+    rng = np.random.default_rng(0)
+    heights, widths = rng.integers(1, 5000, 4000), rng.integers(1, 5000, 4000)
+    for recipe in (Recipe(224), Recipe(160, crop_pct=0.95), Recipe(33, crop_pct=0.5), Recipe(32, crop="resize")):
+        win = eval_windows(recipe, heights, widths).astype(np.float64)
+        rows = eval_rows(recipe, heights, widths)
+        assert (win[:, :4] == np.round(win[:, :4])).all() and (win[:, :2] >= 0).all() and (win[:, 2:4] >= 1).all()
+        assert (win[:, 0] + win[:, 2] <= heights).all() and (win[:, 1] + win[:, 3] <= widths).all()
+        axes = ((heights, rows[:, 0], rows[:, 2]), (widths, rows[:, 1], rows[:, 3]))
+        for axis, (length, resized, offset) in enumerate(axes):
+            scale = length / resized
+            start, end = win[:, 4 + axis] + win[:, axis], win[:, 6 + axis] + win[:, axis]
+            assert np.allclose(start, offset * scale, atol=1e-3)
+            assert np.allclose(end - start, recipe.eval_side * scale, atol=1e-3)
+            support = np.maximum(scale, 1.0)
+            lo, hi = win[:, axis], win[:, axis] + win[:, 2 + axis]
+            first, last = start + 0.5 * scale, end - 0.5 * scale  # the first and last output pixel's centre
+            assert ((lo == 0) | (lo <= first - support - 1 + 1e-3)).all()  # (the crop's ends in float32)
+            assert ((hi == length) | (hi >= last + support + 1 - 1e-3)).all()
+            assert (lo >= first - support - 2.001).all() and (hi <= last + support + 2.001).all()

@@ -259,7 +259,7 @@ def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
 
 
 def test_eval_rows_are_the_recipes_to_the_bit():
-    from gpupipe.backends.dali_files import eval_rows
+    from gpupipe.backends.gpu_feed import eval_rows
 
     rng = np.random.default_rng(0)
     heights, widths = rng.integers(1, 5000, 4000), rng.integers(1, 5000, 4000)

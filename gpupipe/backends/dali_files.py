@@ -45,7 +45,7 @@ from ..recipe import Recipe
 from ..sources.compact import PathList
 from ._fork import pipelines_running
 from .dali_feed import Gate, Request
-from .gpu_feed import Work, decode_on_cpu, eval_rows
+from .gpu_feed import Work, decode_on_cpu, eval_windows
 from .pillow import PillowDecoder
 
 # a sample's verdict: not judged yet; DALI reads and decodes it; Pillow decodes it; it is reported
@@ -435,7 +435,7 @@ class FileStream:
         """The rows of the pipeline's ``meta`` input (see :func:`.dali_graph.build_pipeline`)."""
         heights, widths = self.table.sizes[chosen, 0], self.table.sizes[chosen, 1]
         if not self.train:
-            return eval_rows(self.recipe, heights, widths)
+            return eval_windows(self.recipe, heights, widths)
         boxes = self._boxes.pop((request.epoch, request.number), None)
         if boxes is None or len(boxes) != len(chosen):
             boxes = self.recipe.plan_boxes(True, self.seed, request.epoch, chosen, heights, widths)

@@ -45,10 +45,11 @@ def build_pipeline(
     files: bool = False,
     pixels: bool = False,
 ):
-    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (int64 per sample):
-    train ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
-    input, so one pipeline serves every epoch of a resolution schedule), eval ``[resized_h, resized_w, top, left]``
-    (torchvision's Resize + CenterCrop to the recipe's eval side). Output (N, 3, S, S) uint8, or
+    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (per sample): train
+    int64 ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
+    input, so one pipeline serves every epoch of a resolution schedule), eval float32 ``[top, left, height, width,
+    y0, x0, y1, x1]`` (the window decoded, and in it the crop of torchvision's Resize + CenterCrop to the recipe's eval
+    side: :func:`.gpu_feed.eval_windows`). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
     same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` (each row a path's bytes,
     then NULs) instead of ``enc`` (:mod:`.dali_files`), and DALI reads the files itself.
@@ -70,7 +71,7 @@ def build_pipeline(
     )
     def pipe():
         # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
-        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1, no_copy=True)
+        meta = fn.external_source(name="meta", dtype=types.INT64 if train else types.FLOAT, ndim=1, no_copy=True)
         if pixels:  # copied to the GPU as they are: its ops crop and resize them there
             enc = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC", no_copy=True)
             enc = enc.gpu() if gpu else enc
@@ -78,12 +79,11 @@ def build_pipeline(
             enc = _read_files()
         else:
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
-        window: dict = {}  # the window crop_mirror_normalize cuts as it goes (eval's centre crop), else none
         if train:
             crop = _pad_crop(recipe) if recipe.crop == "pad" else _train_crop
             images, mirror = crop(enc, meta, source)
         else:
-            (images, window), mirror = _eval_crop(enc, meta, recipe.eval_side, source), 0
+            images, mirror = _eval_crop(enc, meta, recipe.eval_side, source), 0
         if normalize:
             return fn.crop_mirror_normalize(
                 images,
@@ -92,9 +92,8 @@ def build_pipeline(
                 mirror=mirror,
                 mean=[m * 255 for m in recipe.mean],
                 std=[s * 255 for s in recipe.std],
-                **window,
             )
-        return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror, **window)
+        return fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW", mirror=mirror)
 
     p = pipe()
     p.build()
@@ -194,23 +193,21 @@ def _train_crop(enc, meta, source: _Source):
 
 
 def _eval_crop(enc, meta, size: int, source: _Source):
-    """The eval crop: ``meta`` = ``[resized_h, resized_w, top, left]`` (torchvision's Resize + CenterCrop): the image
-    resized, and the window ``crop_mirror_normalize`` cuts from it as it normalises (no copy of its own), placed as
-    DALI takes it, a fraction of the room: ``round(fraction * room)`` is the offset again, exactly (float32 division
-    of two whole numbers; checked at both ends of every room to 200 pixels and of rooms to 2,000)."""
+    """The eval crop: ``meta`` = ``[top, left, height, width, y0, x0, y1, x1]`` (:func:`.gpu_feed.eval_windows`): the
+    window that the resize reads decoded alone (a JPEG's rows below it not at all), and the crop in it resized to
+    size x size, as torchvision's Resize + CenterCrop cut it from the whole image resized (DALI's region of interest
+    maps the crop onto the output with the whole resize's scale; the two agree to a level in 255, float rounding)."""
     from nvidia.dali import fn, types
-    from nvidia.dali import math as dmath
 
-    images = source.whole(enc)
-    images = fn.resize(
+    images = source.window(enc, meta[0:2], meta[2:4])
+    return fn.resize(
         images,
-        resize_x=fn.cast(meta[1], dtype=types.FLOAT),
-        resize_y=fn.cast(meta[0], dtype=types.FLOAT),
+        size=[size, size],
+        roi_start=meta[4:6],
+        roi_end=meta[6:8],
         antialias=True,
         interp_type=types.INTERP_LINEAR,
     )
-    room_y, room_x = (dmath.max(meta[k] - int(size), 1) for k in (0, 1))  # 1 where there is none: the offset is 0
-    return images, {"crop": (size, size), "crop_pos_y": meta[2] / room_y, "crop_pos_x": meta[3] / room_x}
 
 
 class Driver:

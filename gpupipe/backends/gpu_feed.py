@@ -64,7 +64,8 @@ class Work:
     # as ``encoded`` holds it, one after the other, or (n, H, W, 3) when they all have one shape
     shapes: np.ndarray | None = None
     # DALI's crop layout, as it is fed: int64 (n, 6) top, left, height, width, flip, side (the recipe's crop in upright
-    # pixels and the epoch's output side), or for eval (n, 4) the resize's offsets (Recipe.eval_offsets)
+    # pixels and the epoch's output side), or for eval float32 (n, 8) the window decoded and the crop in it
+    # (:func:`eval_windows`)
     rows: np.ndarray | None = None
     # nvJPEG's: float64 (n, 5) top, left, height, width, flip in upright pixels (Recipe.plan_boxes); each image's EXIF
     # orientation, applied after the decode, int64 (n,); its (height, width) as stored, int64 (n, 2); the box in stored
@@ -236,7 +237,7 @@ class Feed:
         """The GPU samples' crops (upright sizes ``heights``, ``widths``) in the decoder's layout: DALI's here
         (``work.rows``), nvJPEG's in its loader."""
         if not self.train:
-            work.rows = eval_rows(self.recipe, heights, widths)
+            work.rows = eval_windows(self.recipe, heights, widths)
             return
         work.rows = np.empty((len(heights), 6), np.int64)  # the side goes with the crop: DALI resizes to it, and the
         work.rows[:, :5] = self.boxes(work, heights, widths)  # pipeline is never rebuilt for another
@@ -372,6 +373,27 @@ def eval_rows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.nda
     rh, rw = np.where(wide, size, new_long), np.where(wide, new_long, size)
     top, left = np.round((rh - side) / 2.0), np.round((rw - side) / 2.0)
     return np.stack([rh, rw, top, left], 1).astype(np.int64)
+
+
+def eval_windows(recipe: Recipe, heights: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """(n, 8) float32: for each eval image (upright ``heights``, ``widths``), the window of it that is decoded (top,
+    left, height, width, whole pixels) and the recipe's crop in that window's pixels (y0, x0, y1, x1: torchvision's
+    Resize + CenterCrop, :meth:`Recipe.eval_box`), which DALI's resize maps onto the output as it resizes (its region
+    of interest). The window holds every pixel that resize reads: each output pixel's support (the input/output
+    scale each side when shrinking, a pixel when enlarging), a pixel more each side, within the image. So the rows
+    below the crop are not decoded, nor the columns beside it converted, and no pixel outside it is resized."""
+    rows = eval_rows(recipe, heights, widths).astype(np.float64)
+    side = recipe.eval_side
+    out = np.empty((len(rows), 8), np.float32)
+    axes = ((heights, rows[:, 0], rows[:, 2]), (widths, rows[:, 1], rows[:, 3]))
+    for axis, (length, resized, offset) in enumerate(axes):
+        scale = length / resized
+        start, support = offset * scale, np.maximum(scale, 1.0)
+        lo = np.clip(np.floor(start + 0.5 * scale - support) - 1, 0, length)
+        hi = np.clip(np.ceil(start + (side - 0.5) * scale + support) + 1, lo + 1, length)
+        out[:, axis], out[:, 2 + axis] = lo, hi - lo
+        out[:, 4 + axis], out[:, 6 + axis] = start - lo, start + side * scale - lo
+    return out
 
 
 def decode_on_cpu(
