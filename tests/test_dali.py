@@ -416,7 +416,9 @@ def test_a_batch_the_feed_cannot_pad_reaches_dali_without_a_copy(tmp_path, monke
 def test_batches_go_through_dalis_pipeline_object_not_its_python_wrapper(photos, monkeypatch):
     """The installed DALI is driven per batch through its C++ pipeline directly: the Python wrapper's ``feed_input``,
     ``schedule_run`` and ``share_outputs`` (about 0.5 ms of the training thread per batch, mostly checks that hold once
-    built) are never called; the batches are the wrapper's, pixel for pixel."""
+    built) are never called; the batches are the wrapper's, pixel for pixel. Driven so, DALI's operators may each hold
+    two outputs (its default queue depth), so none waits for the next to let go of its last one; through the wrapper
+    one (its first ``schedule_run`` would run as many batches as the depth, before the second is fed)."""
     from nvidia.dali.pipeline import Pipeline
 
     from gpupipe.backends.dali_graph import Driver
@@ -429,6 +431,7 @@ def test_batches_go_through_dalis_pipeline_object_not_its_python_wrapper(photos,
         through_wrapper = loader()
         wrapped = [[x.clone() for x in batch] for batch in through_wrapper]
         assert through_wrapper._pipe is not None and through_wrapper._pipe.direct is None
+        assert through_wrapper._pipe.pipe.prefetch_queue_depth == 1
     calls = []
 
     def spied(name):
@@ -440,6 +443,7 @@ def test_batches_go_through_dalis_pipeline_object_not_its_python_wrapper(photos,
     direct = loader()
     batches = list(direct)
     assert direct._pipe is not None and direct._pipe.direct is not None and not calls
+    assert direct._pipe.pipe.prefetch_queue_depth == 2
     for (a, la), (b, lb) in zip(wrapped, batches, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
 

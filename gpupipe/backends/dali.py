@@ -128,6 +128,7 @@ class DaliLoader(Loader):
                 normalize=self._normalized,
                 files=self._files,
                 pixels=self._pixels,
+                queue_depth=2 if Driver.drives_directly() else 1,
             )
             # DALI's threads decode: below the training thread where batches go to a GPU, as workers are
             self._pipe = Driver(made_below(build) if self.device.type != "cpu" else build())

@@ -44,6 +44,7 @@ def build_pipeline(
     normalize: bool = False,
     files: bool = False,
     pixels: bool = False,
+    queue_depth: int = 1,
 ):
     """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (per sample): train
     int64 ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
@@ -55,7 +56,10 @@ def build_pipeline(
     then NULs) instead of ``enc`` (:mod:`.dali_files`), and DALI reads the files itself.
     ``pixels``: fed ``pix`` instead of ``enc``, (H, W, 3) uint8 samples that need no decode (a dataset of arrays),
     cropped, resized and mirrored by the same ops as decoded images, so that this work is DALI's (on the GPU where the
-    pipeline runs there), not the feed workers'."""
+    pipeline runs there), not the feed workers'. ``queue_depth``: DALI's prefetch queue depth, which is also the
+    number of outputs each of its operators may hold: at 1, an operator waits, batch after batch, until the next one
+    has let go of its last output; 2 (DALI's default) where the pipeline is driven a batch at a time by
+    :class:`Driver` (the wrapper's first ``schedule_run`` would run as many batches as the depth, fed or not)."""
     from nvidia.dali import fn, pipeline_def, types  # defer: DALI takes a second to import
 
     gpu = device.type == "cuda"
@@ -66,7 +70,7 @@ def build_pipeline(
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=dali_device_id(device),
-        prefetch_queue_depth=1,
+        prefetch_queue_depth=queue_depth,
         exec_dynamic=True,
     )
     def pipe():
@@ -220,13 +224,25 @@ class Driver:
 
     _CALLS = ("SetExternalTLInput", "SetExternalTensorInput", "Run", "ShareOutputs", "ReleaseOutputs")
 
+    @classmethod
+    def drives_directly(cls) -> bool:
+        """Whether the installed DALI's C++ pipeline object has the calls :class:`Driver` makes (known before a
+        pipeline is built: its queue depth depends on it)."""
+        from nvidia.dali import backend
+
+        return cls._has_calls(getattr(backend, "Pipeline", None))
+
+    @classmethod
+    def _has_calls(cls, handle) -> bool:
+        return handle is not None and all(callable(getattr(handle, c, None)) for c in cls._CALLS)
+
     def __init__(self, pipe):
         from nvidia.dali import types
         from nvidia.dali.backend import TensorCPU, TensorListCPU
 
         self.pipe = pipe
         handle = getattr(pipe, "_pipe", None)
-        self.direct = handle if all(callable(getattr(handle, c, None)) for c in self._CALLS) else None
+        self.direct = handle if self._has_calls(handle) else None
         self._as_list, self._as_sample = TensorListCPU, TensorCPU
         self._stream_ptr = types._raw_cuda_stream_ptr if self.direct is not None else None
 
