@@ -159,20 +159,24 @@ def backend_status() -> dict[str, str | None]:
     return {name: unavailable_reason(name) for name in names()}
 
 
-def source_commit() -> str | None:
+def source_commit(where: str | None = None) -> str | None:
     """The commit of the source tree this runs from (``git rev-parse --short HEAD`` where it is a git checkout), for
-    the figures a benchmark records; None elsewhere."""
+    the figures a benchmark records, with ``-dirty`` after it where the package's files (those under ``where``, the
+    package by default) differ from that commit: figures of a tree that was not committed are not that commit's.
+    None outside a checkout."""
     import os
     import subprocess
 
+    where = where or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=where)
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        )
+        commit = git("rev-parse", "--short", "HEAD").stdout.strip()
+        if not commit:
+            return None
+        changed = git("diff", "--quiet", "HEAD", "--", ".").returncode == 1
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return f"{commit}-dirty" if changed else commit

@@ -99,8 +99,37 @@ def test_the_report_names_the_commit_it_measured():
         assert rep["commit"] is None
         return
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
-    assert rep["commit"] == head.stdout.strip()
+    assert rep["commit"].removesuffix("-dirty") == head.stdout.strip()
     assert rep["commit"]
+
+
+@pytest.mark.skipif(__import__("shutil").which("git") is None, reason="needs git")
+def test_the_commit_recorded_says_where_the_package_differs_from_it(tmp_path):
+    """Figures of a tree with changes not committed were recorded as the commit's (the eval figures of a change,
+    measured before it was committed, named the commit before it): its files changed, the commit reads ``-dirty``.
+    Files beside the package (a README, results) leave it as it is; outside a checkout there is none."""
+    import subprocess
+
+    from gpupipe.info import source_commit
+
+    assert source_commit(str(tmp_path)) is None
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "code.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("notes\n")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    assert source_commit(str(package)) == head.stdout.strip()
+    (tmp_path / "README.md").write_text("more notes\n")
+    assert source_commit(str(package)) == head.stdout.strip()
+    (package / "code.py").write_text("x = 2\n")
+    assert source_commit(str(package)) == head.stdout.strip() + "-dirty"
 
 
 def test_the_cpu_share_of_other_processes():
