@@ -831,3 +831,46 @@ def test_the_eval_window_holds_the_crop_and_its_resizes_reach():
             assert ((lo == 0) | (lo <= first - support - 1 + 1e-3)).all()  # (the crop's ends in float32)
             assert ((hi == length) | (hi >= last + support + 1 - 1e-3)).all()
             assert (lo >= first - support - 2.001).all() and (hi <= last + support + 2.001).all()
+
+
+def test_the_eval_window_is_cut_from_the_upright_image_in_every_orientation(tmp_path):
+    """A JPEG turned by its EXIF orientation (all eight) has its eval window and crop placed in the upright image, as
+    the recipe computes them: the loader's graph gives what DALI's decode of the whole image, resized and cut at the
+    recipe's offsets, gives, within a level (blocky noise: a window placed in the stored image's axes shows)."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    from gpupipe.backends.dali_graph import build_pipeline
+    from gpupipe.backends.gpu_feed import eval_rows, eval_windows
+    from gpupipe.recipe import Recipe
+
+    rng, recipe = np.random.default_rng(3), Recipe(48)
+    datas, upright = [], []
+    for orientation in range(1, 9):
+        h, w = (150, 221) if orientation % 2 else (173, 120)
+        blocks = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        datas.append(encoded(Image.fromarray(blocks).resize((w, h), Image.NEAREST), "JPEG", quality=95, exif=exif))
+        upright.append((w, h) if orientation >= 5 else (h, w))
+    heights, widths = np.array([h for h, _ in upright]), np.array([w for _, w in upright])
+
+    @pipeline_def(batch_size=8, num_threads=1, device_id=None, prefetch_queue_depth=1)
+    def whole():
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
+        images = fn.decoders.image(enc, device="cpu", output_type=types.RGB)
+        size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
+        images = fn.resize(images, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR)
+        return fn.slice(images, meta[2:4], types.Constant([48, 48], dtype=types.INT64), axis_names="HW")
+
+    ours = build_pipeline(recipe, train=False, batch_size=8, device=torch.device("cpu"), num_threads=1)
+    theirs = whole()
+    theirs.build()
+    samples = [np.frombuffer(d, np.uint8) for d in datas]
+    for pipe, rows in ((ours, eval_windows(recipe, heights, widths)), (theirs, eval_rows(recipe, heights, widths))):
+        pipe.feed_input("enc", samples)
+        pipe.feed_input("meta", list(rows))
+    (a,), (b,) = ours.run(), theirs.run()
+    for k in range(8):
+        diff = np.abs(np.array(a.at(k)).transpose(1, 2, 0).astype(int) - np.array(b.at(k)))
+        assert diff.max() <= 1, (k + 1, diff.max())
