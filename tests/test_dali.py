@@ -743,37 +743,46 @@ def _eval_outputs(recipe, images, rows, whole: bool = False) -> list[np.ndarray]
     return [np.array(out.at(k)).transpose(1, 2, 0) for k in range(len(images))]
 
 
+def _resized_and_sliced(recipe, samples, rows, encoded: bool = False) -> list[np.ndarray]:
+    """What eval's crop should be, computed the long way: each sample (pixels, or ``encoded`` JPEGs decoded whole by
+    DALI) resized whole to torchvision's ``Resize`` size and sliced at the recipe's offsets (``rows``:
+    :func:`~gpupipe.backends.gpu_feed.eval_rows`), HWC."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    side = recipe.eval_side
+
+    @pipeline_def(batch_size=len(samples), num_threads=1, device_id=None, prefetch_queue_depth=1)
+    def sliced():
+        if encoded:
+            enc = fn.external_source(name="in", dtype=types.UINT8, ndim=1)
+            images = fn.decoders.image(enc, device="cpu", output_type=types.RGB)
+        else:
+            images = fn.external_source(name="in", dtype=types.UINT8, ndim=3, layout="HWC")
+        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
+        size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
+        images = fn.resize(images, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR)
+        return fn.slice(images, meta[2:4], types.Constant([side, side], dtype=types.INT64), axis_names="HW")
+
+    pipe = sliced()
+    pipe.build()
+    pipe.feed_input("in", samples)
+    pipe.feed_input("meta", list(rows))
+    (out,) = pipe.run()
+    return [np.array(out.at(k)) for k in range(len(samples))]
+
+
 def test_the_eval_crop_is_the_whole_image_resized_and_cut():
     """eval decodes only the window its resize reads, and resizes the crop in it (DALI's region of interest): the
-    pixels of torchvision's Resize + CenterCrop, the whole image resized and the window sliced at the recipe's offsets.
-    Bit for bit where every coordinate is exact in float32 (scales of a few bits, shrinking and enlarging), and then
-    the same from the window as from the whole image (the window holds every pixel the resize reads); within a level
-    for any size (float rounding of the scale), and never a pixel out of place (noise images: a shift shows)."""
-    from nvidia.dali import fn, pipeline_def, types
+    pixels of torchvision's Resize + CenterCrop, the whole image resized and the window sliced at the recipe's offsets,
+    within a level for any size (float rounding in the resize's weights), never a pixel out of place (noise images: a
+    shift shows). Where every coordinate is exact in float32 (scales of a few bits, shrinking and enlarging), the
+    window gives what the whole image gives, but for a rare level (the order of DALI's passes depends on the input's
+    size): it holds every pixel the resize reads, and two pixels less on each side does not."""
 
     from gpupipe.backends.gpu_feed import eval_rows, eval_windows
     from gpupipe.recipe import Recipe
 
     rng = np.random.default_rng(4)
-
-    def resized_and_sliced(recipe, images, rows):
-        @pipeline_def(batch_size=len(images), num_threads=1, device_id=None, prefetch_queue_depth=1)
-        def sliced():
-            pix = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC")
-            meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
-            size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
-            resized = fn.resize(
-                pix, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR
-            )
-            side = recipe.eval_side
-            return fn.slice(resized, meta[2:4], types.Constant([side, side], dtype=types.INT64), axis_names="HW")
-
-        pipe = sliced()
-        pipe.build()
-        pipe.feed_input("pix", images)
-        pipe.feed_input("meta", list(rows))
-        (out,) = pipe.run()
-        return [np.array(out.at(k)) for k in range(len(images))]
 
     # resize 64, crop 32: each size's scale (0.5 to 4) and crop offsets are exact in float32, and so the crop in the
     # window and in the whole image
@@ -786,7 +795,7 @@ def test_the_eval_crop_is_the_whole_image_resized_and_cut():
         heights, widths = np.array([h for h, _ in shapes]), np.array([w for _, w in shapes])
         windows = eval_windows(recipe, heights, widths)
         ours = _eval_outputs(recipe, images, windows)
-        theirs = resized_and_sliced(recipe, images, eval_rows(recipe, heights, widths))
+        theirs = _resized_and_sliced(recipe, images, eval_rows(recipe, heights, widths))
         for k, hw in enumerate(shapes):
             diff = np.abs(ours[k].astype(int) - theirs[k])
             assert diff.max() <= 1, hw
@@ -837,7 +846,6 @@ def test_the_eval_window_is_cut_from_the_upright_image_in_every_orientation(tmp_
     """A JPEG turned by its EXIF orientation (all eight) has its eval window and crop placed in the upright image, as
     the recipe computes them: the loader's graph gives what DALI's decode of the whole image, resized and cut at the
     recipe's offsets, gives, within a level (blocky noise: a window placed in the stored image's axes shows)."""
-    from nvidia.dali import fn, pipeline_def, types
 
     from gpupipe.backends.dali_graph import build_pipeline
     from gpupipe.backends.gpu_feed import eval_rows, eval_windows
@@ -854,23 +862,12 @@ def test_the_eval_window_is_cut_from_the_upright_image_in_every_orientation(tmp_
         upright.append((w, h) if orientation >= 5 else (h, w))
     heights, widths = np.array([h for h, _ in upright]), np.array([w for _, w in upright])
 
-    @pipeline_def(batch_size=8, num_threads=1, device_id=None, prefetch_queue_depth=1)
-    def whole():
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
-        meta = fn.external_source(name="meta", dtype=types.INT64, ndim=1)
-        images = fn.decoders.image(enc, device="cpu", output_type=types.RGB)
-        size = [fn.cast(meta[k], dtype=types.FLOAT) for k in (1, 0)]
-        images = fn.resize(images, resize_x=size[0], resize_y=size[1], antialias=True, interp_type=types.INTERP_LINEAR)
-        return fn.slice(images, meta[2:4], types.Constant([48, 48], dtype=types.INT64), axis_names="HW")
-
     ours = build_pipeline(recipe, train=False, batch_size=8, device=torch.device("cpu"), num_threads=1)
-    theirs = whole()
-    theirs.build()
     samples = [np.frombuffer(d, np.uint8) for d in datas]
-    for pipe, rows in ((ours, eval_windows(recipe, heights, widths)), (theirs, eval_rows(recipe, heights, widths))):
-        pipe.feed_input("enc", samples)
-        pipe.feed_input("meta", list(rows))
-    (a,), (b,) = ours.run(), theirs.run()
+    ours.feed_input("enc", samples)
+    ours.feed_input("meta", list(eval_windows(recipe, heights, widths)))
+    (a,) = ours.run()
+    theirs = _resized_and_sliced(recipe, samples, eval_rows(recipe, heights, widths), encoded=True)
     for k in range(8):
-        diff = np.abs(np.array(a.at(k)).transpose(1, 2, 0).astype(int) - np.array(b.at(k)))
+        diff = np.abs(np.array(a.at(k)).transpose(1, 2, 0).astype(int) - theirs[k])
         assert diff.max() <= 1, (k + 1, diff.max())
