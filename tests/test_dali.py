@@ -52,8 +52,9 @@ def _all(loader):
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("train", [True, False])
-def test_dali_uses_the_recipes_boxes(photos, device, train):
-    kw = dict(batch_size=8, train=train, image_size=224, num_workers=1, normalize=False, seed=3)
+@pytest.mark.parametrize("workers", [1, 2])  # DALI's threads (and at 2, header-scan processes)
+def test_dali_uses_the_recipes_boxes(photos, device, train, workers):
+    kw = dict(batch_size=8, train=train, image_size=224, num_workers=workers, normalize=False, seed=3)
     dali = gpupipe.build_loader(photos, "dali", device=device, **kw)
     pillow = gpupipe.build_loader(photos, "pillow", device="cpu", **kw)
     for epoch in (0, 1):
