@@ -13,6 +13,7 @@ from PIL import Image
 
 import gpupipe
 from gpupipe.backends import handover
+from gpupipe.recipe import Recipe
 
 from .common_utils import assert_resume_is_exact, cpu_and_cuda, decode_tolerance, encoded, photo
 
@@ -140,8 +141,9 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
     pipe.feed_input("enc", [np.fromfile(f, dtype=np.uint8) for f in files])
     sizes = np.array([Image.open(f).size[::-1] for f in files])
-    pipe.feed_input("meta", list(eval_windows(Recipe(32), sizes[:, 0], sizes[:, 1])))
+    fed = _feed_crops(pipe, Recipe(32), False, eval_windows(Recipe(32), sizes[:, 0], sizes[:, 1]))
     pipe.run()
+    del fed
     pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
     gc.disable()
     try:
@@ -449,6 +451,30 @@ def test_batches_go_through_dalis_pipeline_object_not_its_python_wrapper(photos,
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+@pytest.mark.parametrize(
+    "recipe, train",
+    [
+        (Recipe(32), True),
+        (Recipe(32), False),
+        (Recipe(32, crop="pad"), True),
+    ],
+    ids=["train", "eval", "pad"],
+)
+def test_no_operator_of_the_graph_derives_the_crop(recipe, train):
+    """The crop's fields are fed each as the operator that reads it takes it (:func:`crop_inputs`): the graph's CPU
+    operators are those that read, decode, cut, resize and normalise, none that picks a field out of a row or casts it
+    (each was one more operator per batch, at which DALI's threads sleep and wake). The reflected pad crop has shape
+    operators of its own, which build the reflected image (its anchor is fed shifted, checked by the pixels tests)."""
+    from gpupipe.backends.dali_graph import build_pipeline, crop_inputs
+
+    pipe = build_pipeline(recipe, train=train, batch_size=2, device=torch.device("cpu"), num_threads=1, files=True)
+    ops = {op.name: getattr(op._op, "schema_name", type(op._op).__name__) for op in pipe._ops}
+    assert not {"_TensorSubscript", "Cast", "ArithmeticGenericOp"} & set(ops.values()), ops
+    fed = {name for name, kind in ops.items() if kind == "ExternalSource"}
+    rows = np.zeros((2, 6), np.int64) if train else np.zeros((2, 8), np.float32)
+    assert fed == {"paths", *crop_inputs(recipe, train, rows)}
+
+
 def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(photos):
     """DALI decodes in threads of the training process: where batches go to a device other than the CPU they run
     WORKER_NICENESS below it, as the decode workers of the other backends do, so the thread that launches the GPU's
@@ -725,6 +751,17 @@ def test_an_encoded_item_among_pixels_is_decoded_whole_for_dali(no_cpu_crop):
     assert dali.fallbacks == 1
 
 
+def _feed_crops(pipe, recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """A batch's crop rows fed to a loader's graph, as the loader feeds them; what was fed, which the caller holds
+    until the batch is run (the inputs are ``no_copy``)."""
+    from gpupipe.backends.dali_graph import crop_inputs
+
+    fed = crop_inputs(recipe, train, rows)
+    for name, data in fed.items():
+        pipe.feed_input(name, data)
+    return fed
+
+
 def _eval_outputs(recipe, images, rows, whole: bool = False) -> list[np.ndarray]:
     """The loader's eval graph run on pixels ``images`` with the eval rows ``rows`` (``whole``: the window widened to
     the whole image, the crop in its pixels)."""
@@ -739,8 +776,9 @@ def _eval_outputs(recipe, images, rows, whole: bool = False) -> list[np.ndarray]
         recipe, train=False, batch_size=len(images), device=torch.device("cpu"), num_threads=2, pixels=True
     )
     pipe.feed_input("pix", images)
-    pipe.feed_input("meta", list(rows))
+    fed = _feed_crops(pipe, recipe, False, rows)
     (out,) = pipe.run()
+    del fed
     return [np.array(out.at(k)).transpose(1, 2, 0) for k in range(len(images))]
 
 
@@ -866,8 +904,9 @@ def test_the_eval_window_is_cut_from_the_upright_image_in_every_orientation(tmp_
     ours = build_pipeline(recipe, train=False, batch_size=8, device=torch.device("cpu"), num_threads=1)
     samples = [np.frombuffer(d, np.uint8) for d in datas]
     ours.feed_input("enc", samples)
-    ours.feed_input("meta", list(eval_windows(recipe, heights, widths)))
+    fed = _feed_crops(ours, recipe, False, eval_windows(recipe, heights, widths))
     (a,) = ours.run()
+    del fed
     theirs = _resized_and_sliced(recipe, samples, eval_rows(recipe, heights, widths), encoded=True)
     for k in range(8):
         diff = np.abs(np.array(a.at(k)).transpose(1, 2, 0).astype(int) - theirs[k])

@@ -39,7 +39,7 @@ from ..plumbing.zygote import Zygote
 from ._fork import pipelines_running
 from .dali_feed import DaliFeed
 from .dali_files import FileStream, FileTable
-from .dali_graph import Driver, build_pipeline, consumer_stream, read_dali, to_torch
+from .dali_graph import Driver, build_pipeline, consumer_stream, crop_inputs, read_dali, to_torch
 from .dali_stream import FeedStream, plan
 from .gpu_feed import Feed, Work
 from .registry import BackendSpec
@@ -158,7 +158,10 @@ class DaliLoader(Loader):
             pipe.feed("paths", work.paths)
         else:
             pipe.feed("pix" if self._pixels else "enc", work.batch())
-        pipe.feed("meta", work.rows)  # one (n, 6) array: the whole batch at once
+        assert work.rows is not None  # every work with DALI samples has their crops
+        work.fed = crop_inputs(self.recipe, self.train, work.rows)  # DALI reads them in place until they are fetched
+        for name, data in work.fed.items():  # each one array: the whole batch at once
+            pipe.feed(name, data)
         pipe.run()
         self._scheduled += 1
         work.scheduled = True

@@ -46,11 +46,11 @@ def build_pipeline(
     pixels: bool = False,
     queue_depth: int = 1,
 ):
-    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and ``meta`` (per sample): train
-    int64 ``[top, left, height, width, flip, S]`` (the crop, decoded alone, then resized to S x S: the size is an
-    input, so one pipeline serves every epoch of a resolution schedule), eval float32 ``[top, left, height, width,
-    y0, x0, y1, x1]`` (the window decoded, and in it the crop of torchvision's Resize + CenterCrop to the recipe's eval
-    side: :func:`.gpu_feed.eval_windows`). Output (N, 3, S, S) uint8, or
+    """The DALI graph of one loader, fed per batch with ``enc`` (encoded bytes) and the crop's inputs
+    (:func:`crop_inputs`: train, the crop ``anchor`` and ``shape``, decoded alone, then resized to ``side`` x ``side``
+    and mirrored where ``flip``: the side is an input, so one pipeline serves every epoch of a resolution schedule;
+    eval, the window decoded and, in it, the crop of torchvision's Resize + CenterCrop to the recipe's eval side,
+    :func:`.gpu_feed.eval_windows`). Output (N, 3, S, S) uint8, or
     float32 normalized with the recipe's mean/std (``normalize``: DALI's ``crop_mirror_normalize`` does it in the
     same pass, in DALI's threads, instead of a separate step after). ``files``: fed ``paths`` (each row a path's bytes,
     then NULs) instead of ``enc`` (:mod:`.dali_files`), and DALI reads the files itself.
@@ -75,7 +75,10 @@ def build_pipeline(
     )
     def pipe():
         # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
-        meta = fn.external_source(name="meta", dtype=types.INT64 if train else types.FLOAT, ndim=1, no_copy=True)
+        crop_in = {
+            name: fn.external_source(name=name, dtype=dtype, ndim=ndim, no_copy=True)
+            for name, (dtype, ndim) in _crop_input_types(recipe, train).items()
+        }
         if pixels:  # copied to the GPU as they are: its ops crop and resize them there
             enc = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC", no_copy=True)
             enc = enc.gpu() if gpu else enc
@@ -85,9 +88,9 @@ def build_pipeline(
             enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
         if train:
             crop = _pad_crop(recipe) if recipe.crop == "pad" else _train_crop
-            images, mirror = crop(enc, meta, source)
+            images, mirror = crop(enc, crop_in, source), crop_in["flip"]
         else:
-            images, mirror = _eval_crop(enc, meta, recipe.eval_side, source), 0
+            images, mirror = _eval_crop(enc, crop_in, recipe.eval_side, source), 0
         if normalize:
             return fn.crop_mirror_normalize(
                 images,
@@ -102,6 +105,40 @@ def build_pipeline(
     p = pipe()
     p.build()
     return p
+
+
+def crop_inputs(recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The crop's inputs of :func:`build_pipeline`'s graph for a batch's ``rows`` (:class:`.gpu_feed.Work`'s layout:
+    train int64 ``[top, left, height, width, flip, S]``, eval float32 ``[window top, left, height, width, y0, x0, y1,
+    x1]``), each typed as the operator that reads it takes it, C-contiguous (DALI reads them where they are: the caller
+    keeps them alive until the batch is fetched). No operator of the graph derives them: each subscript or cast was
+    one more CPU operator per batch, and DALI's threads sleep and wake at each (bench/README.md)."""
+    if not train:
+        return {name: rows[:, k : k + 2].copy() for k, name in zip((0, 2, 4, 6), _EVAL_INPUTS, strict=True)}
+    reflected = recipe.crop == "pad" and recipe.padding_mode != "zero"  # cut from the image reflected on each side
+    inputs = {
+        "anchor": rows[:, 0:2] + recipe.padding if reflected else rows[:, 0:2].copy(),
+        "shape": rows[:, 2:4].copy(),
+        "flip": rows[:, 4].astype(np.int32),
+    }
+    if recipe.crop != "pad":
+        inputs["side"] = rows[:, 5].astype(np.float32)
+    return inputs
+
+
+_EVAL_INPUTS = ("anchor", "shape", "roi_start", "roi_end")
+
+
+def _crop_input_types(recipe, train: bool) -> dict[str, tuple[object, int]]:
+    """Each crop input's (DALI type, dimensions per sample), as :func:`crop_inputs` makes them."""
+    from nvidia.dali import types
+
+    if not train:
+        return dict.fromkeys(_EVAL_INPUTS, (types.FLOAT, 1))
+    inputs = {"anchor": (types.INT64, 1), "shape": (types.INT64, 1), "flip": (types.INT32, 0)}
+    if recipe.crop != "pad":
+        inputs["side"] = (types.FLOAT, 0)
+    return inputs
 
 
 def _read_files():
@@ -146,28 +183,28 @@ class _Source(NamedTuple):
 
 
 def _pad_crop(recipe):
-    """The ``"pad"`` crop's graph (``meta`` as :func:`_train_crop`'s, the window S x S): the whole image decoded, then
-    the window cut with zeros past the edges, or cut from the image reflected by ``recipe.padding`` on each side."""
-    from nvidia.dali import fn, types
+    """The ``"pad"`` crop's graph (the window S x S at ``anchor``, ``shape``): the whole image decoded, then the window
+    cut with zeros past the edges, or cut from the image reflected by ``recipe.padding`` on each side (the anchor fed
+    shifted by it, :func:`crop_inputs`)."""
+    from nvidia.dali import fn
 
-    def crop(enc, meta, source: _Source):
+    def crop(enc, crop_in, source: _Source):
         images = source.whole(enc)
         if recipe.padding_mode == "zero":
-            anchor, policy = meta[0:2], "pad"
+            policy = "pad"
         else:  # cut from the reflected image: never past its edges
             images = _reflected(_reflected(images, 0, recipe.padding), 1, recipe.padding)
-            anchor, policy = meta[0:2] + recipe.padding, "error"
-        images = fn.slice(
+            policy = "error"
+        return fn.slice(
             images,
-            anchor,
-            meta[2:4],
+            crop_in["anchor"],
+            crop_in["shape"],
             axis_names="HW",
             normalized_anchor=False,
             normalized_shape=False,
             out_of_bounds_policy=policy,
             fill_values=0,
         )
-        return images, fn.cast(meta[4], dtype=types.INT32)
 
     return crop
 
@@ -185,30 +222,28 @@ def _reflected(images, axis: int, pad: int):
     return fn.cat(head, images, tail, axis=axis)
 
 
-def _train_crop(enc, meta, source: _Source):
-    """The train crop: ``meta`` = ``[top, left, height, width, flip, S]``; the window decoded alone, resized to
-    S x S."""
+def _train_crop(enc, crop_in, source: _Source):
+    """The train crop: the window at ``anchor``, ``shape`` decoded alone, resized to ``side`` x ``side``."""
     from nvidia.dali import fn, types
 
-    images = source.window(enc, meta[0:2], meta[2:4])
-    size = fn.cast(meta[5], dtype=types.FLOAT)
-    images = fn.resize(images, resize_x=size, resize_y=size, antialias=True, interp_type=types.INTERP_LINEAR)
-    return images, fn.cast(meta[4], dtype=types.INT32)
+    images = source.window(enc, crop_in["anchor"], crop_in["shape"])
+    side = crop_in["side"]
+    return fn.resize(images, resize_x=side, resize_y=side, antialias=True, interp_type=types.INTERP_LINEAR)
 
 
-def _eval_crop(enc, meta, size: int, source: _Source):
-    """The eval crop: ``meta`` = ``[top, left, height, width, y0, x0, y1, x1]`` (:func:`.gpu_feed.eval_windows`): the
-    window that the resize reads decoded alone (a JPEG's rows below it not at all), and the crop in it resized to
+def _eval_crop(enc, crop_in, size: int, source: _Source):
+    """The eval crop (:func:`.gpu_feed.eval_windows`): the window (``anchor``, ``shape``) that the resize reads,
+    decoded alone (a JPEG's rows below it not at all), and the crop in it resized to
     size x size, as torchvision's Resize + CenterCrop cut it from the whole image resized (DALI's region of interest
     maps the crop onto the output with the whole resize's scale; the two agree to a level in 255, float rounding)."""
     from nvidia.dali import fn, types
 
-    images = source.window(enc, meta[0:2], meta[2:4])
+    images = source.window(enc, crop_in["anchor"], crop_in["shape"])
     return fn.resize(
         images,
         size=[size, size],
-        roi_start=meta[4:6],
-        roi_end=meta[6:8],
+        roi_start=crop_in["roi_start"],
+        roi_end=crop_in["roi_end"],
         antialias=True,
         interp_type=types.INTERP_LINEAR,
     )

@@ -17,8 +17,9 @@ cropped by Pillow in the worker, and so is one it refuses when decoding (:meth:`
 thread); each is counted in ``fallbacks``. Pillow decides about a JPEG that does not end whole (the GPU decoders may
 stop at the crop's last row); what Pillow refuses is an error naming the file.
 
-The decoder's part is its crop layout (:meth:`Feed.crops`): DALI is fed (n, 6) integer rows, nvJPEG's batched crop on
-the GPU takes (n, 5) boxes with each image's stored size and orientation (:class:`Work` names each).
+The decoder's part is its crop layout (:meth:`Feed.crops`): DALI takes (n, 6) integer rows (fed as typed columns,
+:func:`.dali_graph.crop_inputs`), nvJPEG's batched crop on the GPU (n, 5) boxes with each image's stored size and
+orientation (:class:`Work` names each).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Work:
     labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
     listed: Any = None  # the samples as DALI TensorCPUs over their bytes (no copy), made on the feed's thread
+    fed: dict[str, np.ndarray] | None = None  # the crop's inputs as DALI was fed them (read in place until fetched)
     # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (n, W), each GPU
     # sample's path, then NULs
     paths: np.ndarray | None = None
