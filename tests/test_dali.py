@@ -135,7 +135,6 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
 
     from gpupipe.backends.dali_graph import build_pipeline
     from gpupipe.backends.gpu_feed import eval_windows
-    from gpupipe.recipe import Recipe
 
     files = [str(p) for p in sorted(folder.rglob("*.jpg"))][:2]
     pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
@@ -496,7 +495,6 @@ def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(p
 
     from gpupipe.backends import get
     from gpupipe.data.device import DeviceStage
-    from gpupipe.recipe import Recipe
 
     def dali_threads(device):
         recipe = Recipe(32)
@@ -606,7 +604,6 @@ def test_batches_for_a_device_reach_the_training_thread_on_it(photos, monkeypatc
     0.49 -> 0.13 ms a 256-batch on the meta device)."""
     from gpupipe.bench.host_budget import meta_loader
     from gpupipe.plumbing.host_pack import HostPack
-    from gpupipe.recipe import Recipe
 
     senders: list[str] = []
     real = HostPack.send
@@ -819,7 +816,6 @@ def test_the_eval_crop_is_the_whole_image_resized_and_cut():
     size): it holds every pixel the resize reads, and two pixels less on each side does not."""
 
     from gpupipe.backends.gpu_feed import eval_rows, eval_windows
-    from gpupipe.recipe import Recipe
 
     rng = np.random.default_rng(4)
 
@@ -858,7 +854,6 @@ def test_the_eval_window_holds_the_crop_and_its_resizes_reach():
     """The window decoded for eval: whole pixels inside the image, around the crop by at least the resize's support
     (a pixel enlarging, the scale shrinking) and a pixel more, and no more than that beyond it."""
     from gpupipe.backends.gpu_feed import eval_rows, eval_windows
-    from gpupipe.recipe import Recipe
 
     rng = np.random.default_rng(0)
     heights, widths = rng.integers(1, 5000, 4000), rng.integers(1, 5000, 4000)
@@ -888,7 +883,6 @@ def test_the_eval_window_is_cut_from_the_upright_image_in_every_orientation(tmp_
 
     from gpupipe.backends.dali_graph import build_pipeline
     from gpupipe.backends.gpu_feed import eval_rows, eval_windows
-    from gpupipe.recipe import Recipe
 
     rng, recipe = np.random.default_rng(3), Recipe(48)
     datas, upright = [], []

@@ -76,8 +76,8 @@ def build_pipeline(
     def pipe():
         # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
         crop_in = {
-            name: fn.external_source(name=name, dtype=dtype, ndim=ndim, no_copy=True)
-            for name, (dtype, ndim) in _crop_input_types(recipe, train).items()
+            name: fn.external_source(name=name, dtype=getattr(types, kind), ndim=ndim, no_copy=True)
+            for name, (_, _, kind, ndim) in _inputs(recipe, train)
         }
         if pixels:  # copied to the GPU as they are: its ops crop and resize them there
             enc = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC", no_copy=True)
@@ -113,32 +113,31 @@ def crop_inputs(recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
     x1]``), each typed as the operator that reads it takes it, C-contiguous (DALI reads them where they are: the caller
     keeps them alive until the batch is fetched). No operator of the graph derives them: each subscript or cast was
     one more CPU operator per batch, and DALI's threads sleep and wake at each (bench/README.md)."""
-    if not train:
-        return {name: rows[:, k : k + 2].copy() for k, name in zip((0, 2, 4, 6), _EVAL_INPUTS, strict=True)}
-    reflected = recipe.crop == "pad" and recipe.padding_mode != "zero"  # cut from the image reflected on each side
     inputs = {
-        "anchor": rows[:, 0:2] + recipe.padding if reflected else rows[:, 0:2].copy(),
-        "shape": rows[:, 2:4].copy(),
-        "flip": rows[:, 4].astype(np.int32),
+        name: np.ascontiguousarray(rows[:, columns], dtype) for name, (columns, dtype, _, _) in _inputs(recipe, train)
     }
-    if recipe.crop != "pad":
-        inputs["side"] = rows[:, 5].astype(np.float32)
+    if train and recipe.crop == "pad" and recipe.padding_mode != "zero":  # cut from the image reflected on each side
+        inputs["anchor"] = inputs["anchor"] + recipe.padding
     return inputs
 
 
-_EVAL_INPUTS = ("anchor", "shape", "roi_start", "roi_end")
+# each crop input of a graph: its columns of the rows, its numpy dtype, its DALI type and dimensions per sample
+_TRAIN_INPUTS = {
+    "anchor": (slice(0, 2), np.int64, "INT64", 1),
+    "shape": (slice(2, 4), np.int64, "INT64", 1),
+    "flip": (4, np.int32, "INT32", 0),
+    "side": (5, np.float32, "FLOAT", 0),  # the random-resized crop's output side (the pad crop's window is its size)
+}
+_EVAL_INPUTS = {
+    name: (slice(k, k + 2), np.float32, "FLOAT", 1)
+    for k, name in zip((0, 2, 4, 6), ("anchor", "shape", "roi_start", "roi_end"), strict=True)
+}
 
 
-def _crop_input_types(recipe, train: bool) -> dict[str, tuple[object, int]]:
-    """Each crop input's (DALI type, dimensions per sample), as :func:`crop_inputs` makes them."""
-    from nvidia.dali import types
-
+def _inputs(recipe, train: bool) -> list[tuple[str, tuple]]:
     if not train:
-        return dict.fromkeys(_EVAL_INPUTS, (types.FLOAT, 1))
-    inputs = {"anchor": (types.INT64, 1), "shape": (types.INT64, 1), "flip": (types.INT32, 0)}
-    if recipe.crop != "pad":
-        inputs["side"] = (types.FLOAT, 0)
-    return inputs
+        return list(_EVAL_INPUTS.items())
+    return [(name, spec) for name, spec in _TRAIN_INPUTS.items() if name != "side" or recipe.crop != "pad"]
 
 
 def _read_files():
