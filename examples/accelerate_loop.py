@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -71,10 +73,16 @@ def main() -> None:
 
     fit(args, accelerator, loader, model, optimizer)
     accelerator.print(f"done: {len(loader.dataset)} images, at {loader.state_dict()} ({loader.backend})")
-    # Every rank's collectives done, then Accelerate destroys its process group: a gloo group, or a gloo work still
-    # in flight, left to interpreter shutdown can abort the process ("terminate called without an active exception")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    gloo = accelerator.state.backend == "gloo"
+    accelerator.end_training()  # destroys the process group
+    if gloo:
+        # A gloo group that a DDP model used outlives destroy_process_group (torch 2.14 here): its worker threads still
+        # run, and one that lets go of a finished collective while the interpreter shuts down aborts the process
+        # ("terminate called without an active exception"), a few runs in ten on a busy machine. Everything is
+        # written and closed by now: leave without the interpreter's shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def fit(args, accelerator: Accelerator, loader, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
