@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -117,12 +119,18 @@ def main() -> None:
         metrics = "  ".join(f"{k} {float(v):.4f}" for k, v in trainer.callback_metrics.items())
         kept = "every one" if args.keep < 0 else f"the newest {args.keep}"
         print(f"done: {metrics}; a checkpoint every 2 steps in {args.out} ({kept} kept)", flush=True)
-    # Lightning destroys only NCCL process groups at exit; a gloo group, or a gloo work still in flight, left to
-    # interpreter shutdown can abort the process ("terminate called without an active exception") after a run that
-    # went well: every rank's collectives done (the barrier waits for them), then the group destroyed
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    if torch.distributed.is_initialized():  # Lightning destroys only NCCL process groups
+        gloo = torch.distributed.get_backend() == "gloo"
+        torch.distributed.barrier()  # every rank past fit, and so done with the others
         torch.distributed.destroy_process_group()
+        if gloo:
+            # A gloo group that a DDP model used outlives destroy_process_group (torch 2.14 here): its worker threads
+            # still run, and one that lets go of a finished collective while the interpreter shuts down aborts the
+            # process ("terminate called without an active exception"). Everything is written by now: leave without
+            # the interpreter's shutdown.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 if __name__ == "__main__":
