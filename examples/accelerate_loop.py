@@ -78,8 +78,8 @@ def main() -> None:
     if gloo:
         # A gloo group that a DDP model used outlives destroy_process_group (torch 2.14 here): its worker threads still
         # run, and one that lets go of a finished collective while the interpreter shuts down aborts the process
-        # ("terminate called without an active exception"), a few runs in ten on a busy machine. Everything is
-        # written and closed by now: leave without the interpreter's shutdown.
+        # ("terminate called without an active exception"), now and then on a busy machine. Everything is written
+        # and closed by now: leave without the interpreter's shutdown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -214,6 +214,19 @@ def two_rank_epochs(root, backend: str) -> tuple[list[int], list[set[int]]]:
 QUICK_TRAIN = {"model": "test_resnet", "epochs": 2, "image_size": 32, "workers": 0, "device": "cpu", "lr": 0.05}
 
 
+SHUTDOWN_SEEN = "gpupipe-test: a rank went through the interpreter's shutdown"
+
+
+def shutdown_watch(folder: Path) -> str:
+    """A ``PYTHONPATH`` entry whose ``sitecustomize`` prints ``SHUTDOWN_SEEN`` to stderr from an ``atexit`` hook in
+    every process that imported gpupipe (the ranks, not torchrun's launcher): a gloo DDP rank that reaches the
+    interpreter's shutdown can abort there, now and then (see docs/frameworks.md), so the examples leave before it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hook = f"lambda: 'gpupipe' in sys.modules and print({SHUTDOWN_SEEN!r}, file=sys.stderr, flush=True)"
+    (folder / "sitecustomize.py").write_text(f"import atexit, sys\natexit.register({hook})\n")
+    return str(folder)
+
+
 def train_args(data, out, *extra: str, **overrides) -> list[str]:
     """``gpupipe train`` arguments for a quick run on ``data`` into ``out``: ``QUICK_TRAIN`` (batches of 4) with
     ``overrides`` by field name (``True``: a bare flag; ``None``: left out, the default), then ``extra`` as given."""

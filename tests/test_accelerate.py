@@ -15,7 +15,7 @@ import torch
 
 import gpupipe
 
-from .common_utils import CPU_LOADER_BACKENDS, REPO_ROOT, make_folder, same_device
+from .common_utils import CPU_LOADER_BACKENDS, REPO_ROOT, SHUTDOWN_SEEN, make_folder, same_device, shutdown_watch
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -40,9 +40,11 @@ def _torchrun(data, out, record, backend, *flags):
     record.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(EXAMPLE)]
     cmd += [str(data), "--out", str(out), "--record", str(record), "--backend", backend, "--precision", "bf16"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    watch = shutdown_watch(record.parent / "watch")
+    env = {**os.environ, "PYTHONPATH": f"{watch}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([*cmd, *flags], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert SHUTDOWN_SEEN not in r.stderr  # each rank left after end_training, not through the interpreter's shutdown
     assert r.stdout.count("done: 48 images") == 1, r.stdout  # the main process says how it ended
     ranks = [[json.loads(line) for line in open(record / f"rank{rank}.jsonl")] for rank in range(2)]
     return ranks, (record / "weights.txt").read_text()

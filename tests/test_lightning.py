@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .common_utils import CPU_LOADER_BACKENDS, REPO_ROOT, make_folder
+from .common_utils import CPU_LOADER_BACKENDS, REPO_ROOT, SHUTDOWN_SEEN, make_folder, shutdown_watch
 
 pytest.importorskip("lightning")
 pytestmark = pytest.mark.slow
@@ -29,9 +29,11 @@ def data(tmp_path_factory):
 def _fit(data, out, record, backend, *extra):
     record.mkdir(parents=True)
     cmd = [sys.executable, str(EXAMPLE), str(data), "--val", str(data), "--out", str(out), "--record", str(record)]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    watch = shutdown_watch(record.parent / "watch")
+    env = {**os.environ, "PYTHONPATH": f"{watch}{os.pathsep}{REPO_ROOT}"}
     r = subprocess.run([*cmd, "--backend", backend, *extra], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert SHUTDOWN_SEEN not in r.stderr  # both ranks left once the group was destroyed, not through the shutdown
     assert r.stdout.count("done: ") == 1 and "val_loss" in r.stdout, r.stdout  # rank 0 says how it ended
     return [[json.loads(line) for line in open(record / f"rank{rank}.jsonl")] for rank in range(2)]
 
