@@ -474,6 +474,35 @@ def test_no_operator_of_the_graph_derives_the_crop(recipe, train):
     assert fed == {"paths", *crop_inputs(recipe, train, rows)}
 
 
+def test_dali_keeps_no_python_object_of_the_small_inputs(photos):
+    """The crop's fields and the path rows are copied by DALI as they are fed. An input read in place holds the fed
+    array, and DALI lets go of it in its own threads once the batch is done with it, which takes the GIL: any Python
+    running in the process (the loader's thread making the next work, the training step) then left DALI's threads
+    idle with batches scheduled. Here no fed array is held past the feed, and the batch still comes out right."""
+    import sys
+
+    from gpupipe.backends.dali_graph import Driver, build_pipeline, crop_inputs
+
+    paths = sorted(str(p) for p in photos.rglob("*.jpg"))[:2]
+    recipe = Recipe(32)
+    graph = build_pipeline(recipe, train=True, batch_size=2, device=torch.device("cpu"), num_threads=1, files=True)
+    pipe = Driver(graph)
+    rows = np.zeros((2, max(len(p) for p in paths) + 1), np.uint8)
+    for k, p in enumerate(paths):
+        rows[k, : len(p)] = np.frombuffer(p.encode(), np.uint8)
+    sides = [Image.open(p).size for p in paths]
+    crops = np.array([[0, 0, h // 2, w // 2, k, 32] for k, (w, h) in enumerate(sides)], np.int64)
+    fed = {"paths": rows, **crop_inputs(recipe, True, crops)}
+    held = {name: sys.getrefcount(fed[name]) for name in fed}
+    for name in fed:
+        pipe.feed(name, fed[name])
+    assert {name: sys.getrefcount(fed[name]) for name in fed} == held
+    pipe.run()
+    (out,) = pipe.share(None)
+    assert np.array(out.as_tensor()).shape == (2, 3, 32, 32)
+    pipe.release()
+
+
 def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(photos):
     """DALI decodes in threads of the training process: where batches go to a device other than the CPU they run
     WORKER_NICENESS below it, as the decode workers of the other backends do, so the thread that launches the GPU's

@@ -159,8 +159,7 @@ class DaliLoader(Loader):
         else:
             pipe.feed("pix" if self._pixels else "enc", work.batch())
         assert work.rows is not None  # every work with DALI samples has their crops
-        work.fed = crop_inputs(self.recipe, self.train, work.rows)  # DALI reads them in place until they are fetched
-        for name, data in work.fed.items():  # each one array: the whole batch at once
+        for name, data in crop_inputs(self.recipe, self.train, work.rows).items():  # each one array, copied by DALI
             pipe.feed(name, data)
         pipe.run()
         self._scheduled += 1

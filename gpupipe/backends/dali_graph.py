@@ -74,11 +74,12 @@ def build_pipeline(
         exec_dynamic=True,
     )
     def pipe():
-        # no_copy: DALI reads the feed's buffers where they are (each kept alive until its batch is fetched)
+        # the crop's inputs (a few bytes a sample) are copied as they are fed: see :data:`_SMALL_INPUTS_COPIED`
         crop_in = {
-            name: fn.external_source(name=name, dtype=getattr(types, kind), ndim=ndim, no_copy=True)
+            name: fn.external_source(name=name, dtype=getattr(types, kind), ndim=ndim, no_copy=not _SMALL_INPUTS_COPIED)
             for name, (_, _, kind, ndim) in _inputs(recipe, train)
         }
+        # no_copy: DALI reads the feed's samples where they are (each kept alive until its batch is fetched)
         if pixels:  # copied to the GPU as they are: its ops crop and resize them there
             enc = fn.external_source(name="pix", dtype=types.UINT8, ndim=3, layout="HWC", no_copy=True)
             enc = enc.gpu() if gpu else enc
@@ -110,9 +111,9 @@ def build_pipeline(
 def crop_inputs(recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
     """The crop's inputs of :func:`build_pipeline`'s graph for a batch's ``rows`` (:class:`.gpu_feed.Work`'s layout:
     train int64 ``[top, left, height, width, flip, S]``, eval float32 ``[window top, left, height, width, y0, x0, y1,
-    x1]``), each typed as the operator that reads it takes it, C-contiguous (DALI reads them where they are: the caller
-    keeps them alive until the batch is fetched). No operator of the graph derives them: each subscript or cast was
-    one more CPU operator per batch, and DALI's threads sleep and wake at each (bench/README.md)."""
+    x1]``), each typed as the operator that reads it takes it, C-contiguous (DALI copies them as they are fed). No
+    operator of the graph derives them: each subscript or cast was one more CPU operator per batch, and DALI's threads
+    sleep and wake at each (bench/README.md)."""
     inputs = {
         name: np.ascontiguousarray(rows[:, columns], dtype) for name, (columns, dtype, _, _) in _inputs(recipe, train)
     }
@@ -120,6 +121,13 @@ def crop_inputs(recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
         inputs["anchor"] = inputs["anchor"] + recipe.padding
     return inputs
 
+
+# The graph's small inputs (the crop's fields, the path rows: tens of bytes a sample) are copied by DALI as they are
+# fed. An input DALI reads in place holds a Python object (the fed array), and DALI lets go of it in its own threads
+# once the batch is done with it, which takes the GIL: while any Python ran in the process (the loader's thread
+# making the next work, the training step), DALI's threads waited for it, idle, with batches scheduled
+# (bench/README.md, "DALI's threads and the GIL"). Copied, DALI holds no Python object of theirs.
+_SMALL_INPUTS_COPIED = True
 
 # each crop input of a graph: its columns of the rows, its numpy dtype, its DALI type and dimensions per sample
 _TRAIN_INPUTS = {
@@ -146,7 +154,7 @@ def _read_files():
     process (SIGBUS) where a read fails and the batch is narrowed to it."""
     from nvidia.dali import fn, types
 
-    paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=True)
+    paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=not _SMALL_INPUTS_COPIED)
     return fn.io.file.read(paths, dont_use_mmap=True)
 
 
@@ -282,8 +290,8 @@ class Driver:
 
     def feed(self, name: str, data) -> None:
         """One batch of input ``name``: a numpy array whose first axis is the batch, a ``TensorListCPU``, or a list of
-        samples, numpy arrays or ``TensorCPU`` objects (kept alive by the caller until its batch is fetched: the
-        pipeline's inputs are ``no_copy``, so DALI reads each sample where it is, as it reads a dense batch)."""
+        samples, numpy arrays or ``TensorCPU`` objects. The encoded samples and pixels are read where they are (their
+        inputs are ``no_copy``: kept alive by the caller until the batch is fetched), the small inputs copied."""
         if self.direct is None:
             self.pipe.feed_input(name, data)
         elif isinstance(data, list):

@@ -85,7 +85,6 @@ class Work:
     labels: np.ndarray | None = None  # int64 (len(indices),): their labels, made in the worker
     data: list[np.ndarray] | None = None  # set when a retry narrows the batch: the samples left, one array each
     listed: Any = None  # the samples as DALI TensorCPUs over their bytes (no copy), made on the feed's thread
-    fed: dict[str, np.ndarray] | None = None  # the crop's inputs as DALI was fed them (read in place until fetched)
     # set where DALI reads the files itself (:mod:`.dali_files`), instead of ``encoded``: uint8 (n, W), each GPU
     # sample's path, then NULs
     paths: np.ndarray | None = None
