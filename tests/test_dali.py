@@ -778,8 +778,7 @@ def test_an_encoded_item_among_pixels_is_decoded_whole_for_dali(no_cpu_crop):
 
 
 def _feed_crops(pipe, recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """A batch's crop rows fed to a loader's graph, as the loader feeds them; what was fed, which the caller holds
-    until the batch is run (the inputs are ``no_copy``)."""
+    """A batch's crop rows fed to a loader's graph, as the loader feeds them (DALI copies them); what was fed."""
     from gpupipe.backends.dali_graph import crop_inputs
 
     fed = crop_inputs(recipe, train, rows)
