@@ -481,18 +481,18 @@ def test_dali_keeps_no_python_object_of_the_small_inputs(photos):
     idle with batches scheduled. Here no fed array is held past the feed, and the batch still comes out right."""
     import sys
 
+    from gpupipe.backends.dali_files import FileTable
     from gpupipe.backends.dali_graph import Driver, build_pipeline, crop_inputs
+    from gpupipe.sources.open import open_source
 
-    paths = sorted(str(p) for p in photos.rglob("*.jpg"))[:2]
+    dataset = open_source(photos)
+    chosen = np.arange(2)
     recipe = Recipe(32)
     graph = build_pipeline(recipe, train=True, batch_size=2, device=torch.device("cpu"), num_threads=1, files=True)
     pipe = Driver(graph)
-    rows = np.zeros((2, max(len(p) for p in paths) + 1), np.uint8)
-    for k, p in enumerate(paths):
-        rows[k, : len(p)] = np.frombuffer(p.encode(), np.uint8)
-    sides = [Image.open(p).size for p in paths]
+    sides = [Image.open(dataset.samples[k][0]).size for k in chosen]
     crops = np.array([[0, 0, h // 2, w // 2, k, 32] for k, (w, h) in enumerate(sides)], np.int64)
-    fed = {"paths": rows, **crop_inputs(recipe, True, crops)}
+    fed = {"paths": FileTable(dataset, 10**8).paths(chosen), **crop_inputs(recipe, True, crops)}
     held = {name: sys.getrefcount(fed[name]) for name in fed}
     for name in fed:
         pipe.feed(name, fed[name])

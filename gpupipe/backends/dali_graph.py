@@ -74,9 +74,13 @@ def build_pipeline(
         exec_dynamic=True,
     )
     def pipe():
-        # the crop's inputs (a few bytes a sample) are copied as they are fed: see :data:`_SMALL_INPUTS_COPIED`
+        # The crop's inputs and the path rows (tens of bytes a sample) are copied as they are fed. An input DALI
+        # reads in place holds the fed array, and DALI lets go of it in its own threads once the batch is done with
+        # it, which takes the GIL: while any Python ran in the process (the loader's thread making the next work, the
+        # training step), DALI's threads waited for it, idle, with batches scheduled (bench/README.md, "DALI's
+        # threads and the GIL").
         crop_in = {
-            name: fn.external_source(name=name, dtype=getattr(types, kind), ndim=ndim, no_copy=not _SMALL_INPUTS_COPIED)
+            name: fn.external_source(name=name, dtype=getattr(types, kind), ndim=ndim, no_copy=False)
             for name, (_, _, kind, ndim) in _inputs(recipe, train)
         }
         # no_copy: DALI reads the feed's samples where they are (each kept alive until its batch is fetched)
@@ -122,13 +126,6 @@ def crop_inputs(recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
     return inputs
 
 
-# The graph's small inputs (the crop's fields, the path rows: tens of bytes a sample) are copied by DALI as they are
-# fed. An input DALI reads in place holds a Python object (the fed array), and DALI lets go of it in its own threads
-# once the batch is done with it, which takes the GIL: while any Python ran in the process (the loader's thread
-# making the next work, the training step), DALI's threads waited for it, idle, with batches scheduled
-# (bench/README.md, "DALI's threads and the GIL"). Copied, DALI holds no Python object of theirs.
-_SMALL_INPUTS_COPIED = True
-
 # each crop input of a graph: its columns of the rows, its numpy dtype, its DALI type and dimensions per sample
 _TRAIN_INPUTS = {
     "anchor": (slice(0, 2), np.int64, "INT64", 1),
@@ -151,10 +148,11 @@ def _inputs(recipe, train: bool) -> list[tuple[str, tuple]]:
 def _read_files():
     """The encoded bytes of the files named by ``paths`` (each row a path's bytes, then NULs: DALI takes it as a C
     string), read in DALI's own threads. Plain reads, not a mapping: a file truncated while mapped would kill the
-    process (SIGBUS) where a read fails and the batch is narrowed to it."""
+    process (SIGBUS) where a read fails and the batch is narrowed to it. The rows are copied as they are fed, as the
+    crop's inputs are (see :func:`build_pipeline`)."""
     from nvidia.dali import fn, types
 
-    paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=not _SMALL_INPUTS_COPIED)
+    paths = fn.external_source(name="paths", dtype=types.UINT8, ndim=1, no_copy=False)
     return fn.io.file.read(paths, dont_use_mmap=True)
 
 
