@@ -74,11 +74,8 @@ def build_pipeline(
         exec_dynamic=True,
     )
     def pipe():
-        # The crop's inputs and the path rows (tens of bytes a sample) are copied as they are fed. An input DALI
-        # reads in place holds the fed array, and DALI lets go of it in its own threads once the batch is done with
-        # it, which takes the GIL: while any Python ran in the process (the loader's thread making the next work, the
-        # training step), DALI's threads waited for it, idle, with batches scheduled (bench/README.md, "DALI's
-        # threads and the GIL").
+        # copied as fed (tens of bytes a sample): an input read in place holds the fed array, which DALI drops in its
+        # own threads, taking the GIL, idle while any Python runs (bench/README.md, "DALI's threads and the GIL")
         crop_in = {
             name: fn.external_source(name=name, dtype=getattr(types, kind), ndim=ndim, no_copy=False)
             for name, (_, _, kind, ndim) in _inputs(recipe, train)
