@@ -434,6 +434,29 @@ def test_each_pass_checks_its_files_in_the_scan_processes_not_on_the_loaders_thr
     assert stats_here == []
 
 
+@pytest.mark.usefixtures("no_pipeline")
+def test_a_pass_asks_the_scan_about_several_judged_batches_in_one_message(tmp_path, monkeypatch):
+    """Once every sample was judged, a pass's checks (a ``stat`` a file) go to the scan a few batches to a message: a
+    message a batch cost the loader's thread about a millisecond of its time (the executor's threads woken, a pipe
+    written) while the scan's ``stat`` calls took microseconds."""
+    from gpupipe.backends import dali_files
+
+    sent = []
+    real = dali_files.Scanner.ask
+    monkeypatch.setattr(dali_files.Scanner, "ask", lambda self, index: sent.append(len(index)) or real(self, index))
+    root = make_folder(tmp_path, 2, 30)  # 60 samples, batches of 4: 15 an epoch
+    loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
+    assert sum(len(y) for _, y in loader) == 60
+    sent.clear()
+    for epoch in (1, 2):
+        loader.set_epoch(epoch)
+        assert sum(len(y) for _, y in loader) == 60
+    assert loader._feed.scanner._pool is not None
+    # up to 4 batches a message, none across an epoch's edge, the next epoch's first ones asked about again as it
+    # begins: 14; one a batch was 44
+    assert len(sent) <= 16 and max(sent) == 16, sent
+
+
 def test_bad_files_are_judged_again_only_when_they_change(mixed, tmp_path, monkeypatch):
     """A bad file (truncated: Pillow decodes it to be sure) costs each later pass a ``stat`` in the scan processes,
     nothing on the loader's thread; once mended, the next pass reads it (judged here only if its batch was made

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as AnswerTimeout  # not the builtin one before Python 3.11
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -51,6 +52,7 @@ from .pillow import PillowDecoder
 # a sample's verdict: not judged yet; DALI reads and decodes it; Pillow decodes it; it is reported
 _UNKNOWN, _DALI, _PILLOW, _BAD = -1, 0, 1, 2
 _CHUNK = 8  # batches whose crops are drawn in one call
+_GROUP = 4  # judged batches of one epoch whose files a pass's check asks the scan about in one message
 _HEAD, _TAIL = 256 << 10, 4096  # bytes the scan reads: a header's, and the tail that holds a JPEG's end marker
 _ANSWER = 60.0  # seconds a header-scan worker may take over a batch's headers before it is taken for stuck
 log = logging.getLogger("gpupipe")
@@ -219,7 +221,11 @@ class Scanner:
             self.table.recheck(todo)
 
     def take(self, asked: Asked) -> None:
-        """The workers' verdicts on ``asked`` kept (waited for); none if its worker died or was stuck."""
+        """The workers' verdicts on ``asked`` kept (waited for, once: batches asked about together share it); none if
+        its worker died or was stuck."""
+        if asked.taken:
+            return
+        asked.taken = True
         try:
             moved, verdicts = asked.verdicts.result(timeout=_ANSWER)
             self.table.set(asked.indices[moved], verdicts)
@@ -252,10 +258,12 @@ class Scanner:
         pool.shutdown(wait=True)  # its manager thread, once its workers have ended
 
 
-class Asked(NamedTuple):
+@dataclass
+class Asked:
     indices: np.ndarray
     passes: int  # the pass they were asked in
     verdicts: Future  # of (the positions whose files changed, their verdicts)
+    taken: bool = False  # its verdicts are in the table
 
 
 class FileTable:
@@ -354,21 +362,52 @@ class FileStream:
         answered already is kept first (a sample's first verdict); one still at work is left to run, unheeded (its
         samples are judged again by the new ask)."""
         self._asked_before = False
-        for k, (request, index, asked) in enumerate(self._ahead):
+        for _, _, asked in self._ahead:
             if asked is not None and asked.verdicts.done():
                 self.scanner.take(asked)
-                asked = None
-            self._ahead[k] = (request, index, self.scanner.ask(index) or asked)
+        again = self._asks([(request, index) for request, index, _ in self._ahead])
+        self._ahead = deque(
+            (request, index, new or (None if asked is None or asked.taken else asked))
+            for (request, index, asked), new in zip(self._ahead, again, strict=True)
+        )
+
+    def _asks(self, taken: list[tuple[Request, np.ndarray]]) -> list[Asked | None]:
+        """The scan asked about the batches ``taken``: one message for each run of up to ``_GROUP`` batches of an
+        epoch whose samples were all judged before (a ``stat`` each: a message a batch cost the loader's thread more
+        than the checks cost the scan); one for each batch with samples to judge, so that the scan's processes judge
+        them side by side and the first batches come soon."""
+        asks: list[Asked | None] = []
+        run: list[np.ndarray] = []
+
+        def ask_run() -> None:
+            if run:
+                asks.extend([self.scanner.ask(np.concatenate(run))] * len(run))
+                run.clear()
+
+        epoch = None
+        for request, index in taken:
+            if len(run) == _GROUP or request.epoch != epoch:
+                ask_run()
+            epoch = request.epoch
+            if (self.table.kind[index] == _UNKNOWN).any():
+                ask_run()
+                asks.append(self.scanner.ask(index))
+            else:
+                run.append(index)
+        ask_run()
+        return asks
 
     def next(self) -> Work | None:
         if self._asked_before:
             self._ask_again()
-        while len(self._ahead) < self._depth:
-            request = next(self._requests, None)
-            if request is None:
-                break
-            index = np.asarray(request.indices, dtype=np.int64)
-            self._ahead.append((request, index, self.scanner.ask(index)))
+        if len(self._ahead) <= self._depth - _GROUP:  # a few batches taken at a time: asked about together
+            taken: list[tuple[Request, np.ndarray]] = []
+            while len(self._ahead) + len(taken) < self._depth:
+                request = next(self._requests, None)
+                if request is None:
+                    break
+                taken.append((request, np.asarray(request.indices, dtype=np.int64)))
+            self._ahead.extend((r, i, a) for (r, i), a in zip(taken, self._asks(taken), strict=True))
         if not self._ahead:
             return None
         request, index, asked = self._ahead.popleft()
