@@ -73,9 +73,11 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("train", [True, False])
-def test_batches_equal_the_feeds_to_the_bit(mixed, train):
-    """Three epochs (the second left a batch short), skips, Pillow's samples and refills included."""
-    kw = dict(batch_size=5, train=train, image_size=40, num_workers=1, seed=2, device="cpu", on_error="skip")
+@pytest.mark.parametrize("workers", [1, 8])
+def test_batches_equal_the_feeds_to_the_bit(mixed, train, workers):
+    """Three epochs (the second left a batch short), skips, Pillow's samples and refills included; with one DALI
+    thread and one scan process, and with eight threads and two processes."""
+    kw = dict(batch_size=5, train=train, image_size=40, num_workers=workers, seed=2, device="cpu", on_error="skip")
     files, feed = gpupipe.build_loader(mixed, "dali", **kw), _feed_loader(mixed, **kw)
     for epoch in range(3):
         a, b = iter(files), iter(feed)
