@@ -140,9 +140,8 @@ def test_worker_forked_beside_a_dead_dali_pipeline_does_not_hang(folder):
     pipe = build_pipeline(Recipe(32), train=False, batch_size=2, device=torch.device("cpu"), num_threads=1)
     pipe.feed_input("enc", [np.fromfile(f, dtype=np.uint8) for f in files])
     sizes = np.array([Image.open(f).size[::-1] for f in files])
-    fed = _feed_crops(pipe, Recipe(32), False, eval_windows(Recipe(32), sizes[:, 0], sizes[:, 1]))
+    _feed_crops(pipe, Recipe(32), False, eval_windows(Recipe(32), sizes[:, 0], sizes[:, 1]))
     pipe.run()
-    del fed
     pipe.cycle = pipe  # unreachable once deleted, but only the cycle collector frees it
     gc.disable()
     try:
@@ -777,14 +776,12 @@ def test_an_encoded_item_among_pixels_is_decoded_whole_for_dali(no_cpu_crop):
     assert dali.fallbacks == 1
 
 
-def _feed_crops(pipe, recipe, train: bool, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """A batch's crop rows fed to a loader's graph, as the loader feeds them (DALI copies them); what was fed."""
+def _feed_crops(pipe, recipe, train: bool, rows: np.ndarray) -> None:
+    """A batch's crop rows fed to a loader's graph, as the loader feeds them (DALI copies them)."""
     from gpupipe.backends.dali_graph import crop_inputs
 
-    fed = crop_inputs(recipe, train, rows)
-    for name, data in fed.items():
+    for name, data in crop_inputs(recipe, train, rows).items():
         pipe.feed_input(name, data)
-    return fed
 
 
 def _eval_outputs(recipe, images, rows, whole: bool = False) -> list[np.ndarray]:
@@ -801,9 +798,8 @@ def _eval_outputs(recipe, images, rows, whole: bool = False) -> list[np.ndarray]
         recipe, train=False, batch_size=len(images), device=torch.device("cpu"), num_threads=2, pixels=True
     )
     pipe.feed_input("pix", images)
-    fed = _feed_crops(pipe, recipe, False, rows)
+    _feed_crops(pipe, recipe, False, rows)
     (out,) = pipe.run()
-    del fed
     return [np.array(out.at(k)).transpose(1, 2, 0) for k in range(len(images))]
 
 
@@ -926,9 +922,8 @@ def test_the_eval_window_is_cut_from_the_upright_image_in_every_orientation(tmp_
     ours = build_pipeline(recipe, train=False, batch_size=8, device=torch.device("cpu"), num_threads=1)
     samples = [np.frombuffer(d, np.uint8) for d in datas]
     ours.feed_input("enc", samples)
-    fed = _feed_crops(ours, recipe, False, eval_windows(recipe, heights, widths))
+    _feed_crops(ours, recipe, False, eval_windows(recipe, heights, widths))
     (a,) = ours.run()
-    del fed
     theirs = _resized_and_sliced(recipe, samples, eval_rows(recipe, heights, widths), encoded=True)
     for k in range(8):
         diff = np.abs(np.array(a.at(k)).transpose(1, 2, 0).astype(int) - theirs[k])
