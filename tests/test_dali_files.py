@@ -425,15 +425,21 @@ def test_each_pass_checks_its_files_in_the_scan_processes_not_on_the_loaders_thr
     stats_here = []
     real = dali_files.stamp_key
     monkeypatch.setattr(dali_files, "stamp_key", lambda path: stats_here.append(path) or real(path))
-    root = make_folder(tmp_path, 2, 30)  # 60 samples, batches of 4: 15 an epoch
+    _two_passes_after_the_first(tmp_path, stats_here.clear)
+    assert stats_here == []
+
+
+def _two_passes_after_the_first(tmp_path, between) -> None:
+    """A folder loader (60 samples, batches of 4: 15 an epoch, two workers) run for a pass, ``between()``, then two
+    more passes; the scan processes still running at the end (else every check is the loader thread's)."""
+    root = make_folder(tmp_path, 2, 30)
     loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
     assert sum(len(y) for _, y in loader) == 60
-    stats_here.clear()
+    between()
     for epoch in (1, 2):
         loader.set_epoch(epoch)
         assert sum(len(y) for _, y in loader) == 60
-    assert loader._feed.scanner._pool is not None  # (else every check is this thread's)
-    assert stats_here == []
+    assert loader._feed.scanner._pool is not None
 
 
 @pytest.mark.usefixtures("no_pipeline")
@@ -446,14 +452,7 @@ def test_a_pass_asks_the_scan_about_several_judged_batches_in_one_message(tmp_pa
     sent = []
     real = dali_files.Scanner.ask
     monkeypatch.setattr(dali_files.Scanner, "ask", lambda self, index: sent.append(len(index)) or real(self, index))
-    root = make_folder(tmp_path, 2, 30)  # 60 samples, batches of 4: 15 an epoch
-    loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
-    assert sum(len(y) for _, y in loader) == 60
-    sent.clear()
-    for epoch in (1, 2):
-        loader.set_epoch(epoch)
-        assert sum(len(y) for _, y in loader) == 60
-    assert loader._feed.scanner._pool is not None
+    _two_passes_after_the_first(tmp_path, sent.clear)
     # up to 4 batches a message, none across an epoch's edge, the next epoch's first ones asked about again as it
     # begins: 14; one a batch was 44
     assert len(sent) <= 16 and max(sent) == 16, sent
