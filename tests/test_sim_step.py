@@ -86,7 +86,9 @@ def test_the_probe_times_the_training_thread_idle_and_beside_the_loaders_work_in
             alone, loaded = sim_step.time_probe(n, 5, take, settle=settle)
             yield loaded / alone
 
-    assert any(r > 1.3 for r in ratios(crowding, 0.25))  # two threads share the GIL: about 2x
+    # two threads share the GIL: about 2x. The settle outlasts the crowd's 0.2 s of CPU (with 0.25 s, a busy
+    # machine left it running into the next pair's probe alone, which then read crowded too)
+    assert any(r > 1.3 for r in ratios(crowding, 0.6))
     assert any(r < 1.3 for r in ratios(lambda: None, 0.01))
 
 
