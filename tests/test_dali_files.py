@@ -260,6 +260,34 @@ def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
     ]
 
 
+@pytest.mark.usefixtures("no_pipeline")
+def test_a_file_gone_after_its_check_is_reported_and_the_rest_of_its_batch_delivered(tmp_path, monkeypatch):
+    """A file removed between its header's check and its batch's read: DALI's reader fails on the batch, Pillow names
+    the file, reported as the scan reports a file it cannot read; the other samples are delivered (on a new
+    pipeline) as a CPU backend delivers them, the batches refilled by the samples after."""
+    from gpupipe.backends import dali_files
+
+    root = make_folder(tmp_path / "data", 2, 6)
+    real, gone = dali_files.FileStream.make, []
+
+    def make(self, request, index):
+        if request.number == 1 and not gone:
+            gone.append(self.table.dataset.samples[request.indices[0]][0])
+            os.unlink(gone[0])
+        return real(self, request, index)
+
+    monkeypatch.setattr(dali_files.FileStream, "make", make)
+    kw = dict(batch_size=4, train=False, image_size=16, device="cpu", on_error="skip", num_workers=1)
+    loader = gpupipe.build_loader(root, "dali", **kw)
+    labels = [y for _, y in loader]
+    assert loader.skipped == [(gone[0], "cannot read the file (No such file or directory)")]
+    images = [x for x, _ in loader]  # (the loader's second pass: the file is gone from the start)
+    pillow = gpupipe.build_loader(root, "pillow", **kw)  # what a CPU backend makes of the folder as it is now
+    assert [y.tolist() for y in labels] == [y.tolist() for _, y in pillow]
+    for x, (px, _) in zip(images, pillow, strict=True):
+        assert (x.float() - px.float()).abs().mean() < 2
+
+
 def test_eval_rows_are_the_recipes_to_the_bit():
     from gpupipe.backends.gpu_feed import eval_rows
 
