@@ -261,7 +261,8 @@ def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
 
 
 @pytest.mark.usefixtures("no_pipeline")
-def test_a_file_gone_after_its_check_is_reported_and_the_rest_of_its_batch_delivered(tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_file_gone_after_its_check_is_reported_and_the_rest_of_its_batch_delivered(tmp_path, monkeypatch, workers):
     """A file removed between its header's check and its batch's read: DALI's reader fails on the batch, Pillow names
     the file, reported as the scan reports a file it cannot read; the other samples are delivered (on a new
     pipeline) as a CPU backend delivers them, the batches refilled by the samples after."""
@@ -277,7 +278,7 @@ def test_a_file_gone_after_its_check_is_reported_and_the_rest_of_its_batch_deliv
         return real(self, request, index)
 
     monkeypatch.setattr(dali_files.FileStream, "make", make)
-    kw = dict(batch_size=4, train=False, image_size=16, device="cpu", on_error="skip", num_workers=1)
+    kw = dict(batch_size=4, train=False, image_size=16, device="cpu", on_error="skip", num_workers=workers)
     loader = gpupipe.build_loader(root, "dali", **kw)
     labels = [y for _, y in loader]
     assert loader.skipped == [(gone[0], "cannot read the file (No such file or directory)")]
