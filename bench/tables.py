@@ -244,12 +244,18 @@ def sim_step_report(rep: dict) -> list[str]:
     flat = all("probe_flat_out_ratio" in r for r in rep["results"])  # timed flat out too (reports since 2026-11-29)
     if flat:
         lines[-2:] = [lines[-2] + " flat out |", lines[-1] + "---:|"]
+    # and how long the probe waited for a core flat out (reports since 2026-11-30, where the kernel keeps it)
+    waited = flat and any(r.get("probe_flat_out_core_wait_ms") is not None for r in rep["results"])
+    if waited:
+        lines[-2:] = [lines[-2] + " of it waiting for a core, ms |", lines[-1] + "---:|"]
     for r in rep["results"]:
         starts = ", ".join(f"{v:.1f}" for v in r["epoch_start_ms"])
+        wait = r.get("probe_flat_out_core_wait_ms")
         lines.append(
             f"| {r['backend']} | {r['workers']} | {r['step_cpu_ms'] + r['step_wait_ms']:.0f} | {r['data_wait']:.1%} | "
             f"{starts} | {r['next_median_ms']:.1f} | {r['probe_ratio']:.2f}x |"
             + (f" {r['probe_flat_out_ratio']:.2f}x |" if flat else "")
+            + ((" - |" if wait is None else f" {wait:.2f} |") if waited else "")
         )
     return lines
 

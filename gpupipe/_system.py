@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -79,19 +80,28 @@ def is_main_rank() -> bool:
 
 def lower_thread_priority(tids: set[int]) -> None:
     """:func:`lower_priority` for threads of this process (a library's decode threads, such as DALI's, started in the
-    training process): on Linux a thread's niceness is its own. A thread already gone is skipped."""
+    training process): on Linux a thread's niceness is its own. Where Linux has it, each thread is also put under
+    ``SCHED_IDLE``: it then runs only on a core that no thread of the normal policy wants, and its wake-ups never
+    take the training thread's core. Nice +10 alone was not enough for DALI: its executor's thread and its pool's
+    outnumber the cores left beside the training thread, and a nicer thread that wakes still takes a core for a
+    slice; a fixed task on the training thread, batches taken flat out, spent up to a quarter of its time waiting
+    for its core behind them (bench/README.md, "DALI's threads under SCHED_IDLE"). A thread already gone is skipped."""
+    idle = getattr(os, "SCHED_IDLE", None)
     for tid in tids:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS))
         except OSError:
             continue
+        if idle is not None:
+            with contextlib.suppress(OSError):  # a sandbox that forbids it: the niceness stands
+                os.sched_setscheduler(tid, idle, os.sched_param(0))
 
 
 def made_below(make: Callable[[], T]) -> T:
-    """``make()`` run on a short-lived thread WORKER_NICENESS below the caller: on Linux a thread starts at the
-    niceness of the thread that starts it, so the threads ``make`` starts (a library's decode threads, such as DALI's
-    pipeline's) run below the training thread from their first instruction, whatever their names and whenever
-    they are named. What ``make`` raises is raised here."""
+    """``make()`` run on a short-lived thread below the caller (:func:`lower_thread_priority`): on Linux a thread
+    starts at the niceness and the scheduling policy of the thread that starts it, so the threads ``make`` starts (a
+    library's decode threads, such as DALI's pipeline's) run below the training thread from their first instruction,
+    whatever their names and whenever they are named. What ``make`` raises is raised here."""
     out: list = []
 
     def run() -> None:

@@ -504,8 +504,10 @@ def test_dali_keeps_no_python_object_of_the_small_inputs(photos):
 
 def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(photos):
     """DALI decodes in threads of the training process: where batches go to a device other than the CPU they run
-    WORKER_NICENESS below it, as the decode workers of the other backends do, so the thread that launches the GPU's
-    work never waits behind a decode; on the CPU (the model computes beside them) they keep its priority."""
+    WORKER_NICENESS below it, as the decode workers of the other backends do, and under SCHED_IDLE (its threads
+    outnumber the cores left beside the training thread, and a thread only nicer still takes that thread's core when
+    it wakes), so the thread that launches the GPU's work never waits behind a decode; on the CPU (the model computes
+    beside them) they keep its priority and policy."""
     import dataclasses
     import os
 
@@ -533,12 +535,12 @@ def test_dalis_threads_run_below_the_training_thread_where_batches_go_to_a_gpu(p
         before = thread_ids()
         next(iter(loader))
         new = thread_ids() - before
-        return [os.getpriority(os.PRIO_PROCESS, t) for t in new if "DALI" in thread_name(t)]
+        return [(os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t)) for t in new if "DALI" in thread_name(t)]
 
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert dali_threads("cpu") and all(p == base for p in dali_threads("cpu"))
+    base, policy = os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)
+    assert dali_threads("cpu") and all(p == (base, policy) for p in dali_threads("cpu"))
     lowered = dali_threads("meta")
-    assert lowered and all(p == min(19, base + WORKER_NICENESS) for p in lowered)
+    assert lowered and all(p == (min(19, base + WORKER_NICENESS), os.SCHED_IDLE) for p in lowered)
 
 
 def test_the_training_thread_only_takes_finished_batches(photos, photo_shards, monkeypatch):

@@ -3,6 +3,8 @@ report as bench/tables.py prints it."""
 
 import importlib.util
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ def test_a_report_holds_each_backend_and_reads_as_a_table(data, tmp_path):
     assert row["backend"] == "pillow" and row["workers"] == 1
     assert row["steps_per_epoch"] == 5 and len(row["epoch_start_ms"]) == 2  # each pass left one batch early
     assert 0 <= row["data_wait"] <= 1 and row["probe_ratio"] > 0 and row["probe_flat_out_ratio"] > 0
+    assert row["probe_flat_out_core_wait_ms"] is None or row["probe_flat_out_core_wait_ms"] >= 0
     assert row["step_cpu_ms"] == pytest.approx(0.25 * 1.5 * row["loader_alone_ms"], rel=0.05, abs=0.02)
     path = tmp_path / "sim-step.json"
     path.write_text(json.dumps(report))
@@ -100,7 +103,56 @@ def test_flat_out_is_set_beside_the_probe_alone_of_its_own_round_so_the_machines
         slow["by"] = 2.0 if len(takes) > 3 * 8 else 1.0  # rounds 4-6 (5 drained + 3 timed a round) at half speed
 
     monkeypatch.setattr(sim_step, "_timed", lambda n: 0.007 * slow["by"])
-    flat_ms, ratio = sim_step.time_flat_out(1, 6, take, settle=0.0, drain=5, per_round=3)
+    flat = sim_step.time_flat_out(1, 6, take, settle=0.0, drain=5, per_round=3)
     assert len(takes) == 6 * (5 + 3)
-    assert flat_ms / 7.0 == pytest.approx(1.5)  # the drift: half the rounds at twice the time
-    assert ratio == pytest.approx(1.0)
+    assert flat.ms / 7.0 == pytest.approx(1.5)  # the drift: half the rounds at twice the time
+    assert flat.ratio == pytest.approx(1.0)
+
+
+def test_flat_out_reports_the_median_time_the_probe_waited_for_a_core(monkeypatch):
+    """The run queue's delay read around each flat-out probe only (not the takes, not the probes alone): a loader whose
+    threads take the training thread's core shows here, 3 ms of each 10 ms probe."""
+    clock = {"wait": 0.0}
+
+    def timed(n):
+        clock["wait"] += 0.003
+        return 0.010
+
+    def take():
+        clock["wait"] += 1.0  # a take that waits for a core is not the probe's wait
+
+    monkeypatch.setattr(sim_step, "_timed", timed)
+    monkeypatch.setattr(sim_step, "core_wait", lambda: clock["wait"])
+    flat = sim_step.time_flat_out(1, 4, take, settle=0.0, drain=2, per_round=3)
+    assert flat.core_wait_ms == pytest.approx(3.0)
+    monkeypatch.setattr(sim_step, "core_wait", lambda: None)  # a kernel that does not keep it
+    assert sim_step.time_flat_out(1, 4, take, settle=0.0, drain=2, per_round=3).core_wait_ms is None
+
+
+@pytest.mark.skipif(sim_step.core_wait() is None or not hasattr(os, "sched_setaffinity"), reason="Linux's schedstat")
+def test_the_core_wait_counts_a_thread_kept_off_its_core_and_not_its_sleep():
+    """A process spinning on the one core this thread may use makes it wait for that core, about half of its time;
+    a sleep is not a wait for a core."""
+    cpu = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    r, w = os.pipe()
+    spinner = os.fork()
+    if spinner == 0:  # the child: on the same core, spinning once it has said so
+        os.sched_setaffinity(0, {cpu})
+        os.write(w, b"1")
+        while True:
+            pass
+    try:
+        os.read(r, 1)
+        os.sched_setaffinity(0, {cpu})
+        before = sim_step.core_wait()
+        sim_step.spin(0.3)
+        crowded = sim_step.core_wait() - before
+    finally:
+        os.sched_setaffinity(0, mine)
+        os.kill(spinner, signal.SIGKILL)
+        os.waitpid(spinner, 0)
+    before = sim_step.core_wait()
+    time.sleep(0.2)
+    slept = sim_step.core_wait() - before
+    assert crowded >= 0.05 and slept < 0.05

@@ -1,12 +1,21 @@
 """gpupipe/_system.py: the cores a rank may take, and its rank on the node."""
 
 import os
+import threading
 
 import pytest
 import torch
 
 import gpupipe
-from gpupipe._system import WORKER_NICENESS, cores_per_rank, default_workers, local_rank, lower_priority, usable_cores
+from gpupipe._system import (
+    WORKER_NICENESS,
+    cores_per_rank,
+    default_workers,
+    local_rank,
+    lower_priority,
+    made_below,
+    usable_cores,
+)
 
 
 def test_the_node_cores_are_shared_among_its_ranks(monkeypatch):
@@ -129,3 +138,39 @@ def test_lower_priority_makes_a_process_nicer_by_the_set_amount():
     os.close(w)
     os.waitpid(pid, 0)
     assert int(os.read(r, 16)) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS)
+
+
+def _started_inside() -> tuple[int, int]:
+    """The niceness and scheduling policy of a thread started by the calling one (as a library starts its own)."""
+    seen = []
+    thread = threading.Thread(
+        target=lambda: seen.append((os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)))
+    )
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's scheduling policies")
+def test_threads_made_below_run_nicer_and_only_on_cores_nothing_else_wants():
+    base, policy = os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)
+    assert made_below(_started_inside) == (min(19, base + WORKER_NICENESS), os.SCHED_IDLE)
+    assert (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)) == (base, policy)  # the caller as it was
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's scheduling policies")
+def test_where_the_idle_policy_is_refused_the_threads_made_below_are_still_nicer(monkeypatch):
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    base, policy = os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)
+    assert made_below(_started_inside) == (min(19, base + WORKER_NICENESS), policy)
+
+
+def test_what_the_made_below_call_raises_is_raised_to_its_caller():
+    def fails():
+        raise ValueError("no pipeline")
+
+    with pytest.raises(ValueError, match="no pipeline"):
+        made_below(fails)

@@ -14,7 +14,8 @@ pairs: once with the loader idle (its read-ahead full), once right after a ``nex
 and threads make the next batch. The ratio of the medians says how much the loader slows the training thread down;
 pairing keeps the machine's drift (other load, clock changes) out of it. It is timed **flat out** too: between
 batches taken as fast as they come, the loader never idle, each round's flat-out times over the probe alone timed
-just before and after them.
+just before and after them, with the time the probe waited for a core then (Linux's run-queue delay: a loader's
+threads that take the training thread's core, where a shared lock or cache would not show).
 
     python -m gpupipe.bench.sim_step DATA [--backends pillow,turbojpeg,dali] [--batch 32] [--size 224]
         [--epochs 3] [--steps 30] [--json bench/results/sim-step-NAME-DATE.json]
@@ -29,6 +30,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -95,15 +97,32 @@ def time_probe(n: int, rounds: int, take, settle: float) -> tuple[float, float]:
     return statistics.median(alone), statistics.median(loaded)
 
 
-def time_flat_out(n: int, rounds: int, take, settle: float, drain: int, per_round: int = 3) -> tuple[float, float]:
+def core_wait() -> float | None:
+    """Seconds the calling thread has waited, runnable, for a core so far (Linux's schedstat: the run queue's delay;
+    waiting for a lock, the GIL included, is sleeping and not counted); None where the kernel does not keep it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class FlatOut(NamedTuple):
+    ms: float  # the probe's median wall ms flat out
+    ratio: float  # the median over the rounds of its time over the probe alone in the same round
+    core_wait_ms: float | None  # the median ms of it spent waiting for a core (None: not known on this system)
+
+
+def time_flat_out(n: int, rounds: int, take, settle: float, drain: int, per_round: int = 3) -> FlatOut:
     """The probe between batches taken as fast as they come (``take()`` then the probe, with no pause: the loader's
-    processes and threads always at work): its median wall ms, and the median over ``rounds`` of its time over the
-    probe's time alone in the same round. Each round times the probe alone once the loader is idle (``settle`` s
-    after a take: its read-ahead refilled) before and after it, takes ``drain`` batches flat out (the read-ahead
-    emptied), then times ``per_round`` probes flat out. Set beside the probe alone of its own round, not of another
-    moment: a pure-Python task's time alone moves with the machine (bench/README.md, the simulated step flat out,
-    timed in rounds)."""
-    flat, ratios = [], []
+    processes and threads always at work): its median wall ms, the median over ``rounds`` of its time over the
+    probe's time alone in the same round, and the median time it waited for a core (threads of the loader that take
+    the training thread's core show here, where a shared lock or cache would not). Each round times the probe alone
+    once the loader is idle (``settle`` s after a take: its read-ahead refilled) before and after it, takes ``drain``
+    batches flat out (the read-ahead emptied), then times ``per_round`` probes flat out. Set beside the probe alone of
+    its own round, not of another moment: a pure-Python task's time alone moves with the machine (bench/README.md,
+    the simulated step flat out, timed in rounds)."""
+    flat, ratios, waits = [], [], []
     time.sleep(settle)
     alone = _timed(n)
     for _ in range(rounds):
@@ -112,14 +131,19 @@ def time_flat_out(n: int, rounds: int, take, settle: float, drain: int, per_roun
         times = []
         for _ in range(per_round):
             take()
+            before = core_wait()
             times.append(_timed(n))
+            after_wait = core_wait()
+            if before is not None and after_wait is not None:
+                waits.append(after_wait - before)
         time.sleep(settle)
         after = _timed(n)
         middle = statistics.median(times)
         flat.append(middle * 1e3)
         ratios.append(middle / ((alone + after) / 2))
         alone = after
-    return statistics.median(flat), statistics.median(ratios)
+    wait_ms = statistics.median(waits) * 1e3 if waits else None
+    return FlatOut(statistics.median(flat), statistics.median(ratios), wait_ms)
 
 
 def forever(loader):
@@ -187,7 +211,7 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
     settle = max(0.1, 2 * max(1, workers) * alone_ms / 1e3)
     alone, loaded = time_probe(probe_n, s.probe_rounds, batches.__next__, settle)
     # emptied: a worker's prefetch, the take thread's batch and the one waiting for the training thread, each worker
-    flat, flat_ratio = time_flat_out(probe_n, s.probe_rounds, batches.__next__, settle, drain=2 + 3 * max(1, workers))
+    flat = time_flat_out(probe_n, s.probe_rounds, batches.__next__, settle, drain=2 + 3 * max(1, workers))
     del batches, loader  # its workers end now
     return {
         "backend": backend,
@@ -202,8 +226,9 @@ def one_backend(data: str, backend: str, s: Settings, probe_n: int) -> dict:
         "probe_alone_ms": round(alone, 3),
         "probe_with_loader_ms": round(loaded, 3),
         "probe_ratio": round(loaded / alone, 3),
-        "probe_flat_out_ms": round(flat, 3),
-        "probe_flat_out_ratio": round(flat_ratio, 3),
+        "probe_flat_out_ms": round(flat.ms, 3),
+        "probe_flat_out_ratio": round(flat.ratio, 3),
+        "probe_flat_out_core_wait_ms": None if flat.core_wait_ms is None else round(flat.core_wait_ms, 3),
     }
 
 
@@ -215,6 +240,11 @@ def _line(r: dict) -> str:
         f"{r['steps_per_epoch']} steps, epoch starts {starts} ms (median next() {r['next_median_ms']:.1f} ms), "
         f"probe {r['probe_with_loader_ms']:.1f} / {r['probe_alone_ms']:.1f} ms alone = {r['probe_ratio']:.2f}x, "
         f"flat out {r['probe_flat_out_ms']:.1f} ms = {r['probe_flat_out_ratio']:.2f}x"
+        + (
+            ""
+            if r["probe_flat_out_core_wait_ms"] is None
+            else f" ({r['probe_flat_out_core_wait_ms']:.2f} ms of it waiting for a core)"
+        )
     )
 
 
