@@ -4,6 +4,7 @@ import functools
 import gc
 import inspect
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -11,7 +12,15 @@ import torch
 
 from .common_utils import INVALID, VALID, S3Server, make_folder, photo
 
-BACKEND_MARKS = ("pillow", "turbojpeg", "dali", "nvjpeg", "synthetic")  # `pytest -m dali`: every test of dali
+BACKEND_MARKS = ("pillow", "turbojpeg", "dali", "nvjpeg", "synthetic")
+
+
+def pytest_configure(config):
+    # A suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT ignored, and so
+    # would every process it starts: a Ctrl-C the tests send (gpupipe bench, prepare, train) would go unheard and
+    # the test wait out its timeout. Handled here, SIGINT is back to its default in each process the suite execs.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # `pytest -m dali`: every test of dali
 
 
 def pytest_collection_modifyitems(config, items):
