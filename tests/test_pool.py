@@ -33,14 +33,28 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _is_worker(pid: int) -> bool:
+    """Whether child ``pid`` is a worker: this interpreter (as forked, or as multiprocessing starts it), not a
+    helper (multiprocessing's resource tracker or fork server) nor a short-lived program a library runs (ldconfig)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return argv[0] == sys.executable and not any("resource_tracker" in a or "forkserver" in a for a in argv)
+
+
 def _kill_a_worker_of(proc: subprocess.Popen) -> int:
-    """SIGKILL the first worker ``proc`` starts, while ``proc`` runs; its pid."""
+    """SIGKILL the first worker ``proc`` starts, while ``proc`` runs; its pid. A child gone before the signal lands
+    is looked for again."""
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        kids = _children(proc.pid)
-        if kids:
-            os.kill(kids[0], signal.SIGKILL)
-            return kids[0]
+        for kid in filter(_is_worker, _children(proc.pid)):
+            try:
+                os.kill(kid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return kid
         time.sleep(0.005)
     raise AssertionError("the command ended before it started a worker")
 
