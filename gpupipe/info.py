@@ -141,7 +141,7 @@ def describe(key: str, value) -> str:
     if key == "decode_workers" and isinstance(value, dict):
         return (
             f"{value['cpu']} on the CPU, {value['cuda']} with a GPU (the training thread keeps a core); "
-            f"nice +{value['niceness']} then, beside the training thread (DALI's threads also idle-priority)"
+            f"nice +{value['niceness']} then, beside the training thread (DALI's threads also idle-priority on Linux)"
         )
     if key == "gpupipe" and isinstance(value, dict):
         where = value["distribution"] or "not installed (run from a source tree)"

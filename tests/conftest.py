@@ -12,7 +12,7 @@ import torch
 
 from .common_utils import INVALID, VALID, S3Server, make_folder, photo
 
-BACKEND_MARKS = ("pillow", "turbojpeg", "dali", "nvjpeg", "synthetic")
+BACKEND_MARKS = ("pillow", "turbojpeg", "dali", "nvjpeg", "synthetic")  # `pytest -m dali`: every test of dali
 
 
 def pytest_configure(config):
@@ -20,7 +20,7 @@ def pytest_configure(config):
     # would every process it starts: a Ctrl-C the tests send (gpupipe bench, prepare, train) would go unheard and
     # the test wait out its timeout. Handled here, SIGINT is back to its default in each process the suite execs.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # `pytest -m dali`: every test of dali
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -136,14 +136,19 @@ def test_the_core_wait_counts_a_thread_kept_off_its_core_and_not_its_sleep():
     cpu = min(os.sched_getaffinity(0))
     mine = os.sched_getaffinity(0)
     r, w = os.pipe()
+    parent = os.getpid()
     spinner = os.fork()
-    if spinner == 0:  # the child: on the same core, spinning once it has said so
-        os.sched_setaffinity(0, {cpu})
-        os.write(w, b"1")
-        while True:
-            pass
+    if spinner == 0:  # the child: on the same core, spinning once it has said so, until its parent is gone
+        try:
+            os.sched_setaffinity(0, {cpu})
+            os.write(w, b"1")
+            while os.getppid() == parent:
+                pass
+        finally:
+            os._exit(0)
+    os.close(w)  # the child's end only: a child that dies before it writes is an empty read, not a hang
     try:
-        os.read(r, 1)
+        assert os.read(r, 1) == b"1", "the spinning child did not start"
         os.sched_setaffinity(0, {cpu})
         before = sim_step.core_wait()
         sim_step.spin(0.3)
@@ -152,6 +157,7 @@ def test_the_core_wait_counts_a_thread_kept_off_its_core_and_not_its_sleep():
         os.sched_setaffinity(0, mine)
         os.kill(spinner, signal.SIGKILL)
         os.waitpid(spinner, 0)
+        os.close(r)
     before = sim_step.core_wait()
     time.sleep(0.2)
     slept = sim_step.core_wait() - before

@@ -131,11 +131,11 @@ def time_flat_out(n: int, rounds: int, take, settle: float, drain: int, per_roun
         times = []
         for _ in range(per_round):
             take()
-            before = core_wait()
+            waited = core_wait()
             times.append(_timed(n))
-            after_wait = core_wait()
-            if before is not None and after_wait is not None:
-                waits.append(after_wait - before)
+            waited_after = core_wait()
+            if waited is not None and waited_after is not None:
+                waits.append(waited_after - waited)
         time.sleep(settle)
         after = _timed(n)
         middle = statistics.median(times)
