@@ -17,7 +17,7 @@ from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, positive_ints
 from ._parser import Parser
 from ._system import is_main_rank
 from ._version import __version__
-from .errors import GpupipeError, error_line, show_traceback
+from .errors import GpupipeError, error_line, interrupt_behind, show_traceback
 from .train.cli import add_train_args, run_train
 from .train.evaluate import add_eval_args, run_eval
 
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {escape(error_line(e))}", highlight=False)
         return 2
     except Exception as e:  # Ctrl-C that a library wrapped in its own error (DALI, as it builds a pipeline)
-        if not _caused_by_interrupt(e):
+        if interrupt_behind(e) is None:
             raise
         return _interrupted(args)
 
@@ -419,17 +419,6 @@ def _interrupted(args) -> int:
         raise  # the exception being handled
     console.print(f"interrupted: {args.interrupted}", highlight=False, markup=False)
     return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
-
-
-def _caused_by_interrupt(e: BaseException) -> bool:
-    seen: set[int] = set()
-    cause: BaseException | None = e
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
 
 
 if __name__ == "__main__":

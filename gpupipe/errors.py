@@ -107,6 +107,20 @@ def show_traceback() -> bool:
     return os.environ.get(TRACEBACK_ENV, "0") not in ("", "0")
 
 
+def interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind ``e``: ``e`` itself, or the ``KeyboardInterrupt`` in its chain of causes. A Ctrl-C raised
+    inside a library can come out as the library's own error: DALI's as it builds a pipeline, or a ``RuntimeError:
+    release unlocked lock`` from a thread pool's lock it broke."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def error_line(e: BaseException) -> str:
     """One line naming the file and the cause: ``path: No space left on device`` for a system error, the message
     (on one line) for the others."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -214,3 +215,30 @@ def _with_func(parser, func):
         for sub in action.choices.values():
             sub.set_defaults(func=func)
     return parser
+
+
+def test_a_second_ctrl_c_that_broke_a_lock_in_a_thread_pool_is_trains_stop_at_once(monkeypatch, capsys, tmp_path):
+    """A Ctrl-C raised inside ``threading.Condition.__exit__`` (the loader's host thread pool) came out as
+    ``RuntimeError: release unlocked lock``: train said the generic "interrupted: stopped", not what it kept."""
+    from gpupipe.train import cli as train_cli
+
+    def broken_lock(cfg):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock")  # noqa: B904 -- as threading raises it: the context, no cause
+
+    monkeypatch.setattr(train_cli, "_train_or_stop", broken_lock)
+    assert train_cli._train(types.SimpleNamespace(out=str(tmp_path))) == 130
+    said = capsys.readouterr().err.strip()
+    assert (
+        said == f"interrupted: stopped at once; no checkpoint was saved ({tmp_path}/checkpoints/last.pt does not "
+        "exist): nothing to resume"
+    )
+
+    def other(cfg):
+        raise RuntimeError("not an interrupt")
+
+    monkeypatch.setattr(train_cli, "_train_or_stop", other)
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        train_cli._train(types.SimpleNamespace(out=str(tmp_path)))

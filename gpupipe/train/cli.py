@@ -11,6 +11,8 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
+from ..errors import interrupt_behind
+
 
 def _flag_type(tp) -> tuple[type, tuple | None]:
     """(argparse type, choices) of a resolved field annotation: ``int | None`` -> int; a ``Literal`` -> str and its
@@ -85,10 +87,19 @@ def run_train(args) -> int:
 def _train(cfg) -> int:
     try:  # from the first import on (torch's takes seconds): a Ctrl-C at start-up is the one line of any moment
         return _train_or_stop(cfg)
+    except Exception as e:  # a second Ctrl-C inside a library, which broke a lock and raised its own error
+        interrupt = interrupt_behind(e)
+        if interrupt is None:
+            raise
+        return _stopped_at_once(cfg, interrupt)
     except KeyboardInterrupt as e:  # a second Ctrl-C, or the first before the run takes signals
-        if os.environ.get("RANK", "0") == "0":  # rank 0 says it, as _system.is_main_rank (whose import it may be)
-            print(f"interrupted: stopped at once; {_kept(cfg, e)}", file=sys.stderr, flush=True)
-        return 130
+        return _stopped_at_once(cfg, e)
+
+
+def _stopped_at_once(cfg, interrupt: KeyboardInterrupt) -> int:
+    if os.environ.get("RANK", "0") == "0":  # rank 0 says it, as _system.is_main_rank (whose import it may be)
+        print(f"interrupted: stopped at once; {_kept(cfg, interrupt)}", file=sys.stderr, flush=True)
+    return 130
 
 
 def _train_or_stop(cfg) -> int:
