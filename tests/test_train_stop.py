@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from gpupipe.train.stop import (
     LoaderStalled,
     StopSignals,
     WorkerLost,
+    interrupt_point,
     next_batch,
     resume_command,
     stop_requested,
@@ -22,17 +24,54 @@ from gpupipe.train.stop import (
 )
 
 
-def test_the_first_signal_asks_to_stop_and_a_second_ctrl_c_stops_at_once():
+def test_the_first_signal_asks_to_stop_and_a_second_ctrl_c_stops_at_the_next_interrupt_point():
+    """The second Ctrl-C is not raised in the handler, wherever the main thread is (inside a lock's ``with``, a queue's
+    or a thread pool's, it left the lock held and the run hung at its exit): at the next interrupt point, once; a
+    third is raised at once."""
     before = signal.getsignal(signal.SIGINT)
     said = []
-    with StopSignals(announce=said.append) as stop:
+    with StopSignals(announce=said.append, force_after_s=60) as stop:
+        interrupt_point()  # nothing asked: nothing raised
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.signum == signal.SIGTERM and stop.requested
         os.kill(os.getpid(), signal.SIGTERM)  # again: the save is on its way
+        interrupt_point()
+        os.kill(os.getpid(), signal.SIGINT)  # the second signal, a Ctrl-C: not raised here
+        assert stop.now
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            interrupt_point()
+        interrupt_point()  # once: the run is on its way out
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a third: at once
     assert said == ["SIGTERM: stopping after this step to save a checkpoint"]
     assert signal.getsignal(signal.SIGINT) is before  # put back
+    interrupt_point()  # outside a run: nothing
+
+
+def test_a_second_ctrl_c_no_interrupt_point_takes_is_raised_where_the_main_thread_waits():
+    """A run waiting for a batch that does not come reaches no interrupt point: the second Ctrl-C is raised in its
+    wait after ``force_after_s``, as Python's own handler would have at once."""
+    with StopSignals(announce=lambda text: None, force_after_s=0.2) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            threading.Event().wait(30)
+        assert stop.now and time.monotonic() - t0 < 25
+
+
+def test_a_forced_second_ctrl_c_is_not_raised_once_the_run_took_it_or_ended():
+    with StopSignals(announce=lambda text: None, force_after_s=0.2) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            interrupt_point()
+        assert not threading.Event().wait(0.6)  # the forced signal is not sent: nothing raised in the wait
+    with StopSignals(announce=lambda text: None, force_after_s=0.2) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.now
+    assert not threading.Event().wait(0.6)  # the run ended before: not raised after it
 
 
 class _Slow(Dataset):

@@ -21,6 +21,7 @@ from torch import nn
 from .._files import open_regular
 from ..errors import GpupipeError
 from .precision import Precision
+from .stop import interrupt_point
 
 
 @dataclass
@@ -127,6 +128,7 @@ class _Hashing:
         self.error: OSError | None = None  # torch reports a failed write as "unexpected pos": keep the real cause
 
     def write(self, data) -> int:
+        interrupt_point()  # a second Ctrl-C abandons the write here
         self.sha.update(data)
         try:
             return self.f.write(data)

@@ -34,7 +34,17 @@ from .logging import Meter, RunLogger
 from .nonfinite import LossWatch
 from .precision import Precision
 from .resume import checkpoint_path, moves_schedule, resume_state, resuming, save_checkpoint
-from .stop import LoaderStalled, StopSignals, WorkerLost, guard_run, next_batch, resume_command, stop_requested, stopped
+from .stop import (
+    LoaderStalled,
+    StopSignals,
+    WorkerLost,
+    guard_run,
+    interrupt_point,
+    next_batch,
+    resume_command,
+    stop_requested,
+    stopped,
+)
 
 DATA_WAIT_WARN = 0.20
 
@@ -198,6 +208,7 @@ def train_one_epoch(run: Run, epoch: int, first: int, meter: Meter) -> None:
     meter.start()
     boundary = first  # where the last optimizer step left the epoch: what a save on a loader failure resumes from
     for batch_idx in range(first, n_batches):
+        interrupt_point()  # a second Ctrl-C: here, between micro-batches, where no lock is held
         t_wait = time.perf_counter()
         images, labels = next_or_save(run, batches, epoch, boundary, meter)
         wait = time.perf_counter() - t_wait

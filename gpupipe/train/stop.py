@@ -3,7 +3,11 @@
 - The first SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill, and on preemption) asks the loop to stop
   at the next optimizer-step boundary: it saves a checkpoint there, prints the resume command and exits non-zero
   (:class:`Stopped`). A second Ctrl-C stops at once (``KeyboardInterrupt``), saving nothing more; one in the middle
-  of a checkpoint write abandons it (``checkpoint.WriteInterrupted`` says which checkpoint is kept).
+  of a checkpoint write abandons it (``checkpoint.WriteInterrupted`` says which checkpoint is kept). The handler does
+  not raise it wherever the main thread happens to be: an exception raised between two bytecodes of a lock's
+  ``with`` (a queue's, a thread pool's, TensorBoard's writer's) leaves the lock held or broken, and the run hung at
+  its exit. It is raised at the loop's next :func:`interrupt_point` (each micro-batch, each write of a checkpoint),
+  and only where none comes within :data:`FORCE_AFTER_S` (a batch that does not come) wherever the thread waits.
 - DataLoader workers (forked) inherit the handlers and ignore Ctrl-C, which a terminal sends to every process of the
   group. (torch ends a worker on a SIGTERM from anyone but its parent; the loop then saves as for a lost worker.)
 - torch's SIGCHLD handler, which raises a dead worker's error at any point of the main thread, is off for the run:
@@ -23,6 +27,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
@@ -51,13 +56,31 @@ class WorkerLost(GpupipeError):
     """A data loader worker died (killed, out of memory); the message names it."""
 
 
+FORCE_AFTER_S = 2.0  # a second Ctrl-C that no interrupt point took by then is raised wherever the main thread is
+_ACTIVE: list[StopSignals] = []  # the StopSignals entered in this process (its main thread's), for interrupt_point
+
+
+def interrupt_point() -> None:
+    """Where a second Ctrl-C stops the run (``KeyboardInterrupt``): a point with no lock held, between micro-batches
+    or in a checkpoint's write. Nothing without one."""
+    if _ACTIVE:
+        _ACTIVE[-1].take()
+
+
 class StopSignals:
     """``with StopSignals() as stop:`` SIGINT and SIGTERM set ``stop.signum`` instead of ending the process (in the
-    main thread of the process that entered it; elsewhere, and in forked workers, they are ignored or left alone)."""
+    main thread of the process that entered it; elsewhere, and in forked workers, they are ignored or left alone). A
+    second SIGINT sets ``stop.now``: :func:`interrupt_point` raises it, or after ``force_after_s`` the handler does."""
 
-    def __init__(self, announce=lambda text: print(text, file=sys.stderr, flush=True)):
+    def __init__(
+        self, announce=lambda text: print(text, file=sys.stderr, flush=True), force_after_s: float = FORCE_AFTER_S
+    ):
         self.signum: int | None = None
         self.announce = announce
+        self.force_after_s = force_after_s
+        self.now = False  # a second Ctrl-C came: stop at once
+        self._taken = False  # its KeyboardInterrupt was raised
+        self._closed = False
         self._pid = os.getpid()
         self._old: dict[int, Any] = {}
 
@@ -65,27 +88,49 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in _NAMES:
                 self._old[sig] = signal.signal(sig, self._handle)
+            _ACTIVE.append(self)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._closed = True  # first: a forced signal still on its way is not raised in here
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
 
+    def take(self) -> None:
+        """An interrupt point: the second Ctrl-C's ``KeyboardInterrupt``, raised here once."""
+        if self.now and not self._taken:
+            self._taken = True
+            raise KeyboardInterrupt
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != self._pid:  # a forked DataLoader worker: the main process decides
+        if os.getpid() != self._pid or self._closed:  # a forked DataLoader worker: the main process decides
             return
         if self.signum is not None:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt  # the second Ctrl-C: at once
-            return  # a repeated SIGTERM: the save is on its way
+            if signum != signal.SIGINT:
+                return  # a repeated SIGTERM: the save is on its way
+            if self.now:  # a third Ctrl-C, or no interrupt point came in time: here, wherever this is
+                self._taken = True
+                raise KeyboardInterrupt
+            self.now = True  # the second Ctrl-C: at the next interrupt point
+            threading.Thread(target=self._force_later, name="gpupipe-stop-now", daemon=True).start()
+            return
         self.signum = signum
         self.announce(
             f"{_NAMES[signum]}: stopping after this step to save a checkpoint"
             + (" (Ctrl-C again to stop at once, saving nothing)" if signum == signal.SIGINT else "")
         )
+
+    def _force_later(self) -> None:
+        """No interrupt point came within ``force_after_s`` (the main thread waits for a batch that does not come):
+        the second Ctrl-C raised wherever it is, as Python's own handler would."""
+        time.sleep(self.force_after_s)
+        if not self._taken and not self._closed:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     @property
     def requested(self) -> bool:
