@@ -48,13 +48,17 @@ def test_bench_measures_a_prepared_folder_on_every_backend(tmp_path):
 
 @pytest.mark.slow
 def test_bench_on_a_folder_with_an_unreadable_file_measures_and_names_it(tmp_path):
+    """A file that is no image, and a JPEG cut in half: the header reads, and DALI's own pipeline (the reference)
+    failed on it with a traceback ("Premature end of JPEG data") where the loaders left it out."""
     root = make_folder(tmp_path / "data", 2, 3)
     (root / "c00" / "000.jpg").write_bytes(b"not an image")  # the first file: also in the size estimate
+    whole = (root / "c01" / "000.jpg").read_bytes()
+    (root / "c01" / "000.jpg").write_bytes(whole[: len(whole) // 2])
     backends = ",".join(b for b in ("pillow", "dali") if b in CPU_BACKENDS)  # dali: its decode job and reference too
     r = _bench(root, tmp_path, "--backends", backends, "--pipelines", "decode,eval", "--seconds", 0.2)
     assert r.returncode == 0, r.stderr  # was: a PIL.UnidentifiedImageError traceback
     assert "Traceback" not in r.stderr
-    assert "1 unreadable file(s) left out of the measurements" in r.stderr and "000.jpg" in r.stderr
+    assert "2 unreadable file(s) left out of the measurements" in r.stderr and "000.jpg" in r.stderr
     assert "gpupipe check" in r.stderr
     plan = next(line for line in r.stderr.splitlines() if "left:" in line)  # what a measurement costs, first
     jobs = 3 if backends == "pillow" else 6  # decode and eval per backend, the baseline, dali's reference
@@ -143,3 +147,21 @@ def test_the_estimate_is_no_shorter_than_a_small_real_run(tmp_path, model):
     assert suite.estimate(cfg) == pytest.approx(planned, abs=1.0)
     # the estimate aims at an idle machine's time: a busy one may take a few times longer, never a tenth
     assert actual / 4 <= planned <= 10 * actual, (planned, actual)
+
+
+def test_an_image_over_the_pixel_limit_is_left_out_of_the_baseline_and_the_megapixels(tmp_path, monkeypatch):
+    """The loaders leave an image over the pixel limit out: the baseline decoded it (a 12000 x 12000 JPEG made it 160x
+    slower than pillow) and the mean size counted it (22,543 MP/s on 2 cores)."""
+    from PIL import Image
+
+    from gpupipe.bench.baseline import _open_or_none
+    from gpupipe.bench.suite import mean_megapixels
+    from gpupipe.sources.open import open_source
+
+    root = make_folder(tmp_path / "data", 2, 2, sizes=((30, 40),))
+    Image.new("RGB", (200, 100)).save(root / "c01" / "big.jpg")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)  # the limit every loader keeps: 40 x 30 within, 200 x 100 not
+    dataset = open_source(str(root))
+    kept = [_open_or_none(dataset, i) is not None for i in range(len(dataset))]
+    assert kept == [not p.endswith("big.jpg") for p, _ in dataset.samples]
+    assert mean_megapixels(str(root)) == pytest.approx(40 * 30 / 1e6)

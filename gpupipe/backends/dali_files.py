@@ -109,14 +109,24 @@ def judge_file(path: str, max_pixels: int) -> Verdict:
     return _verdict(path, entry, head, tail, max_pixels)._replace(stamp=stamp)
 
 
-def _verdict(path: str, entry: HeaderCheck, head: bytes, tail: bytes, max_pixels: int) -> Verdict:
+def dali_decodes(source: str | bytes, max_pixels: int) -> bool:
+    """Whether the dali backend hands this file (or these bytes) to DALI (:func:`judge_file`): DALI's own pipeline
+    and its decode, timed beside it by ``gpupipe bench``, take the same ones."""
+    if isinstance(source, bytes):
+        return _verdict("", header_entry(source, max_pixels), source, source, max_pixels, whole=source).kind == _DALI
+    return judge_file(source, max_pixels).kind == _DALI
+
+
+def _verdict(
+    path: str, entry: HeaderCheck, head: bytes, tail: bytes, max_pixels: int, whole: bytes | None = None
+) -> Verdict:
     if entry.problem is not None:
         return Verdict(_BAD, problem=entry.problem)
     if entry.pillow_only:
         return Verdict(_PILLOW, entry.height, entry.width)
     if is_jpeg(head) and not ends_whole(tail):
         try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides
-            PillowDecoder(max_pixels).decode(read_regular(path), path)
+            PillowDecoder(max_pixels).decode(read_regular(path) if whole is None else whole, path)
         except (DecodeError, OSError) as e:
             reason = e.reason if isinstance(e, DecodeError) else f"cannot read the file ({e.strerror or e})"
             return Verdict(_BAD, problem=reason)

@@ -6,22 +6,29 @@ file out of its batch instead of failing the run."""
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 from PIL import Image
 
+from ..image import default_max_pixels
 from ..sources.open import open_source
 from ..sources.scan import ImageList
 from .records import Config
 
 
 def _open_or_none(dataset: ImageList, i: int) -> Image.Image | None:
-    """torchvision's ``pil_loader`` (RGB), for a file or a shard member; None for a file Pillow cannot read."""
+    """torchvision's ``pil_loader`` (RGB), for a file or a shard member; None for a file Pillow cannot read or an image
+    over the pixel limit (the loaders leave both out: the baseline times the same samples)."""
     try:
         source = dataset.samples[i][0] if dataset.reads_files else io.BytesIO(dataset.read(i))
-        with Image.open(source) as img:
-            return img.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged here, against the loaders' limit
+            with Image.open(source) as img:
+                if img.width * img.height > default_max_pixels():
+                    return None
+                return img.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError):
         return None
 

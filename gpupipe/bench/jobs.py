@@ -7,6 +7,7 @@ need none: the suite runs their ``decoder`` in DataLoader workers), and DALI's o
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,9 +15,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..backends.dali_files import dali_decodes
 from ..backends.dali_graph import dali_device_id
 from ..backends.nvjpeg import decoder_on_stream
-from ..image import is_jpeg
+from ..image import default_max_pixels, is_jpeg
 from ..recipe import IMAGENET_MEAN, IMAGENET_STD
 from ..sources.scan import ImageList
 
@@ -24,11 +26,14 @@ _DALI_PREFETCH = 2  # batches in flight in DALI's decode job
 
 
 def _opens(source: bytes | str) -> bool:
-    """Whether Pillow reads an image header from these bytes or this file: DALI's jobs leave out what it cannot (one
-    unreadable file would stop DALI's pipeline; the loaders skip such files and name them)."""
+    """Whether Pillow reads an image header from these bytes or this file, of an image within the loaders' pixel
+    limit: DALI's jobs leave out what it cannot (one unreadable file would stop DALI's pipeline; the loaders skip
+    such files and name them)."""
     try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source):
-            return True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # judged here, against the loaders' limit
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+                return img.width * img.height <= default_max_pixels()
     except (OSError, ValueError, Image.DecompressionBombError):
         return False
 
@@ -39,7 +44,8 @@ def dali_decode_counts(dataset, cfg) -> Iterator[int]:
     from nvidia.dali import fn, pipeline_def, types
 
     gpu = cfg.device.type == "cuda"
-    data = [np.frombuffer(b, dtype=np.uint8) for b in map(dataset.read, range(len(dataset))) if _opens(b)]
+    blobs = map(dataset.read, range(len(dataset)))
+    data = [np.frombuffer(b, dtype=np.uint8) for b in blobs if _opens(b) and dali_decodes(b, default_max_pixels())]
 
     @pipeline_def(
         batch_size=cfg.batch_size,
@@ -84,7 +90,8 @@ def dali_reference_counts(dataset, cfg, train: bool) -> Iterator[int]:
         batch_size=cfg.batch_size, num_threads=max(1, cfg.workers), device_id=dali_device_id(cfg.device), seed=0
     )
     def pipe():
-        readable = [(p, label) for p, label in dataset.samples if _opens(p)]  # DALI's reader stops at a bad file
+        # DALI's reader stops at a bad file (a truncated JPEG too): only those the dali backend hands DALI
+        readable = [(p, label) for p, label in dataset.samples if dali_decodes(p, default_max_pixels())]
         jpegs, labels = fn.readers.file(
             files=[p for p, _ in readable], labels=[label for _, label in readable], random_shuffle=train, name="Reader"
         )

@@ -12,6 +12,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
 from typing import NamedTuple
@@ -23,6 +24,7 @@ from .._system import usable_cores
 from ..api import build_loader
 from ..backends import get
 from ..errors import DecodeError
+from ..image import default_max_pixels
 from ..recipe import Recipe
 from ..sources.open import Source, open_source
 from .baseline import baseline_counts
@@ -180,10 +182,13 @@ def mean_megapixels(data: Source) -> float:
         for i in picks:
             try:
                 source = dataset.samples[i][0] if dataset.reads_files else io.BytesIO(dataset.read(i))
-                with Image.open(source) as im:
-                    sizes.append(im.size[0] * im.size[1])
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                    with Image.open(source) as im:
+                        sizes.append(im.size[0] * im.size[1])
             except (OSError, ValueError, Image.DecompressionBombError):
                 continue
+    sizes = [n for n in sizes if n <= default_max_pixels()]  # over the limit: left out by every loader
     return sum(sizes) / len(sizes) / 1e6 if sizes else 0.0
 
 
