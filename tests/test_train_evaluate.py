@@ -143,3 +143,20 @@ def test_a_damaged_checkpoint_is_refused_in_eval_s_words_naming_the_good_one_bes
     code, _, lines = _eval(capsys, "--checkpoint", ckpt, "--data", data)
     assert code == 2 and len(lines) == 1 and "resume" not in lines[0] and "start the run" not in lines[0]
     assert lines[0].endswith("no good checkpoint is kept beside it: evaluate another one, or restore a good copy")
+
+
+def test_a_run_folder_evaluates_its_last_checkpoint_and_synthetic_data_is_refused(tmp_path, capsys, monkeypatch):
+    """The probe: ``--checkpoint runs/train`` said "no such checkpoint file" of a folder that holds one, and
+    ``--backend synthetic`` printed an accuracy on random images as --data's."""
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
+    data, run = make_folder(tmp_path / "val", 2, 1), tmp_path / "run"
+    _checkpoint(run / "checkpoints" / "last.pt", {}, ["c00", "c01"])
+    code, out, _ = _eval(capsys, "--checkpoint", run, "--data", data, "--json")
+    assert code == 0 and json.loads(out)["checkpoint"] == str(run / "checkpoints" / "last.pt")
+    code, _, lines = _eval(capsys, "--checkpoint", tmp_path / "val", "--data", data)
+    assert code == 2 and lines == [
+        f"error: {tmp_path / 'val'}: a folder, with no checkpoints/last.pt in it: pass a checkpoint file, or the --out "
+        "folder of a `gpupipe train` run"
+    ]
+    code, _, lines = _eval(capsys, "--checkpoint", run, "--data", data, "--backend", "synthetic")
+    assert code == 2 and lines[0].startswith("error: --backend synthetic makes random images and labels"), lines

@@ -15,7 +15,9 @@ from .._options import ALLOW_OUTSIDE_ROOT_HELP
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="a `gpupipe train` checkpoint (OUT/checkpoints/last.pt)")
+    p.add_argument(
+        "--checkpoint", required=True, help="a `gpupipe train` checkpoint (OUT/checkpoints/last.pt), or the run's OUT"
+    )
     p.add_argument("--data", required=True, help="held-out data: an ImageFolder directory, a CSV list, shards")
     p.add_argument("--backend", default="pillow", help="decode backend (default pillow)")
     p.add_argument("--batch-size", type=int, default=64, help="(default 64)")
@@ -35,6 +37,11 @@ def run_eval(args) -> int:
     from .cli import require_train_extra
 
     require_train_extra("eval")
+    if args.backend == "synthetic":
+        raise ValueError(
+            "--backend synthetic makes random images and labels, not --data's: an accuracy on them means nothing; "
+            "pick a backend that decodes --data (pillow, turbojpeg, dali, nvjpeg, pillow-simd, auto)"
+        )
     import timm  # defer: only training and evaluation need it
 
     from ..api import build_loader
@@ -89,6 +96,14 @@ def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
     """The checkpoint (one line for a missing, broken or foreign file) and the classes that label ``--data``."""
     from ..sources.open import open_source
 
+    run_folder = Path(args.checkpoint) / "checkpoints" / "last.pt"
+    if Path(args.checkpoint).is_dir() and run_folder.is_file():  # a run's --out: its last checkpoint
+        args.checkpoint = str(run_folder)
+    elif Path(args.checkpoint).is_dir():
+        raise IsADirectoryError(
+            f"{args.checkpoint}: a folder, with no checkpoints/last.pt in it: pass a checkpoint file, or the --out "
+            "folder of a `gpupipe train` run"
+        )
     if not Path(args.checkpoint).is_file():  # not "cannot resume from it": eval resumes nothing
         raise FileNotFoundError(
             f"{args.checkpoint}: no such checkpoint file (`gpupipe train --out OUT` writes OUT/checkpoints/last.pt)"
