@@ -16,7 +16,7 @@ import torchvision
 from PIL import Image
 
 import gpupipe
-from gpupipe.errors import DecodeError
+from gpupipe.errors import DecodeError, SourceError
 from gpupipe.sources.dataset import DatasetSource, check_sendable, open_dataset
 from gpupipe.sources.open import open_source
 
@@ -125,6 +125,16 @@ def test_arrays_read_as_the_folder_of_the_same_images(tmp_path):
     for train in (True, False):
         _same(_batches(held, "pillow", train=train), _batches(tmp_path, "pillow", train=train), exact=True)
     assert open_dataset(held).samples[2] == ("arrays[2]", int(arrays[1][order][2]))
+
+
+def test_labels_in_a_column_read_as_a_vector_and_other_shapes_are_named():
+    """Keras's CIFAR-10 labels are (N, 1): they were a raw ``TypeError: only 0-dimensional arrays can be converted to
+    Python scalars``."""
+    images = np.zeros((4, 8, 8, 3), np.uint8)
+    for labels in (np.array([[0], [1], [0], [1]]), torch.tensor([[0], [1], [0], [1]])):
+        assert [label for _, label in open_dataset((images, labels)).samples] == [0, 1, 0, 1]
+    with pytest.raises(SourceError, match=r"arrays: labels of shape \(4, 2\): one class index per image"):
+        open_dataset((images, np.zeros((4, 2), np.int64)))
 
 
 def test_a_dataset_resumes_mid_epoch_and_reads_its_rank_as_the_folder(images, folder):

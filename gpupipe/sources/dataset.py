@@ -64,6 +64,11 @@ class _Arrays:
     """``(images, labels)`` as a dataset of ``(image, label)`` items."""
 
     def __init__(self, images, labels, name: str = "arrays"):
+        shape = tuple(np.shape(labels))
+        if len(shape) == 2 and shape[1] == 1:  # a column of labels, as Keras's CIFAR-10 gives them: (N, 1)
+            labels = labels[:, 0]
+        elif len(shape) != 1:
+            raise SourceError(f"{name}: labels of shape {shape}: one class index per image, of shape (N,) or (N, 1)")
         if len(images) != len(labels):
             raise SourceError(f"{name}: {len(images)} images but {len(labels)} labels")
         self.images, self.targets = images, [int(v) for v in labels]
