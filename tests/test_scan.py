@@ -56,6 +56,17 @@ def test_csv_headers_as_users_write_them(tmp_path, folder, header):
     assert [label for _, label in data.samples] == [1, 0] and data.classes == ["0", "1"]
 
 
+@pytest.mark.parametrize("header", ["path,label\n", "image,class\n", "\ufefffilename,label\n", "photo,target\n"])
+def test_a_csv_list_of_a_header_alone_is_empty(tmp_path, header):
+    """The probe: ``path,label`` alone was read as a row naming the missing file ``path``."""
+    lst = tmp_path / "list.csv"
+    lst.write_text(header, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"list.csv: the file list is empty \(a header row, no file under it\)"):
+        scan(lst)
+    lst.write_text("gone.jpg,1\n")  # one row naming a missing file: data
+    assert scan(lst).missing == [f"{lst}:1: gone.jpg"]
+
+
 @pytest.mark.parametrize("bad", ["dog", "1.0", "--1", "\u00b2", "\u0663"])  # \u00b2: ², \u0663: an Arabic-Indic 3
 def test_csv_mixed_labels_are_an_error_naming_the_line(tmp_path, folder, bad):
     import shutil

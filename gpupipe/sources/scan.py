@@ -163,9 +163,10 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
     first column is a usual header word (``path``, ``image``...), or names no file and either has no file extension
     (a column title, not a missing image) or is the only row whose label is not an integer."""
     base = path.parent.resolve()
-    rows = _without_header(_csv_rows(path), base)
+    read = _csv_rows(path)
+    rows = _without_header(read, base)
     if not rows:
-        raise SourceError(f"{path}: the file list is empty")
+        raise SourceError(f"{path}: the file list is empty" + (" (a header row, no file under it)" if read else ""))
     numeric = _labels_are_indices(path, rows)
     if class_to_idx is not None:  # a held-out set, labelled as the training set
         names = {row.label for row in rows}
@@ -205,6 +206,10 @@ def _csv_rows(path: Path) -> list[_Row]:
 
 
 def _without_header(rows: list[_Row], base: Path) -> list[_Row]:
+    if len(rows) == 1:  # a header with no data under it: column titles naming no file
+        only, name = rows[0], rows[0].path.lower()
+        titles = name in _HEADER_WORDS or (not os.path.splitext(name)[1] and not _is_int(only.label))
+        return [] if titles and not (base / only.path).is_file() else rows
     if len(rows) < 2:  # a header is followed by data
         return rows
     first = rows[0]
