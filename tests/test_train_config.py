@@ -163,6 +163,17 @@ def test_a_schedule_that_cannot_finish_within_the_epochs_is_said_in_one_line(fla
 
 
 @pytest.mark.slow
+def test_a_value_the_file_sets_out_of_range_is_named_by_its_line(tmp_path):
+    """The probe: ``lr: -1`` in a config file was ``lr must be a finite number >= 0, got -1.0``, naming neither the
+    file nor the line (an unknown key or a wrong type named both)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data: data/sample\nlr: -1\n")
+    with pytest.raises(ValueError, match=r"^\S*c\.yaml:2: lr must be a finite number >= 0, got -1.0$"):
+        load_config(str(f))
+    with pytest.raises(ValueError, match=r"^lr must be a finite number >= 0, got -2.0$"):  # the flag's: cli names it
+        load_config(str(f), {"lr": -2.0})
+
+
 def test_under_torchrun_rank_0_alone_says_a_config_warning():
     """Every rank printed the same config warning (and every other ``gpupipe`` log line): rank 0 now speaks for all."""
     flags = ["-m", "gpupipe", "train", "--print-config", "--res-end", "288", "--epochs", "1"]

@@ -351,7 +351,13 @@ def load_config(config_file: str | None = None, overrides: dict[str, Any] | None
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if given:
         merged = OmegaConf.merge(merged, given)
-    return TrainConfig(**cast(dict[str, Any], OmegaConf.to_container(merged)))
+    try:
+        return TrainConfig(**cast(dict[str, Any], OmegaConf.to_container(merged)))
+    except ValueError as e:  # "lr must be ...": a value the file set is named by its line, one a flag set by the flag
+        key = str(e).split(" ", 1)[0]
+        if config_file and key in lines and key not in given:
+            raise ValueError(f"{config_file}:{lines[key]}: {e}") from None
+        raise
 
 
 @functools.cache
