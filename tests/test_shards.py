@@ -171,6 +171,28 @@ def test_a_compressed_shard_is_refused(tmp_path):
         scan(tmp_path / "x.tar")
 
 
+def test_a_compressed_or_cut_shard_alone_is_named_as_such(tmp_path):
+    """The probe: ``x.tar.gz`` alone was "expected an ImageFolder directory or a .csv file list", and a plain tar cut
+    short "not an uncompressed tar file"."""
+    import gzip
+
+    whole = _tar(tmp_path / "y.tar", {"a.jpg": b"x" * 4000, "a.cls": b"1"}).read_bytes()
+    (tmp_path / "x.tar.gz").write_bytes(gzip.compress(whole))
+    with pytest.raises(GpupipeError, match=r"x\.tar\.gz: a compressed tar file: shards are read uncompressed"):
+        scan(tmp_path / "x.tar.gz")
+    (tmp_path / "cut.tar").write_bytes(whole[:2000])
+    with pytest.raises(GpupipeError, match=r"cut\.tar: a tar file cut short \(truncated, or still being written\)"):
+        scan(tmp_path / "cut.tar")
+
+
+def test_a_folder_of_webdataset_shards_reads_as_its_tar_files(wds_shards, tmp_path):
+    """The probe: a folder holding shards that ``gpupipe prepare`` did not write was refused as an ImageFolder with no
+    class folder, where the docs read tar shards from a folder."""
+    got, want = scan(wds_shards), scan(str(wds_shards / "part-*.tar"))
+    assert got.samples == want.samples and got.targets == [i % 5 for i in range(14)]
+    assert gpupipe.build_loader(wds_shards, "pillow", batch_size=2, image_size=16, device="cpu").dataset is not None
+
+
 @pytest.fixture(scope="module")
 def unique_prepared(unique_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("unique") / "out"

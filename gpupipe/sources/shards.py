@@ -177,7 +177,22 @@ def is_shard_source(root) -> bool:
     path = os.fspath(root)
     if (glob.has_magic(path) or _BRACES.search(path)) and not os.path.exists(path):
         return True
-    return path.endswith(".tar") or os.path.isfile(os.path.join(path, META))
+    if path.lower().endswith(COMPRESSED_TAR):  # read as a shard, which names it as compressed
+        return True
+    return path.endswith(".tar") or os.path.isfile(os.path.join(path, META)) or is_tar_folder(path)
+
+
+COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+
+
+def is_tar_folder(path: str) -> bool:
+    """A local folder of WebDataset shards that ``gpupipe prepare`` did not write: ``.tar`` files and no class
+    folder (an ImageFolder's, read as one)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    return any(e.name.endswith(".tar") and e.is_file() for e in entries) and not any(e.is_dir() for e in entries)
 
 
 _BRACES = re.compile(r"\{[^{}]*\}")
@@ -225,6 +240,8 @@ def shard_paths(root) -> list[str]:
 def scan_shards(root, allow_outside_root: bool = False) -> ShardImageList:
     """The :class:`ShardImageList` for ``root`` (see :func:`is_shard_source`)."""
     if not isinstance(root, (list, tuple)) and os.path.isdir(root):
+        if not os.path.isfile(os.path.join(root, META)):  # a folder of WebDataset shards: its .tar files
+            return load_tars(sorted(str(p) for p in Path(root).glob("*.tar") if p.is_file()))
         return load_prepared(root, allow_outside_root)
     return load_tars(shard_paths(root))
 
@@ -444,8 +461,16 @@ def _walk_tar(path: str) -> _TarMembers:
                     assert member is not None
                     labels[ext][key] = (m.name, member.read())
     except tarfile.TarError as e:
-        raise SourceError(f"{path}: not an uncompressed tar file ({e})") from None
+        raise SourceError(f"{path}: {_tar_problem(path, e)} ({e})") from None
     return members
+
+
+def _tar_problem(path: str, e: tarfile.TarError) -> str:
+    if "unexpected end of data" in str(e):
+        return "a tar file cut short (truncated, or still being written)"
+    if path.lower().endswith(COMPRESSED_TAR):
+        return "a compressed tar file: shards are read uncompressed (decompress it, or `gpupipe prepare` the images)"
+    return "not an uncompressed tar file"
 
 
 def _paired(path: str, members: _TarMembers) -> tuple[list[str], list[int | str]]:
