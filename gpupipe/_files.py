@@ -90,13 +90,12 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     raised without blocking: the file is opened non-blocking (which a regular file's reads ignore) and checked before
     it is read."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    f = os.fdopen(fd, "rb")
     mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        f.close()
+    if not stat.S_ISREG(mode):  # checked before a file object is made: Python's refuses a folder naming the fd
+        os.close(fd)
         kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
         raise OSError(errno.EINVAL, f"not a regular file: {kind}", os.fspath(path))
-    return f
+    return os.fdopen(fd, "rb")
 
 
 def read_regular(path: str | os.PathLike) -> bytes:

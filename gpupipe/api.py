@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ._files import read_regular
 from ._options import Cache
 from ._system import as_device, cores_per_rank, default_workers, resolve_device, usable_cores
 from .augment import Policy, SampleAugment
@@ -290,6 +291,8 @@ def read_image(
         data, path = bytes(src), "<bytes>"
     else:
         path = os.fspath(src)
-        with open(path, "rb") as f:
-            data = f.read()
+        try:
+            data = read_regular(path)  # a folder, a fifo or a device: one OSError naming what it is
+        except FileNotFoundError:
+            raise MissingFileError(f"{path}: no such file") from None
     return spec.read(data, path, max_pixels, torch.device("cpu") if target is None else target)

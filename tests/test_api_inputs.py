@@ -166,6 +166,20 @@ def test_read_image_names_the_decoding_backends_and_a_missing_gpu_in_one_line(tm
     assert gpupipe.read_image(path, "pillow").shape[0] == 3
 
 
+def test_read_image_of_a_missing_file_or_a_folder_and_a_foreign_loader_state_are_named(tmp_path, folder):
+    """The probe: a missing file was a plain FileNotFoundError (docs/loader.md: gpupipe.MissingFileError), a folder
+    ``IsADirectoryError: [Errno 21] Is a directory: 3`` (a file descriptor for a name), and load_state_dict of a dict
+    that is no loader's state a bare ``KeyError: 'epoch'``."""
+    with pytest.raises(gpupipe.MissingFileError, match=rf"^{tmp_path}/nope.jpg: no such file$"):
+        gpupipe.read_image(tmp_path / "nope.jpg", "pillow")
+    with pytest.raises(OSError, match="not a regular file: a folder") as e:
+        gpupipe.read_image(tmp_path, "pillow")
+    assert e.value.filename == str(tmp_path)
+    loader = gpupipe.build_loader(folder, "pillow", batch_size=2, image_size=16, device="cpu", num_workers=0)
+    with pytest.raises(ValueError, match=r"^not a loader's state: \{'foo': 1\} has no 'epoch' and 'batch'"):
+        loader.load_state_dict({"foo": 1})
+
+
 def test_a_missing_absolute_row_gets_no_relative_path_hint_and_every_data_error_is_gpupipes(tmp_path, folder):
     """The hint about relative paths only where a missing row is relative; the missing-file, malformed-source and
     batch-size errors are gpupipe's own, each keeping its builtin class as a base (docs/loader.md)."""

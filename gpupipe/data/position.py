@@ -84,6 +84,10 @@ class Position:
         return {"epoch": self.epoch, "batch": self.batch}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"epoch", "batch"} <= state.keys():
+            raise ValueError(
+                f"not a loader's state: {state!r:.80} has no 'epoch' and 'batch' (what Loader.state_dict() returns)"
+            )
         epoch, batch = _epoch(state["epoch"], "the state's epoch"), int(state["batch"])
         if not 0 <= batch <= self.num_batches:
             raise ValueError(
