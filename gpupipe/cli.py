@@ -77,6 +77,8 @@ def _cmd_bench(args) -> int:
 
     if args.plot:  # before the benchmark, not after it
         require("matplotlib", "bench")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        _check_writable(flag, path)  # before the benchmark too: a run is minutes to lose
     if args.data is None:  # said, since it writes files: the data the table's title names
         console.print(f"no --data: measuring the sample data in {DEFAULT_DIR} (`gpupipe sample-data` writes it)")
     data = args.data if args.data is not None else str(make_sample_data(DEFAULT_DIR))
@@ -138,6 +140,19 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
     for b, why in unusable.items():
         console.print(f"[red]{b}[/]: {escape(why or '')}{'' if len(unusable) == len(backends) else ': not measured'}")
     return [b for b in backends if b not in unusable], {b: why or "unavailable" for b, why in unusable.items()}
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    """A file ``path`` can be written where it is named, or one line naming the flag and why not."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: a folder; name a file to write")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: no folder {folder} to write it in")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def _bench_outputs(cfg, results: list, args, unavailable: dict, since) -> None:

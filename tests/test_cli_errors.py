@@ -108,6 +108,19 @@ def test_bench_plot_without_matplotlib_is_refused_before_the_benchmark(tmp_path)
     ], r.stderr
 
 
+def test_a_bench_output_that_cannot_be_written_is_named_by_its_flag_before_the_benchmark(tmp_path, capsys, monkeypatch):
+    """The probe: ``--json /proc/nope/x.json`` ran the whole benchmark, then said ``error: /proc/nope: No such file or
+    directory``, naming no flag. Here --data does not exist: the outputs are checked first."""
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
+    nowhere = tmp_path / "nowhere"
+    for flag, path, why in (
+        ("--json", tmp_path / "no" / "r.json", f"no folder {tmp_path / 'no'} to write it in"),
+        ("--json", tmp_path, "a folder; name a file to write"),
+    ):
+        assert main(["bench", "--data", str(nowhere), flag, str(path)]) == 2
+        assert _lines(capsys.readouterr().err) == [f"error: {flag} {path}: {why}"]
+
+
 @pytest.mark.parametrize(
     "args, line",
     [
@@ -165,7 +178,7 @@ def test_a_wrong_flag_value_is_named_by_its_flag_and_a_wrong_file_value_by_its_k
     config = tmp_path / "run.yaml"
     config.write_text("image_size: 0\n")
     assert main(["train", "--config", str(config), "--print-config"]) == 2
-    assert _lines(capsys.readouterr().err) == ["error: image_size must be >= 1, got 0"]
+    assert _lines(capsys.readouterr().err) == [f"error: {config}:1: image_size must be >= 1, got 0"]
 
 
 def test_a_shard_label_past_an_int64_is_one_line_naming_the_shard_and_member(tmp_path, capsys, monkeypatch):
