@@ -143,16 +143,19 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
 
 
 def _check_writable(flag: str, path: str | None) -> None:
-    """A file ``path`` can be written where it is named, or one line naming the flag and why not."""
+    """A file ``path`` can be written where it is named (its missing folders made then), or one line naming the
+    flag and why not."""
     if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path}: a folder; name a file to write")
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: no folder {folder} to write it in")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(above):  # the nearest that exists: the folders below it are made with the file
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"{flag} {path}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {above} is not writable")
 
 
 def _bench_outputs(cfg, results: list, args, unavailable: dict, since) -> None:

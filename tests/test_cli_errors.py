@@ -112,13 +112,16 @@ def test_a_bench_output_that_cannot_be_written_is_named_by_its_flag_before_the_b
     """The probe: ``--json /proc/nope/x.json`` ran the whole benchmark, then said ``error: /proc/nope: No such file or
     directory``, naming no flag. Here --data does not exist: the outputs are checked first."""
     monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
-    nowhere = tmp_path / "nowhere"
+    nowhere, a_file = tmp_path / "nowhere", tmp_path / "notes.txt"
+    a_file.write_text("kept")
     for flag, path, why in (
-        ("--json", tmp_path / "no" / "r.json", f"no folder {tmp_path / 'no'} to write it in"),
-        ("--json", tmp_path, "a folder; name a file to write"),
+        ("--json", a_file / "runs" / "r.json", f"{a_file} is a file, not a folder"),
+        ("--plot", tmp_path, "a folder; name a file to write"),
     ):
         assert main(["bench", "--data", str(nowhere), flag, str(path)]) == 2
         assert _lines(capsys.readouterr().err) == [f"error: {flag} {path}: {why}"]
+    assert main(["bench", "--data", str(nowhere), "--json", str(tmp_path / "new" / "r.json")]) == 2  # made then
+    assert "--json" not in capsys.readouterr().err and a_file.read_text() == "kept"
 
 
 @pytest.mark.parametrize(
