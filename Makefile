@@ -24,7 +24,7 @@ system-deps:
 	  else echo "note: apt-get install $(APT_PKGS): without them the turbojpeg backend is unavailable (or decodes whole images) and the arithmetic-JPEG test is skipped"; fi; \
 	fi
 
-$(STAMP): pyproject.toml setup.py gpupipe/_jpeg_window.c
+$(STAMP): pyproject.toml setup.py gpupipe/_jpeg_window.c gpupipe/_stamps.c
 	$(MAKE) system-deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -6,8 +6,9 @@ What the feed judges from each file's bytes (:mod:`.gpu_feed`: its upright size,
 it cannot be decoded) is judged from its header, in worker processes that run a few batches ahead of the stream the
 first time a sample comes (:class:`Scanner`: nothing is read up front); the verdicts are kept in the path table
 (:class:`FileTable`) with each file's stamp (size, modification time, inode). Each pass checks every verdict it uses
-against its file once, in those processes: a file that changed since (rewritten, replaced, made unreadable, mended) is
-judged again, so a pass crops, refuses or skips each file as it is when the pass runs, as the CPU backends do. The
+against its file once, a batch's files ``stat``-ed in one call without the GIL (gpupipe/_stamps.c; where it was not
+built, in those processes): a file that changed since (rewritten, replaced, made unreadable, mended) is judged again
+there, so a pass crops, refuses or skips each file as it is when the pass runs, as the CPU backends do. The
 scan opens each file non-blocking and checks that it is a regular file before any path goes to DALI (a fifo would
 block its reader for ever, ``/dev/zero`` never end). A sample the scan found bad is reported as the feed reports it;
 one only Pillow decodes is decoded by Pillow on the training thread (rare: CMYK, 16-bit, formats DALI lacks). A file
@@ -49,6 +50,11 @@ from .dali_feed import Gate, Request
 from .gpu_feed import Work, decode_on_cpu, eval_windows
 from .pillow import PillowDecoder
 
+try:
+    from .. import _stamps  # built with the package where a C compiler was (setup.py)
+except ImportError:
+    _stamps = None
+
 # a sample's verdict: not judged yet; DALI reads and decodes it; Pillow decodes it; it is reported
 _UNKNOWN, _DALI, _PILLOW, _BAD = -1, 0, 1, 2
 _CHUNK = 8  # batches whose crops are drawn in one call
@@ -70,13 +76,30 @@ _UNJUDGED = -1  # the stamp of a sample not judged yet: no file's
 
 
 def stamp_key(path: str) -> int:
-    """A file's stamp (:class:`.._files.Stamp`: size, modification time, inode) as one number, stat-ed now; 0 when it
-    cannot be (gone). A verdict holds it: a file whose stamp moved since is judged again."""
+    """A file's stamp (:class:`.._files.Stamp`: device, inode, size, modification and change times) as one number,
+    stat-ed now; 0 when it cannot be (gone), never :data:`_UNJUDGED`. A verdict holds it: a file whose stamp moved
+    since is judged again. The fields are mixed as gpupipe/_stamps.c mixes them, which stamps a batch's files in one
+    call (:meth:`FileTable.check_stamps`)."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):  # (a path with a NUL in it names no file)
         return 0
-    return hash((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))  # never -1: _UNJUDGED
+    h = 0x9E3779B97F4A7C15
+    for v in (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+        h = _mix(h, v)
+    key = h - (1 << 64) if h >> 63 else h  # as C's int64
+    return 1 if key in (0, _UNJUDGED) else key
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(h: int, v: int) -> int:
+    """``v`` xor-ed into ``h`` and spread by splitmix64's finaliser, in 64-bit unsigned arithmetic."""
+    h ^= v & _MASK
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK
+    return h ^ (h >> 31)
 
 
 def _read_ends(path: str) -> tuple[bytes, bytes]:
@@ -175,11 +198,12 @@ class Scanner:
     """Judges the samples a batch needs, not yet judged or whose files changed since they were (their stamps are
     checked once a pass, :meth:`FileTable.unchecked`), in ``workers`` processes (none: on the caller's thread when the
     batch is made). The pool starts with the first batch that needs it and lives as long as the loader's stream: a
-    file that did not change costs its worker a ``stat`` a pass, and the caller's thread nothing. Its processes are
-    forked by ``zygote`` (:mod:`~gpupipe.plumbing.zygote`, where no DALI thread ever ran) when there is one, else from
-    this process only while no DALI pipeline runs in it (:func:`._fork.pipelines_running`: a fork beside DALI's
-    threads may inherit a lock one of them holds); without a zygote, what is judged once a pipeline runs (another
-    loader's, or this one's after its pool was lost) is judged on the caller's thread."""
+    file that did not change costs the caller's thread a ``stat`` a pass without the GIL, and no message
+    (:meth:`FileTable.check_stamps`; where gpupipe/_stamps.c was not built, the worker's, a message a few batches).
+    Its processes are forked by ``zygote`` (:mod:`~gpupipe.plumbing.zygote`, where no DALI thread ever ran) when
+    there is one, else from this process only while no DALI pipeline runs in it (:func:`._fork.pipelines_running`: a
+    fork beside DALI's threads may inherit a lock one of them holds); without a zygote, what is judged once a pipeline
+    runs (another loader's, or this one's after its pool was lost) is judged on the caller's thread."""
 
     _live: ClassVar[weakref.WeakSet[Scanner]] = weakref.WeakSet()  # for :meth:`_close_all_at_exit`
 
@@ -199,7 +223,7 @@ class Scanner:
     def ask(self, index: np.ndarray) -> Asked | None:
         """Start judging the samples of ``index`` not checked in this pass (a ``stat`` each; judged if not judged yet
         or changed)."""
-        todo = index[self.table.unchecked(index)]
+        todo = self.table.check_stamps(index[self.table.unchecked(index)])
         if not len(todo) or self.workers < 1:
             return None
         if self._pool is None:
@@ -315,6 +339,20 @@ class FileTable:
     def unchecked(self, index: np.ndarray) -> np.ndarray:
         """Which samples of ``index`` have no verdict yet, or one not checked against its file in this pass."""
         return self.checked[index] < self.passes
+
+    def check_stamps(self, todo: np.ndarray) -> np.ndarray:
+        """The judged samples of ``todo`` whose files did not change, checked for this pass here, in one call without
+        the GIL (gpupipe/_stamps.c; where it was not built, nothing is); the rest of ``todo``, to be judged."""
+        judged = self.kind[todo] != _UNKNOWN
+        if _stamps is None or not judged.any():
+            return todo
+        known = todo[judged]
+        now = np.empty(len(known), np.int64)
+        _stamps.stamps(self._bytes, self.starts, self.lengths, known, now)
+        same = now == self.stamps[known]
+        self.checked[known[same]] = self.passes
+        judged[judged] = same
+        return todo[~judged]
 
     def set(self, indices: np.ndarray, verdicts: Verdicts) -> None:
         self.kind[indices], self.sizes[indices], self.stamps[indices] = verdicts.kind, verdicts.sizes, verdicts.stamps
