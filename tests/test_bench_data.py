@@ -165,3 +165,27 @@ def test_an_image_over_the_pixel_limit_is_left_out_of_the_baseline_and_the_megap
     kept = [_open_or_none(dataset, i) is not None for i in range(len(dataset))]
     assert kept == [not p.endswith("big.jpg") for p, _ in dataset.samples]
     assert mean_megapixels(str(root)) == pytest.approx(40 * 30 / 1e6)
+
+
+@pytest.mark.skipif("dali" not in CPU_BACKENDS, reason="DALI is not installed")
+def test_dalis_decode_job_reads_each_header_once_and_takes_what_the_dali_backend_hands_dali(tmp_path, monkeypatch):
+    """Not an image, over the pixel limit: left out of the dali decode job, each file's header read once (Pillow read
+    every header twice: once to check it opens, once in the dali backend's judgement)."""
+    import torch
+    from PIL import Image
+
+    from gpupipe.bench.jobs import dali_decode_counts
+    from gpupipe.bench.records import Config
+    from gpupipe.sources.open import open_source
+
+    root = make_folder(tmp_path / "data", 2, 2, sizes=((30, 40),))
+    Image.new("RGB", (200, 100)).save(root / "c01" / "big.jpg")
+    (root / "c00" / "bad.jpg").write_bytes(b"not an image")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
+    opened = []
+    real = Image.open
+    monkeypatch.setattr(Image, "open", lambda fp, *a, **k: opened.append(fp) or real(fp, *a, **k))
+    dataset = open_source(str(root))
+    jobs = dali_decode_counts(dataset, Config(str(root), ["dali"], ["decode"], 1, torch.device("cpu"), batch_size=8))
+    assert next(jobs) == 4  # the four 40 x 30 JPEGs
+    assert len(opened) == len(dataset) == 6
