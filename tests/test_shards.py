@@ -193,6 +193,25 @@ def test_a_folder_of_webdataset_shards_reads_as_its_tar_files(wds_shards, tmp_pa
     assert gpupipe.build_loader(wds_shards, "pillow", batch_size=2, image_size=16, device="cpu").dataset is not None
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_folder_of_shards_delivers_what_its_glob_does_resumes_and_splits_over_ranks(wds_shards, backend):
+    """The folder form on every backend, with the default workers: the same batches as the glob of its tar files,
+    to the bit, over two epochs; a resume mid-epoch delivers the rest of the epoch; two ranks split it as they split
+    the glob."""
+    kw = dict(batch_size=3, train=True, image_size=24, device="cpu", seed=3, drop_last=False)
+    folder, glob = str(wds_shards), str(wds_shards / "part-*.tar")
+    a, b = gpupipe.build_loader(folder, backend, **kw), gpupipe.build_loader(glob, backend, **kw)
+    for epoch in range(2):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        got, want = list(a), list(b)
+        assert len(got) == len(want) == 5
+        for (x, y), (ex, ey) in zip(got, want, strict=True):
+            assert torch.equal(x, ex) and torch.equal(y, ey)
+    assert_resume_is_exact(lambda: gpupipe.build_loader(folder, backend, **kw), 1, 2)
+    assert two_rank_epochs(folder, backend) == two_rank_epochs(glob, backend)
+
+
 @pytest.fixture(scope="module")
 def unique_prepared(unique_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("unique") / "out"
