@@ -228,6 +228,13 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
     numeric = _is_int(rows[0].label)
     for lineno, _, label in rows:
         if _is_int(label) != numeric:
+            first = rows[0]
+            if not numeric and _is_number(first.label):  # (1.5, then 1): the first one is the odd one out
+                raise SourceError(
+                    f"{path}:{first.lineno}: label {first.label!r} is a number but not a class index, and the label "
+                    f"on line {lineno} ({label!r}) is one: class indices are whole numbers 0..n-1; use class indices "
+                    "or class names, not both"
+                )
             kind = "an integer" if numeric else "a class name"
             raise SourceError(
                 f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
@@ -236,6 +243,15 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
         if numeric and (problem := index_problem(label)) is not None:
             raise SourceError(f"{path}:{lineno}: {problem}")
     return numeric
+
+
+def _is_number(label: str) -> bool:
+    """Whether a label reads as a number written in ASCII (``1.5``, ``2.0``, ``1e3``)."""
+    try:
+        float(label)
+    except ValueError:
+        return False
+    return label.isascii()
 
 
 def index_problem(label: str) -> str | None:
