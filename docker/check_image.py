@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from PIL import Image
 
-from gpupipe.backends import unavailable_reason
+from gpupipe.backends import dali_files, unavailable_reason
 from gpupipe.backends.dali import dali_info
 from gpupipe.backends.pillow import pil_is_simd
 
@@ -67,6 +67,8 @@ def problems() -> list[str]:
     found += [f"backend {b}: {why}" for b in CPU_BACKENDS if (why := unavailable_reason(b)) is not None]
     if not window_decode_loads():
         found.append("turbojpeg's window decode (gpupipe/_jpeg_window.c) was not built or does not load")
+    if dali_files._stamps is None:
+        found.append("dali's file checks (gpupipe/_stamps.c) were not built")
     dali = dali_info().get("package") or ""
     dali_cuda = re.search(r"cuda(\d+)\d", dali)
     if not dali_cuda or dali_cuda.group(1) != (torch.version.cuda or "").split(".")[0]:

@@ -40,6 +40,12 @@ static int64_t stamp(const char *path) {
     return key == 0 || key == -1 ? 1 : key;
 }
 
+/* Whether a path starting at byte `at`, `len` bytes long, lies inside a buffer of `size` bytes (no sum that can
+   overflow). */
+static int inside(int64_t at, int64_t len, Py_ssize_t size) {
+    return at >= 0 && len >= 0 && at <= size && len <= size - at;
+}
+
 static int take(PyObject *obj, Py_buffer *view, int writable, const char *format, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0)
         return -1;
@@ -75,8 +81,8 @@ static PyObject *stamps(PyObject *self, PyObject *args) {
     const int64_t *at = starts.buf, *len = lengths.buf, *chosen = index.buf;
     for (Py_ssize_t k = 0; k < n; k++) { /* checked before the GIL goes: an error can be raised */
         int64_t i = chosen[k];
-        if (i < 0 || i >= rows || at[i] < 0 || len[i] < 0 || at[i] + len[i] > buf.len) {
-            PyErr_Format(PyExc_IndexError, "stamps: index %lld is not a path of the table", (long long)i);
+        if (i < 0 || i >= rows || !inside(at[i], len[i], buf.len)) {
+            PyErr_Format(PyExc_IndexError, "stamps: index %lld is not a path of the table", (long long)chosen[k]);
             goto done;
         }
     }
@@ -85,9 +91,19 @@ static PyObject *stamps(PyObject *self, PyObject *args) {
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < n && !failed; k++) {
+        /* each read once, and checked again: another thread may write the arrays while the GIL is let go */
         int64_t i = chosen[k];
-        if ((size_t)len[i] + 1 > room) {
-            room = (size_t)len[i] + 256;
+        if (i < 0 || i >= rows) {
+            failed = 2;
+            break;
+        }
+        int64_t a = at[i], l = len[i];
+        if (!inside(a, l, buf.len)) {
+            failed = 2;
+            break;
+        }
+        if ((size_t)l + 1 > room) {
+            room = (size_t)l + 256;
             char *more = realloc(path, room);
             if (more == NULL) {
                 failed = 1;
@@ -95,15 +111,17 @@ static PyObject *stamps(PyObject *self, PyObject *args) {
             }
             path = more;
         }
-        memcpy(path, (const char *)buf.buf + at[i], (size_t)len[i]);
-        path[len[i]] = 0;
+        memcpy(path, (const char *)buf.buf + a, (size_t)l);
+        path[l] = 0;
         /* a path with a NUL in it names no file: its stamp is a gone file's */
-        ((int64_t *)out.buf)[k] = memchr(path, 0, (size_t)len[i]) ? 0 : stamp(path);
+        ((int64_t *)out.buf)[k] = memchr(path, 0, (size_t)l) ? 0 : stamp(path);
     }
     Py_END_ALLOW_THREADS
     free(path);
-    if (failed)
+    if (failed == 1)
         PyErr_NoMemory();
+    else if (failed == 2)
+        PyErr_SetString(PyExc_RuntimeError, "stamps: the table's arrays changed during the call");
     else
         result = Py_NewRef(Py_None);
 done:

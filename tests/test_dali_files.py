@@ -503,6 +503,65 @@ def test_a_pass_after_the_first_sends_the_scan_only_the_files_that_changed(tmp_p
 
 
 @pytest.mark.usefixtures("no_pipeline")
+def test_where_stat_is_slow_the_checks_go_back_to_the_scan_processes(tmp_path, monkeypatch, caplog):
+    """A network file system's ``stat`` (milliseconds) would hold up the thread that feeds DALI: after a few slow
+    calls in a row the checks go to the header scan's processes, off that thread, and the loader says so once."""
+    import types
+
+    from gpupipe.backends import dali_files
+
+    if dali_files._stamps is None:
+        pytest.skip("gpupipe._stamps is not built (no C compiler at install time)")
+    real = dali_files._stamps.stamps
+
+    def slow(buf, starts, lengths, index, out):
+        real(buf, starts, lengths, index, out)
+        time.sleep(len(index) * 2 * dali_files._SLOW_STAT_S)
+
+    monkeypatch.setattr(dali_files, "_stamps", types.SimpleNamespace(stamps=slow))
+    sent = []
+    asked = dali_files.Asked
+    monkeypatch.setattr(dali_files, "Asked", lambda indices, *rest: sent.append(len(indices)) or asked(indices, *rest))
+    caplog.set_level("INFO", logger="gpupipe")
+    root = make_folder(tmp_path, 2, 30)
+    loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
+    for epoch in range(3):
+        sent.clear()
+        loader.set_epoch(epoch)
+        assert sum(len(y) for _, y in loader) == 60
+    assert not loader._feed.table.stat_here and sent  # the last pass's checks: the scan's
+    assert sum("a network file system?" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.usefixtures("no_pipeline")
+def test_an_ask_of_the_pass_before_still_at_work_is_not_waited_on_once_the_files_are_checked(mixed):
+    """At a pass's start the batches taken ahead are asked about again. Where the new ask is not needed (every file
+    checked in one call, unchanged), an ask of the pass before that is still at work was kept and waited on: its
+    answer set the samples back to the pass before, and they were checked again on the loader's thread."""
+    from concurrent.futures import Future
+
+    from gpupipe.backends import dali_files
+    from gpupipe.backends.dali_feed import Request
+    from gpupipe.recipe import Recipe
+    from gpupipe.sources.open import open_source
+
+    if dali_files._stamps is None:
+        pytest.skip("gpupipe._stamps is not built (no C compiler at install time)")
+    dataset = open_source(mixed)
+    table = dali_files.FileTable(dataset, 10**8)
+    dali_files.Scanner(table, 0).settle(None, np.arange(len(dataset)))  # every sample judged, with its stamp
+    stream = dali_files.FileStream(table, Recipe(16), True, 0, workers=1)
+    index = np.arange(4, dtype=np.int64)
+    still = dali_files.Asked(index, table.passes, Future())  # never answered
+    stream._ahead.append((Request(1, list(range(4)), 0), index, still))
+    stream.consuming(1)  # the pass begins
+    stream._ask_again()
+    ((_, _, asked),) = stream._ahead
+    assert asked is None and not table.unchecked(index).any()
+    stream.scanner.close()
+
+
+@pytest.mark.usefixtures("no_pipeline")
 def test_without_the_stamps_extension_a_pass_asks_the_scan_about_several_judged_batches_in_one_message(
     tmp_path, monkeypatch
 ):

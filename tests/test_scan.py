@@ -67,7 +67,8 @@ def test_a_csv_list_of_a_header_alone_is_empty(tmp_path, header):
     assert scan(lst).missing == [f"{lst}:1: gone.jpg"]
 
 
-@pytest.mark.parametrize("bad", ["dog", "1.0", "--1", "\u00b2", "\u0663"])  # \u00b2: ², \u0663: an Arabic-Indic 3
+# \u00b2: ², \u0663: an Arabic-Indic 3; nan: a name, not a number
+@pytest.mark.parametrize("bad", ["dog", "1.0", "--1", "\u00b2", "\u0663", "nan"])
 def test_csv_mixed_labels_are_an_error_naming_the_line(tmp_path, folder, bad):
     import shutil
 

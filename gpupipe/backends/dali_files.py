@@ -61,6 +61,9 @@ _CHUNK = 8  # batches whose crops are drawn in one call
 _GROUP = 4  # judged batches of one epoch whose files a pass's check asks the scan about in one message
 _HEAD, _TAIL = 256 << 10, 4096  # bytes the scan reads: a header's, and the tail that holds a JPEG's end marker
 _ANSWER = 60.0  # seconds a header-scan worker may take over a batch's headers before it is taken for stuck
+# a stat slower than this a file (a local one takes a few microseconds), in this many calls in a row: the per-pass
+# checks go back to the header scan's processes, off the thread that feeds DALI
+_SLOW_STAT_S, _SLOW_CALLS = 100e-6, 3
 log = logging.getLogger("gpupipe")
 
 
@@ -326,6 +329,8 @@ class FileTable:
         # is when its pass runs (a verdict from an earlier pass is checked against its file once in each)
         self.passes = 0
         self.checked = np.full(len(samples), -1, np.int64)
+        self.stat_here = _stamps is not None  # :meth:`check_stamps` stats files on the caller's thread
+        self._slow = 0  # its calls in a row that took over _SLOW_STAT_S a file
 
     def paths(self, chosen: np.ndarray) -> np.ndarray:
         """The paths of samples ``chosen`` as (n, W) uint8 rows, each a path's bytes, then NULs: one gather for the
@@ -342,13 +347,26 @@ class FileTable:
 
     def check_stamps(self, todo: np.ndarray) -> np.ndarray:
         """The judged samples of ``todo`` whose files did not change, checked for this pass here, in one call without
-        the GIL (gpupipe/_stamps.c; where it was not built, nothing is); the rest of ``todo``, to be judged."""
+        the GIL (gpupipe/_stamps.c); the rest of ``todo``, to be judged. Where it was not built, or where ``stat`` is
+        slow (a network file system: :data:`_SLOW_STAT_S` a file, :data:`_SLOW_CALLS` calls in a row, which would
+        hold up the thread that feeds DALI), nothing is: the header scan's processes check them."""
         judged = self.kind[todo] != _UNKNOWN
-        if _stamps is None or not judged.any():
+        if not self.stat_here or not judged.any():
             return todo
         known = todo[judged]
         now = np.empty(len(known), np.int64)
+        began = time.perf_counter()
+        assert _stamps is not None  # (stat_here)
         _stamps.stamps(self._bytes, self.starts, self.lengths, known, now)
+        took = time.perf_counter() - began
+        self._slow = self._slow + 1 if took > _SLOW_STAT_S * len(known) else 0
+        if self._slow == _SLOW_CALLS:
+            self.stat_here = False
+            log.info(
+                "dali: a file's stat takes %.0f us here (a network file system?): each pass's checks go to the header "
+                "scan's processes from now on",
+                took / len(known) * 1e6,
+            )
         same = now == self.stamps[known]
         self.checked[known[same]] = self.passes
         judged[judged] = same
@@ -405,19 +423,25 @@ class FileStream:
         self._asked_before = True  # asked again by the next ``next()``: not on the way to the pass's first batch
 
     def _ask_again(self) -> None:
-        """The batches taken from the plan ahead, asked about in the pass before: asked again, so that the scan
-        processes check their files in this pass, not the loader's thread as each batch is made. What an earlier ask
-        answered already is kept first (a sample's first verdict); one still at work is left to run, unheeded (its
-        samples are judged again by the new ask)."""
+        """The batches taken from the plan ahead, asked about in the pass before: asked again, so that their files are
+        checked in this pass (:meth:`Scanner.ask`), not on the loader's thread one by one as each batch is made. What an
+        earlier ask answered already is kept first (a sample's first verdict); one still at work is left to run,
+        unheeded where the new ask covers its samples or none of them is left to check (it would set them back to
+        the pass before)."""
         self._asked_before = False
         for _, _, asked in self._ahead:
             if asked is not None and asked.verdicts.done():
                 self.scanner.take(asked)
         again = self._asks([(request, index) for request, index, _ in self._ahead])
         self._ahead = deque(
-            (request, index, new or (None if asked is None or asked.taken else asked))
+            (request, index, new or (asked if self._still_asked(asked, index) else None))
             for (request, index, asked), new in zip(self._ahead, again, strict=True)
         )
+
+    def _still_asked(self, asked: Asked | None, index: np.ndarray) -> bool:
+        """Whether an ask of the pass before is still to be waited on for ``index``: at work, with samples of it left
+        to check in this pass."""
+        return asked is not None and not asked.taken and bool(self.table.unchecked(index).any())
 
     def _asks(self, taken: list[tuple[Request, np.ndarray]]) -> list[Asked | None]:
         """The scan asked about the batches ``taken``: one message for each run of up to ``_GROUP`` batches of an

@@ -245,13 +245,12 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
     return numeric
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
+
+
 def _is_number(label: str) -> bool:
-    """Whether a label reads as a number written in ASCII (``1.5``, ``2.0``, ``1e3``)."""
-    try:
-        float(label)
-    except ValueError:
-        return False
-    return label.isascii()
+    """Whether a label is a decimal number (``1.5``, ``2.0``, ``1e3``; not ``nan`` or ``inf``, which may be names)."""
+    return _NUMBER.fullmatch(label) is not None
 
 
 def index_problem(label: str) -> str | None:
