@@ -137,6 +137,16 @@ def test_labels_in_a_column_read_as_a_vector_and_other_shapes_are_named():
         open_dataset((images, np.zeros((4, 2), np.int64)))
 
 
+def test_float_labels_are_class_indices_when_whole_and_an_error_naming_the_item_when_not():
+    """``(images, np.arange(10) * 0.5)`` was read as labels 0, 0, 1, 1, ...: each float cut to an int."""
+    images = np.zeros((4, 8, 8, 3), np.uint8)
+    for labels in (np.array([0.0, 1.0, 2.0, 1.0]), torch.tensor([0.0, 1.0, 2.0, 1.0])):
+        assert [label for _, label in open_dataset((images, labels)).samples] == [0, 1, 2, 1]
+    for bad, shown in ((0.5, "0.5"), (float("nan"), "nan")):
+        with pytest.raises(SourceError, match=rf"arrays: label {shown} \(item 2\) is not a class index"):
+            open_dataset((images, np.array([0.0, 1.0, bad, 1.0])))
+
+
 def test_a_dataset_resumes_mid_epoch_and_reads_its_rank_as_the_folder(images, folder):
     data = _in_folder_order(folder, _as_held(images, "pil"))
     kw = dict(batch_size=2, train=True, drop_last=False)

@@ -71,13 +71,28 @@ class _Arrays:
             raise SourceError(f"{name}: labels of shape {shape}: one class index per image, of shape (N,) or (N, 1)")
         if len(images) != len(labels):
             raise SourceError(f"{name}: {len(images)} images but {len(labels)} labels")
-        self.images, self.targets = images, [int(v) for v in labels]
+        self.images, self.targets = images, _class_indices(labels, name)
 
     def __len__(self) -> int:
         return len(self.images)
 
     def __getitem__(self, i: int):
         return self.images[i], self.targets[i]
+
+
+def _class_indices(labels, name: str) -> list[int]:
+    """The labels as ints; a float one must be a whole number (``1.0``, as a float tensor holds them), never cut
+    (``0.5`` was read as 0)."""
+    values = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
+    if values.dtype.kind in "fc":
+        whole = np.isfinite(values) & (values == np.round(values.real))
+        if not whole.all():
+            i = int(np.flatnonzero(~whole)[0])
+            raise SourceError(
+                f"{name}: label {values[i].item()!r} (item {i}) is not a class index: labels are whole numbers 0..n-1"
+            )
+        values = values.real
+    return [int(v) for v in values]
 
 
 class ItemNames(SampleList):
