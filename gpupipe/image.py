@@ -115,6 +115,8 @@ def _unreadable(e: Exception) -> str:
     """Why PIL could not open the data, without the ``<_io.BytesIO object at 0x...>`` it names in-memory input by."""
     if isinstance(e, Image.UnidentifiedImageError):
         return "not a readable image (no image format PIL knows starts this data)"
+    if "Truncated File Read" in str(e):  # cut inside its header: one wording for a truncated file
+        return TRUNCATED
     return f"not a readable image ({type(e).__name__}: {re.sub(r' ?<_io.BytesIO object at 0x[0-9a-f]+>', '', str(e))})"
 
 

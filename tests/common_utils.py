@@ -136,6 +136,7 @@ def encoded(img, fmt, **kw) -> bytes:
 # Broken files: every decoder raises a DecodeError naming the file.
 INVALID = {
     "truncated": lambda b: jpeg_bytes(b, quality=95)[:-400],
+    "truncated_in_its_header": lambda b: jpeg_bytes(b, quality=95)[:300],
     "empty": lambda b: b"",
     "not_an_image": lambda b: b"hello, this is text" * 10,
     "corrupt_after_marker": lambda b: jpeg_bytes(b, quality=95)[:200] + bytes(range(256)) * 8,

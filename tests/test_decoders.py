@@ -107,7 +107,7 @@ def test_invalid_files_raise_decode_error_naming_the_file(tmp_path, base, backen
         gpupipe.read_image(path, backend)
     assert str(path) in str(e.value) and e.value.backend == backend
     assert capfd.readouterr().err == ""
-    if kind == "truncated":
+    if kind.startswith("truncated"):  # cut inside its header: Pillow's "Truncated File Read" before
         assert e.value.reason == "truncated (the data ends before the image does)"
 
 
