@@ -118,6 +118,16 @@ def test_a_csv_row_leaving_its_folder_says_how_to_allow_it(tmp_path, folder):
         gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)
 
 
+def test_a_csv_row_naming_a_folder_says_so(tmp_path, folder):
+    """A row naming a folder was reported as a file that does not exist, the folder right there."""
+    (tmp_path / "a.jpg").write_bytes((folder / "c00" / "000.jpg").read_bytes())
+    (tmp_path / "sub").mkdir()
+    lst = tmp_path / "list.csv"
+    lst.write_text("a.jpg,0\nsub,1\n")
+    with pytest.raises(FileNotFoundError, match=r"list.csv:2: sub \(a folder\)"):
+        gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)
+
+
 def test_a_missing_file_in_a_csv_is_named_before_iteration(tmp_path, folder):
     (tmp_path / "a.jpg").write_bytes((folder / "c00" / "000.jpg").read_bytes())
     lst = tmp_path / "list.csv"

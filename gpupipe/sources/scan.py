@@ -182,7 +182,9 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
     class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
     paths = [_resolve(path, base, row.path, allow_outside_root) for row in rows]
     missing = [
-        f"{path}:{row.lineno}: {row.path}" for row, full in zip(rows, paths, strict=True) if not os.path.isfile(full)
+        f"{path}:{row.lineno}: {row.path}" + (" (a folder)" if os.path.isdir(full) else "")
+        for row, full in zip(rows, paths, strict=True)
+        if not os.path.isfile(full)
     ]
     samples = PathList(
         paths, [_label(row.label, numeric, class_to_idx) for row in rows]
