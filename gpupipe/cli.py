@@ -125,7 +125,7 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
     avail = available_backends()
     if not asked:
         return [b for b in names() if b in avail and device.type in get(b).devices], {}
-    backends = [check_name(b) for b in asked.split(",")]
+    backends = list(dict.fromkeys(check_name(b) for b in asked.split(",")))  # each once (pillow,pillow: one row)
     if "auto" in backends:
         raise ValueError(
             "--backends auto: auto is not a backend but a choice among them, made from a bench's "

@@ -41,6 +41,15 @@ def test_bench_backends_auto_is_a_clear_error(folder, capsys):
     assert "auto is not a backend" in err and "None" not in err
 
 
+def test_a_backend_listed_twice_is_measured_once():
+    """``--backends pillow,pillow`` measured pillow twice, then said the two pillow rows overlapped."""
+    import torch
+
+    from gpupipe.cli import _bench_backends
+
+    assert _bench_backends("pillow,synthetic,pillow", torch.device("cpu"))[0] == ["pillow", "synthetic"]
+
+
 @pytest.mark.slow
 def test_bench_shows_progress_and_time_left_in_a_log(tmp_path, folder):
     r = gpupipe_cli(
