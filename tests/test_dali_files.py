@@ -260,24 +260,6 @@ def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
     ]
 
 
-def test_a_file_that_becomes_a_fifo_between_epochs_is_reported_not_waited_on(tmp_path, no_hang):
-    """The next epoch's first batches are scheduled in DALI before their pass begins: a file replaced by a fifo in
-    between kept DALI's reader waiting in ``open`` for a writer, and the loader waited for ever on the batch. The
-    fifo is now opened for writing and closed while the loader waits, and reported as on the CPU backends."""
-    root = make_folder(tmp_path / "data", 2, 8)
-    kw = dict(batch_size=4, image_size=16, num_workers=2, device="cpu", on_error="skip")
-    loader = gpupipe.build_loader(root, "dali", **kw)
-    assert sum(len(y) for _, y in loader) == 16 and loader.skipped == []
-    fifos = sorted((root / "c01").glob("*.jpg"))  # half the files: some in the last batches scheduled ahead
-    for path in fifos:
-        path.unlink()
-        os.mkfifo(path)
-    loader.set_epoch(1)
-    list(loader)
-    assert sorted(path for path, _ in loader.skipped) == [str(p) for p in fifos]
-    assert {reason for _, reason in loader.skipped} == {"cannot read the file (not a regular file: a fifo)"}
-
-
 @pytest.mark.usefixtures("no_pipeline")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_file_gone_after_its_check_is_reported_and_the_rest_of_its_batch_delivered(tmp_path, monkeypatch, workers):

@@ -38,7 +38,7 @@ from ..plumbing.decode_ahead import DecodeAhead
 from ..plumbing.zygote import Zygote
 from ._fork import pipelines_running
 from .dali_feed import DaliFeed
-from .dali_files import FifoWatch, FileStream, FileTable
+from .dali_files import FileStream, FileTable
 from .dali_graph import Driver, build_pipeline, consumer_stream, crop_inputs, read_dali, to_torch
 from .dali_stream import FeedStream, plan
 from .gpu_feed import Feed, Work
@@ -111,7 +111,6 @@ class DaliLoader(Loader):
         self._carry: Carry[Work] = Carry(lambda work: work.tag, _LEFT_OVER, Work.read_as_now)
         self._ahead: DecodeAhead | None = None  # the pass's thread: it alone drives the pipeline while the pass runs
         self._zygote = _zygote(self.dataset) if _helpers(parts.workers) else None
-        self._fifos = FifoWatch()  # a file that became a fifo after its check would hold DALI's reader for ever
         DaliLoader._live.add(self)
 
     # -- the pipeline -----------------------------------------------------------------------------------------------
@@ -152,7 +151,6 @@ class DaliLoader(Loader):
     def _discard_pipeline(self) -> None:
         """After a critical error DALI's pipeline is no longer valid: drop it; the next batch builds a new one."""
         self._pipe, self._scheduled = None, 0
-        self._fifos.in_flight.clear()
 
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
@@ -165,7 +163,6 @@ class DaliLoader(Loader):
             pipe.feed(name, data)
         pipe.run()
         self._scheduled += 1
-        self._fifos.in_flight.append(work.paths)
         work.scheduled = True
 
     def _fetch(self) -> torch.Tensor:
@@ -177,13 +174,7 @@ class DaliLoader(Loader):
         them (the torch tensor holds a reference)."""
         assert self._pipe is not None  # a batch was scheduled on it
         self._scheduled -= 1
-        self._fifos.waiting()
-        try:
-            (out,) = self._pipe.share(consumer_stream(self.stage.device))
-        finally:
-            self._fifos.done()
-            if self._fifos.in_flight:
-                self._fifos.in_flight.popleft()
+        (out,) = self._pipe.share(consumer_stream(self.stage.device))
         try:
             return to_torch(out, self.stage.device)
         finally:
@@ -347,7 +338,6 @@ class DaliLoader(Loader):
         down now, its threads with it (DALI's own exit hook makes the same call; dropping it would wait for the
         garbage collector)."""
         ahead = self._ahead
-        self._fifos.stop()
         self._abandon()
         # the fork server goes with its last user (another loader may have borrowed it): it and its workers end then
         self._ahead, self._feed, self._zygote = None, None, None

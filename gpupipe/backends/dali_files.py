@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 import os
 import stat
-import threading
 import time
 import weakref
 from collections import deque
@@ -385,64 +384,6 @@ class FileTable:
         moved, verdicts = judge_moved(paths, self.stamps[chosen], self.max_pixels)
         self.set(chosen[moved], verdicts)
         self.checked[chosen] = self.passes
-
-
-class FifoWatch:
-    """While the loader waits on DALI for a batch longer than ``after`` seconds, the paths of the batches in flight
-    are looked at, once a second: a file that became a fifo after its check (a batch scheduled before its pass began,
-    or one replaced in the instant between its check and DALI's read) would keep DALI's reader in ``open`` for ever,
-    waiting for a writer. It is opened for writing and closed at once: the reader's ``open`` returns, its read meets
-    the end, DALI fails on the batch, and the loader narrows it by Pillow, which names the fifo (docs/loader.md: a
-    file that becomes a fifo is an error, never a hang). One daemon thread a loader, started with its first wait; it
-    ends when :meth:`stop` is called or the watched object is garbage."""
-
-    def __init__(self, after: float = 1.0):
-        self.after = after
-        self.in_flight: deque[np.ndarray | None] = deque()  # each scheduled batch's path rows, oldest first
-        self._since = 0.0  # when the wait under way began (0: none)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def waiting(self) -> None:
-        """A wait for DALI's next batch begins."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_watch, args=(weakref.ref(self), self._stop), daemon=True, name="gpupipe-dali-fifo-watch"
-            )
-            self._thread.start()
-        self._since = time.monotonic()
-
-    def done(self) -> None:
-        self._since = 0.0
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _look(self) -> None:
-        if self._since and time.monotonic() - self._since > self.after:
-            open_fifos(tuple(self.in_flight))  # (a tuple of a deque is made under the GIL: never a half-changed one)
-
-
-def _watch(ref: weakref.ref[FifoWatch], stop: threading.Event) -> None:
-    while not stop.wait(1.0):
-        watch = ref()
-        if watch is None:
-            return
-        watch._look()
-        del watch
-
-
-def open_fifos(batches: tuple[np.ndarray | None, ...]) -> None:
-    """Each path of ``batches`` (path rows) that is now a fifo opened for writing and closed: a reader waiting in
-    ``open`` for a writer goes on, and reads the end. One without a reader is left alone (``ENXIO``)."""
-    for rows in batches:
-        for row in rows if rows is not None else ():
-            path = row.tobytes().split(b"\0", 1)[0]
-            try:
-                if stat.S_ISFIFO(os.stat(path).st_mode):
-                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
-            except OSError:
-                pass
 
 
 class FileStream:
