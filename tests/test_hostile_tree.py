@@ -73,5 +73,5 @@ def test_a_jpeg_cut_to_100_bytes_is_a_decode_error_under_turbojpeg(tmp_path, bas
     base.save(buf, "JPEG")
     (root / "c00" / "cut.jpg").write_bytes(buf.getvalue()[:100])
     loader = gpupipe.build_loader(root, "turbojpeg", batch_size=2, train=train, image_size=16, device="cpu")
-    with pytest.raises(DecodeError, match=r"cut\.jpg: cannot decode with backend 'turbojpeg': not a readable image"):
+    with pytest.raises(DecodeError, match=r"cut\.jpg: cannot decode with backend 'turbojpeg': truncated \("):
         list(loader)
