@@ -260,6 +260,44 @@ def test_a_fifo_or_device_never_reaches_dalis_reader(tmp_path, no_hang):
     ]
 
 
+@pytest.fixture()
+def fifos():
+    """The fifos a test makes; at its end each is opened for writing and removed, so a reader a failed test left
+    waiting in ``open`` goes on, and no later test meets a stuck pipeline."""
+    made: list = []
+    yield made
+    for _ in range(3):
+        for path in made:
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        time.sleep(0.2)
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_file_that_becomes_a_fifo_between_epochs_is_reported_not_waited_on(tmp_path, no_hang, fifos, workers):
+    """The next epoch's first batches are scheduled in DALI before their pass begins: a file replaced by a fifo in
+    between kept DALI's reader waiting in ``open`` for a writer, and the loader waited for ever on the batch. Now,
+    while the loader waits on DALI (a batch, or a pipeline's shut-down) over a second, the fifos among the batches in
+    flight are opened for writing and closed: the read ends, and the file is reported as on the CPU backends."""
+    root = make_folder(tmp_path / "data", 2, 8)
+    kw = dict(batch_size=4, image_size=16, num_workers=workers, device="cpu", on_error="skip")
+    loader = gpupipe.build_loader(root, "dali", **kw)
+    assert sum(len(y) for _, y in loader) == 16 and loader.skipped == []
+    fifos += sorted((root / "c01").glob("*.jpg"))  # half the files: some in the batches scheduled ahead
+    for path in fifos:
+        path.unlink()
+        os.mkfifo(path)
+    loader.set_epoch(1)
+    assert [len(y) for _, y in loader] == [4] * 4  # (a train epoch's batches refilled from good samples)
+    assert sorted(path for path, _ in loader.skipped) == [str(p) for p in fifos]
+    assert {reason for _, reason in loader.skipped} == {"cannot read the file (not a regular file: a fifo)"}
+    loader.close()
+
+
 @pytest.mark.usefixtures("no_pipeline")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_file_gone_after_its_check_is_reported_and_the_rest_of_its_batch_delivered(tmp_path, monkeypatch, workers):

@@ -134,3 +134,43 @@ def test_resuming_a_run_whose_last_checkpoint_is_a_fifo_reads_no_settings_from_i
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert not blocked
+
+
+def test_a_reader_waiting_on_a_fifo_in_flight_is_let_go_once_a_wait_is_long(tmp_path, no_hang):
+    """dali's pipelines read their paths in their own threads, where a file that became a fifo holds ``open`` until a
+    writer comes. While a wait on the pipeline lasts over a second, each fifo among the paths in flight is opened for
+    writing and closed: the reader goes on and reads the end. A wait shorter than that, or one that has ended, opens
+    nothing."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from gpupipe.backends import dali_fifos
+
+    fifo, image = tmp_path / "a.jpg", tmp_path / "b.jpg"
+    os.mkfifo(fifo)
+    image.write_bytes(b"not read")
+    rows = np.zeros((2, 256), np.uint8)
+    for row, path in zip(rows, (image, fifo), strict=True):
+        row[: len(bytes(path))] = np.frombuffer(bytes(path), np.uint8)
+    read: list[bytes] = []
+    reader = threading.Thread(target=lambda: read.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    flight = dali_fifos.InFlight()
+    flight.add(None)  # a batch fed bytes: nothing to look at
+    flight.add(rows)
+    flight.wait()
+    reader.join(dali_fifos.AFTER * 0.8)
+    assert reader.is_alive()  # not yet: a batch may take a while
+    reader.join(10)
+    flight.done()
+    assert read == [b""] and not reader.is_alive()
+    assert len(flight.batches) == 1 and flight.since == 0
+
+    late = threading.Thread(target=lambda: read.append(fifo.read_bytes()), daemon=True)
+    late.start()
+    time.sleep(dali_fifos.AFTER + 2 * dali_fifos._EVERY)
+    assert late.is_alive()  # no wait under way: the fifo is left to its reader
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    late.join(10)

@@ -149,8 +149,12 @@ class DaliLoader(Loader):
                 loader._discard_pipeline()
 
     def _discard_pipeline(self) -> None:
-        """After a critical error DALI's pipeline is no longer valid: drop it; the next batch builds a new one."""
-        self._pipe, self._scheduled = None, 0
+        """After a critical error DALI's pipeline is no longer valid: shut it down (now, while the paths it was given
+        are watched: left to the garbage collector, its threads could wait on a fifo for ever); the next batch builds
+        a new one."""
+        pipe, self._pipe, self._scheduled = self._pipe, None, 0
+        if pipe is not None:
+            pipe.shutdown()
 
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
@@ -343,7 +347,7 @@ class DaliLoader(Loader):
         self._ahead, self._feed, self._zygote = None, None, None
         pipe, self._pipe = self._pipe, None
         if pipe is not None and (ahead is None or ahead.join(timeout=0)):  # never under a thread still in DALI
-            pipe.pipe._shutdown()
+            pipe.shutdown()
 
     def _deliver(self, work: Work) -> Batch:
         """One work's batch (on the loader's thread): fetched, assembled, released (the next works are scheduled once

@@ -18,6 +18,7 @@ import torch
 from .._system import resolve_device
 from ..errors import DecodeError
 from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, decode_failure, default_max_pixels, probe
+from .dali_fifos import InFlight
 from .pillow import PillowDecoder
 
 
@@ -282,11 +283,15 @@ class Driver:
         self.direct = handle if self._has_calls(handle) else None
         self._as_list, self._as_sample = TensorListCPU, TensorCPU
         self._stream_ptr = types._raw_cuda_stream_ptr if self.direct is not None else None
+        self.in_flight = InFlight()  # the scheduled batches' paths: a fifo among them is opened while a wait is long
+        self._paths: np.ndarray | None = None  # the batch being fed's
 
     def feed(self, name: str, data) -> None:
         """One batch of input ``name``: a numpy array whose first axis is the batch, a ``TensorListCPU``, or a list of
         samples, numpy arrays or ``TensorCPU`` objects. The encoded samples and pixels are read where they are (their
         inputs are ``no_copy``: kept alive by the caller until the batch is fetched), the small inputs copied."""
+        if name == "paths":
+            self._paths = data
         if self.direct is None:
             self.pipe.feed_input(name, data)
         elif isinstance(data, list):
@@ -301,13 +306,27 @@ class Driver:
             self.pipe.schedule_run()
         else:
             self.direct.Run()
+        self.in_flight.add(self._paths)
+        self._paths = None
 
     def share(self, stream: torch.cuda.Stream | None):
         """The oldest scheduled batch's outputs, bound to ``stream`` (None: a CPU pipeline's)."""
-        if self.direct is None:
-            return self.pipe.share_outputs(cuda_stream=stream)
-        assert self._stream_ptr is not None  # looked up with ``direct``
-        return self.direct.ShareOutputs(None if stream is None else self._stream_ptr(stream))
+        self.in_flight.wait()
+        try:
+            if self.direct is None:
+                return self.pipe.share_outputs(cuda_stream=stream)
+            assert self._stream_ptr is not None  # looked up with ``direct``
+            return self.direct.ShareOutputs(None if stream is None else self._stream_ptr(stream))
+        finally:
+            self.in_flight.done()
+
+    def shutdown(self) -> None:
+        """DALI's pipeline shut down now, its threads with it (a thread waiting on a fifo in flight is let go)."""
+        self.in_flight.wait()
+        try:
+            self.pipe._shutdown()
+        finally:
+            self.in_flight.done(-1)
 
     def release(self) -> None:
         if self.direct is None:

@@ -1,0 +1,113 @@
+"""The paths a dali pipeline reads, watched for fifos while the loader waits on it. A file replaced by a fifo after its
+check (one of the next epoch's first batches, scheduled before their pass checked them, or a file swapped in the
+instant between a check and DALI's read) holds DALI's file reader in ``open`` until a writer comes: for ever. The
+loader then waited for ever on the batch, or on the pipeline's shut-down after another batch failed.
+
+So each pipeline's :class:`InFlight` keeps the path rows of its scheduled batches. While the loader waits on the
+pipeline (a batch, or its shut-down) longer than :data:`AFTER`, one thread a process opens for writing, and closes at
+once, every fifo among those paths, twice a second until the wait ends: a reader waiting in ``open`` goes on and reads
+the end, DALI fails on the batch, and the loader's recovery reports the file as Pillow does ("not a regular file: a
+fifo"). A fifo nobody reads is left as it is (``ENXIO``)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+AFTER = 1.0  # seconds a wait on DALI lasts before the paths in flight are looked at (a batch takes far less)
+_EVERY = 0.5  # how often they are looked at then
+
+_waiting: dict[int, InFlight] = {}  # the waits under way, by id of their InFlight
+_wake = threading.Event()  # set while a wait is under way: the watch thread looks; cleared when none is
+_watcher: list[threading.Thread] = []  # this process's watch thread, started with its first wait
+
+
+class InFlight:
+    """The path rows of a pipeline's scheduled batches, oldest first (``None`` for a batch fed bytes or pixels), and
+    the wait on it under way. The rows are let go here, on the thread that fetches their batch (DALI itself copies
+    them as they are fed: a Python object it held would be let go in its threads, where that takes the GIL)."""
+
+    def __init__(self) -> None:
+        self.batches: deque[np.ndarray | None] = deque()
+        self.since = 0.0  # when the wait under way began (0: none)
+        self.files = False  # whether any batch was fed paths (only then is a wait watched)
+
+    def add(self, rows: np.ndarray | None) -> None:
+        self.batches.append(rows)
+        self.files = self.files or rows is not None
+
+    def wait(self) -> None:
+        """A wait on the pipeline begins (its oldest batch, or its shut-down)."""
+        if not self.files:
+            return
+        self.since = time.monotonic()
+        _waiting[id(self)] = self
+        if not _wake.is_set():
+            if not _watcher:
+                _start()
+            _wake.set()
+
+    def done(self, batches: int = 1) -> None:
+        """The wait has ended, and with it ``batches`` of the oldest (-1: all)."""
+        self.since = 0.0
+        _waiting.pop(id(self), None)
+        if batches < 0:
+            self.batches.clear()
+        elif self.batches:
+            self.batches.popleft()
+
+    def look(self, now: float) -> None:
+        since = self.since
+        if since and now - since > AFTER:
+            open_fifos(tuple(self.batches))  # (a tuple of a deque is made under the GIL: never a half-changed one)
+
+
+def _start() -> None:
+    thread = threading.Thread(target=_watch, daemon=True, name="gpupipe-dali-fifo-watch")
+    try:
+        thread.start()
+    except RuntimeError:  # the interpreter is exiting (a pipeline shut down at exit): no thread can start now
+        return
+    _watcher.append(thread)
+
+
+def _watch() -> None:
+    while _wake.wait():
+        time.sleep(_EVERY)
+        now = time.monotonic()
+        for flight in list(_waiting.values()):
+            flight.look(now)
+        if not _waiting:  # (cleared, then looked at again: a wait that began in between sets it anew)
+            _wake.clear()
+            if _waiting:
+                _wake.set()
+
+
+def _forked() -> None:
+    """A forked child has none of its parent's threads, nor its waits: its first wait starts its own watch (and its
+    event is new: the parent's lock may have been held at the fork)."""
+    global _wake
+    _watcher.clear()
+    _waiting.clear()
+    _wake = threading.Event()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def open_fifos(batches: tuple[np.ndarray | None, ...]) -> None:
+    """Each path of ``batches`` (path rows: a path's bytes, then NULs) that is now a fifo opened for writing and
+    closed: a reader waiting in ``open`` for a writer goes on, and reads the end."""
+    for rows in batches:
+        for row in rows if rows is not None else ():
+            path = row.tobytes().split(b"\0", 1)[0]
+            try:
+                if stat.S_ISFIFO(os.stat(path).st_mode):
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            except OSError:
+                pass
