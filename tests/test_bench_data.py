@@ -111,6 +111,27 @@ def test_time_left_follows_the_run_from_its_first_measurement(tmp_path):
     assert eta.left() == 0.0
 
 
+def test_the_share_done_shown_never_goes_back():
+    """A part that costs more than guessed (a busy machine) raises the estimate of the time left: the share shown
+    went from 5 % back to 4 % once; it now holds, and the time left says what changed."""
+    import io
+
+    from rich.console import Console
+
+    from gpupipe.bench.eta import shown_progress
+
+    out = io.StringIO()
+    with shown_progress(Console(file=out, width=200)) as progress:
+        progress("decode: pillow, window 1/3", 0.05, left=59.0)
+        progress("decode: turbojpeg, window 1/3", 0.04, left=149.0)
+        progress("decode: dali, window 1/3", 0.07, left=140.0)
+    assert out.getvalue().splitlines() == [
+        "bench   5%, about 0m59s left: decode: pillow, window 1/3",
+        "bench   5%, about 2m29s left: decode: turbojpeg, window 1/3",
+        "bench   7%, about 2m20s left: decode: dali, window 1/3",
+    ]
+
+
 @pytest.mark.parametrize("model", [None, "test_resnet"])
 @pytest.mark.slow
 def test_the_estimate_is_no_shorter_than_a_small_real_run(tmp_path, model):

@@ -130,15 +130,18 @@ def _ratio(parts: list[_Part]) -> float | None:
 def shown_progress(console: Console) -> Iterator[Callable[..., None]]:
     """``progress(text, fraction, left)`` for ``suite.run``, shown on ``console``: a status line on a terminal,
     else one line per window, with the share done and the time left (``left``, the suite's estimate, else
-    extrapolated from ``fraction``)."""
+    extrapolated from ``fraction``). The share shown never goes back: a part that cost more than guessed lengthens the
+    time left, not the work done."""
     start = time.monotonic()
+    shown = [0.0]
 
     def line(text: str, fraction: float | None = None, left: float | None = None) -> str:
         if left is None and fraction:
             left = (time.monotonic() - start) * (1 - fraction) / fraction
         if left is None:
             return f"bench: {text}"
-        return f"bench {fraction or 0:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
+        shown[0] = max(shown[0], fraction or 0.0)
+        return f"bench {shown[0]:4.0%}, about {int(left) // 60}m{int(left) % 60:02d}s left: {text}"
 
     if console.is_terminal:
         with console.status("benchmarking") as status:
