@@ -277,6 +277,7 @@ def fifos():
         path.unlink(missing_ok=True)
 
 
+@pytest.mark.usefixtures("no_native_hang")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_file_that_becomes_a_fifo_between_epochs_is_reported_not_waited_on(tmp_path, no_hang, fifos, workers):
     """The next epoch's first batches are scheduled in DALI before their pass begins: a file replaced by a fifo in
@@ -296,6 +297,102 @@ def test_a_file_that_becomes_a_fifo_between_epochs_is_reported_not_waited_on(tmp
     assert sorted(path for path, _ in loader.skipped) == [str(p) for p in fifos]
     assert {reason for _, reason in loader.skipped} == {"cannot read the file (not a regular file: a fifo)"}
     loader.close()
+
+
+@pytest.fixture()
+def no_native_hang():
+    """A hang inside DALI's native calls, where ``SIGALRM``'s handler never runs: every thread's stack printed and
+    the run ended after two minutes, not a CI job waiting out its limit."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _driver_fed(paths: list, size: int = 32):
+    """A dali loader's pipeline (files read by DALI), fed one batch of ``paths`` with whole-image crops."""
+    from gpupipe.backends.dali_graph import Driver, build_pipeline, crop_inputs
+
+    recipe = gpupipe.Recipe(size)
+    graph = build_pipeline(
+        recipe, train=True, batch_size=len(paths), device=torch.device("cpu"), num_threads=1, files=True
+    )
+    pipe = Driver(graph)
+    rows = np.zeros((len(paths), 256), np.uint8)
+    for row, path in zip(rows, paths, strict=True):
+        row[: len(bytes(path))] = np.frombuffer(bytes(path), np.uint8)
+    pipe.feed("paths", rows)
+    crops = np.array([[0, 0, 16, 16, k, size] for k in range(len(paths))], np.int64)
+    for name, data in crop_inputs(recipe, True, crops).items():
+        pipe.feed(name, data)
+    pipe.run()
+    return pipe
+
+
+@pytest.mark.usefixtures("no_native_hang")
+def test_a_wait_on_a_batch_whose_file_is_a_fifo_ends_in_dalis_error(tmp_path, fifos):
+    """A file swapped for a fifo between its check and DALI's read: the wait on its batch is watched, the fifo opened
+    for writing, and DALI's read of it ends in an error the loader recovers from (Pillow then names the file)."""
+    from gpupipe.backends import dali_fifos
+
+    good = make_folder(tmp_path / "data", 1, 1) / "c00" / "000.jpg"
+    fifos.append(tmp_path / "swapped.jpg")
+    os.mkfifo(fifos[0])
+    pipe = _driver_fed([good, fifos[0]])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        pipe.share(None)
+    assert time.monotonic() - start > dali_fifos.AFTER  # it was held in ``open`` until the watch came
+    assert not pipe.in_flight.batches
+    pipe.shutdown()
+
+
+@pytest.mark.usefixtures("no_native_hang")
+def test_a_pipeline_dropped_with_a_fifo_in_flight_is_shut_down_watched(tmp_path, fifos):
+    """A pipeline let go with a batch in flight whose file is a fifo (its loader collected): DALI's ``__del__`` would
+    wait on the reader for ever; the driver shuts it down first, watched."""
+    import gc
+
+    fifos.append(tmp_path / "swapped.jpg")
+    os.mkfifo(fifos[0])
+    pipe = _driver_fed([fifos[0]])
+    time.sleep(0.2)  # DALI's thread in ``open``
+    del pipe
+    gc.collect()
+    from gpupipe.backends._fork import pipelines_running
+
+    assert not pipelines_running()
+
+
+_EXIT_WITH_FIFOS_IN_FLIGHT = """
+import os, sys
+from pathlib import Path
+import gpupipe
+root = Path(sys.argv[1])
+loader = gpupipe.build_loader(root, "dali", batch_size=4, image_size=16, num_workers=2, device="cpu", on_error="skip")
+assert sum(len(y) for _, y in loader) == 16  # the next epoch's first batches are scheduled now
+for path in sorted(root.glob("c0?/*.jpg")):
+    path.unlink()
+    os.mkfifo(path)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_that_ends_with_a_fifo_among_the_paths_in_flight_exits(tmp_path, fifos):
+    """The process ends with the next epoch's first batches scheduled in DALI, every file of them a fifo now: DALI's
+    own exit hook shut its pipelines down first, unwatched, and waited for ever on a reader held in ``open``. The
+    loaders' hook now runs before it and shuts them down with the fifos watched."""
+    import subprocess
+    import sys
+
+    root = make_folder(tmp_path / "data", 2, 8)
+    fifos += sorted(root.glob("c0?/*.jpg"))
+    run = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_FIFOS_IN_FLIGHT, str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert (run.returncode, run.stdout) == (0, "exiting\n"), run.stderr
+    assert "Exception ignored" not in run.stderr and "Error" not in run.stderr, run.stderr
 
 
 @pytest.mark.usefixtures("no_pipeline")

@@ -18,6 +18,7 @@ as they do decoded images.
 from __future__ import annotations
 
 import atexit
+import logging
 import re
 import weakref
 from collections.abc import Iterator
@@ -43,6 +44,8 @@ from .dali_graph import Driver, build_pipeline, consumer_stream, crop_inputs, re
 from .dali_stream import FeedStream, plan
 from .gpu_feed import Feed, Work
 from .registry import BackendSpec
+
+_log = logging.getLogger(__name__)
 
 # Batches scheduled ahead (``schedule_run`` per batch, one prefetch slot each: with DALI's own prefetch the first run
 # would ask for a second batch the feed may not have): DALI decodes the next ones while a batch is delivered, and a
@@ -139,10 +142,11 @@ class DaliLoader(Loader):
     @classmethod
     def _drop_pipelines_at_exit(cls) -> None:
         """At interpreter exit, once the pass threads have ended (their exit hook runs first: it is registered again
-        with each thread), every live loader lets go of its pipeline: DALI's ``Pipeline.__del__`` then runs while
-        the modules it reads are whole. Left to the interpreter's teardown, it ran with their names cleared ("Exception
-        ignored in Pipeline.__del__ ... 'NoneType' object is not callable"). A pipeline a stuck thread still drives
-        is left alone."""
+        with each thread), and before DALI's own hook (registered again with each pass, after DALI's import), every
+        live loader shuts its pipeline down, a fifo among its paths in flight watched, and lets go of it while the
+        modules DALI's ``Pipeline.__del__`` reads are whole. Left to the interpreter's teardown, it ran with their
+        names cleared ("Exception ignored in Pipeline.__del__ ... 'NoneType' object is not callable"). A pipeline a
+        stuck thread still drives is left alone."""
         for loader in list(cls._live):
             if loader._ahead is None or loader._ahead.join(timeout=0):
                 loader._ahead = None
@@ -154,7 +158,10 @@ class DaliLoader(Loader):
         a new one."""
         pipe, self._pipe, self._scheduled = self._pipe, None, 0
         if pipe is not None:
-            pipe.shutdown()
+            try:
+                pipe.shutdown()
+            except RuntimeError as e:  # (as DALI's ``__del__``, which made this call before, it is not the pass's end)
+                _log.debug("DALI's pipeline, dropped, failed to shut down: %s", e)
 
     def _submit(self, work: Work) -> None:
         pipe = self._pipeline()
@@ -311,6 +318,11 @@ class DaliLoader(Loader):
             self._ahead.join()  # the last pass's thread (one left early: stopped after its batch), before this one
         import nvidia.dali.pipeline  # noqa: F401  # before the thread: its exit hook then runs before DALI's
 
+        # and so does the loaders' own, which shuts their pipelines down where a fifo among the paths in flight is
+        # watched (DALI's hook, first, waited on a reader held in ``open`` for ever)
+        atexit.unregister(DaliLoader._drop_pipelines_at_exit)
+        atexit.register(DaliLoader._drop_pipelines_at_exit)
+
         # the thread may outlive the pass: it holds the loader weakly, so a loader dropped in a reference cycle (a
         # caught error's traceback, a user's object) is collected, and its DecodeAhead with it, which ends the thread
         loader = weakref.ref(self)
@@ -460,8 +472,6 @@ def _sample_bytes(work: Work, dataset) -> list[bytes | OSError]:
             out.append(e)
     return out
 
-
-atexit.register(DaliLoader._drop_pipelines_at_exit)  # before DALI is imported: runs after DALI's own exit hooks
 
 SPEC = BackendSpec(
     "dali",

@@ -1,16 +1,18 @@
 """The paths a dali pipeline reads, watched for fifos while the loader waits on it. A file replaced by a fifo after its
 check (one of the next epoch's first batches, scheduled before their pass checked them, or a file swapped in the
 instant between a check and DALI's read) holds DALI's file reader in ``open`` until a writer comes: for ever. The
-loader then waited for ever on the batch, or on the pipeline's shut-down after another batch failed.
+loader then waited for ever on the batch, or on the pipeline's shut-down (after another batch failed, at ``close()``,
+when the loader was collected, at the process's exit).
 
-So each pipeline's :class:`InFlight` keeps the path rows of its scheduled batches. While the loader waits on the
-pipeline (a batch, or its shut-down) longer than :data:`AFTER`, one thread a process opens for writing, and closes at
-once, every fifo among those paths, twice a second until the wait ends: a reader waiting in ``open`` goes on and reads
-the end, DALI fails on the batch, and the loader's recovery reports the file as Pillow does ("not a regular file: a
-fifo"). A fifo nobody reads is left as it is (``ENXIO``)."""
+So each pipeline's :class:`InFlight` keeps the path rows of its scheduled batches, and every wait on the pipeline (a
+batch, or its shut-down: :class:`.dali_graph.Driver`) is told. While one lasts longer than :data:`AFTER`, one thread a
+process opens for writing, and closes at once, every fifo among those paths, twice a second until the wait ends: a
+reader waiting in ``open`` goes on and reads the end, DALI fails on the batch, and the loader's recovery reports the
+file as Pillow does ("not a regular file: a fifo"). A fifo nobody reads is left as it is (``ENXIO``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -22,9 +24,11 @@ import numpy as np
 AFTER = 1.0  # seconds a wait on DALI lasts before the paths in flight are looked at (a batch takes far less)
 _EVERY = 0.5  # how often they are looked at then
 
+_log = logging.getLogger(__name__)
 _waiting: dict[int, InFlight] = {}  # the waits under way, by id of their InFlight
 _wake = threading.Event()  # set while a wait is under way: the watch thread looks; cleared when none is
-_watcher: list[threading.Thread] = []  # this process's watch thread, started with its first wait
+_watcher: list[threading.Thread] = []  # this process's watch thread, started with the first paths in flight
+_starting = threading.Lock()
 
 
 class InFlight:
@@ -39,7 +43,9 @@ class InFlight:
 
     def add(self, rows: np.ndarray | None) -> None:
         self.batches.append(rows)
-        self.files = self.files or rows is not None
+        if rows is not None and not self.files:
+            self.files = True
+            _watching()  # now, not with a first wait: at exit no thread may start (Python 3.12)
 
     def wait(self) -> None:
         """A wait on the pipeline begins (its oldest batch, or its shut-down)."""
@@ -48,8 +54,7 @@ class InFlight:
         self.since = time.monotonic()
         _waiting[id(self)] = self
         if not _wake.is_set():
-            if not _watcher:
-                _start()
+            _watching()
             _wake.set()
 
     def done(self, batches: int = 1) -> None:
@@ -67,13 +72,17 @@ class InFlight:
             open_fifos(tuple(self.batches))  # (a tuple of a deque is made under the GIL: never a half-changed one)
 
 
-def _start() -> None:
-    thread = threading.Thread(target=_watch, daemon=True, name="gpupipe-dali-fifo-watch")
-    try:
-        thread.start()
-    except RuntimeError:  # the interpreter is exiting (a pipeline shut down at exit): no thread can start now
-        return
-    _watcher.append(thread)
+def _watching() -> None:
+    """This process's watch thread, started unless it runs (a forked child starts its own)."""
+    with _starting:
+        if _watcher and _watcher[0].is_alive():
+            return
+        thread = threading.Thread(target=_watch, daemon=True, name="gpupipe-dali-fifo-watch")
+        try:
+            thread.start()
+        except RuntimeError:  # the interpreter is exiting, or no thread can start: a later wait tries again
+            return
+        _watcher[:] = [thread]
 
 
 def _watch() -> None:
@@ -81,7 +90,10 @@ def _watch() -> None:
         time.sleep(_EVERY)
         now = time.monotonic()
         for flight in list(_waiting.values()):
-            flight.look(now)
+            try:
+                flight.look(now)
+            except Exception:  # (never the end of the watch: the next look tries again)
+                _log.debug("looking at the paths in flight failed", exc_info=True)
         if not _waiting:  # (cleared, then looked at again: a wait that began in between sets it anew)
             _wake.clear()
             if _waiting:
@@ -89,12 +101,12 @@ def _watch() -> None:
 
 
 def _forked() -> None:
-    """A forked child has none of its parent's threads, nor its waits: its first wait starts its own watch (and its
-    event is new: the parent's lock may have been held at the fork)."""
-    global _wake
+    """A forked child has none of its parent's threads, nor its waits: it starts its own watch when it needs one (with
+    a new event and lock: the parent's may have been held at the fork)."""
+    global _wake, _starting
     _watcher.clear()
     _waiting.clear()
-    _wake = threading.Event()
+    _wake, _starting = threading.Event(), threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forked)

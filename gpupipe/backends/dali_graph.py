@@ -328,6 +328,11 @@ class Driver:
         finally:
             self.in_flight.done(-1)
 
+    def __del__(self) -> None:
+        # one dropped without a shut-down (its loader collected) is shut down here, watched, not by DALI's ``__del__``
+        with contextlib.suppress(Exception):  # (at the interpreter's teardown DALI's exit hook has done it)
+            self.shutdown()
+
     def release(self) -> None:
         if self.direct is None:
             self.pipe.release_outputs()
