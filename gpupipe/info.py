@@ -53,6 +53,7 @@ def machine_info() -> dict:
         "turbojpeg_library": turbojpeg_library(),  # the system libturbojpeg the turbojpeg backend loads
         "pyturbojpeg": _version("PyTurboJPEG"),
         "turbojpeg_window_decode": window_decode(),
+        "dali_file_checks": file_checks(),
         "dali": dali_info(),
         "cuda_devices": gpus,
         "gpupipe": install_info(),
@@ -68,6 +69,15 @@ def window_decode() -> str:
         return "not built (the whole image is decoded): apt-get install gcc libjpeg-dev, then install gpupipe again"
     v = _jpeg_window.LIBJPEG_TURBO_VERSION_NUMBER
     return f"built against libjpeg-turbo {v // 1000000}.{v // 1000 % 1000}.{v % 1000}"
+
+
+def file_checks() -> str:
+    """Where the dali backend checks, once a pass, that each file is the one it judged (gpupipe/_stamps.c)."""
+    try:
+        from . import _stamps  # noqa: F401
+    except ImportError:
+        return "in the header scan's processes (_stamps not built): apt-get install gcc, then install gpupipe again"
+    return "a batch's files in one call without Python's lock (_stamps built)"
 
 
 def decode_workers() -> dict:
@@ -141,7 +151,8 @@ def describe(key: str, value) -> str:
     if key == "decode_workers" and isinstance(value, dict):
         return (
             f"{value['cpu']} on the CPU, {value['cuda']} with a GPU (the training thread keeps a core); "
-            f"nice +{value['niceness']} then, beside the training thread (DALI's threads also idle-priority on Linux)"
+            f"with a GPU they run at nice +{value['niceness']}, below the training thread (DALI's threads also at "
+            "idle priority on Linux)"
         )
     if key == "gpupipe" and isinstance(value, dict):
         where = value["distribution"] or "not installed (run from a source tree)"

@@ -23,6 +23,9 @@ def test_the_stamps_are_built_where_a_c_compiler_is():
     if shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is None:
         pytest.skip("no C compiler")
     assert dali_files._stamps is not None
+    from gpupipe.info import machine_info
+
+    assert "(_stamps built)" in machine_info()["dali_file_checks"]  # what ``gpupipe info`` says
 
 
 @pytest.fixture
