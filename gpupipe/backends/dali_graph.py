@@ -322,6 +322,9 @@ class Driver:
 
     def shutdown(self) -> None:
         """DALI's pipeline shut down now, its threads with it (a thread waiting on a fifo in flight is let go)."""
+        if getattr(self.pipe, "_pipe", None) is None:  # shut down already, or a forked child's copy (``_fork``)
+            self.in_flight.done(-1)
+            return
         self.in_flight.wait()
         try:
             self.pipe._shutdown()
