@@ -67,20 +67,48 @@ def test_a_csv_list_of_a_header_alone_is_empty(tmp_path, header):
     assert scan(lst).missing == [f"{lst}:1: gone.jpg"]
 
 
-# \u00b2: ², \u0663: an Arabic-Indic 3; nan: a name, not a number
-@pytest.mark.parametrize("bad", ["dog", "1.0", "--1", "\u00b2", "\u0663", "nan"])
+# \u00b2: ², \u0663: an Arabic-Indic 3; nan: a name, not a number (among indices: a missing one)
+@pytest.mark.parametrize("bad", ["dog", "1.5", "--1", "\u00b2", "\u0663"])
 def test_csv_mixed_labels_are_an_error_naming_the_line(tmp_path, folder, bad):
     import shutil
 
     shutil.copytree(folder, tmp_path / "imgs")
     lst = tmp_path / "list.csv"
     lst.write_text(f"imgs/c00/000.jpg,2\nimgs/c01/000.jpg,10\nimgs/c02/000.jpg,{bad}\n")
-    with pytest.raises(ValueError, match=r"list.csv:3: label '.*' is not an integer"):
+    with pytest.raises(ValueError, match=r"list.csv:3: label '.*' is not a class index \(a whole number\)"):
         scan(lst)
     lst.write_text(f"imgs/c00/000.jpg,{bad}\nimgs/c01/000.jpg,2\n")  # a real file: data, not a header
     # a number that is no class index is the row named, not the class index after it
-    blamed = r"list.csv:1: label '1.0' is a number but not a class index" if bad == "1.0" else r"list.csv:2: label '2'"
+    blamed = r"list.csv:1: label '1.5' is a number but not a class index" if bad == "1.5" else r"list.csv:2: label '2'"
     with pytest.raises(ValueError, match=blamed):
+        scan(lst)
+
+
+@pytest.mark.parametrize(
+    ("labels", "indices"), [(["0.0", "2.0", "10.0"], [0, 2, 10]), (["1", "2.0", "1e1"], [1, 2, 10])]
+)
+def test_csv_class_indices_written_as_decimals_are_class_indices(tmp_path, folder, labels, indices):
+    """A label column written by pandas once it holds a missing value (``2.0``): read as class names, these were
+    sorted as text (``10.0`` before ``2.0``), silently; they are the class indices they say."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    files = sorted(tmp_path.glob("imgs/*/*.jpg"))[: len(labels)]
+    lst = tmp_path / "list.csv"
+    lst.write_text("".join(f"{f.relative_to(tmp_path)},{label}\n" for f, label in zip(files, labels, strict=True)))
+    data = scan(lst)
+    assert [label for _, label in data.samples] == indices and data.classes == [str(i) for i in range(11)]
+
+
+@pytest.mark.parametrize(("labels", "line"), [(["1.0", "nan", "2.0"], 2), (["NaN", "3"], 1)])
+def test_csv_a_missing_label_among_class_indices_is_an_error_naming_its_line(tmp_path, folder, labels, line):
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    files = sorted(tmp_path.glob("imgs/*/*.jpg"))[: len(labels)]
+    lst = tmp_path / "list.csv"
+    lst.write_text("".join(f"{f.relative_to(tmp_path)},{label}\n" for f, label in zip(files, labels, strict=True)))
+    with pytest.raises(ValueError, match=rf"list.csv:{line}: label '(nan|NaN)' is a missing value among class indices"):
         scan(lst)
 
 

@@ -10,6 +10,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
@@ -226,25 +227,54 @@ def _without_header(rows: list[_Row], base: Path) -> list[_Row]:
 
 
 def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
-    """Whether the labels are class indices (else class names); a mix of both, or a negative index, is an error."""
-    numeric = _is_int(rows[0].label)
-    for lineno, _, label in rows:
-        if _is_int(label) != numeric:
+    """Whether the labels are class indices (else class names); a mix of both, or a negative index, is an error.
+    Whole numbers written as decimals (``2.0``: pandas writes a label column so once it holds a missing value) are
+    class indices too, rewritten in ``rows`` as integers; read as names, they were sorted as text (``10.0`` before
+    ``2.0``), silently."""
+    numeric = _is_whole(rows[0].label)
+    for k, (lineno, _, label) in enumerate(rows):
+        if _is_whole(label) != numeric:
             first = rows[0]
+            missing = next((row for row in (first, rows[k]) if row.label.lower() == "nan"), None)
+            if missing is not None:  # (a float column with a gap: the gap is the odd one out)
+                raise SourceError(
+                    f"{path}:{missing.lineno}: label {missing.label!r} is a missing value among class indices (a "
+                    "column with a gap, as pandas writes one): give every image its class"
+                )
             if not numeric and _is_number(first.label):  # (1.5, then 1): the first one is the odd one out
                 raise SourceError(
                     f"{path}:{first.lineno}: label {first.label!r} is a number but not a class index, and the label "
                     f"on line {lineno} ({label!r}) is one: class indices are whole numbers 0..n-1; use class indices "
                     "or class names, not both"
                 )
-            kind = "an integer" if numeric else "a class name"
+            kind = "a class index (a whole number)" if numeric else "a class name"
             raise SourceError(
                 f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
                 f"({rows[0].label!r}); use class indices or class names, not both"
             )
-        if numeric and (problem := index_problem(label)) is not None:
+        if numeric and (problem := index_problem(_as_int(label))) is not None:
             raise SourceError(f"{path}:{lineno}: {problem}")
+    if numeric:
+        rows[:] = [row if _is_int(row.label) else row._replace(label=_as_int(row.label)) for row in rows]
     return numeric
+
+
+def _is_whole(label: str) -> bool:
+    """A class index as a CSV may write one: an integer, or a whole number written as a decimal (``2.0``, ``1e3``)."""
+    if _is_int(label):
+        return True
+    if not _is_number(label):
+        return False
+    value = Decimal(label)
+    return value.adjusted() > 7 or value == value.to_integral_value()  # (past 10**7 it is too large, said below)
+
+
+def _as_int(label: str) -> str:
+    """A whole decimal's integer (``2.0`` -> ``2``); an integer, or one too large to be a class index, as it is."""
+    if _is_int(label):
+        return label
+    value = Decimal(label)
+    return label if value.adjusted() > 7 else str(int(value))
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
@@ -270,6 +300,8 @@ def index_problem(label: str) -> str | None:
 def _too_large(label: str) -> bool:
     """An index at or past MAX_CLASSES, told without int() for a label of thousands of digits (which Python refuses
     to convert past 4,300 digits)."""
+    if not _is_int(label):  # a whole decimal left as it was (``1e12``)
+        return Decimal(label) >= MAX_CLASSES
     digits = label.lstrip("0") or "0"
     return len(digits) > len(str(MAX_CLASSES)) or int(digits) >= MAX_CLASSES
 
