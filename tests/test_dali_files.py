@@ -349,14 +349,18 @@ def test_a_wait_on_a_batch_whose_file_is_a_fifo_ends_in_dalis_error(tmp_path, fi
 
 
 @pytest.mark.usefixtures("no_native_hang")
-def test_a_pipeline_dropped_with_a_fifo_in_flight_is_shut_down_watched(tmp_path, fifos):
-    """A pipeline let go with a batch in flight whose file is a fifo (its loader collected): DALI's ``__del__`` would
-    wait on the reader for ever; the driver shuts it down first, watched."""
+@pytest.mark.parametrize("cycle", [False, True])
+def test_a_pipeline_dropped_with_a_fifo_in_flight_is_shut_down_watched(tmp_path, fifos, cycle):
+    """A pipeline let go with a batch in flight whose file is a fifo (its loader collected, at once or in a reference
+    cycle by the collector): DALI's ``__del__`` waited on the reader for ever; its paths are now watched while it
+    does."""
     import gc
 
     fifos.append(tmp_path / "swapped.jpg")
     os.mkfifo(fifos[0])
     pipe = _driver_fed([fifos[0]])
+    if cycle:
+        pipe.me = pipe  # type: ignore[attr-defined]
     time.sleep(0.2)  # DALI's thread in ``open``
     del pipe
     gc.collect()

@@ -8,7 +8,9 @@ So each pipeline's :class:`InFlight` keeps the path rows of its scheduled batche
 batch, or its shut-down: :class:`.dali_graph.Driver`) is told. While one lasts longer than :data:`AFTER`, one thread a
 process opens for writing, and closes at once, every fifo among those paths, twice a second until the wait ends: a
 reader waiting in ``open`` goes on and reads the end, DALI fails on the batch, and the loader's recovery reports the
-file as Pillow does ("not a regular file: a fifo"). A fifo nobody reads is left as it is (``ENXIO``)."""
+file as Pillow does ("not a regular file: a fifo"). A fifo nobody reads is left as it is (``ENXIO``). A pipeline let
+go with batches in flight and no shut-down (its loader collected) is shut down by DALI's own ``Pipeline.__del__``,
+wherever the collector runs it: its paths stay watched for :data:`LET_GO_S`."""
 
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ _EVERY = 0.5  # how often they are looked at then
 
 _log = logging.getLogger(__name__)
 _waiting: dict[int, InFlight] = {}  # the waits under way, by id of their InFlight
-_wake = threading.Event()  # set while a wait is under way: the watch thread looks; cleared when none is
 _watcher: list[threading.Thread] = []  # this process's watch thread, started with the first paths in flight
-_starting = threading.Lock()
+_starting = threading.RLock()
+LET_GO_S = 60.0  # how long the paths of a pipeline let go with batches in flight stay watched (its shut-down's)
 
 
 class InFlight:
@@ -40,6 +42,8 @@ class InFlight:
         self.batches: deque[np.ndarray | None] = deque()
         self.since = 0.0  # when the wait under way began (0: none)
         self.files = False  # whether any batch was fed paths (only then is a wait watched)
+        self.shut = False  # the pipeline was shut down
+        self.until = 0.0  # a pipeline let go: when its watch ends (0: not let go)
 
     def add(self, rows: np.ndarray | None) -> None:
         self.batches.append(rows)
@@ -53,9 +57,8 @@ class InFlight:
             return
         self.since = time.monotonic()
         _waiting[id(self)] = self
-        if not _wake.is_set():
+        if not _watcher:  # (not started with the first paths: no thread could start then)
             _watching()
-            _wake.set()
 
     def done(self, batches: int = 1) -> None:
         """The wait has ended, and with it ``batches`` of the oldest (-1: all)."""
@@ -66,10 +69,20 @@ class InFlight:
         elif self.batches:
             self.batches.popleft()
 
+    def let_go(self) -> None:
+        """The pipeline is let go without a shut-down, batches in flight (its driver collected): DALI's own
+        ``Pipeline.__del__`` shuts it down, on whichever thread the collector runs it, and that wait is watched for
+        :data:`LET_GO_S`. Nothing here blocks, takes a lock or starts a thread: a finalizer's work."""
+        if self.files and self.batches and not self.shut:
+            self.since, self.until = time.monotonic(), time.monotonic() + LET_GO_S
+            _waiting[id(self)] = self
+
     def look(self, now: float) -> None:
         since = self.since
         if since and now - since > AFTER:
             open_fifos(tuple(self.batches))  # (a tuple of a deque is made under the GIL: never a half-changed one)
+        if self.until and now > self.until:
+            _waiting.pop(id(self), None)
 
 
 def _watching() -> None:
@@ -86,7 +99,9 @@ def _watching() -> None:
 
 
 def _watch() -> None:
-    while _wake.wait():
+    """Twice a second, each wait under way looked at (nothing to do while there is none: a wait is an entry in a
+    dict, no lock or event, so a finalizer may begin one on any thread)."""
+    while True:
         time.sleep(_EVERY)
         now = time.monotonic()
         for flight in list(_waiting.values()):
@@ -94,19 +109,15 @@ def _watch() -> None:
                 flight.look(now)
             except Exception:  # (never the end of the watch: the next look tries again)
                 _log.debug("looking at the paths in flight failed", exc_info=True)
-        if not _waiting:  # (cleared, then looked at again: a wait that began in between sets it anew)
-            _wake.clear()
-            if _waiting:
-                _wake.set()
 
 
 def _forked() -> None:
     """A forked child has none of its parent's threads, nor its waits: it starts its own watch when it needs one (with
-    a new event and lock: the parent's may have been held at the fork)."""
-    global _wake, _starting
+    a new lock: the parent's may have been held at the fork)."""
+    global _starting
     _watcher.clear()
     _waiting.clear()
-    _wake, _starting = threading.Event(), threading.Lock()
+    _starting = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import tempfile
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -284,6 +285,10 @@ class Driver:
         self._as_list, self._as_sample = TensorListCPU, TensorCPU
         self._stream_ptr = types._raw_cuda_stream_ptr if self.direct is not None else None
         self.in_flight = InFlight()  # the scheduled batches' paths: a fifo among them is opened while a wait is long
+        # let go without a shut-down (its loader collected): DALI's ``Pipeline.__del__`` shuts it down, wherever the
+        # collector runs it, and that wait is watched. A weak reference's callback, not a ``__del__``: the collector
+        # calls those before any finalizer of the garbage (DALI's ``__del__`` may come first among finalizers)
+        weakref.finalize(self, self.in_flight.let_go).atexit = False
         self._paths: np.ndarray | None = None  # the batch being fed's
 
     def feed(self, name: str, data) -> None:
@@ -322,19 +327,17 @@ class Driver:
 
     def shutdown(self) -> None:
         """DALI's pipeline shut down now, its threads with it (a thread waiting on a fifo in flight is let go)."""
-        if getattr(self.pipe, "_pipe", None) is None:  # shut down already, or a forked child's copy (``_fork``)
-            self.in_flight.done(-1)
+        flight = self.in_flight
+        if flight.shut or (hasattr(self.pipe, "_pipe") and self.pipe._pipe is None):  # (or a forked child's copy)
+            flight.done(-1)
             return
-        self.in_flight.wait()
+        flight.wait()
         try:
             self.pipe._shutdown()
         finally:
-            self.in_flight.done(-1)
+            flight.shut = True
+            flight.done(-1)
 
-    def __del__(self) -> None:
-        # one dropped without a shut-down (its loader collected) is shut down here, watched, not by DALI's ``__del__``
-        with contextlib.suppress(Exception):  # (at the interpreter's teardown DALI's exit hook has done it)
-            self.shutdown()
 
     def release(self) -> None:
         if self.direct is None:
