@@ -100,7 +100,7 @@ def test_csv_class_indices_written_as_decimals_are_class_indices(tmp_path, folde
     assert [label for _, label in data.samples] == indices and data.classes == [str(i) for i in range(11)]
 
 
-@pytest.mark.parametrize(("labels", "line"), [(["1.0", "nan", "2.0"], 2), (["NaN", "3"], 1)])
+@pytest.mark.parametrize(("labels", "line"), [(["1.0", "nan", "2.0"], 2), (["NaN", "3"], 1), (["", "3.0"], 1)])
 def test_csv_a_missing_label_among_class_indices_is_an_error_naming_its_line(tmp_path, folder, labels, line):
     import shutil
 
@@ -108,7 +108,36 @@ def test_csv_a_missing_label_among_class_indices_is_an_error_naming_its_line(tmp
     files = sorted(tmp_path.glob("imgs/*/*.jpg"))[: len(labels)]
     lst = tmp_path / "list.csv"
     lst.write_text("".join(f"{f.relative_to(tmp_path)},{label}\n" for f, label in zip(files, labels, strict=True)))
-    with pytest.raises(ValueError, match=rf"list.csv:{line}: label '(nan|NaN)' is a missing value among class indices"):
+    with pytest.raises(ValueError, match=rf"list.csv:{line}: label '(nan|NaN|)' is a missing value among class"):
+        scan(lst)
+
+
+def test_csv_decimal_labels_that_are_not_all_whole_stay_class_names_and_a_bad_index_is_quoted_as_written(
+    tmp_path, folder
+):
+    """Ratings (``0.5``, ``1.0``, ``1.5``) are names, as before; the held-out set of a model trained on names such as
+    ``1.0`` is read by those names; an index written ``-1.0`` or ``2e6`` is refused in the words the file used."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    files = sorted(tmp_path.glob("imgs/*/*.jpg"))[:3]
+    lst = tmp_path / "list.csv"
+
+    def write(*labels):
+        lst.write_text("".join(f"{f.relative_to(tmp_path)},{label}\n" for f, label in zip(files, labels, strict=True)))
+
+    write("0.5", "1.0", "1.5")
+    assert scan(lst).classes == ["0.5", "1.0", "1.5"]
+    write("2.0", "1.0", "3.0")
+    trained = {"1.0": 0, "2.0": 1, "3.0": 2}  # a model trained on these as names
+    held = scan(lst, class_to_idx=trained)
+    assert [label for _, label in held.samples] == [1, 0, 2] and held.classes == ["1.0", "2.0", "3.0"]
+    assert [label for _, label in scan(lst).samples] == [2, 1, 3]  # a training set: class indices
+    write("1.0", "-1.0", "0e8")
+    with pytest.raises(ValueError, match=r"list.csv:2: label -1.0 must be >= 0"):
+        scan(lst)
+    write("1.0", "0e8", "2e6")
+    with pytest.raises(ValueError, match=r"list.csv:3: label 2e6 would make more than 1,000,000 classes"):
         scan(lst)
 
 

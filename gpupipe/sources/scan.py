@@ -10,7 +10,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
@@ -168,6 +168,7 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
     rows = _without_header(read, base)
     if not rows:
         raise SourceError(f"{path}: the file list is empty" + (" (a header row, no file under it)" if read else ""))
+    rows = _whole_decimals(path, rows, class_to_idx)
     numeric = _labels_are_indices(path, rows)
     if class_to_idx is not None:  # a held-out set, labelled as the training set
         names = {row.label for row in rows}
@@ -211,36 +212,27 @@ def _csv_rows(path: Path) -> list[_Row]:
 def _without_header(rows: list[_Row], base: Path) -> list[_Row]:
     if len(rows) == 1:  # a header with no data under it: column titles naming no file
         only, name = rows[0], rows[0].path.lower()
-        titles = name in _HEADER_WORDS or (not os.path.splitext(name)[1] and not _is_int(only.label))
+        titles = name in _HEADER_WORDS or (not os.path.splitext(name)[1] and not _is_index(only.label))
         return [] if titles and not (base / only.path).is_file() else rows
     if len(rows) < 2:  # a header is followed by data
         return rows
     first = rows[0]
-    others_int = all(_is_int(row.label) for row in rows[1:])
+    others_int = all(_is_index(row.label) for row in rows[1:])
     a_file = (base / first.path).is_file()
     name = first.path.lower()
     if name in _HEADER_WORDS or (
-        not a_file and (not os.path.splitext(name)[1] or (others_int and not _is_int(first.label)))
+        not a_file and (not os.path.splitext(name)[1] or (others_int and not _is_index(first.label)))
     ):
         return rows[1:]
     return rows
 
 
 def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
-    """Whether the labels are class indices (else class names); a mix of both, or a negative index, is an error.
-    Whole numbers written as decimals (``2.0``: pandas writes a label column so once it holds a missing value) are
-    class indices too, rewritten in ``rows`` as integers; read as names, they were sorted as text (``10.0`` before
-    ``2.0``), silently."""
-    numeric = _is_whole(rows[0].label)
-    for k, (lineno, _, label) in enumerate(rows):
-        if _is_whole(label) != numeric:
+    """Whether the labels are class indices (else class names); a mix of both, or a negative index, is an error."""
+    numeric = _is_int(rows[0].label)
+    for lineno, _, label in rows:
+        if _is_int(label) != numeric:
             first = rows[0]
-            missing = next((row for row in (first, rows[k]) if row.label.lower() == "nan"), None)
-            if missing is not None:  # (a float column with a gap: the gap is the odd one out)
-                raise SourceError(
-                    f"{path}:{missing.lineno}: label {missing.label!r} is a missing value among class indices (a "
-                    "column with a gap, as pandas writes one): give every image its class"
-                )
             if not numeric and _is_number(first.label):  # (1.5, then 1): the first one is the odd one out
                 raise SourceError(
                     f"{path}:{first.lineno}: label {first.label!r} is a number but not a class index, and the label "
@@ -252,29 +244,58 @@ def _labels_are_indices(path: Path, rows: list[_Row]) -> bool:
                 f"{path}:{lineno}: label {label!r} is not {kind} like the label on line {rows[0].lineno} "
                 f"({rows[0].label!r}); use class indices or class names, not both"
             )
-        if numeric and (problem := index_problem(_as_int(label))) is not None:
+        if numeric and (problem := index_problem(label)) is not None:
             raise SourceError(f"{path}:{lineno}: {problem}")
-    if numeric:
-        rows[:] = [row if _is_int(row.label) else row._replace(label=_as_int(row.label)) for row in rows]
     return numeric
 
 
-def _is_whole(label: str) -> bool:
-    """A class index as a CSV may write one: an integer, or a whole number written as a decimal (``2.0``, ``1e3``)."""
-    if _is_int(label):
-        return True
+def _whole_decimals(path: Path, rows: list[_Row], class_to_idx: dict[str, int] | None) -> list[_Row]:
+    """A label column of whole numbers with decimals among them (``2.0``: pandas writes a label column so once it
+    holds a gap) as the class indices it holds: read as names, they were sorted as text (``10.0`` before ``2.0``),
+    silently. A gap among them (``nan``, or nothing) is an error naming its line. Left as they are: a column with any
+    other label (``0.5``, ``cat``: names), and one whose every label is a class of the training set (the held-out set
+    of a model trained on such names)."""
+    labels = {row.label for row in rows}
+    if all(_is_int(label) for label in labels) or (class_to_idx is not None and labels <= class_to_idx.keys()):
+        return rows
+    present = [row for row in rows if not _is_gap(row.label)]
+    values = [_whole(row.label) for row in present]
+    if not present or any(value is None for value in values):
+        return rows
+    if len(present) < len(rows):
+        gap = next(row for row in rows if _is_gap(row.label))
+        raise SourceError(
+            f"{path}:{gap.lineno}: label {gap.label!r} is a missing value among class indices (a column with a gap, "
+            "as pandas writes one): give every image its class"
+        )
+    out = []
+    for row, value in zip(rows, values, strict=True):
+        assert value is not None  # (checked above)
+        if value < 0 or value >= MAX_CLASSES:  # the integer's own words, the label as written
+            problem = index_problem("-1" if value < 0 else str(MAX_CLASSES), written=row.label)
+            raise SourceError(f"{path}:{row.lineno}: {problem}")
+        out.append(row._replace(label=str(int(value))))
+    return out
+
+
+def _is_gap(label: str) -> bool:
+    return label == "" or label.lower() == "nan"
+
+
+def _whole(label: str) -> Decimal | None:
+    """The value of a label that writes a whole number (``2``, ``2.0``, ``1e3``), else None."""
     if not _is_number(label):
-        return False
-    value = Decimal(label)
-    return value.adjusted() > 7 or value == value.to_integral_value()  # (past 10**7 it is too large, said below)
+        return None
+    try:
+        value = Decimal(label)
+    except InvalidOperation:  # (an exponent past what Decimal holds)
+        return None
+    return value if value == value.to_integral_value() else None
 
 
-def _as_int(label: str) -> str:
-    """A whole decimal's integer (``2.0`` -> ``2``); an integer, or one too large to be a class index, as it is."""
-    if _is_int(label):
-        return label
-    value = Decimal(label)
-    return label if value.adjusted() > 7 else str(int(value))
+def _is_index(label: str) -> bool:
+    """A class index, as an integer or a whole decimal (the header's test: a column title is neither)."""
+    return _is_int(label) or _whole(label) is not None
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
@@ -285,13 +306,15 @@ def _is_number(label: str) -> bool:
     return _NUMBER.fullmatch(label) is not None
 
 
-def index_problem(label: str) -> str | None:
-    """Why a numeric label (ASCII digits after an optional minus) is no class index, or ``None`` when it is one."""
+def index_problem(label: str, written: str | None = None) -> str | None:
+    """Why a numeric label (ASCII digits after an optional minus) is no class index, or ``None`` when it is one;
+    ``written``: the label as the file wrote it, when that was another form (``-1.0``)."""
+    shown = _short(written or label)
     if label.startswith("-") and label.lstrip("-0"):
-        return f"label {_short(label)} must be >= 0"
+        return f"label {shown} must be >= 0"
     if _too_large(label):
         return (
-            f"label {_short(label)} would make more than {MAX_CLASSES:,} classes (labels are class indices 0..n-1; "
+            f"label {shown} would make more than {MAX_CLASSES:,} classes (labels are class indices 0..n-1; "
             f"at most {MAX_CLASSES:,} classes)"
         )
     return None
@@ -300,8 +323,6 @@ def index_problem(label: str) -> str | None:
 def _too_large(label: str) -> bool:
     """An index at or past MAX_CLASSES, told without int() for a label of thousands of digits (which Python refuses
     to convert past 4,300 digits)."""
-    if not _is_int(label):  # a whole decimal left as it was (``1e12``)
-        return Decimal(label) >= MAX_CLASSES
     digits = label.lstrip("0") or "0"
     return len(digits) > len(str(MAX_CLASSES)) or int(digits) >= MAX_CLASSES
 
