@@ -338,7 +338,6 @@ class Driver:
             flight.shut = True
             flight.done(-1)
 
-
     def release(self) -> None:
         if self.direct is None:
             self.pipe.release_outputs()
