@@ -141,6 +141,18 @@ def test_csv_decimal_labels_that_are_not_all_whole_stay_class_names_and_a_bad_in
         scan(lst)
 
 
+def test_csv_written_by_pandas_with_its_index_column_is_read_by_its_path_and_label(tmp_path, folder):
+    """``df.to_csv("list.csv")`` writes the index first, under an empty header cell: it was read as the paths ("0",
+    "1", ... do not exist); that column is left out."""
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "imgs")
+    lst = tmp_path / "list.csv"
+    lst.write_text(",path,label\n0,imgs/c00/000.jpg,1.0\n1,imgs/c01/000.jpg,0.0\n")
+    data = scan(lst)
+    assert [label for _, label in data.samples] == [1, 0] and data.classes == ["0", "1"] and not data.missing
+
+
 @pytest.mark.parametrize("first", ["imgs/gone.jpeg2000", "gone.tif"])
 def test_csv_first_row_naming_a_missing_file_is_data_not_a_header(tmp_path, folder, first):
     import shutil

@@ -195,12 +195,18 @@ def scan_csv(path: Path, allow_outside_root: bool, class_to_idx: dict[str, int] 
 
 
 def _csv_rows(path: Path) -> list[_Row]:
-    """The rows with a path and a label; blank rows and ``#`` comments are left out."""
-    rows = []
+    """The rows with a path and a label; blank rows and ``#`` comments are left out. A first row whose first cell is
+    empty, with two more after it, is the header pandas writes with its index (``df.to_csv()``): that column is left
+    out of every row (it was read as the paths: "0", "1", ... "do not exist")."""
+    rows: list[_Row] = []
+    skip = 0
     with open(path, newline="", encoding="utf-8-sig") as f:  # utf-8-sig: Excel's byte-order mark
         for lineno, row in enumerate(csv.reader(f), 1):
             if not row or row[0].startswith("#"):
                 continue
+            if not rows and not skip and len(row) >= 3 and not row[0].strip():
+                skip = 1  # (pandas' index column: its header cell is empty)
+            row = row[skip:]
             if len(row) < 2:
                 raise SourceError(f"{path}:{lineno}: expected 'path,label', got {row!r}")
             if "\0" in row[0]:  # the OS refuses it ("embedded null byte"): said here, with the line
