@@ -14,14 +14,16 @@ wherever the collector runs it: its paths stay watched for :data:`LET_GO_S`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import stat
 import threading
 import time
 from collections import deque
 
 import numpy as np
+
+from .._files import special_kind
 
 AFTER = 1.0  # seconds a wait on DALI lasts before the paths in flight are looked at (a batch takes far less)
 _EVERY = 0.5  # how often they are looked at then
@@ -129,8 +131,6 @@ def open_fifos(batches: tuple[np.ndarray | None, ...]) -> None:
     for rows in batches:
         for row in rows if rows is not None else ():
             path = row.tobytes().split(b"\0", 1)[0]
-            try:
-                if stat.S_ISFIFO(os.stat(path).st_mode):
+            if special_kind(path) == "a fifo":
+                with contextlib.suppress(OSError):  # (no reader: ENXIO; gone since)
                     os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
-            except OSError:
-                pass
