@@ -573,6 +573,86 @@ def test_the_training_thread_only_takes_finished_batches(photos, photo_shards, m
     assert callers == {"gpupipe-dali"}
 
 
+def _buffers_handed_back_while_dali_reads(monkeypatch) -> list[int]:
+    """Spies that note each feed worker's buffer handed back (to be written again) while a batch DALI reads in place
+    from it is still in flight: scheduled, and neither fetched nor ended by a shut-down of its pipeline."""
+    from nvidia.dali.pipeline import Pipeline
+
+    from gpupipe.backends.dali import DaliLoader
+
+    in_dali: list[int] = []  # the leases of the batches in flight, oldest first
+    early: list[int] = []
+    submit, fetch, shutdown = DaliLoader._submit, DaliLoader._fetch, Pipeline._shutdown
+    give_back = handover._Lease.give_back
+
+    def submitted(self, work):
+        submit(self, work)
+        if work.lease is not None:
+            in_dali.append(id(work.lease))
+
+    def fetched(self):
+        out = fetch(self)
+        if in_dali:
+            in_dali.pop(0)
+        return out
+
+    def shut(self):
+        shutdown(self)
+        in_dali.clear()
+
+    def given_back(self):
+        if self._flat is not None and id(self) in in_dali:
+            early.append(id(self))
+        give_back(self)
+
+    monkeypatch.setattr(DaliLoader, "_submit", submitted)
+    monkeypatch.setattr(DaliLoader, "_fetch", fetched)
+    monkeypatch.setattr(Pipeline, "_shutdown", shut)  # (also DALI's own ``__del__``'s)
+    monkeypatch.setattr(handover._Lease, "give_back", given_back)
+    return early
+
+
+@pytest.mark.parametrize("end", ["close", "error", "drop", "cycle"])
+def test_a_feed_workers_buffer_goes_back_only_once_dali_is_done_with_it(photo_shards, monkeypatch, end):
+    """From shards (and Parquet, object storage) DALI reads each batch's bytes in place, in the buffer its feed worker
+    wrote (no copy), which goes back to the worker once the batch's work is dropped. A pass's end with batches still
+    scheduled (the next epoch's first ones, at the end of an epoch) dropped them while DALI still decoded them: at
+    ``close()`` (the worker wrote over them as it stopped: "Not a JPEG file", a crop window past another image's
+    edges, on stderr), after an error, and when the loader was dropped. The pipeline now holds them until the batch is
+    fetched or the pipeline shut down (dropped: a while after DALI's own shut-down)."""
+    import gc
+
+    from gpupipe.backends.dali import DaliLoader
+
+    early = _buffers_handed_back_while_dali_reads(monkeypatch)
+    loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=1, device="cpu")
+    if end == "error":
+        assemble = DaliLoader._assemble
+        calls = iter(range(1000))
+
+        def failing(self, work, decoded):
+            if next(calls) == 2:
+                raise RuntimeError("a batch failed")
+            return assemble(self, work, decoded)
+
+        monkeypatch.setattr(DaliLoader, "_assemble", failing)
+        with pytest.raises(RuntimeError, match="a batch failed"):
+            list(loader)
+        assert loader._pipe is not None and loader._pipe.in_flight.batches  # what it still reads is held
+    else:
+        assert len(list(loader)) == len(loader)  # the next epoch's first batches are scheduled now
+    scheduled = loader._pipe.in_flight.batches
+    assert scheduled and all(hold is not None for _, hold in scheduled)
+    if end in ("drop", "cycle"):
+        if end == "cycle":  # collected by the cycle collector, which runs the finalizers of its garbage in any order
+            loader.me = loader
+        del loader, scheduled
+        gc.collect()
+    else:
+        loader.close()
+    assert not early
+
+
 @pytest.mark.parametrize("left", [0, 1])
 def test_an_epochs_first_batch_is_not_held_back_by_the_feeds_next_read(photo_shards, monkeypatch, left):
     """A pass that goes on with batches already in flight (the next epoch's first ones, read and scheduled while the

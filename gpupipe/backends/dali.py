@@ -172,7 +172,9 @@ class DaliLoader(Loader):
         assert work.rows is not None  # every work with DALI samples has their crops
         for name, data in crop_inputs(self.recipe, self.train, work.rows).items():  # each one array, copied by DALI
             pipe.feed(name, data)
-        pipe.run()
+        # bytes or pixels are read where the feed's worker put them: the work holds its buffer, which goes back to the
+        # worker (to be written again) when the work is dropped. The pipeline holds it until DALI is done with it
+        pipe.run(hold=work if work.paths is None else None)
         self._scheduled += 1
         work.scheduled = True
 

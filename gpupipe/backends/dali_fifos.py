@@ -8,9 +8,10 @@ So each pipeline's :class:`InFlight` keeps the path rows of its scheduled batche
 batch, or its shut-down: :class:`.dali_graph.Driver`) is told. While one lasts longer than :data:`AFTER`, one thread a
 process opens for writing, and closes at once, every fifo among those paths, twice a second until the wait ends: a
 reader waiting in ``open`` goes on and reads the end, DALI fails on the batch, and the loader's recovery reports the
-file as Pillow does ("not a regular file: a fifo"). A fifo nobody reads is left as it is (``ENXIO``). A pipeline let
-go with batches in flight and no shut-down (its loader collected) is shut down by DALI's own ``Pipeline.__del__``,
-wherever the collector runs it: its paths stay watched for :data:`LET_GO_S`."""
+file as Pillow does ("not a regular file: a fifo"). A fifo nobody reads is left as it is (``ENXIO``).
+
+The same record holds, until a batch is fetched or its pipeline shut down, what must outlive DALI's reads of the
+inputs it takes in place (``no_copy``): the work whose feed worker's buffer holds a batch's bytes."""
 
 from __future__ import annotations
 
@@ -32,23 +33,24 @@ _log = logging.getLogger(__name__)
 _waiting: dict[int, InFlight] = {}  # the waits under way, by id of their InFlight
 _watcher: list[threading.Thread] = []  # this process's watch thread, started with the first paths in flight
 _starting = threading.RLock()
-LET_GO_S = 60.0  # how long the paths of a pipeline let go with batches in flight stay watched (its shut-down's)
 
 
 class InFlight:
-    """The path rows of a pipeline's scheduled batches, oldest first (``None`` for a batch fed bytes or pixels), and
-    the wait on it under way. The rows are let go here, on the thread that fetches their batch (DALI itself copies
-    them as they are fed: a Python object it held would be let go in its threads, where that takes the GIL)."""
+    """A pipeline's scheduled batches, oldest first, each one's path rows (``None`` for a batch fed bytes or pixels)
+    and what holds the inputs DALI reads in place (a work, whose feed worker's buffer goes back to the worker, to be
+    written again, once the work is dropped), and the wait on the pipeline under way. Both are let go here, on the
+    thread that fetches their batch, or once the pipeline is shut down: never while DALI may still read them (DALI
+    itself copies the rows as they are fed: a Python object it held would be let go in its threads, where that takes
+    the GIL)."""
 
     def __init__(self) -> None:
-        self.batches: deque[np.ndarray | None] = deque()
+        self.batches: deque[tuple[np.ndarray | None, object]] = deque()
         self.since = 0.0  # when the wait under way began (0: none)
         self.files = False  # whether any batch was fed paths (only then is a wait watched)
         self.shut = False  # the pipeline was shut down
-        self.until = 0.0  # a pipeline let go: when its watch ends (0: not let go)
 
-    def add(self, rows: np.ndarray | None) -> None:
-        self.batches.append(rows)
+    def add(self, rows: np.ndarray | None, hold: object = None) -> None:
+        self.batches.append((rows, hold))
         if rows is not None and not self.files:
             self.files = True
             _watching()  # now, not with a first wait: at exit no thread may start (Python 3.12)
@@ -71,20 +73,11 @@ class InFlight:
         elif self.batches:
             self.batches.popleft()
 
-    def let_go(self) -> None:
-        """The pipeline is let go without a shut-down, batches in flight (its driver collected): DALI's own
-        ``Pipeline.__del__`` shuts it down, on whichever thread the collector runs it, and that wait is watched for
-        :data:`LET_GO_S`. Nothing here blocks, takes a lock or starts a thread: a finalizer's work."""
-        if self.files and self.batches and not self.shut:
-            self.since, self.until = time.monotonic(), time.monotonic() + LET_GO_S
-            _waiting[id(self)] = self
-
     def look(self, now: float) -> None:
         since = self.since
         if since and now - since > AFTER:
-            open_fifos(tuple(self.batches))  # (a tuple of a deque is made under the GIL: never a half-changed one)
-        if self.until and now > self.until:
-            _waiting.pop(id(self), None)
+            # (a tuple of a deque is made under the GIL: never a half-changed one)
+            open_fifos(tuple(rows for rows, _ in tuple(self.batches)))
 
 
 def _watching() -> None:

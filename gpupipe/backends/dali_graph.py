@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -21,6 +22,8 @@ from ..errors import DecodeError
 from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, decode_failure, default_max_pixels, probe
 from .dali_fifos import InFlight
 from .pillow import PillowDecoder
+
+_log = logging.getLogger(__name__)
 
 
 def dali_device_id(device: torch.device) -> int | None:
@@ -284,11 +287,14 @@ class Driver:
         self.direct = handle if self._has_calls(handle) else None
         self._as_list, self._as_sample = TensorListCPU, TensorCPU
         self._stream_ptr = types._raw_cuda_stream_ptr if self.direct is not None else None
-        self.in_flight = InFlight()  # the scheduled batches' paths: a fifo among them is opened while a wait is long
-        # let go without a shut-down (its loader collected): DALI's ``Pipeline.__del__`` shuts it down, wherever the
-        # collector runs it, and that wait is watched. A weak reference's callback, not a ``__del__``: the collector
-        # calls those before any finalizer of the garbage (DALI's ``__del__`` may come first among finalizers)
-        weakref.finalize(self, self.in_flight.let_go).atexit = False
+        # the scheduled batches: their paths (a fifo among them is opened while a wait is long) and what holds the
+        # inputs DALI reads in place
+        self.in_flight = InFlight()
+        # let go without a shut-down (its loader collected), batches in flight: shut down then, the wait watched, and
+        # only then are those inputs let go. A weak reference's callback, not a ``__del__``: the collector calls those
+        # before any finalizer of its garbage, which may hold the inputs' holders (whose own finalizers hand a feed
+        # worker's buffer back) but not the pipeline, held here until the callback has run
+        weakref.finalize(self, _collected, pipe, self.in_flight).atexit = False
         self._paths: np.ndarray | None = None  # the batch being fed's
 
     def feed(self, name: str, data) -> None:
@@ -306,12 +312,14 @@ class Driver:
             listed = data if isinstance(data, self._as_list) else self._as_list(data, "")
             self.direct.SetExternalTLInput(name, listed, None, False)
 
-    def run(self) -> None:
+    def run(self, hold: object = None) -> None:
+        """The batch fed scheduled; ``hold``: what must stay alive until DALI is done with the inputs it reads in place
+        (let go once the batch is fetched or the pipeline shut down, :class:`.dali_fifos.InFlight`)."""
         if self.direct is None:
             self.pipe.schedule_run()
         else:
             self.direct.Run()
-        self.in_flight.add(self._paths)
+        self.in_flight.add(self._paths, hold)
         self._paths = None
 
     def share(self, stream: torch.cuda.Stream | None):
@@ -326,23 +334,40 @@ class Driver:
             self.in_flight.done()
 
     def shutdown(self) -> None:
-        """DALI's pipeline shut down now, its threads with it (a thread waiting on a fifo in flight is let go)."""
-        flight = self.in_flight
-        if flight.shut or (hasattr(self.pipe, "_pipe") and self.pipe._pipe is None):  # (or a forked child's copy)
-            flight.done(-1)
-            return
-        flight.wait()
-        try:
-            self.pipe._shutdown()
-        finally:
-            flight.shut = True
-            flight.done(-1)
+        """DALI's pipeline shut down now, its threads with it (a thread waiting on a fifo in flight is let go), and
+        then what held the inputs of the batches in flight let go."""
+        _shut_down(self.pipe, self.in_flight)
 
     def release(self) -> None:
         if self.direct is None:
             self.pipe.release_outputs()
         else:
             self.direct.ReleaseOutputs()
+
+
+def _shut_down(pipe, flight: InFlight) -> None:
+    if flight.shut or (hasattr(pipe, "_pipe") and pipe._pipe is None):  # (or a forked child's copy)
+        flight.done(-1)
+        return
+    flight.wait()
+    try:
+        pipe._shutdown()
+    finally:
+        flight.shut = True
+        flight.done(-1)
+
+
+def _collected(pipe, flight: InFlight) -> None:
+    """A driver collected with batches in flight (its loader dropped, not closed): its pipeline shut down here, as
+    DALI's own ``Pipeline.__del__`` would, on the collector's thread, but before the inputs DALI reads are let go
+    (their holders' finalizers may otherwise come first: a feed worker's buffer written again while DALI decodes it).
+    With nothing in flight, DALI's ``__del__`` shuts it down once this callback lets go of it."""
+    if not flight.batches:
+        return
+    try:
+        _shut_down(pipe, flight)
+    except RuntimeError as e:  # (as DALI's ``__del__``, which made this call before)
+        _log.debug("DALI's pipeline, collected, failed to shut down: %s", e)
 
 
 def to_torch(out, device: torch.device) -> torch.Tensor:
