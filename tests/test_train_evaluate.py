@@ -160,3 +160,23 @@ def test_a_run_folder_evaluates_its_last_checkpoint_and_synthetic_data_is_refuse
     ]
     code, _, lines = _eval(capsys, "--checkpoint", run, "--data", data, "--backend", "synthetic")
     assert code == 2 and lines[0].startswith("error: --backend synthetic makes random images and labels"), lines
+
+
+def test_files_left_out_under_skip_are_not_counted_and_are_named(tmp_path, capsys, monkeypatch):
+    """The probe: with 3 unreadable files among 19, ``--on-error skip`` printed "(19 images ...)" and JSON
+    ``"images": 19`` for metrics over the 16 read, and said nothing of the others; without the flag, the error's fix
+    named ``on_error="skip"`` (build_loader's spelling) instead of the flag."""
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
+    ckpt, data = tmp_path / "last.pt", make_folder(tmp_path / "val", 2, 3)
+    _checkpoint(ckpt, {}, ["c00", "c01"])
+    bad = data / "c01" / "zz-empty.jpg"
+    bad.write_bytes(b"")
+    code, out, _ = _eval(capsys, "--checkpoint", ckpt, "--data", data, "--on-error", "skip", "--json")
+    got = json.loads(out)
+    assert code == 0 and got["images"] == 6 and [s["path"] for s in got["skipped"]] == [str(bad)]
+    code, out, lines = _eval(capsys, "--checkpoint", ckpt, "--data", data, "--on-error", "skip")
+    assert code == 0 and "(6 images, test_resnet" in out
+    assert lines == [f"1 unreadable file(s) left out (--on-error skip), e.g. {bad}: {got['skipped'][0]['reason']}"]
+    code, _, lines = _eval(capsys, "--checkpoint", ckpt, "--data", data)
+    assert code == 2 and len(lines) == 1 and str(bad) in lines[0] and "--on-error skip leaves such files out" in lines[0]
+    assert "on_error=" not in lines[0]

@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 from .._options import ALLOW_OUTSIDE_ROOT_HELP
+from ..errors import DecodeError, GpupipeError
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def run_eval(args) -> int:
 
     from ..api import build_loader
     from .distributed import Distributed
-    from .loop import evaluate
+    from .loop import evaluated
     from .precision import Precision
 
     saved, classes = _checkpoint_and_classes(args)
@@ -70,24 +72,35 @@ def run_eval(args) -> int:
     model.to(loader.device)
     dist = Distributed(str(loader.device))
     try:
-        metrics = evaluate(model, loader, Precision(config.get("precision", "fp32"), loader.device), dist)
+        metrics, images = evaluated(model, loader, Precision(config.get("precision", "fp32"), loader.device), dist)
+    except DecodeError as e:  # the first unreadable file stopped the evaluation: say how to go on, in flags
+        raise GpupipeError(
+            f"{e.fault}; to go on: --on-error skip leaves such files out, and `gpupipe check {args.data}` lists every "
+            "unreadable file"
+        ) from e
     finally:
         dist.close()
     metrics = {
         "checkpoint": str(Path(args.checkpoint)),
         "data": args.data,
-        "images": len(loader.dataset),
+        "images": images,  # those the metrics are over
+        "skipped": [{"path": path, "reason": reason} for path, reason in loader.skipped],
         "weights": "ema" if args.ema else "model",
         **metrics,
     }
     if args.json:
         print(json.dumps(metrics))
-    else:
+        return 0
+    print(
+        f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
+        f"({images} images, {config['model']}{' EMA weights' if args.ema else ''} at {side} px, {_when(saved)} of "
+        f"{args.checkpoint})"
+    )
+    if loader.skipped:
+        path, reason = loader.skipped[0]
         print(
-            f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-            f"({metrics['images']} images, {config['model']}{' EMA weights' if args.ema else ''} at {side} px, "
-            f"{_when(saved)} of "
-            f"{args.checkpoint})"
+            f"{len(loader.skipped)} unreadable file(s) left out (--on-error skip), e.g. {path}: {reason}",
+            file=sys.stderr,
         )
     return 0
 

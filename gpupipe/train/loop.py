@@ -372,6 +372,13 @@ def validate(run_model: nn.Module, ema, loader: Loader | None, precision: Precis
 
 
 def evaluate(model: nn.Module, loader: Loader, precision: Precision, dist: Distributed) -> dict:
+    """``val_loss`` and ``val_acc`` of ``model`` over every rank's share of ``loader``'s images."""
+    return evaluated(model, loader, precision, dist)[0]
+
+
+def evaluated(model: nn.Module, loader: Loader, precision: Precision, dist: Distributed) -> tuple[dict, int]:
+    """As :func:`evaluate`, with the number of images the metrics are over (every rank's; a file left out under
+    ``on_error="skip"`` is not among them)."""
     model.eval()
     sums, count = torch.zeros(2, dtype=torch.float64, device=loader.device), 0  # loss, correct: on the device
     criterion = nn.CrossEntropyLoss(reduction="sum")
@@ -390,7 +397,7 @@ def evaluate(model: nn.Module, loader: Loader, precision: Precision, dist: Distr
             f"{loader.dataset.root}: no image to evaluate on: all {len(loader.dataset)} were skipped as undecodable"
             f"{example}"
         )
-    return {"val_loss": loss_sum / total, "val_acc": correct / total}
+    return {"val_loss": loss_sum / total, "val_acc": correct / total}, int(total)
 
 
 def epoch_metrics(epoch: int, meter: Meter, dist: Distributed) -> dict:
