@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import re
 import warnings
@@ -142,6 +143,10 @@ def build_loader(
     """
     name = check_name(backend)
     _check(on_error, batch_size, num_workers, recipe, image_size)
+    _check_root(root)
+    seed = _seed(seed)
+    _flags(train=train, normalize=normalize, channels_last=channels_last, allow_outside_root=allow_outside_root)
+    _flags(optional=True, drop_last=drop_last, pin_memory=pin_memory, persistent_workers=persistent_workers)
     dev = _resolve_device(device)
     dataset = open_source(root, allow_outside_root=allow_outside_root, class_to_idx=class_to_idx)
     _check_missing(dataset, on_error)
@@ -235,10 +240,39 @@ def _check(
 
 def _whole(name: str, value: object, optional: bool = True) -> None:
     """A whole-number argument (``True`` is no size, ``"224"`` or ``2.5`` no count): one line naming it otherwise."""
-    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+    if (value is None and optional) or (
+        isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    ):
         return
     valid = "a whole number" + (" or None" if optional else "")
     raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
+
+
+def _flags(optional: bool = False, **flags: object) -> None:
+    """Yes/no arguments: ``"no"`` or ``"False"`` would be taken as true, ``0``/``1`` as a count; one line naming the
+    argument instead."""
+    for name, value in flags.items():
+        if isinstance(value, (bool, np.bool_)) or (value is None and optional):
+            continue
+        valid = "True or False" + (" (or None)" if optional else "")
+        raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
+
+
+def _seed(seed: object) -> int:
+    """The seed as an int (numpy's integers too: a seed drawn with numpy is one); anything else is one line."""
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)):
+        return int(seed)
+    raise ValueError(f"seed must be a whole number, got {seed!r} ({type(seed).__name__})")
+
+
+def _check_root(root: object) -> None:
+    """The data argument: a number or nothing is no source (``open_source`` would fail on it in a raw
+    ``TypeError``)."""
+    if root is None or isinstance(root, (bool, int, float, complex)):
+        raise ValueError(
+            f"root must be the data: a folder, a CSV list, shards, a URL, a list of them or a dataset; got {root!r} "
+            f"({type(root).__name__})"
+        )
 
 
 def _dataloader_settings(

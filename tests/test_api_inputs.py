@@ -3,6 +3,7 @@ image size of 0."""
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from torchvision import transforms as T
@@ -82,11 +83,29 @@ def test_a_transform_returning_float_or_another_shape_is_a_transform_error(folde
         ({"image_size": "224"}, r"image_size must be a whole number or None, got '224' \(str\)"),
         ({"batch_size": 2.5}, r"batch_size must be a whole number, got 2.5 \(float\)"),
         ({"num_workers": "2"}, r"num_workers must be a whole number or None, got '2' \(str\)"),
+        # yes/no arguments given as words were taken as true (a non-empty string): uint8 asked for, float32 given
+        ({"normalize": "no"}, r"normalize must be True or False, got 'no' \(str\)"),
+        ({"train": "False"}, r"train must be True or False, got 'False' \(str\)"),
+        ({"drop_last": 1}, r"drop_last must be True or False \(or None\), got 1 \(int\)"),
+        ({"seed": "3"}, r"seed must be a whole number, got '3' \(str\)"),
     ],
 )
 def test_an_argument_of_the_wrong_type_or_an_unknown_device_is_one_line(folder, given, message):
     with pytest.raises(ValueError, match=message):
         gpupipe.build_loader(folder, "pillow", **given)
+
+
+@pytest.mark.parametrize("root", [42, None])
+def test_a_root_that_is_no_data_is_one_line_naming_the_argument(root):
+    """The probe: ``build_loader(42)`` ended in ``TypeError: expected str, bytes or os.PathLike object, not int``."""
+    with pytest.raises(ValueError, match=rf"root must be the data: .*; got {root} \({type(root).__name__}\)"):
+        gpupipe.build_loader(root, "pillow", device="cpu")
+
+
+def test_numpy_flags_and_seeds_are_taken_as_python_ones(folder):
+    kw = dict(batch_size=4, device="cpu", normalize=np.bool_(False), seed=np.int64(3))
+    loader = gpupipe.build_loader(folder, "pillow", **kw)
+    assert loader.seed == 3 and type(loader.seed) is int and next(iter(loader))[0].dtype == torch.uint8
 
 
 def test_read_image_names_an_unknown_device(folder):
