@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--record", help="a folder: each rank's batches, one JSON line each")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept, the newest (-1: every one)")
     args = p.parse_args()
+    if args.record:
+        Path(args.record).mkdir(parents=True, exist_ok=True)  # (as the accelerate example's)
 
     options = dict(batch_size=args.batch_size, image_size=args.image_size, num_workers=args.workers)
     if args.plain:

@@ -42,6 +42,18 @@ ALLOW_OUTSIDE_ROOT_HELP = (
 )
 
 
+def at_least(low: float, kind: type = int, strict: bool = False):
+    """An argparse type: ``kind(text)``, refused below ``low`` (or at it, ``strict``) with one line."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < low or (strict and not value > low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
+        return value
+
+    return parse
+
+
 def positive_ints(text: str) -> list[int]:
     """An argparse type: one size or several, ``160,192,224``, each an integer >= 1."""
     try:

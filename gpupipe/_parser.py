@@ -25,7 +25,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """One line, as every other mistake is (argparse prints the whole usage block first), with where help is."""
-        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+        what = (
+            "commands"
+            if message.startswith(("argument command:", "the following arguments are required: command"))
+            else "flags"
+        )
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the {what})\n")
 
     def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
         for action in self._actions:

@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from ._deps import require
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
-from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, positive_ints
+from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, at_least, positive_ints
 from ._parser import Parser
 from ._system import is_main_rank
 from ._version import __version__
@@ -137,8 +137,10 @@ def _bench_backends(asked: str | None, device) -> tuple[list[str], dict[str, str
         for b in backends
         if b in avail and device.type not in get(b).devices
     }
+    if len(unusable) == len(backends):  # nothing to measure: one error line, as any other mistake
+        raise ValueError("; ".join(f"{b}: {why or 'unavailable'}" for b, why in unusable.items()))
     for b, why in unusable.items():
-        console.print(f"[red]{b}[/]: {escape(why or '')}{'' if len(unusable) == len(backends) else ': not measured'}")
+        console.print(f"[red]{b}[/]: {escape(why or '')}: not measured")
     return [b for b in backends if b not in unusable], {b: why or "unavailable" for b, why in unusable.items()}
 
 
@@ -269,19 +271,7 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
-def _at_least(low: float, kind: type = int, strict: bool = False):
-    """An argparse type: ``kind(text)``, refused below ``low`` (or at it, ``strict``) with one line."""
-
-    def parse(text: str):
-        value = kind(text)
-        if value < low or (strict and not value > low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
-        return value
-
-    return parse
-
-
-_positive_int, _non_negative_int, _positive_float = _at_least(1), _at_least(0), _at_least(0, float, strict=True)
+_positive_int, _non_negative_int, _positive_float = at_least(1), at_least(0), at_least(0, float, strict=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,7 +370,7 @@ def _add_prepare_parser(sub) -> None:
     p.add_argument("--max-side", type=int, help="shrink images whose longer side is larger (default: keep sizes)")
     p.add_argument("--quality", type=int, help=f"JPEG quality of re-encoded images (default {defaults.quality})")
     p.add_argument("--shard-size", help=f"bytes per shard at most (default {defaults.shard_size // 2**20}MB)")
-    p.add_argument("--workers", type=int, help="processes (default: every usable core)")
+    p.add_argument("--workers", type=_non_negative_int, help="processes (default: every usable core)")
     p.add_argument(
         "--subsampling",
         choices=["keep", "420"],

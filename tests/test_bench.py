@@ -232,10 +232,13 @@ def test_bench_table_json_plot_and_auto(tmp_path, folder, capsys, monkeypatch):
     assert loader.backend == expected
 
 
-def test_bench_rejects_unavailable_backend(folder):
+def test_bench_rejects_unavailable_backend(folder, capsys, monkeypatch):
     if "nvjpeg" in gpupipe.available_backends():
         pytest.skip("CUDA is here")
+    monkeypatch.delenv("GPUPIPE_TRACEBACK", raising=False)
     assert main(["bench", "--data", str(folder), "--device", "cpu", "--backends", "nvjpeg"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # one line, as any other mistake (it lacked "error: ")
+    assert len(err) == 1 and err[0].startswith("error: nvjpeg: needs a CUDA GPU"), err
 
 
 def test_windows_wait_for_the_other_jobs_prefetch_to_stop(monkeypatch):

@@ -130,6 +130,8 @@ def test_a_bench_output_that_cannot_be_written_is_named_by_its_flag_before_the_b
         (["train", "--epochs", "x"], "error: argument --epochs: invalid int value: 'x'"),
         (["train", "--epoch", "2"], "error: unrecognized arguments: --epoch 2 (--epoch: did you mean --epochs?)"),
         (["bench", "--device", "tpu"], "error: argument --device: invalid choice: 'tpu' (choose from 'cpu', 'cuda')"),
+        (["eval", "--workers", "-1"], "error: argument --workers: must be >= 0, got -1"),
+        (["prepare", "a", "b", "--workers", "-1"], "error: argument --workers: must be >= 0, got -1"),
     ],
 )
 def test_an_argument_mistake_is_one_line_without_the_usage_block(args, line, capsys):
@@ -138,6 +140,22 @@ def test_an_argument_mistake_is_one_line_without_the_usage_block(args, line, cap
     assert e.value.code == 2
     (got,) = _lines(capsys.readouterr().err)
     assert got == f"{line} (`gpupipe {args[0]} --help` lists the flags)"
+
+
+@pytest.mark.parametrize("args", [["nosuch"], []])
+def test_a_command_mistake_points_to_the_list_of_commands(args, capsys):
+    """The probe: ``gpupipe nosuch`` and a bare ``gpupipe`` ended "(`gpupipe --help` lists the flags)"."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    (got,) = _lines(capsys.readouterr().err)
+    assert e.value.code == 2 and got.startswith("error: ") and got.endswith("(`gpupipe --help` lists the commands)")
+
+
+def test_train_workers_below_zero_names_the_flag(tmp_path, capsys, monkeypatch):
+    """The probe: ``gpupipe train --workers -1`` said ``num_workers must be >= 0`` (build_loader's name)."""
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    assert main(["train", "--data", str(tmp_path), "--workers", "-1"]) == 2
+    assert _lines(capsys.readouterr().err) == ["error: --workers must be >= 0, got -1"]
 
 
 def test_train_without_data_names_the_default_and_how_to_make_it(tmp_path, capsys, monkeypatch):

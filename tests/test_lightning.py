@@ -27,7 +27,7 @@ def data(tmp_path_factory):
 
 
 def _fit(data, out, record, backend, *extra):
-    record.mkdir(parents=True)
+    record.parent.mkdir(parents=True, exist_ok=True)  # the --record folder itself the example makes
     cmd = [sys.executable, str(EXAMPLE), str(data), "--val", str(data), "--out", str(out), "--record", str(record)]
     watch = shutdown_watch(record.parent / "watch")
     env = {**os.environ, "PYTHONPATH": f"{watch}{os.pathsep}{REPO_ROOT}"}

@@ -208,11 +208,16 @@ class TrainConfig:
             raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"clip must be > 0, got {self.clip}")
-        if self.loader_timeout_s < 0:
-            raise ValueError(f"loader_timeout_s must be >= 0 (0: no timeout), got {self.loader_timeout_s}")
+        self._check_loader()
         self._check_resolution()
         self._check_crop()
         self._check_cache_limit()
+
+    def _check_loader(self) -> None:
+        if self.workers is not None and self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.loader_timeout_s < 0:
+            raise ValueError(f"loader_timeout_s must be >= 0 (0: no timeout), got {self.loader_timeout_s}")
 
     def _check_crop(self) -> None:
         """``--padding`` and ``--hflip`` within their ranges (the crop's choices are checked with the others)."""

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .._options import ALLOW_OUTSIDE_ROOT_HELP
+from .._options import ALLOW_OUTSIDE_ROOT_HELP, at_least
 from ..errors import DecodeError, GpupipeError
 
 
@@ -23,7 +23,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="held-out data: an ImageFolder directory, a CSV list, shards")
     p.add_argument("--backend", default="pillow", help="decode backend (default pillow)")
     p.add_argument("--batch-size", type=int, default=64, help="(default 64)")
-    p.add_argument("--workers", type=int, help="decode workers (default: the usable cores, less one on CUDA)")
+    p.add_argument("--workers", type=at_least(0), help="decode workers (default: the usable cores, less one on CUDA)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights (a run with --model-ema)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="an undecodable file (default raise)")
