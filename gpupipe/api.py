@@ -158,16 +158,7 @@ def build_loader(
     workers = default_workers(dev) if num_workers is None else num_workers
     check_sendable(dataset, workers)
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
-    recipe = recipe or Recipe()
-    if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it
-        recipe = dataclasses.replace(recipe, size=image_size)  # 0 or less: Recipe's one-line error
-    recipe.check_fits(batch_size, train)  # before any worker asks shared memory for it
-    if not train and recipe.policies:
-        warnings.warn(
-            f"an eval loader applies no augmentation policy: the recipe's {', '.join(recipe.policies)} ignored "
-            "(they apply to train loaders; pass recipe.for_eval() to say so)",
-            stacklevel=2,
-        )
+    recipe = _sized_recipe(recipe, image_size, batch_size, train)
     rank, world_size = _resolve_rank(rank, world_size)
     drop_last = train if drop_last is None else drop_last
     sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)
@@ -178,6 +169,21 @@ def build_loader(
     loader = held_loader(parts, spec, cache) if cache is not None else spec.make_loader(parts)
     _log.debug("built %r (rank %d of %d, seed %d, on_error=%r)", loader, rank, world_size, seed, on_error)
     return loader
+
+
+def _sized_recipe(recipe: Recipe | None, image_size: int | None, batch_size: int, train: bool) -> Recipe:
+    """The loader's recipe: ``recipe`` (or the default one) at ``image_size`` where it was built without a size."""
+    recipe = recipe or Recipe()
+    if image_size is not None and isinstance(recipe.size, DefaultSize):  # a recipe built without a size takes it
+        recipe = dataclasses.replace(recipe, size=image_size)  # 0 or less: Recipe's one-line error
+    recipe.check_fits(batch_size, train)  # before any worker asks shared memory for it
+    if not train and recipe.policies:
+        warnings.warn(
+            f"an eval loader applies no augmentation policy: the recipe's {', '.join(recipe.policies)} ignored "
+            "(they apply to train loaders; pass recipe.for_eval() to say so)",
+            stacklevel=3,
+        )
+    return recipe
 
 
 def _sampler(

@@ -91,18 +91,20 @@ def run_eval(args) -> int:
     if args.json:
         print(json.dumps(metrics))
         return 0
-    print(
-        f"{args.data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-        f"({images} images, {config['model']}{' EMA weights' if args.ema else ''} at {side} px, {_when(saved)} of "
-        f"{args.checkpoint})"
-    )
-    if loader.skipped:
-        path, reason = loader.skipped[0]
-        print(
-            f"{len(loader.skipped)} unreadable file(s) left out (--on-error skip), e.g. {path}: {reason}",
-            file=sys.stderr,
-        )
+    what = f"{config['model']}{' EMA weights' if args.ema else ''} at {side} px, {_when(saved)} of {args.checkpoint}"
+    _say(args.data, metrics, what, loader.skipped)
     return 0
+
+
+def _say(data: str, metrics: dict, what: str, skipped: list[tuple[str, str]]) -> None:
+    """The evaluation in words: its figures, over how many images, of which weights; the files left out."""
+    print(
+        f"{data}: val_acc {metrics['val_acc']:.4f}  val_loss {metrics['val_loss']:.4f}  ({metrics['images']} images, "
+        f"{what})"
+    )
+    if skipped:
+        path, reason = skipped[0]
+        print(f"{len(skipped)} unreadable file(s) left out (--on-error skip), e.g. {path}: {reason}", file=sys.stderr)
 
 
 def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
