@@ -9,7 +9,9 @@ Four CPU graphs, each fed the same encoded photos in the same order, a batch at 
 - ``gpupipe-decode``: its ``decoders.image_slice`` alone, the same boxes;
 - ``reference``: DALI's documented graph: ``decoders.image_random_crop`` -> ``resize`` -> ``crop_mirror_normalize``
   (its own boxes, drawn with the same scale and ratio ranges);
-- ``reference-decode``: its ``decoders.image_random_crop`` alone.
+- ``reference-decode``: its ``decoders.image_random_crop`` alone;
+- ``image_crop-decode``: gpupipe's windows decoded by ``decoders.image_crop`` instead of ``image_slice`` (the same
+  pixels: DALI places its window at ``roundf(position * (size - window))``).
 
 Interleaved rounds; the median images per second of the rounds. ``decode share``: a graph's time per image spent in
 its decoder (its decode-alone rate over the whole graph's).
@@ -83,6 +85,37 @@ def _decode_slice(batch: int, threads: int):
     return p
 
 
+def _decode_crop(batch: int, threads: int):
+    """The same windows through ``decoders.image_crop`` (its size and normalised position per sample): DALI places
+    the window at ``roundf(position * (size - window))``, so the pixels are image_slice's."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, prefetch_queue_depth=1)
+    def pipe():
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1, no_copy=True)
+        window = {name: fn.external_source(name=name, dtype=types.FLOAT, ndim=0) for name in _CROP_ARGS}
+        return fn.decoders.image_crop(enc, device="cpu", output_type=types.RGB, **window)
+
+    p = pipe()
+    p.build()
+    return p
+
+
+_CROP_ARGS = ("crop_w", "crop_h", "crop_pos_x", "crop_pos_y")
+
+
+def crop_args(boxes: np.ndarray, heights: np.ndarray, widths: np.ndarray) -> dict[str, np.ndarray]:
+    """``decoders.image_crop``'s arguments for (top, left, height, width) ``boxes`` of images of these sizes."""
+    top, left, h, w = (boxes[:, k] for k in range(4))
+    free_y, free_x = heights - h, widths - w
+    return {
+        "crop_w": w.astype(np.float32),
+        "crop_h": h.astype(np.float32),
+        "crop_pos_x": np.where(free_x > 0, left / np.maximum(free_x, 1), 0).astype(np.float32),
+        "crop_pos_y": np.where(free_y > 0, top / np.maximum(free_y, 1), 0).astype(np.float32),
+    }
+
+
 def graphs(datas: list[np.ndarray], batch: int, threads: int) -> dict[str, Callable[[list[dict] | None], np.ndarray]]:
     """Each graph: a call that runs every batch of ``datas`` through it once, fed the crop inputs given (the gpupipe
     graphs), and returns each output's (height, width)."""
@@ -106,6 +139,7 @@ def graphs(datas: list[np.ndarray], batch: int, threads: int) -> dict[str, Calla
     return {
         "gpupipe": runner(ours, ("anchor", "shape", "flip", "side")),
         "gpupipe-decode": runner(_decode_slice(batch, threads), ("anchor", "shape")),
+        "image_crop-decode": runner(_decode_crop(batch, threads), _CROP_ARGS),
         "reference": runner(_reference(batch, threads, decode_only=False), ()),
         "reference-decode": runner(_reference(batch, threads, decode_only=True), ()),
     }
@@ -126,8 +160,9 @@ class Photos:
         self.datas = [np.frombuffer(source.read(int(i)), np.uint8) for i in self.order]
         sizes = {}
         for i in set(self.order.tolist()):
-            with Image.open(source.samples[i][0]) as im:
-                sizes[i] = (im.height, im.width)
+            with Image.open(source.samples[i][0]) as im:  # upright, as DALI decodes it (and the recipe's boxes are)
+                turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+                sizes[i] = (im.width, im.height) if turned else (im.height, im.width)
         self.heights = np.array([sizes[i][0] for i in self.order], np.int64)
         self.widths = np.array([sizes[i][1] for i in self.order], np.int64)
         self.distinct = len(sizes)
@@ -137,18 +172,37 @@ class Photos:
         boxes = self.recipe.plan_boxes(True, 0, epoch, self.order, self.heights, self.widths)
         rows = np.empty((len(self.order), 6), np.int64)
         rows[:, :5], rows[:, 5] = boxes, SIZE
-        batches = [crop_inputs(self.recipe, True, rows[k : k + self.batch]) for k in range(0, len(rows), self.batch)]
+        window = crop_args(boxes, self.heights, self.widths)
+        batches = []
+        for k in range(0, len(rows), self.batch):
+            fed = crop_inputs(self.recipe, True, rows[k : k + self.batch])
+            batches.append(fed | {name: column[k : k + self.batch] for name, column in window.items()})
         return batches, self.areas(boxes[:, 2:4])
 
     def areas(self, shapes: np.ndarray) -> np.ndarray:
         return shapes[:, 0] * shapes[:, 1] / (self.heights * self.widths)
 
 
+def same_windows(photos: Photos, threads: int) -> bool:
+    """Whether ``image_crop`` decodes, pixel for pixel, the windows ``image_slice`` does (every photo, one epoch)."""
+    sliced, cropped = _decode_slice(photos.batch, threads), _decode_crop(photos.batch, threads)
+    for k, fed in enumerate(photos.inputs(0)[0]):
+        outs = []
+        for p, names in ((sliced, ("anchor", "shape")), (cropped, _CROP_ARGS)):
+            p.feed_input("enc", photos.datas[k * photos.batch : (k + 1) * photos.batch])
+            for name in names:
+                p.feed_input(name, fed[name])
+            outs.append(p.run()[0])
+        if not all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(*(list(o) for o in outs), strict=True)):
+            return False
+    return True
+
+
 def timed(photos: Photos, threads: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Each graph's images per second in each round, and the crop areas each drew."""
     runs = graphs(photos.datas, photos.batch, threads)
     for name, run in runs.items():  # warm: DALI's buffers grown to the largest batch
-        run(photos.inputs(0)[0] if name.startswith("gpupipe") else None)
+        run(None if name.startswith("reference") else photos.inputs(0)[0])
     rates: dict[str, list[float]] = {k: [] for k in runs}
     areas: dict[str, list[float]] = {"gpupipe": [], "reference": []}
     for r in range(rounds):
@@ -180,12 +234,14 @@ def main() -> None:
     rows = []
     for name, v in rates.items():
         row = {"graph": name, "images_per_s": median[name], "min": min(v), "max": max(v), "rounds": v}
-        if not name.endswith("-decode"):
+        if f"{name}-decode" in median:
             row["decode_share"] = median[name] / median[f"{name}-decode"]
         rows.append(row)
         share = f"  decode share {row['decode_share']:.0%}" if "decode_share" in row else ""
         print(f"{name:17s} {median[name]:7.1f} img/s  ({min(v):.1f}-{max(v):.1f}){share}")
     ratio = median["gpupipe"] / median["reference"]
+    same = same_windows(photos, args.threads)
+    print(f"image_crop decodes image_slice's pixels: {same}")
     area = {k: float(np.mean(v)) for k, v in drawn.items()}
     print(f"gpupipe / reference: {ratio:.3f}x; mean crop area: {', '.join(f'{k} {v:.3f}' for k, v in area.items())}")
     if args.json:
@@ -203,6 +259,7 @@ def main() -> None:
             f"--count {args.count} --rounds {args.rounds}",
         }
         report = {"meta": meta, "rows": rows, "gpupipe_vs_reference": ratio, "mean_crop_area": area}
+        report["image_crop_same_pixels"] = same
         args.json.write_text(json.dumps(report, indent=1))
 
 
