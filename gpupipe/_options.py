@@ -51,6 +51,7 @@ def at_least(low: float, kind: type = int, strict: bool = False):
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
         return value
 
+    parse.__name__ = kind.__name__  # argparse names a value it cannot convert by it: "invalid int value: 'x'"
     return parse
 
 

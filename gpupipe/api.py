@@ -246,9 +246,7 @@ def _check(
 
 def _whole(name: str, value: object, optional: bool = True) -> None:
     """A whole-number argument (``True`` is no size, ``"224"`` or ``2.5`` no count): one line naming it otherwise."""
-    if (value is None and optional) or (
-        isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-    ):
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
         return
     valid = "a whole number" + (" or None" if optional else "")
     raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")

@@ -641,16 +641,17 @@ def test_a_feed_workers_buffer_goes_back_only_once_dali_is_done_with_it(photo_sh
         assert loader._pipe is not None and loader._pipe.in_flight.batches  # what it still reads is held
     else:
         assert len(list(loader)) == len(loader)  # the next epoch's first batches are scheduled now
-    scheduled = loader._pipe.in_flight.batches
-    assert scheduled and all(hold is not None for _, hold in scheduled)
+    flight = loader._pipe.in_flight
+    assert flight.batches and all(hold is not None for _, hold in flight.batches)
     if end in ("drop", "cycle"):
         if end == "cycle":  # collected by the cycle collector, which runs the finalizers of its garbage in any order
             loader.me = loader
-        del loader, scheduled
+        del loader
         gc.collect()
     else:
         loader.close()
     assert not early
+    assert flight.shut and not flight.batches  # and let go of once the pipeline was shut down: no buffer kept
 
 
 @pytest.mark.parametrize("left", [0, 1])

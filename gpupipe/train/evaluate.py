@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from .._names import escape as escape_name  # file names on one line, whatever their bytes
 from .._options import ALLOW_OUTSIDE_ROOT_HELP, at_least
 from ..errors import DecodeError, GpupipeError
 
@@ -104,7 +105,10 @@ def _say(data: str, metrics: dict, what: str, skipped: list[tuple[str, str]]) ->
     )
     if skipped:
         path, reason = skipped[0]
-        print(f"{len(skipped)} unreadable file(s) left out (--on-error skip), e.g. {path}: {reason}", file=sys.stderr)
+        print(
+            f"{len(skipped)} unreadable file(s) left out (--on-error skip), e.g. {escape_name(path)}: {reason}",
+            file=sys.stderr,
+        )
 
 
 def _checkpoint_and_classes(args) -> tuple[dict, list[str]]:
