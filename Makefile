@@ -24,7 +24,16 @@ system-deps:
 	  else echo "note: apt-get install $(APT_PKGS): without them the turbojpeg backend is unavailable (or decodes whole images) and the arithmetic-JPEG test is skipped"; fi; \
 	fi
 
+# A new .venv takes about 7 GB (torch's CUDA build, DALI), and pip unpacks each wheel beside it first: a disk with less
+# free space than MIN_FREE_GB is named before the install starts, not by pip's "No space left on device" midway.
+MIN_FREE_GB ?= 9
 $(STAMP): pyproject.toml setup.py gpupipe/_jpeg_window.c gpupipe/_stamps.c
+	@if [ ! -d $(VENV) ]; then where=$(dir $(abspath $(VENV))); \
+	  free=$$(df -Pk "$$where" 2>/dev/null | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	  if [ -n "$$free" ] && [ "$$free" -lt $(MIN_FREE_GB) ]; then \
+	    echo "error: $$free GB free in $$where: a new $(VENV) needs about $(MIN_FREE_GB) GB (torch's CUDA build," \
+	      "DALI; docs/install.md): free some space, or set MIN_FREE_GB=0 to try anyway" >&2; \
+	    exit 1; fi; fi
 	$(MAKE) system-deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

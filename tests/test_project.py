@@ -33,6 +33,26 @@ def test_make_demo_writes_the_held_out_split_the_readme_trains_with(tmp_path):
     assert f"gpupipe sample-data {tmp_path}/sample-val --split val\n" in plan  # the README's --val data/sample-val
 
 
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("df") is None, reason="needs make and df")
+def test_a_new_venv_on_a_full_disk_is_refused_before_the_install_starts(tmp_path):
+    """CI's install once ended midway in pip's "No space left on device": the set-up names the space it needs first."""
+    venv, stubs = tmp_path / "venv", tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "python3").write_text("#!/bin/sh\nexit 3\n")  # past the check, nothing installs: the venv is not made
+    (stubs / "python3").chmod(0o755)
+    done = subprocess.run(
+        ["make", "setup", f"VENV={venv}", "MIN_FREE_GB=100000000", "MAKE=true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}"},
+    )
+    assert done.returncode != 0
+    assert f"GB free in {tmp_path}/: a new {venv} needs about 100000000 GB" in done.stderr
+    assert "MIN_FREE_GB=0" in done.stderr
+    assert not venv.exists()  # nothing was installed
+
+
 def test_installed_dali_is_for_torchs_cuda():
     """`make demo`'s venv (`.[all]`) had DALI for CUDA 12 beside torch's CUDA 13: two CUDAs in one venv."""
     import re
