@@ -3,6 +3,7 @@ and crop rows, never bytes; no process is started for it but the header scan's; 
 of the feed that reads the files in DataLoader workers (the path shards still take); and a file that changed between
 two passes is judged again, as it is then."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -367,6 +368,42 @@ def test_a_pipeline_dropped_with_a_fifo_in_flight_is_shut_down_watched(tmp_path,
     from gpupipe.backends._fork import pipelines_running
 
     assert not pipelines_running()
+
+
+@pytest.mark.usefixtures("no_native_hang")
+def test_a_pipeline_collected_on_the_fifo_watch_thread_is_shut_down_on_another(tmp_path, fifos, monkeypatch):
+    """The collector runs a dropped pipeline's finalizer on whichever thread allocates when it runs, the fifo watch's
+    own among them: the shut-down waited there on a reader held in ``open``, for the watch that was waiting, for ever.
+    It is handed to a thread of its own there, and the watch goes on and lets the reader go."""
+    import threading
+
+    from gpupipe.backends import dali_fifos, dali_graph
+
+    fifos.append(tmp_path / "swapped.jpg")
+    os.mkfifo(fifos[0])
+    pipe = _driver_fed([fifos[0]])  # DALI's thread in ``open`` now, or soon
+    flight, ran_on = pipe.in_flight, []
+    look = dali_fifos.InFlight.look
+
+    def collected_here(self, now):  # the collector, on the watch thread, runs the dropped pipeline's finalizer
+        if not ran_on:
+            ran_on.append(threading.current_thread())
+            dali_graph._collected(pipe.pipe, flight)
+        look(self, now)
+
+    monkeypatch.setattr(dali_fifos.InFlight, "look", collected_here)
+    busy = dali_fifos.InFlight()  # another loader's wait under way, which the watch looks at
+    dali_fifos._waiting[id(busy)] = busy
+    try:
+        deadline = time.monotonic() + 30
+        while not flight.shut and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dali_fifos._waiting.pop(id(busy), None)
+        with contextlib.suppress(OSError):  # (a failing run: DALI's reader let go, not left in ``open``)
+            os.close(os.open(fifos[0], os.O_WRONLY | os.O_NONBLOCK))
+    assert ran_on == dali_fifos._watcher  # it was collected there
+    assert flight.shut and not flight.batches  # shut down, on another thread, with the watch's help
 
 
 _EXIT_WITH_FIFOS_IN_FLIGHT = """

@@ -93,6 +93,12 @@ def _watching() -> None:
         _watcher[:] = [thread]
 
 
+def on_watch_thread() -> bool:
+    """Whether the caller runs on this process's watch thread (where the collector may run a finalizer: one that waits
+    on a pipeline must not wait there, the watch that ends such a wait waiting with it)."""
+    return bool(_watcher) and threading.current_thread() is _watcher[0]
+
+
 def _watch() -> None:
     """Twice a second, each wait under way looked at (nothing to do while there is none: a wait is an entry in a
     dict, no lock or event, so a finalizer may begin one on any thread)."""

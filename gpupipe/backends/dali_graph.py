@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -20,7 +21,7 @@ import torch
 from .._system import resolve_device
 from ..errors import DecodeError
 from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, decode_failure, default_max_pixels, probe
-from .dali_fifos import InFlight
+from .dali_fifos import InFlight, on_watch_thread
 from .pillow import PillowDecoder
 
 _log = logging.getLogger(__name__)
@@ -361,9 +362,15 @@ def _collected(pipe, flight: InFlight) -> None:
     """A driver collected with batches in flight (its loader dropped, not closed): its pipeline shut down here, as
     DALI's own ``Pipeline.__del__`` would, on the collector's thread, but before the inputs DALI reads are let go
     (their holders' finalizers may otherwise come first: a feed worker's buffer written again while DALI decodes it).
-    With nothing in flight, DALI's ``__del__`` shuts it down once this callback lets go of it."""
+    With nothing in flight, DALI's ``__del__`` shuts it down once this callback lets go of it. Collected on the fifo
+    watch thread, the shut-down is handed to a thread of its own: a fifo among the paths in flight would hold it until
+    that watch opened it, for ever."""
     if not flight.batches:
         return
+    if on_watch_thread():
+        with contextlib.suppress(RuntimeError):  # (no thread can start at exit: shut down here, as before)
+            threading.Thread(target=_collected, args=(pipe, flight), name="gpupipe-dali-shut-down").start()
+            return
     try:
         _shut_down(pipe, flight)
     except RuntimeError as e:  # (as DALI's ``__del__``, which made this call before)
