@@ -26,7 +26,7 @@ system-deps:
 
 # A new .venv takes about 7 GB (torch's CUDA build, DALI), and pip unpacks each wheel beside it first: a disk with less
 # free space than MIN_FREE_GB is named before the install starts, not by pip's "No space left on device" midway.
-MIN_FREE_GB ?= 9
+MIN_FREE_GB ?= 8
 $(STAMP): pyproject.toml setup.py gpupipe/_jpeg_window.c gpupipe/_stamps.c
 	@if [ ! -d $(VENV) ]; then where=$(dir $(abspath $(VENV))); \
 	  free=$$(df -Pk "$$where" 2>/dev/null | awk 'NR == 2 {print int($$4 / 1048576)}'); \
