@@ -158,9 +158,13 @@ class _Receiver:
     """Takes works from a DataLoader iterator on a thread of its own and hands them over one at a time (``depth``
     waiting at most: each holds a batch's bytes in shared memory). Errors reach the caller as raised there. The
     thread ends when :meth:`stop` is called, when its stream is garbage, or at interpreter exit (``atexit``: a daemon
-    thread still in C++ code at finalization aborts the process, see :class:`~gpupipe.plumbing.reaper.Reaper`)."""
+    thread still in C++ code at finalization aborts the process, see :class:`~gpupipe.plumbing.reaper.Reaper`). The
+    thread of a receiver that became garbage is told to stop, and waited for at exit: it still lets go of the workers'
+    buffers and of the DataLoader iteration (its workers joined), and a process that ended meanwhile aborted
+    ("terminate called without an active exception") or left the iteration's semaphores behind."""
 
     _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
+    _orphans: ClassVar[list[threading.Thread]] = []  # the threads of receivers that became garbage, still running
     _exit_hook = False
 
     def __init__(self, it: Iterator[Work], gate: Gate, cpu: list[float], began: Any, depth: int = 1):
@@ -172,7 +176,7 @@ class _Receiver:
             target=_receive, args=(it, self._queue, self._stop, cpu, began), daemon=True, name="gpupipe-dali-feed"
         )
         self._thread.start()
-        weakref.finalize(self, _abandon, self._stop, gate, os.getpid())
+        weakref.finalize(self, _abandon, self._stop, gate, os.getpid(), self._thread)
         cls = type(self)
         cls._live.add(self)
         if not cls._exit_hook:
@@ -207,13 +211,17 @@ class _Receiver:
     def _stop_all(cls) -> None:
         for receiver in list(cls._live):
             receiver.stop(timeout=5)
+        for thread in list(cls._orphans):
+            thread.join(timeout=5)
 
 
-def _abandon(stop: threading.Event, gate: Gate, pid: int) -> None:
+def _abandon(stop: threading.Event, gate: Gate, pid: int, thread: threading.Thread | None = None) -> None:
     if os.getpid() != pid:  # a forked child's copy (at its exit): the gate is the parent's workers'
         return
     stop.set()
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
+    if thread is not None:  # (its receiver is garbage: the thread is waited for at exit)
+        _Receiver._orphans[:] = [t for t in _Receiver._orphans if t.is_alive()] + [thread]
 
 
 def _feed_worker_init(worker_id: int, nicer: bool, began: Any) -> None:
