@@ -406,6 +406,49 @@ def test_a_pipeline_collected_on_the_fifo_watch_thread_is_shut_down_on_another(t
     assert flight.shut and not flight.batches  # shut down, on another thread, with the watch's help
 
 
+_CTRL_C_MID_PASS = """
+import sys, time
+import gpupipe
+loader = gpupipe.build_loader(sys.argv[1], "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
+try:
+    for epoch in range(1000):
+        for k, _ in enumerate(loader):
+            if epoch == 1 and k == 1:
+                print("in the second pass", flush=True)
+            time.sleep(0.05)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+@pytest.mark.slow  # a script run into its second pass
+def test_ctrl_c_mid_pass_prints_no_traceback_from_the_scan_workers(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while a dali loader reads a folder: the script's
+    own handler stops it, and nothing else is printed. The header scan's workers printed a KeyboardInterrupt traceback
+    each ("Process ZygoteProcess-1: ... call_queue.get ... KeyboardInterrupt"), 6 runs of 6."""
+    import signal
+    import subprocess
+    import sys
+
+    root = make_folder(tmp_path / "data", 2, 8)
+    run = subprocess.Popen(
+        [sys.executable, "-c", _CTRL_C_MID_PASS, str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "in the second pass\n"
+        time.sleep(0.3)
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert (run.returncode, out) == (0, "stopped\n"), err
+    assert err == ""
+
+
 _EXIT_WITH_FIFOS_IN_FLIGHT = """
 import os, sys
 from pathlib import Path

@@ -24,6 +24,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import signal
 import stat
 import time
 import weakref
@@ -182,6 +183,9 @@ def _scan_init(samples) -> None:
     global _scanned
     _scanned = samples
     leave_with_parent()  # a killed run leaves no scan worker behind
+    # Ctrl-C reaches the whole process group: the training process alone stops (its pool with it), a scan worker
+    # printed a KeyboardInterrupt traceback of its own beside it (a zygote's worker has Python's handler back)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _judge_many(indices: np.ndarray, stamps: np.ndarray, max_pixels: int) -> tuple[np.ndarray, Verdicts]:
