@@ -28,7 +28,7 @@ def _run_range(fn: Callable[[int], Any], start: int, stop: int) -> list:
     return [fn(i) for i in range(start, stop)]
 
 
-def _begin(initializer: Callable[..., None], *initargs: Any) -> None:
+def begin_worker(initializer: Callable[..., None], *initargs: Any) -> None:
     """A worker's first step: it ends with its parent (a killed run leaves none behind) and ignores SIGINT (Ctrl-C
     reaches the whole process group, and the main process alone stops the work: its ``KeyboardInterrupt`` ends the
     pool, so a worker prints no traceback of its own), then the caller's own."""
@@ -54,7 +54,7 @@ def ordered_map(
     pending: deque[tuple[int, int, Future]] = deque()
     ctx = multiprocessing.get_context()
     start = (initializer, *initargs)
-    pool = ProcessPoolExecutor(workers, ctx, initializer=_begin, initargs=start)
+    pool = ProcessPoolExecutor(workers, ctx, initializer=begin_worker, initargs=start)
     restarts = 0
     try:
         while chunks or pending:
@@ -71,7 +71,7 @@ def ordered_map(
                     a = pending[0][0] if pending else chunks[0]
                     raise GpupipeError(_died(what, a, min(a + CHUNK, indices.stop), name, restarts - 1)) from None
                 pool.shutdown(wait=True, cancel_futures=True)
-                pool = ProcessPoolExecutor(workers, ctx, initializer=_begin, initargs=start)
+                pool = ProcessPoolExecutor(workers, ctx, initializer=begin_worker, initargs=start)
                 chunks.extendleft(reversed([p[0] for p in pending]))  # redo every unfinished chunk, in order
                 pending.clear()
                 continue

@@ -24,7 +24,6 @@ import gc
 import logging
 import multiprocessing
 import os
-import signal
 import stat
 import time
 import weakref
@@ -40,9 +39,9 @@ import numpy as np
 
 from .._files import file_stamp, read_regular
 from .._names import escape
+from .._pool import begin_worker
 from ..errors import DecodeError
 from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
-from ..plumbing.workers import leave_with_parent
 from ..plumbing.zygote import Zygote
 from ..recipe import Recipe
 from ..sources.compact import PathList
@@ -182,10 +181,6 @@ _scanned = None  # the samples a scan worker judges: the table's, inherited when
 def _scan_init(samples) -> None:
     global _scanned
     _scanned = samples
-    leave_with_parent()  # a killed run leaves no scan worker behind
-    # Ctrl-C reaches the whole process group: the training process alone stops (its pool with it), a scan worker
-    # printed a KeyboardInterrupt traceback of its own beside it (a zygote's worker has Python's handler back)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _judge_many(indices: np.ndarray, stamps: np.ndarray, max_pixels: int) -> tuple[np.ndarray, Verdicts]:
@@ -240,7 +235,9 @@ class Scanner:
                 context = self.zygote.context
             elif pipelines_running():
                 return None
-            self._pool = ProcessPoolExecutor(self.workers, context, _scan_init, (samples,))
+            # begun as every pool's worker: it ends with its parent, and leaves Ctrl-C to it (a zygote's worker has
+            # Python's handler back: each printed a KeyboardInterrupt traceback beside the training process's)
+            self._pool = ProcessPoolExecutor(self.workers, context, begin_worker, (_scan_init, samples))
         gc.freeze()  # a worker forked here never collects this process's garbage (see ``start_workers``)
         try:
             stamps = self.table.stamps[todo]
