@@ -595,6 +595,49 @@ def test_a_collected_loaders_feed_thread_is_waited_for_at_exit(photo_shards, mon
     assert not any(t.is_alive() for t in receiving)
 
 
+_IGNORING_CTRL_C = """
+import signal, sys, time
+import gpupipe
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # started so, as ``nohup cmd &`` starts a script
+loader = gpupipe.build_loader(sys.argv[1], "dali", batch_size=4, image_size=16, num_workers=2, device="cpu")
+seen = 0
+for epoch in range(3):
+    for k, (_, labels) in enumerate(loader):
+        seen += len(labels)
+        if epoch == 1 and k == 1:
+            print("in the second pass", flush=True)
+        time.sleep(0.05)
+print("done", seen, flush=True)
+"""
+
+
+@pytest.mark.slow  # a script run for three passes
+def test_a_script_that_ignores_ctrl_c_reads_on_through_one_sent_to_its_group(photo_shards):
+    """A script started with SIGINT ignored (``nohup``), reading shards through the feed's workers, gets a Ctrl-C sent
+    to its process group: it reads on to its end. The workers, forked by the zygote, took Python's own SIGINT handler
+    back and died of it: "DataLoader worker (pid(s) ...) exited unexpectedly", 1 run of 1."""
+    import signal
+    import subprocess
+    import sys
+
+    run = subprocess.Popen(
+        [sys.executable, "-c", _IGNORING_CTRL_C, str(photo_shards)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "in the second pass\n"
+        time.sleep(0.2)
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert (run.returncode, out) == (0, f"done {3 * 4 * (20 // 4)}\n"), err
+
+
 def _buffers_handed_back_while_dali_reads(monkeypatch) -> list[int]:
     """Spies that note each feed worker's buffer handed back (to be written again) while a batch DALI reads in place
     from it is still in flight: scheduled, and neither fetched nor ended by a shut-down of its pipeline."""

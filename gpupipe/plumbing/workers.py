@@ -10,6 +10,7 @@ import multiprocessing.process
 import multiprocessing.util
 import os
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -29,8 +30,11 @@ def worker_init(worker_id: int, nicer: bool = True) -> None:
     as equals. And it sends its batches' shared memory by name ("file_system"), not as a file descriptor: receiving a
     descriptor costs the training thread a connection to the worker's resource sharer, with its authentication
     handshake, every batch (answered by a thread of the worker). The strategy is the sender's choice, so it is set here
-    only; torch_shm_manager removes what a dead worker left."""
+    only; torch_shm_manager removes what a dead worker left. It ignores SIGINT, as :func:`gpupipe._pool.begin_worker`
+    does: Ctrl-C reaches the whole process group, and the training process alone decides what it means (it may save
+    and stop, ``gpupipe.train``; or ignore it, started with ``nohup``: a worker that died of it ended the feed)."""
     torch.multiprocessing.set_sharing_strategy("file_system")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if nicer:
         lower_priority(worker_id)
     leave_with_parent()
