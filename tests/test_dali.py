@@ -583,6 +583,7 @@ def test_a_collected_loaders_feed_thread_is_waited_for_at_exit(photo_shards, mon
     from gpupipe.backends.dali_stream import _Receiver
 
     monkeypatch.setattr(_Receiver, "_orphans", [])
+    monkeypatch.setattr(_Receiver, "_exiting", False)  # the hook run below sets it
     loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=2, device="cpu")
     next(iter(loader))
     loader.me = loader  # type: ignore[attr-defined]
@@ -592,6 +593,49 @@ def test_a_collected_loaders_feed_thread_is_waited_for_at_exit(photo_shards, mon
     gc.collect()
     assert set(receiving) <= set(_Receiver._orphans)  # told to stop, and kept for the exit hook
     _Receiver._stop_all()  # as at exit
+    assert not any(t.is_alive() for t in receiving)
+
+
+def test_the_exit_hook_waits_for_the_feed_threads_within_one_deadline(monkeypatch):
+    """Feed threads that do not end: the exit hook waits for them all within its one bound (5 s), not 5 s each in
+    turn (three such threads held the exit for 15 s)."""
+    from gpupipe.backends import dali_stream
+
+    clock = [0.0]
+    waits: list[float] = []
+
+    class Stuck:
+        def is_alive(self) -> bool:
+            return True
+
+        def join(self, timeout: float) -> None:
+            waits.append(timeout)
+            clock[0] += timeout
+
+    monkeypatch.setattr(dali_stream.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(dali_stream._Receiver, "_orphans", [Stuck(), Stuck(), Stuck()])
+    monkeypatch.setattr(dali_stream._Receiver, "_exiting", False)
+    dali_stream._Receiver._stop_all(timeout=5.0)
+    assert len(waits) == 3 and sum(waits) == 5.0
+
+
+def test_a_loader_collected_after_the_exit_hook_has_its_feed_thread_waited_for(photo_shards, monkeypatch):
+    """A loader from shards in a reference cycle collected after the exit hook has run (as the interpreter ends): its
+    feed's receiving thread was told to stop and kept for a hook that had run already, so the process could end while
+    the thread still let go of the workers' buffers. Its finalizer now waits for it."""
+    import gc
+
+    from gpupipe.backends.dali_stream import _Receiver
+
+    monkeypatch.setattr(_Receiver, "_orphans", [])
+    loader = gpupipe.build_loader(photo_shards, "dali", batch_size=4, image_size=32, num_workers=2, device="cpu")
+    next(iter(loader))
+    loader.me = loader  # type: ignore[attr-defined]
+    receiving = [t for t in threading.enumerate() if t.name == "gpupipe-dali-feed"]
+    assert receiving
+    monkeypatch.setattr(_Receiver, "_exiting", True)  # as after the hook
+    del loader
+    gc.collect()
     assert not any(t.is_alive() for t in receiving)
 
 

@@ -166,6 +166,7 @@ class _Receiver:
     _live: ClassVar[weakref.WeakSet[_Receiver]] = weakref.WeakSet()
     _orphans: ClassVar[list[threading.Thread]] = []  # the threads of receivers that became garbage, still running
     _exit_hook = False
+    _exiting = False  # :meth:`_stop_all` has run
 
     def __init__(self, it: Iterator[Work], gate: Gate, cpu: list[float], began: Any, depth: int = 1):
         self._gate, self._pid = gate, os.getpid()
@@ -208,11 +209,19 @@ class _Receiver:
         self._ended = True
 
     @classmethod
-    def _stop_all(cls) -> None:
-        for receiver in list(cls._live):
-            receiver.stop(timeout=5)
+    def _stop_all(cls, timeout: float = 5.0) -> None:
+        """At exit: every thread told to stop at once, then waited for, all of them within ``timeout`` seconds. A
+        receiver that becomes garbage after this (a cycle collected as the interpreter ends) has its thread waited for
+        by its finalizer."""
+        cls._exiting = True
+        live = list(cls._live)
+        for receiver in live:
+            _abandon(receiver._stop, receiver._gate, receiver._pid)
+        deadline = time.monotonic() + timeout
+        for receiver in live:
+            receiver.stop(timeout=max(0.0, deadline - time.monotonic()))
         for thread in list(cls._orphans):
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _abandon(stop: threading.Event, gate: Gate, pid: int, thread: threading.Thread | None = None) -> None:
@@ -220,8 +229,12 @@ def _abandon(stop: threading.Event, gate: Gate, pid: int, thread: threading.Thre
         return
     stop.set()
     gate.open()  # a worker waiting on it finishes its request, so the thread's next() returns
-    if thread is not None:  # (its receiver is garbage: the thread is waited for at exit)
+    if thread is None:
+        return
+    if not _Receiver._exiting:  # its receiver is garbage: the thread is waited for at exit
         _Receiver._orphans[:] = [t for t in _Receiver._orphans if t.is_alive()] + [thread]
+    elif thread is not threading.current_thread():  # the exit hook has run: now, or not at all
+        thread.join(timeout=5)
 
 
 def _feed_worker_init(worker_id: int, nicer: bool, began: Any) -> None:
