@@ -508,6 +508,59 @@ def _jpeg_segments(data: bytes):
             i += 2 + length
 
 
+def jpeg_header_sound(data: bytes) -> bool:
+    """Whether a JPEG's header, as far as ``data`` holds it, is a chain of marker segments up to its first scan's. A
+    byte other than a marker's where one is due, a stuffed zero, an image's start or end, a restart marker or a length
+    under 2 there is a damaged header (bytes overwritten), which PIL may still open (it skips what it does not know),
+    as are quantization or Huffman tables that do not fill their segment exactly. DALI's decoder prints such a file on
+    stderr ("[ERROR] [jpeg_parser] Invalid marker", "Bogus Huffman table definition") before it fails, so the dali
+    backend gives it to Pillow, which decodes it or names the cause. True for bytes that are not a JPEG's, or that end
+    before its header does (nothing to say from them)."""
+    if not is_jpeg(data):
+        return True
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        marker = data[i + 1]
+        if data[i] != 0xFF or marker == 0x00 or 0xD0 <= marker <= 0xD9:
+            return False
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker == 0xDA:  # start of scan, the header's last segment: 1 to 4 components, 2 bytes each
+            if i + 5 > n:
+                return True
+            components = data[i + 4]
+            return 1 <= components <= 4 and int.from_bytes(data[i + 2 : i + 4], "big") == 6 + 2 * components
+        elif marker == 0x01:  # (TEM: no length)
+            i += 2
+        else:
+            length = int.from_bytes(data[i + 2 : i + 4], "big")
+            if length < 2 or not _tables_fill(marker, data[i + 4 : i + 2 + length], length - 2):
+                return False
+            i += 2 + length
+    return True
+
+
+def _tables_fill(marker: int, payload: bytes, length: int) -> bool:
+    """Whether a DQT (0xDB) or DHT (0xC4) segment's ``payload`` is whole tables that fill its ``length`` exactly
+    (one cut short by the end of the bytes at hand counts as whole); other segments are not looked into."""
+    if marker not in (0xDB, 0xC4):
+        return True
+    k = 0
+    while k < len(payload):
+        if marker == 0xDB:  # precision (8 or 16-bit entries) and id, then 64 entries
+            if payload[k] >> 4 > 1:
+                return False
+            k += 1 + 64 * (2 if payload[k] >> 4 else 1)
+        elif k + 17 > len(payload):
+            return len(payload) < length
+        else:  # class and id, 16 code counts, then as many symbols
+            counts = sum(payload[k + 1 : k + 17])
+            if payload[k] >> 4 > 1 or counts > 256:
+                return False
+            k += 17 + counts
+    return k == length or (k > len(payload) and len(payload) < length)
+
+
 def jpeg_sof(data: bytes) -> int | None:
     """The JPEG's start-of-frame marker (0xC0 baseline, 0xC2 progressive, 0xC9 arithmetic...); None when there is
     none before the first scan (PIL parses these too, but keeps only "progressive"). nvJPEG cannot decode arithmetic

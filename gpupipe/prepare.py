@@ -2,8 +2,9 @@
 metadata, so that loading needs no directory scan, no header reads and no slow JPEG variants.
 
 Every file is decoded once on the way (``gpupipe check``'s test): bad ones are reported and left out. JPEGs that
-already fit are copied byte for byte; the rest (not JPEG, progressive, arithmetic-coded, CMYK, EXIF-rotated, over
-``max_side``, 4:4:4/4:2:2 with ``subsampling="420"``) are re-encoded to baseline RGB JPEG with Pillow.
+already fit are copied byte for byte; the rest (not JPEG, progressive, arithmetic-coded, CMYK, EXIF-rotated, with a
+damaged header, over ``max_side``, 4:4:4/4:2:2 with ``subsampling="420"``) are re-encoded to baseline RGB JPEG with
+Pillow.
 
 Layout of ``OUT`` (see :mod:`gpupipe.sources.shards` for the reader)::
 
@@ -39,7 +40,7 @@ from ._pool import ordered_map
 from ._runlock import LOCK_NAME, RunLock
 from .backends.pillow import PillowDecoder
 from .errors import DecodeError, GpupipeError
-from .image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_sof, probe
+from .image import ARITHMETIC_SOF, Header, default_max_pixels, jpeg_header_sound, jpeg_sof, probe
 from .sources.named import is_named_dataset
 from .sources.open import open_source
 from .sources.remote import is_url
@@ -154,6 +155,8 @@ def _changes(data: bytes, header: Header, options: PrepareOptions) -> list[str]:
             changes.append("arithmetic-coded")
         if img.mode not in ("RGB", "L"):
             changes.append(f"{img.mode} JPEG")
+        if not jpeg_header_sound(data):  # overwritten bytes that Pillow decodes past and DALI's parser does not
+            changes.append("damaged header")
         sampling = JpegImagePlugin.get_sampling(img)
         if options.subsampling == "420" and sampling in (0, 1):
             changes.append(_SAMPLINGS[sampling])

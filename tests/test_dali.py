@@ -93,8 +93,10 @@ def test_only_the_failing_file_leaves_dali(tmp_path):
     for i in range(8):
         photo(rng, 80, 100).save(tmp_path / "a" / f"{i}.jpg", quality=90)
     buf = io.BytesIO()
-    photo(rng, 80, 100).save(buf, "JPEG", quality=90)
-    corrupt = buf.getvalue()[:300] + bytes(range(256)) * 4 + b"\xff\xd9"  # broken entropy data, then an end marker
+    photo(rng, 80, 100).save(buf, "JPEG", quality=90, progressive=True)
+    corrupt = bytearray(buf.getvalue())  # its header sound (given to DALI), its second scan's overwritten
+    second_scan = corrupt.find(b"\xff\xda", corrupt.find(b"\xff\xda") + 2)
+    corrupt[second_scan + 2 : second_scan + 12] = bytes(range(250, 256)) + bytes(4)
     (tmp_path / "a" / "3.jpg").write_bytes(corrupt)
     loader = gpupipe.build_loader(
         tmp_path, "dali", batch_size=4, train=False, image_size=32, num_workers=1, device="cpu", on_error="skip"

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -824,3 +825,79 @@ def test_bad_files_are_judged_again_only_when_they_change(mixed, tmp_path, monke
     list(loader)
     assert {os.path.basename(p) for p, _ in loader.skipped} == {"empty.jpg"}
     assert judged_here in ([], [str(root / "c0" / "cut.jpg")])
+
+
+def _damaged(data: bytes, how: str) -> bytes:
+    """A baseline JPEG with header bytes overwritten: ``"marker"``, its last Huffman table's marker and length zeroed
+    (Pillow decodes past them, DALI's parser does not); ``"counts"``, its first Huffman table's code counts zeroed
+    (neither decodes it)."""
+    from gpupipe.image import _jpeg_segments
+
+    tables = [at for marker, at, _ in _jpeg_segments(data) if marker == 0xC4]
+    out = bytearray(data)
+    if how == "marker":
+        out[tables[-1] - 4 : tables[-1]] = bytes(4)
+    else:
+        out[tables[0] + 1 : tables[0] + 17] = bytes(16)
+    return bytes(out)
+
+
+def test_a_jpeg_header_is_sound_unless_its_bytes_were_overwritten():
+    """Every kind of JPEG the loaders read has a sound header (a chain of segments up to the first scan, each table
+    filling its segment); one with bytes overwritten there has not. A header longer than the bytes at hand is sound
+    as far as they go."""
+    from gpupipe.image import _jpeg_segments, jpeg_header_sound
+
+    from .common_utils import VALID, jpeg_bytes, jpeg_with_orientation
+
+    img = photo(np.random.default_rng(3), 64, 96)
+    kinds = ("gray", "progressive", "arithmetic", "444", "422", "cmyk", "tiny", "elongated", "png_as_jpg")
+    sound = {kind: VALID[kind](img) for kind in kinds}
+    sound |= {f"orientation-{o}": jpeg_with_orientation(img, o) for o in (1, 6)}
+    sound["restart markers"] = jpeg_bytes(img, quality=90, restart_marker_blocks=1)
+    sound["16-bit tables"] = jpeg_bytes(img, quality=1)  # Pillow writes 16-bit tables where values pass 255
+    base = jpeg_bytes(img, quality=90)
+    sound["cut inside its header"] = base[:300]
+    for kind, data in sound.items():
+        assert jpeg_header_sound(data), kind
+    dqt = next(at for marker, at, _ in _jpeg_segments(base) if marker == 0xDB)
+    damaged = {
+        "a marker zeroed": _damaged(base, "marker"),
+        "Huffman code counts zeroed": _damaged(base, "counts"),
+        "a table of precision 2": base[:dqt] + bytes([0x20]) + base[dqt + 1 :],
+        "a length under 2": base[: dqt - 2] + b"\x00\x01" + base[dqt:],
+        "an end of image in the header": base[: dqt - 4] + b"\xff\xd9" + base[dqt - 2 :],
+        "a scan of 9 components": (lambda at: base[: at + 4] + b"\x09" + base[at + 5 :])(base.find(b"\xff\xda")),
+    }
+    for kind, data in damaged.items():
+        assert not jpeg_header_sound(data), kind
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_a_jpeg_with_a_damaged_header_never_reaches_dali(tmp_path, source, capfd):
+    """Two JPEGs with header bytes overwritten, which PIL still opens: DALI's decoder printed each on stderr ("[ERROR]
+    [jpeg_parser] Invalid marker", "Bogus marker length"), every pass, before gpupipe's own report. Pillow takes them
+    now: the one it decodes is delivered, the other skipped and named (``gpupipe prepare`` re-encodes the first and
+    leaves the second out), and nothing of DALI's is on stderr."""
+    from gpupipe.prepare import PrepareOptions, prepare
+
+    from .common_utils import jpeg_bytes
+
+    root = make_folder(tmp_path / "data", 2, 4)
+    base = jpeg_bytes(photo(np.random.default_rng(4), 96, 128), quality=90)
+    (root / "c00" / "damaged-marker.jpg").write_bytes(_damaged(base, "marker"))
+    (root / "c00" / "damaged-counts.jpg").write_bytes(_damaged(base, "counts"))
+    data = root
+    if source == "shards":
+        data = tmp_path / "shards"
+        assert prepare(root, data, PrepareOptions(), workers=1).reencoded == {"damaged header": 1}
+    capfd.readouterr()
+    loader = gpupipe.build_loader(
+        data, "dali", batch_size=2, train=False, image_size=16, num_workers=1, device="cpu", on_error="skip"
+    )
+    for _ in range(2):
+        assert sum(len(labels) for _, labels in loader) == 9
+    err = capfd.readouterr().err
+    assert "[ERROR]" not in err and "Bogus" not in err and "Invalid marker" not in err, err
+    skipped = [Path(path).name for path, _ in loader.skipped]
+    assert skipped == ([] if source == "shards" else ["damaged-counts.jpg"])

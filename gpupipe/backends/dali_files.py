@@ -41,7 +41,7 @@ from .._files import file_stamp, read_regular
 from .._names import escape
 from .._pool import begin_worker
 from ..errors import DecodeError
-from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg
+from ..image import HeaderCheck, ends_whole, header_entry, is_jpeg, jpeg_header_sound
 from ..plumbing.zygote import Zygote
 from ..recipe import Recipe
 from ..sources.compact import PathList
@@ -148,7 +148,7 @@ def _verdict(
 ) -> Verdict:
     if entry.problem is not None:
         return Verdict(_BAD, problem=entry.problem)
-    if entry.pillow_only:
+    if entry.pillow_only or not jpeg_header_sound(head):  # (a damaged header: DALI would print it before it fails)
         return Verdict(_PILLOW, entry.height, entry.width)
     if is_jpeg(head) and not ends_whole(tail):
         try:  # DALI decodes only the crop's rows, so it may never reach a truncation; Pillow decides

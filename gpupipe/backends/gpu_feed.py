@@ -40,6 +40,7 @@ from ..image import (
     ends_whole,
     header_entry,
     is_jpeg,
+    jpeg_header_sound,
     jpeg_sof,
     pixel_limit_reason,
 )
@@ -177,8 +178,9 @@ class Judged(NamedTuple):
 
 
 def dali_takes(data: bytes, entry: HeaderCheck) -> bool:
-    """DALI decodes the formats of ``image.PIPELINE_FORMATS``, but not CMYK or 16-bit images."""
-    return not entry.pillow_only
+    """DALI decodes the formats of ``image.PIPELINE_FORMATS``, but not CMYK or 16-bit images, and is not given a JPEG
+    whose header is damaged (:func:`.image.jpeg_header_sound`: its decoder would print the file on stderr)."""
+    return not entry.pillow_only and jpeg_header_sound(data)
 
 
 def nvjpeg_takes(data: bytes, entry: HeaderCheck) -> bool:
