@@ -1,3 +1,3 @@
-from .cli import main
+from .cli import command
 
-raise SystemExit(main())
+raise SystemExit(command())

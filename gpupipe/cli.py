@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 from rich.console import Console
 from rich.markup import escape
 
 from ._deps import require
+from ._exit import as_command, ending
 from ._names import escape as escape_name  # file names on one line, whatever their bytes
 from ._options import ALLOW_OUTSIDE_ROOT_HELP, PREPARE_DEFAULTS, at_least, positive_ints
 from ._parser import Parser
@@ -398,12 +400,21 @@ def _show_logs() -> None:
         log.setLevel(logging.INFO if is_main_rank() else logging.ERROR)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, as the command's other messages (Python's own names gpupipe's source file and line, and
+    prints that line); under torchrun rank 0's."""
+    if is_main_rank():
+        console.print(f"warning: {message}", highlight=False, markup=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.interrupted = getattr(args, "interrupted", None) or "stopped"
     _show_logs()
     try:
-        code = args.func(args)
+        with warnings.catch_warnings():  # (what it sets is undone on the way out: main() may be called in a program)
+            warnings.showwarning = _show_warning
+            code = args.func(args)
         sys.stdout.flush()  # here, where a reader gone is caught, rather than at the interpreter's exit
         return code
     except KeyboardInterrupt:  # Ctrl-C (train's own stop says what it saved): one line, not a traceback
@@ -425,9 +436,18 @@ def main(argv: list[str] | None = None) -> int:
 def _interrupted(args) -> int:
     if show_traceback():
         raise  # the exception being handled
+    ending()
     console.print(f"interrupted: {args.interrupted}", highlight=False, markup=False)
     return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
+def command() -> int:
+    """The ``gpupipe`` command (its console script, ``python -m gpupipe``): :func:`main`, then :func:`.ending`."""
+    as_command()
+    code = main()
+    ending()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -168,6 +168,22 @@ def test_train_without_data_names_the_default_and_how_to_make_it(tmp_path, capsy
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_warning_is_one_line_without_the_source_that_raised_it(tmp_path, capsys, monkeypatch):
+    """A file list naming a missing file, with --on-error skip: one line, as the command's other messages. Python's own
+    display named gpupipe's source file, line and category, and printed the line of source ("build.py:81:
+    UserWarning: ... train_loader = train()")."""
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    data = make_folder(tmp_path / "data", 2, 4)
+    rows = [f"{path.relative_to(tmp_path)},{path.parent.name}" for path in sorted(data.glob("*/*.jpg"))]
+    listed = tmp_path / "list.csv"
+    listed.write_text("\n".join(["path,label", *rows, "data/c00/nothere.jpg,c00"]) + "\n")
+    assert main(["train", *train_args(listed, tmp_path / "run", "--on-error", "skip", epochs=1)]) == 0
+    err = capsys.readouterr().err
+    line = next(line for line in _lines(err) if "nothere.jpg" in line)  # (the epoch's skipped list names it too)
+    assert line.startswith("warning: 1 file(s) in the list do not exist and will be skipped: "), err
+    assert "UserWarning" not in err and ".py:" not in err, err
+
+
 def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(TRACEBACK_ENV, raising=False)
     data = make_folder(tmp_path / "data", 2, 2)

@@ -142,6 +142,21 @@ def test_ctrl_c_saves_and_a_second_one_stops_at_once(data, tmp_path):
     assert not (out / "checkpoints" / "last.pt").exists()
 
 
+def test_a_ctrl_c_once_the_stop_is_saved_ends_the_run_without_a_traceback(data, tmp_path):
+    """A second Ctrl-C right after the line that says the checkpoint is saved, while the process lets go of its loader
+    (its workers) and runs its exit hooks: it ends at once, quietly. Python's handler raised it inside a finalizer or
+    an exit hook ("Exception ignored in: <function Stream.__del__ ...> ... KeyboardInterrupt", or in logging's
+    shutdown), or the run printed a second ending ("interrupted: stopped at once ..."), 2 runs of 2."""
+    for k in range(2):
+        proc = _start(_cmd(data, tmp_path / str(k), "--epochs", "3", "--workers", "2"))
+        _wait_for(proc, "epoch 0  2/8")
+        proc.send_signal(signal.SIGINT)
+        _wait_for(proc, "stopped by SIGINT (Ctrl-C); checkpoint saved")
+        proc.send_signal(signal.SIGINT)
+        code, lines = _finish(proc)
+        assert code in (130, -signal.SIGINT) and lines == [], lines  # (-2: in the interpreter's last steps)
+
+
 def test_a_killed_loader_worker_saves_and_is_one_line(data, tmp_path):
     out = tmp_path / "run"
     cmd = _cmd(data, out, "--epochs", "3", "--workers", "1")

@@ -97,12 +97,16 @@ def _train(cfg) -> int:
 
 
 def _stopped_at_once(cfg, interrupt: KeyboardInterrupt) -> int:
+    from .._exit import ending
+
+    ending()
     if os.environ.get("RANK", "0") == "0":  # rank 0 says it, as _system.is_main_rank (whose import it may be)
         print(f"interrupted: stopped at once; {_kept(cfg, interrupt)}", file=sys.stderr, flush=True)
     return 130
 
 
 def _train_or_stop(cfg) -> int:
+    from .._exit import ending
     from .._system import is_main_rank
     from ..data.sampler import NoFullBatch
     from ..errors import DecodeError, GpupipeError
@@ -119,6 +123,7 @@ def _train_or_stop(cfg) -> int:
     except NoFullBatch as e:  # build_loader's drop_last is no flag of train's: name the one that is
         raise NoFullBatch(e.samples, e.ranks, e.batch_size, e.largest, flag="--batch-size ") from None
     except Stopped as e:  # a signal: the checkpoint is saved; the line says how to resume (once, under torchrun)
+        ending()
         if is_main_rank():
             print(e, file=sys.stderr, flush=True)
         return e.exit_code
