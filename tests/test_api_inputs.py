@@ -226,3 +226,13 @@ def test_a_missing_absolute_row_gets_no_relative_path_hint_and_every_data_error_
     with pytest.raises(gpupipe.NoFullBatch, match="make no full batch of 4096") as e:
         gpupipe.build_loader(folder, "pillow", batch_size=4096, device="cpu", num_workers=0)
     assert isinstance(e.value, ValueError) and isinstance(e.value, gpupipe.GpupipeError)
+
+
+def test_an_image_file_given_as_the_data_is_refused_naming_every_kind_of_source(tmp_path):
+    """A file that is no source (an image): the error names it and every kind a source may be; it named folders and
+    file lists alone, though shards and Parquet files are sources too."""
+    root = make_folder(tmp_path / "data", 1, 1)
+    image = next(root.glob("*/*.jpg"))
+    with pytest.raises(gpupipe.SourceError, match=rf"^{image}: not a data source: ") as e:
+        gpupipe.build_loader(image, "pillow", batch_size=1)
+    assert all(kind in str(e.value) for kind in ("ImageFolder directory", ".csv file list", "tar shards", "Parquet"))

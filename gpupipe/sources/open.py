@@ -65,7 +65,10 @@ def open_source(
         return scan_csv(path, allow_outside_root, class_to_idx)
     if not path.exists():
         raise MissingFileError(f"{path}: no such directory or file list")
-    raise SourceError(f"{path}: expected an ImageFolder directory or a .csv file list (path,label)")
+    raise SourceError(
+        f"{path}: not a data source: expected an ImageFolder directory, a .csv file list (path,label), tar shards "
+        "(a folder written by `gpupipe prepare`, or .tar files) or Parquet files (.parquet)"
+    )
 
 
 def _at_url(root) -> ImageList:
