@@ -127,8 +127,13 @@ _TRUNCATION = ("image file is truncated", "Premature end of JPEG")
 
 def decode_failure(e: BaseException | str) -> str:
     """Why a decoder failed, in one wording per cause whatever the library: a truncated file is :data:`TRUNCATED`
-    on every backend; any other cause as the library says it (a warning made an error without its class name)."""
-    text = e if isinstance(e, str) else str(e) if isinstance(e, Warning) else f"{type(e).__name__}: {e}"
+    on every backend; the decoder stopped by the data (an ``OSError``: Pillow's "broken data stream", libjpeg's "Bogus
+    Huffman table definition") is corrupt image data, in the library's words; any other cause as the library says it
+    (a warning made an error without its class name)."""
+    if isinstance(e, str) or isinstance(e, Warning):
+        text = str(e)
+    else:
+        text = f"corrupt image data ({e})" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
     return TRUNCATED if any(words in text for words in _TRUNCATION) else text
 
 

@@ -140,7 +140,17 @@ INVALID = {
     "empty": lambda b: b"",
     "not_an_image": lambda b: b"hello, this is text" * 10,
     "corrupt_after_marker": lambda b: jpeg_bytes(b, quality=95)[:200] + bytes(range(256)) * 8,
+    "huffman_counts_zeroed": lambda b: huffman_counts_zeroed(jpeg_bytes(b, quality=95)),
 }
+
+
+def huffman_counts_zeroed(data: bytes) -> bytes:
+    """A JPEG whose first Huffman table's code counts were overwritten with zeros: PIL opens it, no decoder decodes
+    it, and DALI's decoder prints libjpeg's "Bogus marker length" on stderr."""
+    from gpupipe.image import _jpeg_segments
+
+    at = next(at for marker, at, _ in _jpeg_segments(data) if marker == 0xC4)
+    return data[: at + 1] + bytes(16) + data[at + 17 :]
 
 
 def float_tiff(path):

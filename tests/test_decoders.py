@@ -109,6 +109,9 @@ def test_invalid_files_raise_decode_error_naming_the_file(tmp_path, base, backen
     assert capfd.readouterr().err == ""
     if kind.startswith("truncated"):  # cut inside its header: Pillow's "Truncated File Read" before
         assert e.value.reason == "truncated (the data ends before the image does)"
+    assert "OSError" not in e.value.reason  # the decoder stopped by the data: "corrupt image data (its words)"
+    if kind == "huffman_counts_zeroed":
+        assert e.value.reason.startswith("corrupt image data ("), e.value.reason
 
 
 @pytest.mark.parametrize("backend", READERS)

@@ -20,7 +20,15 @@ import torch
 
 from .._system import resolve_device
 from ..errors import DecodeError
-from ..image import PILLOW_ONLY_MODES, PIPELINE_FORMATS, chw_tensor, decode_failure, default_max_pixels, probe
+from ..image import (
+    PILLOW_ONLY_MODES,
+    PIPELINE_FORMATS,
+    chw_tensor,
+    decode_failure,
+    default_max_pixels,
+    jpeg_header_sound,
+    probe,
+)
 from .dali_fifos import InFlight, on_watch_thread
 from .pillow import PillowDecoder
 
@@ -435,6 +443,11 @@ def read_dali(data: bytes, path: str, max_pixels: int | None, device: torch.devi
     header = probe(data, path, "dali", max_pixels or default_max_pixels())  # the pixel limit, before any decode
     if header.image.format not in PIPELINE_FORMATS or header.image.mode in PILLOW_ONLY_MODES:
         return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
+    if not jpeg_header_sound(data):  # as the loader: DALI's decoder would print it (libjpeg's words) before failing
+        try:
+            return chw_tensor(PillowDecoder(max_pixels).decode_opened(header, path)).to(device)
+        except DecodeError as e:
+            raise DecodeError(path, "dali", e.reason) from None
     gpu = device.type == "cuda"
 
     @pipeline_def(batch_size=1, num_threads=1, device_id=dali_device_id(device), prefetch_queue_depth=1)
