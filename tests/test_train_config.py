@@ -298,3 +298,22 @@ def test_cache_holds_the_training_and_validation_sets(tmp_path):
     assert train.held_bytes == val.held_bytes == 8 * 3 * 32 * 32  # type: ignore[attr-defined]
     plain, _, _ = build_loaders(train_config(data, tmp_path / "run"), torch.device("cpu"))
     assert getattr(plain, "cache", None) is None
+
+
+def test_print_config_shows_the_run_mode_a_config_file_sets(tmp_path, capsys):
+    """``resume: true`` in a --config file takes effect (the run resumes), so --print-config shows it, after a comment
+    saying that the run's config.yaml leaves it out; it was not shown at all. Without one, nothing more is shown."""
+    from omegaconf import OmegaConf
+
+    from gpupipe.cli import main
+
+    f = tmp_path / "c.yaml"
+    f.write_text("epochs: 3\nresume: true\n")
+    assert main(["train", "--config", str(f), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("# how this command runs (left out of the run's config.yaml)\nresume: true\n"), out
+    shown = OmegaConf.create(out)
+    assert (shown.epochs, shown.resume) == (3, True)
+    f.write_text("epochs: 3\n")
+    assert main(["train", "--config", str(f), "--print-config"]) == 0
+    assert "resume" not in capsys.readouterr().out

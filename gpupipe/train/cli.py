@@ -62,7 +62,7 @@ def require_train_extra(command: str) -> None:
 
 def run_train(args) -> int:
     require_train_extra("train")
-    from .config import TrainConfig, load_config, to_yaml
+    from .config import TrainConfig, load_config, run_mode_yaml, to_yaml
 
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     try:
@@ -73,7 +73,7 @@ def run_train(args) -> int:
             raise
         raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
     if args.print_config:
-        print(to_yaml(cfg), end="")
+        print(to_yaml(cfg) + run_mode_yaml(cfg), end="")
         return 0
     _check_default_data(cfg.data, args)
     made = _folders_to_make(Path(cfg.out))

@@ -418,6 +418,19 @@ def _read_yaml(path: str) -> tuple[str, dict[str, int]]:
 RUN_MODE = ("resume", "resume_or_start", "allow_config_change", "resume_from")
 
 
+def run_mode_yaml(cfg: TrainConfig) -> str:
+    """The run-mode settings that differ from their defaults, as YAML after a comment that says what they are
+    (``--print-config``: they take effect, though the run's config.yaml leaves them out); "" when none does."""
+    from omegaconf import OmegaConf
+
+    changed = {
+        f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in RUN_MODE and getattr(cfg, f.name) != f.default
+    }
+    if not changed:
+        return ""
+    return "# how this command runs (left out of the run's config.yaml)\n" + OmegaConf.to_yaml(changed)
+
+
 def to_yaml(cfg: TrainConfig) -> str:
     """The run's settings as YAML (``--print-config``, ``out/config.yaml``), the run-mode flags left out."""
     from omegaconf import OmegaConf
