@@ -384,6 +384,7 @@ def evaluated(model: nn.Module, loader: Loader, precision: Precision, dist: Dist
     criterion = nn.CrossEntropyLoss(reduction="sum")
     with torch.inference_mode():
         for images, labels in loader:
+            interrupt_point()  # a second Ctrl-C: here, between batches (none came in a validation: 2 s, then anywhere)
             with precision.autocast():
                 logits = model(images)
             sums[0] += criterion(logits.float(), labels)
