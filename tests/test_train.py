@@ -185,11 +185,16 @@ def test_skipped_files_are_named(data, tmp_path):
     shutil.copytree(data, bad)
     (bad / "c02" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     out = tmp_path / "run"
-    r = _run(*train_cli(bad, out, on_error="skip", epochs=1))
+    r = _run(*train_cli(bad, out, on_error="skip", epochs=1, val=bad))  # validation on the same files: both say it
     assert r.returncode == 0, r.stderr
-    assert f"skipped {bad / 'c02' / 'broken.jpg'}: " in r.stderr
+    broken = bad / "c02" / "broken.jpg"
+    assert "2 unreadable file(s) skipped this epoch (1 in training, 1 in validation; listed in " in r.stderr
+    assert f"training: skipped {broken}: " in r.stderr and f"validation: skipped {broken}: " in r.stderr
     rows = (out / "skipped.txt").read_text().splitlines()
-    assert len(rows) == 1 and rows[0].startswith(f"0\t{bad / 'c02' / 'broken.jpg'}\t")
+    assert [(row.split("\t")[:2], row.split("\t")[-1]) for row in rows] == [
+        (["0", str(broken)], "train"),
+        (["0", str(broken)], "val"),
+    ]
 
 
 def _torchrun(*args, timeout=300):

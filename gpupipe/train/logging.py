@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from .._names import escape
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
+_SPLITS = {"train": "training", "val": "validation"}  # a skipped file's loader, as the log names it
 
 
 @dataclass
@@ -159,7 +162,7 @@ class RunLogger:
             self._tb.add_scalar("train/images_per_s", ips, step)
             self._tb.add_scalar("train/data_wait", wait, step)
 
-    def end_epoch(self, metrics: dict, hint: str | None, skipped: Sequence[tuple[str, str]] = ()) -> None:
+    def end_epoch(self, metrics: dict, hint: str | None, skipped: Sequence[tuple[str, str, str]] = ()) -> None:
         if not self.enabled:
             return
         if self._progress is not None:
@@ -181,17 +184,20 @@ class RunLogger:
                     self._tb.add_scalar(f"epoch/{k}", v, metrics["epoch"])
             self._tb.flush()
 
-    def _list_skipped(self, epoch: int, skipped: Sequence[tuple[str, str]]) -> None:
-        """All of them in skipped.txt (epoch, path, reason; names escaped: one record per line, see ``_names``), the
-        first 20 on the console."""
+    def _list_skipped(self, epoch: int, skipped: Sequence[tuple[str, str, str]]) -> None:
+        """All of them (path, reason, ``"train"`` or ``"val"``) in skipped.txt (epoch, path, reason, train or val;
+        names escaped: one record per line, see ``_names``), the first 20 on the console."""
+        counts = Counter(split for *_, split in skipped)
+        where = ", ".join(f"{counts[split]} in {name}" for split, name in _SPLITS.items() if counts[split])
         self.console.print(
-            f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch (listed in {self.out / 'skipped.txt'}):[/]"
+            f"[yellow]{len(skipped)} unreadable file(s) skipped this epoch ({where}; listed in "
+            f"{self.out / 'skipped.txt'}):[/]"
         )
-        lines = [(escape(path), escape(reason)) for path, reason in skipped]
+        lines = [(escape(path), escape(reason), split) for path, reason, split in skipped]
         with open(self.out / "skipped.txt", "a", encoding="utf-8") as f:
-            f.writelines(f"{epoch}\t{path}\t{reason}\n" for path, reason in lines)
-        for path, reason in lines[:20]:
-            self.console.print(f"  skipped {path}: {reason}", highlight=False, markup=False)
+            f.writelines(f"{epoch}\t{path}\t{reason}\t{split}\n" for path, reason, split in lines)
+        for path, reason, split in lines[:20]:
+            self.console.print(f"  {_SPLITS[split]}: skipped {path}: {reason}", highlight=False, markup=False)
         if len(skipped) > 20:
             self.console.print(f"  ... and {len(skipped) - 20} more")
 

@@ -319,7 +319,9 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     if run.state.precision.scaler.is_enabled():
         metrics["fp16_skipped_steps"] = run.state.precision.skipped_steps()  # read here, where the host waits anyway
     metrics["image_size"] = run.train_loader.recipe.train_size(epoch)  # the epoch's, under a resolution schedule
-    skipped = run.train_loader.skipped + (run.val_loader.skipped if run.val_loader is not None else [])
+    skipped = [(path, reason, "train") for path, reason in run.train_loader.skipped]
+    if run.val_loader is not None:  # (the same file in both, where validation reads the training data: twice)
+        skipped += [(path, reason, "val") for path, reason in run.val_loader.skipped]
     run.logger.end_epoch(metrics, hint=data_wait_hint(metrics["data_wait"], run.cfg), skipped=skipped)
     if stop_requested(run.stop, run.dist):  # asked during the epoch's last step or its validation: saved just now
         raise stopped(run.stop, f"epoch {epoch + 1}, batch 0 (optimizer step {run.state.step})", run.cfg.out)
