@@ -184,6 +184,27 @@ def test_a_warning_is_one_line_without_the_source_that_raised_it(tmp_path, capsy
     assert "UserWarning" not in err and ".py:" not in err, err
 
 
+def test_an_out_folder_holding_a_config_yaml_of_the_users_own_is_refused_and_left_as_it_was(
+    tmp_path, capsys, monkeypatch
+):
+    """A --out folder with a config.yaml that is no run's (the user's own): it was taken for a run that saved no
+    checkpoint, renamed config.unfinished.yaml with a line listing some 60 settings, and the run's metrics were added to
+    the folder's metrics.jsonl. It is refused now, naming the file, and nothing in the folder changes."""
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    data = make_folder(tmp_path / "data", 2, 2)
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "config.yaml").write_text("lr: 0.1\nepochs: 5\nmy_own_setting: true\n")
+    (out / "metrics.jsonl").write_text('{"mine": 1}\n')
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["train", *train_args(data, out, epochs=1)]) == 2
+    (line,) = _lines(capsys.readouterr().err)
+    assert line == f"error: {out / 'config.yaml'} is not a gpupipe train run's config: choose another --out " + (
+        "(a run writes its settings, metrics and checkpoints there)"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_refused_run_leaves_no_empty_out_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv(TRACEBACK_ENV, raising=False)
     data = make_folder(tmp_path / "data", 2, 2)

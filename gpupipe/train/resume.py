@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..data.loader import Loader
 from ..sources.named import resolved
 from . import checkpoint, elastic
 from .checkpoint import TrainState
-from .config import RESUME_CHANGEABLE, RESUME_FIXED, TrainConfig
+from .config import RESUME_CHANGEABLE, RESUME_FIXED, RUN_MODE, TrainConfig
 from .distributed import Distributed
 from .logging import Meter
 
@@ -37,7 +37,32 @@ def resuming(cfg: TrainConfig, out: Path, ckpt_path: Path) -> Path | None:
             f"--resume: no checkpoint at {ckpt_path}: check --out, or drop --resume to start a "
             "new run (--resume-or-start starts one when there is nothing to resume)"
         )
+    if not resume and not _run_config_or_none(out / "config.yaml"):
+        raise FileExistsError(
+            f"{out / 'config.yaml'} is not a gpupipe train run's config: choose another --out (a run writes its "
+            "settings, metrics and checkpoints there)"
+        )
     return ckpt_path if resume else None
+
+
+def _run_config_or_none(path: Path) -> bool:
+    """Whether ``path`` is absent or holds a train run's settings (a run that saved no checkpoint: a new run in its
+    folder keeps them beside its own): a YAML mapping with most of the run's keys, as every ``config.yaml`` a run
+    writes has them all. A file of the user's own under that name is not taken for one (and renamed) nor added to."""
+    import yaml  # (omegaconf's)
+
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return True
+    except (OSError, UnicodeDecodeError):
+        return False
+    try:
+        settings = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    names = {f.name for f in fields(TrainConfig) if f.name not in RUN_MODE}
+    return isinstance(settings, dict) and len(names & settings.keys()) >= 0.9 * len(names)
 
 
 def resume_state(
