@@ -250,3 +250,16 @@ def test_a_second_ctrl_c_during_validation_stops_it_at_the_next_batch():
         with pytest.raises(KeyboardInterrupt):
             evaluated(model, Batches(), Precision("fp32", torch.device("cpu")), Distributed("cpu"))
     assert taken == [0]
+
+
+def test_a_stop_asked_during_validation_says_it_comes_when_validation_ends():
+    """The epoch's checkpoint is saved before its validation: a stop asked then saves nothing more and comes when the
+    validation ends, which the first line now says ("stopping after this step to save a checkpoint" before)."""
+    said: list[str] = []
+    with StopSignals(announce=said.append, force_after_s=60) as stop:
+        stop.validating = True
+        os.kill(os.getpid(), signal.SIGINT)
+    assert said == [
+        "SIGINT (Ctrl-C): stopping when this validation ends (the epoch's checkpoint is saved) (Ctrl-C again to stop "
+        "at once, saving nothing)"
+    ]

@@ -312,7 +312,11 @@ def end_epoch(run: Run, epoch: int, meter: Meter) -> dict:
     run.train_loader.set_epoch(epoch + 1)  # this epoch is done (a tail shorter than --accum is left unread)
     # kept if validation fails; right after the averaging, with no forward between: it gathers no rank's buffers
     save_checkpoint(run.state, run.train_loader.state_dict(), meter, run.cfg, run.dist)
-    metrics.update(validate(run.run_model, run.state.ema, run.val_loader, run.state.precision, run.dist))
+    run.stop.validating = True  # (a stop asked now says it comes when validation ends)
+    try:
+        metrics.update(validate(run.run_model, run.state.ema, run.val_loader, run.state.precision, run.dist))
+    finally:
+        run.stop.validating = False
     metrics["lr"] = run.state.scheduler.get_last_lr()[0]
     metrics["skipped"] = len(run.train_loader.skipped)
     metrics["fallbacks"] = run.train_loader.fallbacks

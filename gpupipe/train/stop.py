@@ -79,6 +79,7 @@ class StopSignals:
         self.announce = announce
         self.force_after_s = force_after_s
         self.now = False  # a second Ctrl-C came: stop at once
+        self.validating = False  # the run validates (its epoch's checkpoint saved): a stop comes when that ends
         self._taken = False  # its KeyboardInterrupt was raised
         self._closed = False
         self._pid = os.getpid()
@@ -120,10 +121,10 @@ class StopSignals:
             threading.Thread(target=self._force_later, name="gpupipe-stop-now", daemon=True).start()
             return
         self.signum = signum
-        self.announce(
-            f"{_NAMES[signum]}: stopping after this step to save a checkpoint"
-            + (" (Ctrl-C again to stop at once, saving nothing)" if signum == signal.SIGINT else "")
-        )
+        saved = "when this validation ends (the epoch's checkpoint is saved)"
+        when = saved if self.validating else "after this step to save a checkpoint"
+        again = " (Ctrl-C again to stop at once, saving nothing)" if signum == signal.SIGINT else ""
+        self.announce(f"{_NAMES[signum]}: stopping {when}{again}")
 
     def _force_later(self) -> None:
         """No interrupt point came within ``force_after_s`` (the main thread waits for a batch that does not come):
