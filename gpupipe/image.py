@@ -495,22 +495,34 @@ def ends_after(data: bytes, start: int) -> bool:
 ARITHMETIC_SOF = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})  # start-of-frame markers of arithmetic coding
 
 
-def _jpeg_segments(data: bytes):
-    """(marker, payload offset, payload length) of each segment before the first scan: the header, read without
-    touching the entropy-coded data (a "needle in data" search would scan megabytes of it)."""
+def _jpeg_markers(data: bytes):
+    """(marker, offset) of each marker of a JPEG's header, up to its first scan's (0xDA) included, read without
+    touching the entropy-coded data (a "needle in data" search would scan megabytes of it). It ends where the bytes
+    do, or where a marker is due and another byte is there: then ``(None, offset)`` comes last (a damaged header)."""
     i, n = 2, len(data)
-    while i + 4 <= n and data[i] == 0xFF:
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            yield None, i
+            return
         marker = data[i + 1]
+        yield marker, i
+        if marker == 0xDA:  # start of scan: the header is over
+            return
         if marker == 0xFF:  # fill byte
             i += 1
         elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # segments without a length
             i += 2
-        elif marker == 0xDA:  # start of scan: the header is over
-            return
         else:
-            length = int.from_bytes(data[i + 2 : i + 4], "big")
-            yield marker, i + 4, length - 2
-            i += 2 + length
+            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+
+
+def _jpeg_segments(data: bytes):
+    """(marker, payload offset, payload length) of each segment before the first scan: the header."""
+    for marker, i in _jpeg_markers(data):
+        if marker is None or marker == 0xDA:
+            return
+        if marker != 0xFF and marker != 0x01 and not 0xD0 <= marker <= 0xD8:
+            yield marker, i + 4, int.from_bytes(data[i + 2 : i + 4], "big") - 2
 
 
 def jpeg_header_sound(data: bytes) -> bool:
@@ -523,25 +535,16 @@ def jpeg_header_sound(data: bytes) -> bool:
     before its header does (nothing to say from them)."""
     if not is_jpeg(data):
         return True
-    i, n = 2, len(data)
-    while i + 4 <= n:
-        marker = data[i + 1]
-        if data[i] != 0xFF or marker == 0x00 or 0xD0 <= marker <= 0xD9:
+    for marker, i in _jpeg_markers(data):
+        if marker is None or marker == 0x00 or 0xD0 <= marker <= 0xD9:
             return False
-        if marker == 0xFF:  # fill byte
-            i += 1
-        elif marker == 0xDA:  # start of scan, the header's last segment: 1 to 4 components, 2 bytes each
-            if i + 5 > n:
-                return True
-            components = data[i + 4]
-            return 1 <= components <= 4 and int.from_bytes(data[i + 2 : i + 4], "big") == 6 + 2 * components
-        elif marker == 0x01:  # (TEM: no length)
-            i += 2
-        else:
-            length = int.from_bytes(data[i + 2 : i + 4], "big")
-            if length < 2 or not _tables_fill(marker, data[i + 4 : i + 2 + length], length - 2):
-                return False
-            i += 2 + length
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xDA:  # start of scan, the header's last segment: 1 to 4 components, 2 bytes each
+            return i + 5 > len(data) or (1 <= data[i + 4] <= 4 and length == 6 + 2 * data[i + 4])
+        if marker not in (0xFF, 0x01) and (
+            length < 2 or not _tables_fill(marker, data[i + 4 : i + 2 + length], length - 2)
+        ):
+            return False
     return True
 
 
