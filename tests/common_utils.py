@@ -185,6 +185,30 @@ def gpupipe_cli(*args, **kw):
     )
 
 
+def ctrl_c_mid_pass(script: str, data, *, ignored: bool = False, after: float = 0.3) -> tuple[int, str, str]:
+    """``python -c script data`` in a session of its own (SIGINT ignored from its start, as ``nohup`` starts one,
+    where ``ignored``), sent a Ctrl-C as a terminal sends one, to its whole process group, ``after`` seconds past its
+    line "in the second pass": its exit status, and what it printed after that line, and on stderr."""
+    import signal
+
+    run = subprocess.Popen(
+        [sys.executable, "-c", script, str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None,
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "in the second pass\n"
+        time.sleep(after)
+        os.killpg(run.pid, signal.SIGINT)
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    return run.returncode, out, err
+
+
 def assert_resume_is_exact(make_loader, epoch: int, batch: int) -> None:
     """A loader resumed at ``(epoch, batch)`` by ``load_state_dict`` delivers exactly the rest of a straight epoch:
     the same images and labels, to the bit."""

@@ -15,7 +15,7 @@ import gpupipe
 from gpupipe.backends import handover
 from gpupipe.recipe import Recipe
 
-from .common_utils import assert_resume_is_exact, cpu_and_cuda, decode_tolerance, encoded, photo
+from .common_utils import assert_resume_is_exact, cpu_and_cuda, ctrl_c_mid_pass, decode_tolerance, encoded, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -662,26 +662,8 @@ def test_a_script_that_ignores_ctrl_c_reads_on_through_one_sent_to_its_group(pho
     """A script started with SIGINT ignored (``nohup``), reading shards through the feed's workers, gets a Ctrl-C sent
     to its process group: it reads on to its end. The workers, forked by the zygote, took Python's own SIGINT handler
     back and died of it: "DataLoader worker (pid(s) ...) exited unexpectedly", 1 run of 1."""
-    import signal
-    import subprocess
-    import sys
-
-    run = subprocess.Popen(
-        [sys.executable, "-c", _IGNORING_CTRL_C, str(photo_shards)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
-    try:
-        assert run.stdout is not None and run.stdout.readline() == "in the second pass\n"
-        time.sleep(0.2)
-        os.killpg(run.pid, signal.SIGINT)
-        out, err = run.communicate(timeout=120)
-    finally:
-        run.kill()
-    assert (run.returncode, out) == (0, f"done {3 * 4 * (20 // 4)}\n"), err
+    code, out, err = ctrl_c_mid_pass(_IGNORING_CTRL_C, photo_shards, ignored=True, after=0.2)
+    assert (code, out) == (0, f"done {3 * 4 * (20 // 4)}\n"), err
 
 
 def _buffers_handed_back_while_dali_reads(monkeypatch) -> list[int]:

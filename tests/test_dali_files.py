@@ -19,7 +19,7 @@ import gpupipe
 from gpupipe.backends.dali import DaliLoader
 from gpupipe.sources.scan import ImageList
 
-from .common_utils import make_folder, photo
+from .common_utils import ctrl_c_mid_pass, make_folder, photo
 
 pytestmark = pytest.mark.skipif("dali" not in gpupipe.available_backends(), reason="DALI is not installed")
 
@@ -427,26 +427,9 @@ def test_ctrl_c_mid_pass_prints_no_traceback_from_the_scan_workers(tmp_path):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) while a dali loader reads a folder: the script's
     own handler stops it, and nothing else is printed. The header scan's workers printed a KeyboardInterrupt traceback
     each ("Process ZygoteProcess-1: ... call_queue.get ... KeyboardInterrupt"), 6 runs of 6."""
-    import signal
-    import subprocess
-    import sys
-
     root = make_folder(tmp_path / "data", 2, 8)
-    run = subprocess.Popen(
-        [sys.executable, "-c", _CTRL_C_MID_PASS, str(root)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert run.stdout is not None and run.stdout.readline() == "in the second pass\n"
-        time.sleep(0.3)
-        os.killpg(run.pid, signal.SIGINT)
-        out, err = run.communicate(timeout=120)
-    finally:
-        run.kill()
-    assert (run.returncode, out) == (0, "stopped\n"), err
+    code, out, err = ctrl_c_mid_pass(_CTRL_C_MID_PASS, root)
+    assert (code, out) == (0, "stopped\n"), err
     assert err == ""
 
 
