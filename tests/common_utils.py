@@ -245,6 +245,56 @@ def two_rank_epochs(root, backend: str) -> tuple[list[int], list[set[int]]]:
     return steps, seen
 
 
+def on_two_gloo_ranks(work, *args, timeout: float = 120.0) -> dict:
+    """``work(*args)`` on each of two gloo ranks, forked processes in one process group: rank -> what it returned.
+    The group's store is a file (no port to pick and lose to another process before rank 0 binds it), and a barrier
+    holds every rank until its peer has connected: a rank that leaves straight after ``init_process_group`` can close
+    its side while the peer still connects ("Connection closed by peer", 1 in 150 on a busy 2-core machine). A rank
+    that dies fails the test at once, with its exit code."""
+    import datetime
+    import multiprocessing
+    import queue
+    import tempfile
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"file://{tmp}/store"
+
+        def rank_main(rank: int) -> None:
+            dist = torch.distributed
+            dist.init_process_group(
+                "gloo", init_method=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=timeout)
+            )
+            try:
+                dist.barrier()
+                out.put((rank, work(*args)))
+            finally:
+                dist.destroy_process_group()
+
+        procs = [ctx.Process(target=rank_main, args=(r,)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results: dict = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < len(procs):
+                try:
+                    rank, got = out.get(timeout=0.5)
+                    results[rank] = got
+                except queue.Empty:
+                    codes = [p.exitcode for p in procs]
+                    failed = any(c not in (None, 0) for c in codes)
+                    assert not failed and time.monotonic() < deadline, f"the ranks' exit codes: {codes}"
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return results
+
+
 # A quick CPU training run (tests/test_train*.py, tests/probe.py): a tiny timm model on 32-pixel images.
 QUICK_TRAIN = {"model": "test_resnet", "epochs": 2, "image_size": 32, "workers": 0, "device": "cpu", "lr": 0.05}
 

@@ -14,6 +14,8 @@ from gpupipe.augment.ctaugment import CT_OPS, NUM_RATES, CTAugment, CTWeights, e
 from gpupipe.augment.ctaugment.policy import _to_op
 from gpupipe.recipe import Recipe
 
+from .common_utils import on_two_gloo_ranks
+
 ROTATE = [name for name, _ in CT_OPS].index("rotate")
 
 
@@ -198,8 +200,8 @@ def test_state_round_trips_and_checks_its_size():
         b.load_state_dict({"rates": torch.ones(5)})
 
 
-def _rank(rank: int, port: int, out) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _updates() -> tuple:
+    rank = torch.distributed.get_rank()
     cta, deferred = CTAugment(32), CTAugment(32)
     probe = CTAugment(32, probe=True)
     gathers, all_gather = [], torch.distributed.all_gather
@@ -219,20 +221,11 @@ def _rank(rank: int, port: int, out) -> None:
         deferred_gathers += len(gathers) - before
         if step == 1:
             after_two = cta.rates
-    out.put((rank, (cta.rates, deferred.rates, after_two, deferred_gathers)))
-    torch.distributed.destroy_process_group()
+    return cta.rates, deferred.rates, after_two, deferred_gathers
 
 
 def test_two_ranks_agree_after_updates():
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    port = 29500 + random.Random().randrange(2000)
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = on_two_gloo_ranks(_updates)
     got = {rank: r[0] for rank, r in results.items()}
     assert got[0] == got[1]
     for _rates, deferred, after_two, gathers in results.values():  # deferred: one step behind, one collective each

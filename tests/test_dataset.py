@@ -4,9 +4,7 @@ item named; grey, palette and RGBA images made RGB as files are."""
 
 import hashlib
 import io
-import multiprocessing
 import pickle
-import socket
 import types
 
 import numpy as np
@@ -20,7 +18,7 @@ from gpupipe.errors import DecodeError, SourceError
 from gpupipe.sources.dataset import DatasetSource, check_sendable, open_dataset
 from gpupipe.sources.open import open_source
 
-from .common_utils import encoded, photo
+from .common_utils import encoded, on_two_gloo_ranks, photo
 from .test_nvjpeg import _CpuNvjpegLoader
 
 BACKENDS = [
@@ -273,16 +271,6 @@ def test_a_hugging_face_dataset_gives_its_encoded_images_to_the_decoder_and_its_
             _same(_batches(hub, backend, train=train), _batches(folder, backend, train=train), exact=True)
 
 
-def _rank(rank: int, port: int, data, out) -> None:
-    """One gloo rank: its batches of ``data``, the rank and world size taken from torch.distributed."""
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        batches = [(x.numpy(), y.numpy()) for x, y in _batches(data, "pillow", train=True)]
-        out.put((rank, batches))  # arrays, pickled whole: a tensor would be sent as a handle this process may close
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def test_two_gloo_ranks_read_a_dataset_as_each_reads_the_folder(images, folder):
     results = on_two_ranks(_in_folder_order(folder, _as_held(images, "pil")))
     for rank, got in results.items():
@@ -292,18 +280,13 @@ def test_two_gloo_ranks_read_a_dataset_as_each_reads_the_folder(images, folder):
 
 
 def on_two_ranks(data) -> dict:
-    """Each of two gloo ranks' train batches of ``data`` (forked processes): rank -> [(images, labels)]."""
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    with socket.socket() as free:  # a port no other test's ranks hold
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, port, data, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    """Each of two gloo ranks' train batches of ``data``, the rank and world size taken from torch.distributed:
+    rank -> [(images, labels)]."""
+
+    def batches() -> list:  # arrays, pickled whole: a tensor would be sent as a handle its rank may close
+        return [(x.numpy(), y.numpy()) for x, y in _batches(data, "pillow", train=True)]
+
+    results = on_two_gloo_ranks(batches)
     return {rank: [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in got] for rank, got in results.items()}
 
 
