@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
 import subprocess
 import sys
 
@@ -239,3 +240,41 @@ def test_an_fp16_run_resumed_from_a_checkpoint_of_a_plain_optimizer_keeps_its_fu
         loss = new.model(torch.ones(4, 64)).float().square().mean()
     new.precision.backward(loss)
     new.precision.step(new.optimizer)  # was: AssertionError("Expected grad_scale and found_inf to be None")
+
+
+def test_in_a_copied_run_folder_the_offer_is_the_step_file_of_the_damaged_save(tmp_path):
+    """``cp -r`` gives every file the copy's modification time, the older step file possibly the newest: the time
+    each checkpoint records still orders them."""
+    state = _state()
+    run = tmp_path / "run"
+    for _ in range(3):
+        _train_steps(state, 2)
+        _save(run / "last.pt", state, batch=state.step)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("step-00000006.pt", "step-00000004.pt", "last.pt"):  # the older step file copied last: newest
+        shutil.copyfile(run / name, copy / name)
+    assert checkpoint.kept(copy)[0].name == "step-00000004.pt"
+    _flip_middle(copy / "last.pt")
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load_for_resume(copy / "last.pt")
+    same_save = copy / "step-00000006.pt"
+    assert f"previous good checkpoint is {same_save} (epoch 1, batch 6, step 6)" in str(e.value)
+    good = checkpoint.newest_good(copy / "last.pt")
+    assert good is not None and good[0] == same_save and good[1]["step"] == 6
+
+
+def test_a_checkpoint_without_a_recorded_save_time_is_ordered_by_its_modification_time(tmp_path):
+    state = _state()
+    for _ in range(3):
+        _train_steps(state, 2)
+        _save(tmp_path / "last.pt", state, batch=state.step)
+    for name in ("step-00000004.pt", "step-00000006.pt"):  # as saved before checkpoints recorded the time
+        saved = checkpoint.load(tmp_path / name)
+        del saved["saved_at"]
+        checkpoint.save_atomic(saved, tmp_path / f"old-{name}", keep=1)
+        os.replace(tmp_path / f"old-{name}", tmp_path / name)
+    os.utime(tmp_path / "step-00000004.pt", ns=(1, 1))  # the oldest
+    (tmp_path / "last.pt").write_bytes(b"torn")
+    good = checkpoint.newest_good(tmp_path / "last.pt")
+    assert good is not None and good[0].name == "step-00000006.pt"

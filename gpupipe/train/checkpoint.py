@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -59,6 +60,7 @@ def save(
             "scaler": state.precision.state_dict(),
             "scheduler": state.scheduler.state_dict(),
             "step": state.step,
+            "saved_at": time.time_ns(),  # the save order, which a copy of the run folder keeps (not so mtimes)
             "epoch": loader["epoch"],
             "loader": loader,
             "rng": rng_state(),
@@ -293,15 +295,31 @@ def load_for_resume(path: str | Path) -> dict:
 
 def _offer(path: Path) -> str:
     """What to do about a bad ``path``: resume from the newest good checkpoint kept beside it, else start again."""
+    good = newest_good(path)
+    if good is None:
+        return "no earlier good checkpoint is kept: restore a good copy, or delete it to start the run again"
+    other, saved = good
+    where = f"epoch {saved['loader']['epoch']}, batch {saved['loader']['batch']}, step {saved['step']}"
+    return f"the previous good checkpoint is {other} ({where}): resume from it with --resume-from {other}"
+
+
+def newest_good(path: Path) -> tuple[Path, dict] | None:
+    """The newest good checkpoint kept beside a bad ``path`` and what it holds (its tensors mapped, not read), by
+    the order they were saved in: the time each records, or the file's modification time for one saved before
+    checkpoints recorded it. A copy of the run folder (``cp -r``) gives every file the copy's time; the recorded
+    one still tells the step file of ``path``'s own save from the one before it."""
+    found = []
     for other in kept(path.parent):
         if other.exists() and path.exists() and os.path.samefile(other, path):
             continue  # the same file under its kept name
         with contextlib.suppress(Exception):
             if verify(other) is None:
-                saved = load(other)
-                where = f"epoch {saved['loader']['epoch']}, batch {saved['loader']['batch']}, step {saved['step']}"
-                return f"the previous good checkpoint is {other} ({where}): resume from it with --resume-from {other}"
-    return "no earlier good checkpoint is kept: restore a good copy, or delete it to start the run again"
+                saved = torch.load(other, map_location="cpu", weights_only=True, mmap=True)
+                found.append((saved.get("saved_at", other.stat().st_mtime_ns), other, saved))
+    if not found:
+        return None
+    _, other, saved = max(found, key=lambda f: f[0])
+    return other, saved
 
 
 def _cause(e: BaseException) -> str:

@@ -7,7 +7,6 @@ so a held-out folder with fewer classes is labelled right); the data is read by 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -162,13 +161,10 @@ def _good_neighbour(path: Path) -> str:
     """What to evaluate instead of a bad ``path``: the newest good checkpoint kept beside it, if any."""
     from . import checkpoint
 
-    for other in checkpoint.kept(path.parent):
-        if other.exists() and path.exists() and other.samefile(path):
-            continue
-        with contextlib.suppress(OSError):
-            if checkpoint.verify(other) is None:
-                return f"the newest good checkpoint beside it is {other}: evaluate it with --checkpoint {other}"
-    return "no good checkpoint is kept beside it: evaluate another one, or restore a good copy"
+    good = checkpoint.newest_good(path)
+    if good is None:
+        return "no good checkpoint is kept beside it: evaluate another one, or restore a good copy"
+    return f"the newest good checkpoint beside it is {good[0]}: evaluate it with --checkpoint {good[0]}"
 
 
 def _model_name(config: dict, path) -> str:
