@@ -21,6 +21,14 @@ def soft_targets(
     return y * lam + y.flip(0) * (1.0 - lam)
 
 
+def _blend(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
+    """MixUp's ``a * lam + b * (1 - lam)``, in ``a``'s dtype: uint8 images (``normalize=False``) rounded, as timm's
+    ``FastCollateMixup`` does, so a batch stays uint8 whichever of MixUp and CutMix it got."""
+    if a.is_floating_point():
+        return a * lam + b * (1.0 - lam)
+    return (a.float() * lam + b.float() * (1.0 - lam)).round_().to(a.dtype)
+
+
 class Mix:
     """``Mix(...)(images, labels) -> (images, targets)``: MixUp or CutMix with the reversed batch as partner.
 
@@ -36,8 +44,8 @@ class Mix:
         seed: seeds this object's own stream (numpy ``RandomState``, drawn in timm's order); ``None`` seeds from
             the OS. ``set_key(...)`` restarts it at any key.
 
-    Images are float (normalized) batches on any device; they are not modified in place. The batch size must be
-    even, as timm requires.
+    Images are float (normalized) batches on any device, or uint8 ones (``normalize=False``), which stay uint8 (a
+    MixUp blend rounded); they are not modified in place. The batch size must be even, as timm requires.
     """
 
     def __init__(
@@ -71,6 +79,12 @@ class Mix:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if len(images) % 2:
             raise ValueError(f"Mix needs an even batch size, got {len(images)}")
+        if labels.device.type == "cpu" and len(labels):  # on a GPU the check would wait for it: scatter_ asserts there
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0 or high >= self.num_classes:
+                raise ValueError(
+                    f"Mix(num_classes={self.num_classes}) got labels {low}..{high}: each in [0, {self.num_classes})"
+                )
         images, lam = self._mix_batch(images) if self.mode == "batch" else self._mix_elem(images)
         return images, soft_targets(labels, self.num_classes, lam, self.label_smoothing)
 
@@ -102,7 +116,7 @@ class Mix:
             out = x.clone()
             out[:, :, yl:yh, xl:xh] = x.flip(0)[:, :, yl:yh, xl:xh]
             return out, lam
-        return x * lam + x.flip(0) * (1.0 - lam), lam
+        return _blend(x, x.flip(0), lam), lam
 
     def _mix_elem(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(x)
@@ -126,8 +140,9 @@ class Mix:
                 (yl, yh, xl, xh), lam[i] = self._box(x.shape[-2], x.shape[-1], lam[i])
                 out[i, :, yl:yh, xl:xh] = partner[i, :, yl:yh, xl:xh]
             else:
-                out[i] = x[i] * lam[i] + partner[i] * (1 - lam[i])
+                out[i] = _blend(x[i], partner[i], float(lam[i]))
         pack = HostPack()  # one non-blocking copy from pinned memory: torch.tensor(lam, device=) would block the host
         slot = pack.add(lam, torch.float32)
         pack.send(x.device)
-        return out, pack.get(slot).to(x.dtype).unsqueeze(1)
+        lam_dtype = x.dtype if x.is_floating_point() else torch.float32  # uint8 images: lambdas of 0 or 1 were given
+        return out, pack.get(slot).to(lam_dtype).unsqueeze(1)

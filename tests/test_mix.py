@@ -57,3 +57,20 @@ def test_bad_options():
         gpupipe.Mix(0.2, mode="pair")
     with pytest.raises(ValueError, match="even"):
         gpupipe.Mix(0.2)(torch.zeros(3, 3, 4, 4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"Mix\(num_classes=10\) got labels 0..15: each in \[0, 10\)"):
+        gpupipe.Mix(0.2, num_classes=10)(torch.zeros(4, 3, 4, 4), torch.tensor([0, 1, 15, 2]))  # an IndexError was
+
+
+@pytest.mark.parametrize("mode", ["batch", "elem"])
+@pytest.mark.parametrize("alphas", [(1.0, 0.0), (0.0, 1.0)])
+def test_uint8_images_stay_uint8_with_the_float_batchs_targets(mode, alphas):
+    """uint8 batches (normalize=False): MixUp gave float32 where CutMix kept uint8, and per element the lambdas were
+    cast to uint8 (0 or 1), so the targets were wrong."""
+    images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    labels = torch.arange(8) % 4
+    mix = dict(mixup_alpha=alphas[0], cutmix_alpha=alphas[1], mode=mode, num_classes=4, prob=1.0, seed=3)
+    mixed, targets = gpupipe.Mix(**mix)(images, labels)
+    as_float, float_targets = gpupipe.Mix(**mix)(images.float(), labels)
+    assert mixed.dtype == torch.uint8 and torch.equal(mixed, as_float.round().to(torch.uint8))
+    assert targets.dtype == torch.float32 and torch.allclose(targets, float_targets)
+    assert not torch.equal(targets, torch.nn.functional.one_hot(labels, 4).float())  # mixed: no lambda cut to 0 or 1
