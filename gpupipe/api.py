@@ -9,6 +9,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -60,7 +61,12 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     dist = torch.distributed
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return rank or 0, world_size or 1
+    rank, world_size = _whole("rank", rank) or 0, _whole("world_size", world_size)
+    if world_size is None:
+        world_size = 1
+    elif world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return rank, world_size
 
 
 def build_loader(
@@ -142,7 +148,7 @@ def build_loader(
             :mod:`gpupipe.backends.held`.
     """
     name = check_name(backend)
-    _check(on_error, batch_size, num_workers, recipe, image_size)
+    batch_size, num_workers, image_size = _check(on_error, batch_size, num_workers, recipe, image_size)
     _check_root(root)
     seed = _seed(seed)
     _flags(train=train, normalize=normalize, channels_last=channels_last, allow_outside_root=allow_outside_root)
@@ -160,7 +166,7 @@ def build_loader(
     dataloader = _dataloader_settings(spec, dev, workers, pin_memory, prefetch_factor, persistent_workers)
     recipe = _sized_recipe(recipe, image_size, batch_size, train)
     rank, world_size = _resolve_rank(rank, world_size)
-    drop_last = train if drop_last is None else drop_last
+    drop_last = _drop_last(drop_last, train)
     sampler = _sampler(dataset, batch_size, train, seed, (rank, world_size), drop_last, shuffle_window)
     augment = SampleAugment(Policy(recipe) if train else None, seed, transforms, transforms_mode)
     stage = DeviceStage(dev, recipe, normalize=normalize, channels_last=channels_last, augment=augment)
@@ -228,11 +234,12 @@ def _sampler(
 
 def _check(
     on_error: str, batch_size: int, num_workers: int | None, recipe: Recipe | None, image_size: int | None
-) -> None:
-    """The arguments that are wrong whatever the data and the backend."""
-    _whole("batch_size", batch_size, optional=False)
-    _whole("num_workers", num_workers)
-    _whole("image_size", image_size)
+) -> tuple[int, int | None, int | None]:
+    """The arguments that are wrong whatever the data and the backend; the counts as ints (numpy's too)."""
+    batch_size = cast(int, _whole("batch_size", batch_size, optional=False))
+    num_workers, image_size = _whole("num_workers", num_workers), _whole("image_size", image_size)
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(f"recipe must be a gpupipe.Recipe, got {type(recipe).__name__} (Recipe(**settings) makes one)")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if batch_size < 1:
@@ -242,12 +249,16 @@ def _check(
     if recipe is not None and image_size is not None and image_size != recipe.size:
         if not isinstance(recipe.size, DefaultSize):  # both set: which one was meant is not ours to guess
             raise ValueError(f"image_size={image_size} and recipe.size={recipe.size} disagree: set one of them")
+    return batch_size, num_workers, image_size
 
 
-def _whole(name: str, value: object, optional: bool = True) -> None:
-    """A whole-number argument (``True`` is no size, ``"224"`` or ``2.5`` no count): one line naming it otherwise."""
-    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
-        return
+def _whole(name: str, value: object, optional: bool = True) -> int | None:
+    """A whole-number argument as an int (numpy's integers too; ``True`` is no size, ``"224"`` or ``2.5`` no count):
+    one line naming it otherwise."""
+    if value is None and optional:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
     valid = "a whole number" + (" or None" if optional else "")
     raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
 
@@ -262,11 +273,25 @@ def _flags(optional: bool = False, **flags: object) -> None:
         raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
 
 
+SEED_LIMIT = 1 << 40  # a seed's magnitude below it: the sampler's generator takes seed x 1000003 + epoch, 64 bits
+
+
 def _seed(seed: object) -> int:
     """The seed as an int (numpy's integers too: a seed drawn with numpy is one); anything else is one line."""
-    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)):
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)) and abs(int(seed)) < SEED_LIMIT:
         return int(seed)
-    raise ValueError(f"seed must be a whole number, got {seed!r} ({type(seed).__name__})")
+    raise ValueError(f"seed must be a whole number between -2**40 and 2**40, got {seed!r} ({type(seed).__name__})")
+
+
+def _drop_last(drop_last: bool | None, train: bool) -> bool:
+    """``drop_last`` as the sampler takes it: an eval loader delivers every sample once, its last batch short."""
+    if drop_last and not train:
+        warnings.warn(
+            "drop_last=True on an eval loader is ignored: an eval loader delivers every sample exactly once, its last "
+            "batch short (leave drop_last unset; drop a short batch in the loop if a fixed shape is needed)",
+            stacklevel=3,
+        )
+    return train and drop_last is not False
 
 
 def _check_root(root: object) -> None:
@@ -276,6 +301,10 @@ def _check_root(root: object) -> None:
         raise ValueError(
             f"root must be the data: a folder, a CSV list, shards, a URL, a list of them or a dataset; got {root!r} "
             f"({type(root).__name__})"
+        )
+    if isinstance(root, (list, tuple)) and not root:
+        raise ValueError(
+            "root is an empty list: no data (a list names shards or Parquet files, or holds (image, label) items)"
         )
 
 
@@ -327,10 +356,12 @@ def read_image(
     assert spec.read is not None  # a decoder, by the check above
     if isinstance(src, (bytes, bytearray, memoryview)):
         data, path = bytes(src), "<bytes>"
-    else:
+    elif isinstance(src, (str, os.PathLike)):
         path = os.fspath(src)
         try:
             data = read_regular(path)  # a folder, a fifo or a device: one OSError naming what it is
         except FileNotFoundError:
             raise MissingFileError(f"{path}: no such file") from None
+    else:
+        raise ValueError(f"read_image needs a file's path or its bytes, got {type(src).__name__}")
     return spec.read(data, path, max_pixels, torch.device("cpu") if target is None else target)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,44 @@ def size_at(size: Size, epoch: int) -> int:
     return size
 
 
+def _side(name: str, value: object) -> int:
+    """An image side as an int (numpy's integers too); ``"224"``, ``224.0`` or ``True`` is one line naming it."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return value if isinstance(value, DefaultSize) else int(value)
+    raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
+
+
+def _size(size: object) -> Size:
+    """``Recipe(size=)``: a side, a :class:`ResolutionSchedule`, or a per-epoch list of sides (as a tuple)."""
+    if isinstance(size, ResolutionSchedule):
+        return size
+    if isinstance(size, (Sequence, np.ndarray)) and not isinstance(size, (str, bytes)):
+        sides = tuple(_side("size", s) for s in size)
+        if not sides:
+            raise ValueError("a per-epoch size list needs at least one size")
+        return sides
+    if isinstance(size, numbers.Integral) and not isinstance(size, (bool, np.bool_)):
+        return _side("size", size)
+    raise ValueError(
+        f"size must be a whole number, a ResolutionSchedule or a per-epoch list of whole numbers, got {size!r} "
+        f"({type(size).__name__})"
+    )
+
+
+def _channel_stats(name: str, values: object) -> tuple[float, float, float]:
+    """``mean`` or ``std``: three numbers, R, G, B, on the 0-1 scale of pixels (ImageNet's mean is (0.485, 0.456,
+    0.406)); a standard deviation above 0."""
+    try:
+        stats = tuple(float(v) for v in values)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        stats = ()
+    mean = name == "mean"
+    if len(stats) != 3 or not all(math.isfinite(v) and (0 <= v <= 1 if mean else v > 0) for v in stats):
+        bounds = "in [0, 1]" if mean else "above 0"
+        raise ValueError(f"{name} must be three numbers (R, G, B) {bounds}, on pixels scaled to 0-1; got {values!r}")
+    return stats[0], stats[1], stats[2]
+
+
 @dataclass(frozen=True)
 class Recipe:
     """train: RandomResizedCrop(size, scale, ratio) + horizontal flip; eval: resize shorter side to
@@ -144,14 +183,17 @@ class Recipe:
     padding_mode: PaddingMode = "zero"
 
     def __post_init__(self):
-        if not isinstance(self.size, (int, ResolutionSchedule)):  # a per-epoch list: kept as a tuple (hashable)
-            object.__setattr__(self, "size", tuple(int(s) for s in self.size))
-            if not self.size:
-                raise ValueError("a per-epoch size list needs at least one size")
+        object.__setattr__(self, "size", _size(self.size))  # a per-epoch list: kept as a tuple (hashable)
         if (min(self.size) if isinstance(self.size, tuple) else self.train_size(0)) < 1:
             raise ValueError(f"image_size must be >= 1, got {self.size}")
-        if self.eval_size is not None and self.eval_size < 1:
-            raise ValueError(f"eval_size must be >= 1, got {self.eval_size}")
+        if self.eval_size is not None:
+            object.__setattr__(self, "eval_size", _side("eval_size", self.eval_size))
+            if self.eval_size < 1:
+                raise ValueError(f"eval_size must be >= 1, got {self.eval_size}")
+        if not 0 <= self.flip_p <= 1:
+            raise ValueError(f"flip_p must be in [0, 1], got {self.flip_p}")
+        for name in ("mean", "std"):
+            object.__setattr__(self, name, _channel_stats(name, getattr(self, name)))
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {self.scale}")
         if not 0 < self.ratio[0] <= self.ratio[1]:

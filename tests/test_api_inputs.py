@@ -87,12 +87,44 @@ def test_a_transform_returning_float_or_another_shape_is_a_transform_error(folde
         ({"normalize": "no"}, r"normalize must be True or False, got 'no' \(str\)"),
         ({"train": "False"}, r"train must be True or False, got 'False' \(str\)"),
         ({"drop_last": 1}, r"drop_last must be True or False \(or None\), got 1 \(int\)"),
-        ({"seed": "3"}, r"seed must be a whole number, got '3' \(str\)"),
+        ({"seed": "3"}, r"seed must be a whole number between -2\*\*40 and 2\*\*40, got '3' \(str\)"),
+        ({"seed": 2**70}, r"seed must be a whole number between .*, got 1180591620717411303424 \(int\)"),
+        ({"backend": None}, r"backend must be a name, one of pillow, .*, auto; got None"),
+        ({"recipe": {"size": 64}}, r"recipe must be a gpupipe.Recipe, got dict"),
+        (
+            {"transforms": 5, "batch_size": 4},
+            r"transforms must be a callable, a list or tuple of them or a Compose; got 5",
+        ),
+        ({"rank": 0, "world_size": 0}, r"world_size must be >= 1, got 0"),
+        ({"rank": "1", "world_size": 2}, r"rank must be a whole number or None, got '1' \(str\)"),
     ],
 )
 def test_an_argument_of_the_wrong_type_or_an_unknown_device_is_one_line(folder, given, message):
     with pytest.raises(ValueError, match=message):
-        gpupipe.build_loader(folder, "pillow", **given)
+        gpupipe.build_loader(folder, **{"backend": "pillow", **given})
+
+
+def test_numpy_counts_are_taken_as_python_ints(folder):
+    """``np.int64(64)`` was refused as "must be a whole number" (a numpy seed was taken)."""
+    kw = dict(image_size=np.int64(16), batch_size=np.int64(4), num_workers=np.int64(0), device="cpu")
+    loader = gpupipe.build_loader(folder, "pillow", **kw)
+    assert next(iter(loader))[0].shape == (4, 3, 16, 16)
+
+
+def test_drop_last_on_an_eval_loader_warns_that_every_sample_is_delivered(folder):
+    """It was ignored without a word: a short last batch where a fixed shape was asked for."""
+    kw = dict(batch_size=4, image_size=16, device="cpu", num_workers=0)
+    with pytest.warns(UserWarning, match=r"drop_last=True on an eval loader is ignored") as warned:
+        loader = gpupipe.build_loader(folder, "pillow", train=False, drop_last=True, **kw)
+    assert warned[0].filename == __file__
+    assert sum(len(y) for _, y in loader) == len(gpupipe.build_loader(folder, "pillow", train=False, **kw).dataset)
+
+
+def test_an_empty_list_and_a_read_of_no_path_are_one_line():
+    with pytest.raises(ValueError, match=r"root is an empty list: no data"):
+        gpupipe.build_loader([], "pillow", device="cpu")
+    with pytest.raises(ValueError, match=r"read_image needs a file's path or its bytes, got int"):
+        gpupipe.read_image(5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("root", [42, None])
@@ -207,6 +239,10 @@ def test_read_image_of_a_missing_file_or_a_folder_and_a_foreign_loader_state_are
     loader = gpupipe.build_loader(folder, "pillow", batch_size=2, image_size=16, device="cpu", num_workers=0)
     with pytest.raises(ValueError, match=r"^not a loader's state: \{'foo': 1\} has no 'epoch' and 'batch'"):
         loader.load_state_dict({"foo": 1})
+    with pytest.raises(ValueError, match=r"^not a loader's state: None has no 'epoch' and 'batch'"):
+        loader.load_state_dict(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^the state's batch: a batch is a whole number >= 0, got '3'$"):
+        loader.load_state_dict({"epoch": 0, "batch": "3"})  # it was taken, and saved again as the string
 
 
 def test_a_missing_absolute_row_gets_no_relative_path_hint_and_every_data_error_is_gpupipes(tmp_path, folder):

@@ -125,6 +125,20 @@ def test_arrays_read_as_the_folder_of_the_same_images(tmp_path):
     assert open_dataset(held).samples[2] == ("arrays[2]", int(arrays[1][order][2]))
 
 
+def test_grey_arrays_read_as_the_folder_of_the_same_images(tmp_path):
+    """(N, H, W) images, as MNIST's: taken for a two-item dataset ("dataset[0] is a ndarray; the items must be
+    (image, label) pairs")."""
+    rng = np.random.default_rng(2)
+    images, labels = rng.integers(0, 256, (6, 20, 28), dtype=np.uint8), np.array([0, 1, 0, 1, 1, 0])
+    for i, (a, label) in enumerate(zip(images, labels, strict=True)):
+        (tmp_path / f"c{label}").mkdir(exist_ok=True)
+        Image.fromarray(a).save(tmp_path / f"c{label}" / f"{i}.png")
+    order = [int(p.rsplit("/", 1)[1][:-4]) for p, _ in open_source(tmp_path).samples]
+    for held in ((images[order], labels[order]), (torch.from_numpy(images[order]), torch.from_numpy(labels[order]))):
+        for train in (True, False):
+            _same(_batches(held, "pillow", train=train), _batches(tmp_path, "pillow", train=train), exact=True)
+
+
 def test_labels_in_a_column_read_as_a_vector_and_other_shapes_are_named():
     """Keras's CIFAR-10 labels are (N, 1): they were a raw ``TypeError: only 0-dimensional arrays can be converted to
     Python scalars``."""

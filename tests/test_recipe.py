@@ -9,7 +9,7 @@ import torch
 from torchvision.transforms import v2
 
 from gpupipe.image import crop_resize
-from gpupipe.recipe import Box, Recipe, ResolutionSchedule, dct_scale, key_uniforms
+from gpupipe.recipe import IMAGENET_MEAN, Box, Recipe, ResolutionSchedule, dct_scale, key_uniforms
 
 
 def test_train_box_statistics_match_random_resized_crop():
@@ -110,9 +110,35 @@ def test_dct_scale_keeps_output_resolution():
     assert dct_scale(Box(0, 0, 448, 448), 224) == 2
 
 
-def test_bad_recipe_values():
-    with pytest.raises(ValueError, match="scale"):
-        Recipe(scale=(0.5, 0.1))
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"scale": (0.5, 0.1)}, r"scale"),
+        # a string was read as a per-epoch list: Recipe("224") trained on 2x2, 2x2 then 4x4 images
+        ({"size": "224"}, r"size must be a whole number, a ResolutionSchedule or a per-epoch list .*got '224' \(str\)"),
+        ({"size": 224.0}, r"size must be a whole number, .*got 224.0 \(float\)"),
+        ({"size": True}, r"size must be a whole number, .*got True \(bool\)"),
+        ({"size": [32, "64"]}, r"size must be a whole number, got '64' \(str\)"),
+        ({"eval_size": "224"}, r"eval_size must be a whole number, got '224' \(str\)"),
+        # both failed at the first batch, deep in the device stage: a division by zero, a view of the wrong size
+        ({"std": (0, 0, 0)}, r"std must be three numbers \(R, G, B\) above 0, .*; got \(0, 0, 0\)"),
+        ({"mean": (0.5, 0.5)}, r"mean must be three numbers \(R, G, B\) in \[0, 1\]"),
+        ({"mean": (123.7, 116.3, 103.5)}, r"mean must be three numbers .* on pixels scaled to 0-1"),
+        ({"mean": "abc"}, r"mean must be three numbers"),
+        ({"flip_p": 1.5}, r"flip_p must be in \[0, 1\], got 1.5"),
+        ({"flip_p": -1}, r"flip_p must be in \[0, 1\], got -1"),
+    ],
+)
+def test_bad_recipe_values_are_one_line(kw, message):
+    with pytest.raises(ValueError, match=message):
+        Recipe(**kw)
+
+
+def test_numpy_sides_and_listed_stats_are_taken_as_python_ones():
+    recipe = Recipe(np.int64(32), eval_size=np.int32(40), mean=[0.5, 0.5, 0.5], std=np.array([0.25, 0.25, 0.25]))
+    assert recipe.size == 32 and type(recipe.size) is int and type(recipe.eval_size) is int
+    assert recipe.mean == (0.5, 0.5, 0.5) and recipe.std == (0.25, 0.25, 0.25) and hash(recipe)
+    assert Recipe([np.int64(16), 24]).size == (16, 24) and Recipe(mean=list(IMAGENET_MEAN)) == Recipe()
 
 
 def test_a_resolution_schedule_follows_ffcv_rounded_down_to_the_step():

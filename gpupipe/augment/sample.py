@@ -31,6 +31,8 @@ def as_transform(transforms) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return None
     if callable(transforms):
         return transforms
+    if not isinstance(transforms, (list, tuple)) or not all(callable(t) for t in transforms):
+        raise ValueError(f"transforms must be a callable, a list or tuple of them or a Compose; got {transforms!r:.80}")
     from torchvision.transforms import v2
 
     return v2.Compose(list(transforms))

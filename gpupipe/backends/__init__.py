@@ -40,6 +40,8 @@ __all__ = [
 
 def check_name(name: str) -> str:
     """``name`` in lower case when it is a registered backend or ``auto``; ``ValueError`` listing them otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"backend must be a name, one of {', '.join([*names(), 'auto'])}; got {name!r}")
     name = name.lower()
     return name if name == "auto" else get(name).name
 

@@ -88,7 +88,10 @@ class Position:
             raise ValueError(
                 f"not a loader's state: {state!r:.80} has no 'epoch' and 'batch' (what Loader.state_dict() returns)"
             )
-        epoch, batch = _epoch(state["epoch"], "the state's epoch"), int(state["batch"])
+        epoch, batch = (
+            _epoch(state["epoch"], "the state's epoch"),
+            _epoch(state["batch"], "the state's batch", "a batch", ""),
+        )
         if not 0 <= batch <= self.num_batches:
             raise ValueError(
                 f"cannot resume at epoch {epoch}, batch {batch}: this loader has {self.num_batches} batches an epoch"
@@ -177,6 +180,8 @@ class LoaderState:
 
     def load_state_dict(self, state: dict) -> str | None:
         """Resume at ``state`` (see ``Loader.load_state_dict``); a one-line notice when the global batch differs."""
+        if not isinstance(state, dict):
+            self.position.load_state_dict(state)  # its one-line "not a loader's state"
         if self._adaptive is not None and self._key in state:
             self._adaptive.load_state_dict(state[self._key])
         if "samples" not in state:
@@ -282,10 +287,15 @@ class LoaderState:
         return Resplit(epoch, layout, min(start, len(stream)), len(stream), first, mine, sizes)
 
 
-def _epoch(value, what: str) -> int:
-    """An epoch number: a whole number >= 0 (a negative one would be saved in ``state_dict`` and refused on resume)."""
-    if isinstance(value, bool) or int(value) != value or value < 0:
-        raise ValueError(f"{what}: an epoch is a whole number >= 0 (epochs count from 0), got {value!r}")
+def _epoch(value, what: str, kind: str = "an epoch", note: str = " (epochs count from 0)") -> int:
+    """An epoch number: a whole number >= 0 (a negative one would be saved in ``state_dict`` and refused on resume);
+    a batch count with ``kind="a batch"``. ``"3"`` is neither: it would be saved as it came."""
+    try:
+        whole = not isinstance(value, (bool, str, bytes)) and int(value) == value and value >= 0
+    except (TypeError, ValueError):
+        whole = False
+    if not whole:
+        raise ValueError(f"{what}: {kind} is a whole number >= 0{note}, got {value!r}")
     return int(value)
 
 

@@ -51,13 +51,11 @@ def is_dataset(root: object) -> bool:
 
 
 def is_arrays(root: object) -> bool:
-    """``(images, labels)``: an (N, H, W, C) array or tensor and N labels."""
-    return (
-        isinstance(root, tuple)
-        and len(root) == 2
-        and isinstance(root[0], (np.ndarray, torch.Tensor))
-        and root[0].ndim == 4
-    )
+    """``(images, labels)``: an (N, H, W, C) array or tensor (or (N, H, W): grey, as MNIST's) and N labels."""
+    if not (isinstance(root, tuple) and len(root) == 2 and isinstance(root[0], (np.ndarray, torch.Tensor))):
+        return False
+    images, labels = root
+    return images.ndim == 4 or (images.ndim == 3 and hasattr(labels, "__len__") and len(labels) == len(images))
 
 
 class _Arrays:
