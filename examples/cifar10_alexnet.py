@@ -76,7 +76,7 @@ def accuracy(model, loader, steps: int | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="the folder holding cifar-10-batches-py/")
     p.add_argument("--download", action="store_true", help="fetch CIFAR-10 into ROOT first (torchvision's download)")
     p.add_argument("--epochs", type=int, default=20)
