@@ -93,7 +93,7 @@ def _start(args: argparse.Namespace, tree: str, decoder: str, kind: str) -> subp
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)
     p.add_argument("--before", help="a tree holding the gpupipe package before the change (required)")
     p.add_argument("--after", default=".", help="the tree after it (default: this one)")

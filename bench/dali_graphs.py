@@ -240,7 +240,7 @@ def timed(photos: Photos, threads: int, rounds: int) -> tuple[dict[str, list[flo
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data", type=Path)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)

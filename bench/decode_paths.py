@@ -129,7 +129,7 @@ def _opencv_area(tj: TurboJPEG, pairs: list, out: torch.Tensor) -> tuple[str, Ca
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data", type=Path)
     p.add_argument("--count", type=int, default=300)
     p.add_argument("--rounds", type=int, default=3)

@@ -31,7 +31,7 @@ def per_image_ms(blobs: list[tuple[bytes, str]], size: int, cut: bool) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data", nargs="+")
     p.add_argument("--files", type=int, default=300)
     p.add_argument("--size", type=int, default=224)

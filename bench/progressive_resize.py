@@ -47,7 +47,7 @@ def one_run(data: str, val: str, seed: int, common: list[str], schedule: list[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="data/sample")
     p.add_argument("--val", default="data/sample-val")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

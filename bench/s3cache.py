@@ -141,7 +141,7 @@ def run_node(source, window: int, batch: int, proxy: CountingProxy) -> list[dict
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data", help="an image folder (prepared once into --prepared)")
     p.add_argument("--prepared", default=None, help="the prepared shards (default DATA-shards-<MiB>m)")
     p.add_argument("--shard-size", type=int, default=4, help="MiB per shard (default 4)")

@@ -10,9 +10,11 @@ The set is held as the recipe resizes it, 227x227: 7.7 GB for CIFAR-10's 50,000 
 10,000 test images; on a GPU with less memory free (the write-up's 6 GB RTX 2060), ``--cache host`` holds them in
 pinned host memory instead (a set that fits in neither is refused up front, with its size).
 
-    python examples/cifar10_alexnet.py data/cifar --download            # CIFAR-10, fetched by torchvision
-    python -m gpupipe.bench.cifar data/cifar-photos --count 1000        # or a CIFAR-10-format set made locally
-    python examples/cifar10_alexnet.py data/cifar-photos --steps 20     # a few steps, on the CPU too
+    python examples/cifar10_alexnet.py data/cifar --download          # CIFAR-10, fetched by torchvision; 20 epochs
+    python -m gpupipe.bench.cifar data/cifar-photos --count 1000      # or a CIFAR-10-format set made locally
+    python examples/cifar10_alexnet.py data/cifar-photos --epochs 1 --steps 20   # a quick run, on the CPU too
+
+``--steps N`` stops each epoch, and the test pass, after N batches.
 """
 
 from __future__ import annotations
@@ -76,14 +78,14 @@ def accuracy(model, loader, steps: int | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="the folder holding cifar-10-batches-py/")
     p.add_argument("--download", action="store_true", help="fetch CIFAR-10 into ROOT first (torchvision's download)")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--steps", type=int, help="at most this many batches an epoch (and of the test set)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--epochs", type=int, default=20, help="passes over the training set (default 20)")
+    p.add_argument("--steps", type=int, help="at most this many batches an epoch, and of the test set (default: all)")
+    p.add_argument("--batch-size", type=int, default=64, help="(default 64)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default 0.001)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="(default: cuda if any)")
     p.add_argument("--cache", default="device", choices=["device", "host"], help="where the decoded set is held")
     args = p.parse_args(argv)
 

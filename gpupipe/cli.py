@@ -320,7 +320,7 @@ def _add_sample_data_parser(sub) -> None:
         default="train",
         help="train, or val: the same classes drawn from other random streams (default train)",
     )
-    p.add_argument("--classes", type=_positive_int, default=10, help="number of classes (default 10)")
+    p.add_argument("--classes", type=at_least(2), default=10, help="number of classes, at least 2 (default 10)")
     p.add_argument("--per-class", type=_positive_int, help="images per class (default 60 for train, 20 for val)")
     p.add_argument("--seed", type=int, default=0, help="the data set's seed (default 0)")
     p.set_defaults(func=_cmd_sample_data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -48,15 +49,24 @@ class TransformError(GpupipeError):
     """
 
     def __init__(self, where: str, transform: str, cause: str):
-        self.where, self.transform, self.cause = str(where), transform, cause
+        self.where, self.transform, self.cause = str(where), _one_line(transform), cause
         super().__init__(
-            f"{self.where}: your transforms= failed in {transform}: {cause} (gpupipe hands transforms uint8 "
+            f"{self.where}: your transforms= failed in {self.transform}: {cause} (gpupipe hands transforms uint8 "
             "(3, S, S) tensors, after the crop and before normalisation; PIL-only transforms such as ToTensor cannot "
             "take them)"
         )
 
     def __reduce__(self):  # picklable across DataLoader workers
         return (type(self), (self.where, self.transform, self.cause))
+
+
+def _one_line(text: str) -> str:
+    """A repr on one line: torchvision's ``Compose`` puts each member on a line of its own, ``RandomApply`` its own
+    after spaces; the members are joined by commas, the padding inside brackets dropped."""
+    out = ""
+    for part in filter(None, (line.strip() for line in text.splitlines())):
+        out += part if not out or out.endswith("(") or part.startswith(")") else f", {part}"
+    return re.sub(r"\(\s+", "(", re.sub(r"\s+", " ", out))
 
 
 class MissingFileError(FileNotFoundError, GpupipeError):

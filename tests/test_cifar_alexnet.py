@@ -19,6 +19,18 @@ def root(tmp_path_factory):
     return make_cifar10(tmp_path_factory.mktemp("cifar"), 40)
 
 
+def test_help_says_what_the_bench_is_and_what_each_flag_does(capsys):
+    """The description was the docstring's first line, cut mid-sentence; the step's settings had no help."""
+    with pytest.raises(SystemExit):
+        cifar_alexnet.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "at its 227 px and batch 64, alone and under a simulated training step. positional arguments" in out
+    flags = ["--count", "--workers", "--backends", "--device", "--batch", "--size", "--seconds", "--steps"]
+    for flag in [*flags, "--step-ms", "--cpu-share"]:
+        said = out.rsplit(f" {flag} ", 1)[1].split(" --", 1)[0]  # the options' list, not the usage line
+        assert "(default " in said, (flag, said)
+
+
 @pytest.mark.slow
 def test_a_run_writes_every_row_and_the_machine(root, tmp_path, capsys):
     out = tmp_path / "results" / "cifar-alexnet.json"

@@ -36,6 +36,14 @@ def test_sample_data_is_an_imagefolder_of_jpegs(tmp_path):
             assert im.format == "JPEG" and 300 <= min(im.size) and max(im.size) <= 600
 
 
+@pytest.mark.parametrize("classes", ["0", "1"])
+def test_sample_data_asks_for_two_classes_at_the_argument(tmp_path, classes, capsys):
+    """--classes 0 said 'must be >= 1', then --classes 1 'need at least 2 classes'."""
+    with pytest.raises(SystemExit) as e:
+        main(["sample-data", str(tmp_path), "--classes", classes])
+    assert e.value.code == 2 and f"--classes: must be >= 2, got {classes}" in capsys.readouterr().err
+
+
 def test_sample_data_val_split_is_held_out_and_folders_are_not_mixed(tmp_path):
     train, val = tmp_path / "sample", tmp_path / "sample-val"
     assert gpupipe_cli("sample-data", train, "--classes", 2, "--per-class", 3).returncode == 0

@@ -184,7 +184,7 @@ def test_a_set_too_large_is_refused_up_front_with_its_size(tmp_path):
     (tmp_path / "list.csv").write_text("".join(f"big.jpg,{i % 2}\n" for i in range(5000)))
     with pytest.raises(ValueError, match=r'cache="device": the 5000 decoded images need 894\.07 GiB, more than'):
         gpupipe.build_loader(tmp_path / "list.csv", "pillow", cache="device", **_kw())
-    with pytest.raises(ValueError, match=r"need 0\.50 GiB, more than the memory given allows \(0\.50 GiB"):
+    with pytest.raises(ValueError, match=r"need 512\.0 MiB, more than the memory given allows \(512\.0 MiB"):
         check_fits(1 << 29, 10, torch.device("cuda"), "device", memory=1 << 29)
 
 
@@ -223,6 +223,7 @@ def test_repr_says_the_set_is_held_not_read_by_workers(tiny):
     held = gpupipe.build_loader(tiny, "pillow", cache="device", **_kw(recipe=PAD, num_workers=2))
     text = repr(held)
     assert "worker" not in text.replace("no workers", "") and "held on cpu ('device')" in text, text
+    assert f"no workers, {held.held_bytes / 1024:.1f} KiB held" in text  # a small set read "0.00 GiB"
 
 
 def test_a_set_of_pixels_is_held_without_encoding_an_image(monkeypatch):

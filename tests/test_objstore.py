@@ -4,6 +4,7 @@ is not, and the deadline over all attempts."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -103,3 +104,25 @@ def test_the_deadline_leaves_no_wait_past_it(files):
         store.read(url, 0, 4)
     with pytest.raises(ValueError, match="deadline must be > 0 seconds"):
         Remote(url, deadline=0)
+
+
+def test_a_host_that_cannot_be_reached_is_named_not_a_missing_object(files):
+    """fsspec's HTTP file system raises FileNotFoundError for a refused connection, a name that does not resolve and
+    a 5xx alike: each read 'no such object'. The cause under it decides: retried, then the host named."""
+    closed = socket.socket()  # bound, never listening: a connection to it is refused
+    closed.bind(("127.0.0.1", 0))
+    try:
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/bucket/obj"
+        with pytest.raises(StorageError, match=r"unreachable after 2 attempts .*Cannot connect to host 127\.0\.0\.1:"):
+            _store(url, url, retries=2).info(url)
+    finally:
+        closed.close()
+    url = "http://gpupipe-test.invalid/bucket/obj"  # .invalid never resolves (RFC 2606)
+    with pytest.raises(StorageError, match=r"gpupipe-test\.invalid") as e:
+        _store(url, url, retries=2, deadline=30).info(url)
+    assert "no such object" not in str(e.value)
+    files.fail(503, SLOW_DOWN)  # the HEAD, then the GET fsspec tries after it
+    files.fail(503, SLOW_DOWN)
+    assert _store(f"{files.url}/bucket/obj", files.url).info(f"{files.url}/bucket/obj")["size"] == 10
+    with pytest.raises(StorageError, match=r"bucket/nope: no such object$"):
+        _store(f"{files.url}/bucket/nope", files.url).info(f"{files.url}/bucket/nope")

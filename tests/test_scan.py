@@ -1,6 +1,7 @@
 import pytest
 from torchvision.datasets import ImageFolder
 
+import gpupipe
 from gpupipe.sources.open import open_source as scan
 
 from .common_utils import photo
@@ -173,15 +174,20 @@ def test_held_out_set_uses_the_training_classes(tmp_path):
             (tmp_path / split / n).mkdir(parents=True)
             photo(rng, 20, 20).save(tmp_path / split / n / "x.jpg")
     train = scan(tmp_path / "train")
-    with pytest.warns(UserWarning, match="no samples of 1 training class.*a"):
+    with pytest.warns(UserWarning, match="no samples of 1 training class.*a") as said:
         val = scan(tmp_path / "val", class_to_idx=train.class_to_idx)
+    assert said[0].filename == __file__  # the caller's line, not the folder walk's (walk.py)
     assert val.classes == ["a", "b", "c"] and [label for _, label in val.samples] == [1, 2]
     with pytest.raises(ValueError, match="classes not in the training set: z"):
         scan(tmp_path / "odd", class_to_idx=train.class_to_idx)
     lst = tmp_path / "val.csv"
     lst.write_text("val/c/x.jpg,c\nval/b/x.jpg,b\n")
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning) as said:
         assert [label for _, label in scan(lst, class_to_idx=train.class_to_idx).samples] == [2, 1]
+    assert said[0].filename == __file__
+    with pytest.warns(UserWarning, match="no samples of 1 training class") as said:
+        gpupipe.build_loader(tmp_path / "val", "pillow", batch_size=1, class_to_idx=train.class_to_idx, device="cpu")
+    assert said[0].filename == __file__
 
 
 def test_csv_a_nul_byte_and_a_label_of_thousands_of_digits_name_the_line(tmp_path, folder):

@@ -55,3 +55,9 @@ def test_a_resolution_schedule_gives_each_epoch_its_size(folder):
     for epoch, side in ((0, 16), (1, 24), (2, 24), (0, 16)):
         loader.set_epoch(epoch)
         assert {tuple(x.shape[-2:]) for x, _ in loader} == {(side, side)}
+
+
+def test_repr_says_no_workers_whatever_num_workers_says(folder):
+    """It decodes nothing: the num_workers it is given start no process, and its repr said '2 workers'."""
+    text = repr(_loader(folder, num_workers=2))
+    assert "no workers, random pixels made once" in text and "2 workers" not in text, text

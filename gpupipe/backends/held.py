@@ -30,6 +30,7 @@ from ..errors import DecodeError
 from ..image import chw_tensor, crop_resize, default_max_pixels, probe, whole
 from ..plumbing.decode_ahead import DecodeAhead
 from ..plumbing.host_pack import HostPack
+from ..sources.cache import size_text  # bytes, KiB, MiB or GiB: a small set read '0.00 GiB'
 from .gpu_crop import crop_resize_flip, pad_crop_flip, stored_rois
 from .pillow import PillowDecoder
 from .registry import BackendSpec, Decoder
@@ -83,14 +84,10 @@ def check_fits(need: int, count: int, where: torch.device, cache: Cache, memory:
     have, what = (memory, "the memory given") if memory is not None else memory_for(where)
     if need > 0.9 * have:
         raise ValueError(
-            f'cache="{cache}": the {count} decoded images need {_gib(need)}, more than {what} allows ({_gib(have)}, '
-            'a tenth kept for the batches); hold them elsewhere (cache="host"), take a smaller set or image '
-            "files at a smaller size, or leave cache=None to decode every epoch"
+            f'cache="{cache}": the {count} decoded images need {size_text(need)}, more than {what} allows '
+            f'({size_text(have)}, a tenth kept for the batches); hold them elsewhere (cache="host"), take a smaller '
+            "set or image files at a smaller size, or leave cache=None to decode every epoch"
         )
-
-
-def _gib(size: float) -> str:
-    return f"{size / (1 << 30):.2f} GiB"
 
 
 class HeldLoader(Loader):
@@ -121,7 +118,7 @@ class HeldLoader(Loader):
         self._labels = np.asarray(parts.dataset.targets, np.int64)
 
     def _made_by(self) -> str:
-        return f"no workers, {_gib(self.held_bytes)} held on {self.held_on.type} ({self.cache!r})"
+        return f"no workers, {size_text(self.held_bytes)} held on {self.held_on.type} ({self.cache!r})"
 
     def _resized_side(self) -> int | None:
         """The side every image is resized to whole when the recipe's geometry does not depend on the draws (the

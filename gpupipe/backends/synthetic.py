@@ -29,6 +29,9 @@ class SyntheticLoader(Loader):
             self._images[size] = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(self.stage.device)
         return self._images[size]
 
+    def _made_by(self) -> str:
+        return "no workers, random pixels made once"  # it decodes nothing: num_workers starts no process
+
     def _shut(self) -> None:
         """close(): no process or thread to stop; the batches it made on the device are let go."""
         self._images = {}

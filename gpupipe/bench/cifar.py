@@ -101,7 +101,7 @@ def cifar10(root: str | Path, **kwargs) -> CIFAR10:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", type=Path, help="written to ROOT/cifar-10-batches-py")
     p.add_argument("--count", type=int, default=10_000, help="train images (test: a fifth as many)")
     p.add_argument("--seed", type=int, default=0)

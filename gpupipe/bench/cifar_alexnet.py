@@ -33,8 +33,9 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,14 +52,20 @@ from .sim_step import forever, spin
 META = torch.device("meta")
 
 
+def _setting(default: float, text: str) -> Any:
+    """A setting's default and its ``--help`` line."""
+    return field(default=default, metadata={"help": f"{text} (default {default})"})
+
+
 @dataclass(frozen=True)
 class Settings:
-    batch: int = 64
-    size: int = 227
-    seconds: float = 10.0  # the loader alone: batches for at least this long (and at least 3)
-    steps: int = 20  # simulated steps, after 2 that start the loader
-    step_ms: float = 30.0  # the simulated step (AlexNet's forward and backward at batch 64 on a GPU stands here)
-    cpu_share: float = 0.25  # of the step, spent on the training thread's CPU (kernel launches)
+    batch: int = _setting(64, "images per batch, every loader's (the write-up's)")
+    size: int = _setting(227, "the side in pixels each image is resized to (the write-up's Resize)")
+    seconds: float = _setting(10.0, "the loader alone: seconds of batches timed after its first 2, at least 3 batches")
+    steps: int = _setting(20, "under the simulated step: steps timed, after 2 that start the loader")
+    # AlexNet's forward and backward at batch 64 on a GPU stands here
+    step_ms: float = _setting(30.0, "milliseconds of the simulated training step after each batch")
+    cpu_share: float = _setting(0.25, "the step's share on the training thread's CPU, the rest a wait taking none")
 
 
 def recipe(s: Settings) -> Recipe:
@@ -208,15 +215,30 @@ def _workers(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("data", type=Path, help=f"a folder holding {BASE}/ (made there when it is not)")
-    p.add_argument("--count", type=int, default=10_000, help="train images to make when DATA holds none")
-    p.add_argument("--workers", type=_workers, default="0,all", help="comma-separated worker counts; all: every core")
-    p.add_argument("--backends", default="pillow,turbojpeg,dali", help="comma-separated (those available are run)")
-    p.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="where batches go: cpu or cuda")
+    p.add_argument(
+        "--count", type=int, default=10_000, help="train images to make when DATA holds none (default 10000)"
+    )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default="0,all",
+        help="comma-separated worker counts; all: every core (default 0,all)",
+    )
+    p.add_argument(
+        "--backends",
+        default="pillow,turbojpeg,dali",
+        help="comma-separated gpupipe backends timed beside torchvision's loader, those available here (default "
+        "pillow,turbojpeg,dali)",
+    )
+    p.add_argument(
+        "--device", type=torch.device, default=torch.device("cpu"), help="where batches go: cpu or cuda (default cpu)"
+    )
     defaults = Settings()
-    for name, value in asdict(defaults).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    for f in fields(Settings):
+        value = getattr(defaults, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value, help=f.metadata["help"])
     p.add_argument("--json", type=Path, help="write the report here (bench/results/cifar-alexnet-*.json)")
     args = p.parse_args(argv)
     s = Settings(**{k: getattr(args, k) for k in asdict(defaults)})

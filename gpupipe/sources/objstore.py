@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -293,7 +294,11 @@ def _options(url: str, given: dict[str, Any]) -> dict[str, Any]:
 
 def _permanent(url: str, e: Exception) -> StorageError | None:
     """The error to raise at once for ``e``; None when ``e`` is worth another try."""
-    if isinstance(e, FileNotFoundError):
+    host = next((getattr(x, "host", "?") for x in _chain(e) if type(x).__name__ == "ClientConnectorDNSError"), None)
+    if host is not None and any(isinstance(x, socket.gaierror) and x.errno == socket.EAI_NONAME for x in _chain(e)):
+        return StorageError(f"{url}: no such host {host!r} (the name does not resolve; check the URL)")
+    # fsspec's HTTP file system raises FileNotFoundError for any failed HEAD and GET, a refused connection or a 5xx too
+    if isinstance(e, FileNotFoundError) and not _transient(e):
         if any(_status_and_code(x)[1] == "NoSuchBucket" for x in _chain(e)):
             bucket = url.split("://", 1)[-1].split("/", 1)[0]
             return StorageError(
@@ -371,4 +376,6 @@ def _status_and_code(e: BaseException) -> tuple[int | None, str | None]:
 
 
 def _cause(e: BaseException) -> str:
+    if isinstance(e, FileNotFoundError) and e.__cause__ is not None:  # fsspec's HTTP: the failure under it
+        return _cause(e.__cause__)
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

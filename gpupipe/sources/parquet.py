@@ -18,8 +18,6 @@ import dataclasses
 import glob
 import json
 import os
-import sys
-import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,6 +29,7 @@ import numpy as np
 from .._deps import require
 from .._files import read_regular
 from .._system import local_ranks
+from .._warn import warn_user
 from ..errors import DecodeError, MissingFileError, SourceError
 from .cache import Pinned
 from .cached import ReadAhead, plan
@@ -202,12 +201,11 @@ class ParquetImageList(ImageList):
         groups = len(self._group_file)
         if sampler.shuffle and sampler.window is None and groups > self.kept_groups:
             rows = len(self._group_of) / groups
-            warnings.warn(
+            warn_user(
                 f"{self.root}: a global shuffle over {groups} Parquet row groups (about {rows:.0f} rows each) reads "
                 "and decompresses a whole group for nearly every sample; shuffle_window=K (16, say) reads each group "
                 "once an epoch, K groups' rows shuffled together (or prepare the set into tar shards: gpupipe "
-                "prepare)",
-                stacklevel=_caller(),
+                "prepare)"
             )
 
     def read(self, index: int) -> bytes:
@@ -298,16 +296,6 @@ class RemoteParquetImageList(ParquetImageList):
                 return _group_values(pf, group, self.image_key)
 
         return self.store.call(url, by_range)
-
-
-def _caller() -> int:
-    """The ``stacklevel`` of the first frame outside gpupipe (the user's ``build_loader`` call), from the caller's."""
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    package = os.path.dirname(os.path.dirname(__file__))
-    while frame is not None and frame.f_code.co_filename.startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _group_values(f: Any, group: int, column: str) -> list[Any]:

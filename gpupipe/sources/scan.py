@@ -7,7 +7,6 @@ import csv
 import logging
 import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -18,6 +17,7 @@ import numpy as np
 
 from .._files import read_regular
 from .._names import escape
+from .._warn import warn_user
 from ..errors import DecodeError, SourceError
 from .compact import PathList, SampleList
 from .walk import walk_folder
@@ -137,10 +137,9 @@ def _known_classes(source: Path, names, class_to_idx: dict[str, int]) -> dict[st
         )
     absent = sorted(set(class_to_idx) - set(names))
     if absent:
-        warnings.warn(
+        warn_user(
             f"{source}: no samples of {len(absent)} training class(es): "
-            f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}",
-            stacklevel=3,
+            f"{', '.join(map(str, absent[:10]))}{' ...' if len(absent) > 10 else ''}"
         )
     return {n: class_to_idx[n] for n in names}
 
