@@ -7,7 +7,6 @@ import logging
 import numbers
 import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -17,6 +16,7 @@ import torch
 from ._files import read_regular
 from ._options import Cache
 from ._system import as_device, cores_per_rank, default_workers, resolve_device, usable_cores
+from ._warn import warn_user
 from .augment import Policy, SampleAugment
 from .augment.sample import TransformsMode
 from .backends import BackendName, BackendSpec, check_name, get, names, require_backend
@@ -50,7 +50,7 @@ def _check_missing(dataset: ImageList, on_error: str) -> None:
         rows += f" (relative paths are read from the list's folder, {dataset.root})"
     if on_error == "raise":
         raise MissingFileError(f"{len(dataset.missing)} file(s) in the list do not exist: {rows}")
-    warnings.warn(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}", stacklevel=3)
+    warn_user(f"{len(dataset.missing)} file(s) in the list do not exist and will be skipped: {rows}")
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -184,10 +184,9 @@ def _sized_recipe(recipe: Recipe | None, image_size: int | None, batch_size: int
         recipe = dataclasses.replace(recipe, size=image_size)  # 0 or less: Recipe's one-line error
     recipe.check_fits(batch_size, train)  # before any worker asks shared memory for it
     if not train and recipe.policies:
-        warnings.warn(
+        warn_user(
             f"an eval loader applies no augmentation policy: the recipe's {', '.join(recipe.policies)} ignored "
             "(they apply to train loaders; pass recipe.for_eval() to say so)",
-            stacklevel=3,
         )
     return recipe
 
@@ -213,7 +212,7 @@ def _sampler(
                 "CSV list reads each file on its own; gpupipe prepare writes shards): leave it None"
             )
         if why := window_mixing(shards, np.asarray(dataset.targets, np.int64), window, batch_size):
-            warnings.warn(f"{dataset.root}: {why}", stacklevel=3)
+            warn_user(f"{dataset.root}: {why}")
     rank, world_size = rank_world
     sampler = ShardSampler(
         len(dataset),
@@ -286,10 +285,9 @@ def _seed(seed: object) -> int:
 def _drop_last(drop_last: bool | None, train: bool) -> bool:
     """``drop_last`` as the sampler takes it: an eval loader delivers every sample once, its last batch short."""
     if drop_last and not train:
-        warnings.warn(
+        warn_user(
             "drop_last=True on an eval loader is ignored: an eval loader delivers every sample exactly once, its last "
             "batch short (leave drop_last unset; drop a short batch in the loop if a fixed shape is needed)",
-            stacklevel=3,
         )
     return train and drop_last is not False
 

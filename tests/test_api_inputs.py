@@ -186,10 +186,11 @@ def test_a_missing_file_in_a_csv_is_named_before_iteration(tmp_path, folder):
     with pytest.raises(FileNotFoundError, match=r"1 file\(s\) in the list do not exist: .*list.csv:2: b.jpg") as e:
         gpupipe.build_loader(lst, "pillow", device="cpu", num_workers=0)  # at build time, not mid-epoch
     assert f"(relative paths are read from the list's folder, {tmp_path})" in str(e.value)
-    with pytest.warns(UserWarning, match=r"list.csv:2: b.jpg"):
+    with pytest.warns(UserWarning, match=r"list.csv:2: b.jpg") as warned:
         loader = gpupipe.build_loader(
             lst, "pillow", batch_size=3, train=False, image_size=32, device="cpu", num_workers=0, on_error="skip"
         )
+    assert warned[0].filename == __file__  # the user's line
     assert sum(len(y) for _, y in loader) == 2 and [os.path.basename(p) for p, _ in loader.skipped] == ["b.jpg"]
 
 

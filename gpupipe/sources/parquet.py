@@ -18,7 +18,6 @@ import dataclasses
 import glob
 import json
 import os
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -282,7 +281,7 @@ class RemoteParquetImageList(ParquetImageList):
         if how.cached and how.ahead:
             self.read_ahead = ReadAhead(self.cache, sampler, self.file_of, how.ahead)
         elif how.why:
-            warnings.warn(f"{self.root}: {how.why}", stacklevel=4)
+            warn_user(f"{self.root}: {how.why}")
 
     def _read_group(self, k: int, group: int) -> list[Any]:
         url = self.files[k]

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .._system import local_ranks
+from .._warn import warn_user
 from ..errors import GpupipeError, SourceError, StorageError
 from .cache import ShardCache, etag_of, parse_limit
 from .cache_folder import cache_folder
@@ -96,7 +96,7 @@ class RemoteShardImageList(ShardImageList):
                 return
         if self.reader.keeps_blocks or (why is None and (why := self.reader.advice(sampler.shuffle)) is None):
             return
-        warnings.warn(f"{self.root}: {why}", stacklevel=4)
+        warn_user(f"{self.root}: {why}")
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | Exception]:
         """A batch's bytes: from the cache folder, or in few concurrent range reads."""
