@@ -5,6 +5,7 @@ final parameters (``OUT/probe-rank{R}.pt``).
 
     torchrun --nproc_per_node 2 tests/probe.py cli -- <gpupipe train arguments>
     torchrun --nproc_per_node 2 tests/probe.py tiny64 OUT INIT.pt DATA BATCH ACCUM
+    python tests/probe.py plain -- <gpupipe train arguments>   # gpupipe train as it is (with GPUPIPE_PROBE_STEP_S)
     python tests/probe.py kill-in-save N -- <gpupipe train arguments>   # SIGKILL inside the Nth checkpoint write
     python tests/probe.py int-in-save N -- <gpupipe train arguments>   # SIGINT inside the Nth checkpoint write
     python tests/probe.py int-at-import MODULE -- <gpupipe train arguments>   # SIGINT as MODULE is imported
@@ -13,6 +14,10 @@ final parameters (``OUT/probe-rank{R}.pt``).
     torchrun ... tests/probe.py all-exit K -- <gpupipe train arguments>  # every rank exits after K train batches
     torchrun ... tests/probe.py seen TAG K -- <gpupipe train arguments>  # OUT/seen-TAG-rankR.pt: the train batches
     torchrun ... tests/probe.py count -- <gpupipe train arguments>  # host syncs and collectives per micro-batch
+
+In every mode, ``GPUPIPE_PROBE_STEP_S=S`` makes each training step S seconds longer: a signal a test sends on a
+progress line then lands seconds, not milliseconds, before the point the test means it to come before, however busy
+the machine.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -227,8 +233,27 @@ def _count(args: list[str]) -> None:
     torch.save({"steps": steps[1:]}, f"{out}/count-rank{os.environ['RANK']}.pt")
 
 
+def _slow_steps(seconds: float) -> None:
+    """A sleep before each outermost forward in training mode (the model's, not its layers'); none for 0."""
+    if seconds <= 0:
+        return
+    depth = [0]
+
+    def before(module, inputs):
+        if depth[0] == 0 and module.training:
+            time.sleep(seconds)
+        depth[0] += 1
+
+    def after(module, inputs, output):
+        depth[0] -= 1
+
+    nn.modules.module.register_module_forward_pre_hook(before)
+    nn.modules.module.register_module_forward_hook(after)
+
+
 def main() -> None:
     mode = sys.argv[1]
+    _slow_steps(float(os.environ.get("GPUPIPE_PROBE_STEP_S", 0)))
     if mode == "seen":
         from gpupipe.cli import main as cli_main
 
@@ -245,20 +270,22 @@ def main() -> None:
         from gpupipe.cli import main as cli_main
 
         sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
-    if mode in ("kill-in-save", "int-in-save", "int-at-import", "rank-exits", "worker-dies"):
-        if mode == "kill-in-save":
-            _kill_in_save(int(sys.argv[2]))
-        elif mode == "int-in-save":
-            _int_in_save(int(sys.argv[2]))
-        elif mode == "int-at-import":
-            sys.meta_path.insert(0, _IntAtImport(sys.argv[2]))
-        elif mode == "rank-exits":
-            _rank_exits(int(sys.argv[2]), int(sys.argv[3]))
-        else:
-            _worker_dies(int(sys.argv[2]), int(sys.argv[3]))
+    faults = {
+        "plain": lambda: None,
+        "kill-in-save": lambda: _kill_in_save(int(sys.argv[2])),
+        "int-in-save": lambda: _int_in_save(int(sys.argv[2])),
+        "int-at-import": lambda: sys.meta_path.insert(0, _IntAtImport(sys.argv[2])),
+        "rank-exits": lambda: _rank_exits(int(sys.argv[2]), int(sys.argv[3])),
+        "worker-dies": lambda: _worker_dies(int(sys.argv[2]), int(sys.argv[3])),
+    }
+    if mode in faults:
+        faults[mode]()
         from gpupipe.cli import main as cli_main
 
-        sys.exit(cli_main(sys.argv[sys.argv.index("--") + 1 :]))
+        args = sys.argv[sys.argv.index("--") + 1 :]
+        if mode == "plain":  # the command line a user typed, as the resume command reads it: gpupipe train ...
+            sys.argv = ["gpupipe", *args]
+        sys.exit(cli_main(args))
     _on_dispatch(_record)
     nn.parallel.DistributedDataParallel = _ProbeDDP
     if mode == "cli":

@@ -38,8 +38,15 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
-def _start(cmd) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+def _start(cmd, step_s: float | None = None) -> subprocess.Popen:
+    """``cmd`` started, stderr piped; ``step_s``: each training step that much longer (tests/probe.py), so that a
+    signal sent on a progress line comes seconds before the epoch's end, not the milliseconds of 8 quick steps."""
+    env = _env()
+    if step_s is not None:
+        env["GPUPIPE_PROBE_STEP_S"] = str(step_s)
+        if cmd[1:3] == ["-m", "gpupipe"]:
+            cmd = [*_probe("plain"), *cmd[3:]]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _wait_for(proc: subprocess.Popen, prefix: str) -> list[str]:
@@ -69,7 +76,7 @@ def _weights(out) -> dict:
 def test_sigterm_saves_at_the_step_boundary_and_the_resumed_run_ends_as_a_straight_one(data, tmp_path):
     assert _run(_cmd(data, tmp_path / "straight", "--epochs", "2")).returncode == 0
     out = tmp_path / "stopped"
-    proc = _start(_cmd(data, out, "--epochs", "2"))
+    proc = _start(_cmd(data, out, "--epochs", "2"), step_s=0.3)
     _wait_for(proc, "epoch 0  2/8")
     proc.send_signal(signal.SIGTERM)
     code, lines = _finish(proc)
@@ -124,7 +131,7 @@ def test_gpupipe_torchrun_sent_sigterm_ends_as_its_ranks_do_in_one_line(data, tm
 def test_ctrl_c_saves_and_a_second_one_stops_at_once(data, tmp_path):
     """The first SIGINT asks for a save at the next optimizer step; with --accum 16 that is up to 15 micro-batches
     away, and the second SIGINT comes before it: the run stops at once, saving nothing more."""
-    proc = _start(_cmd(data, tmp_path / "once", "--epochs", "3"))
+    proc = _start(_cmd(data, tmp_path / "once", "--epochs", "3"), step_s=0.3)
     _wait_for(proc, "epoch 0  2/8")
     proc.send_signal(signal.SIGINT)
     code, lines = _finish(proc)
@@ -132,7 +139,7 @@ def test_ctrl_c_saves_and_a_second_one_stops_at_once(data, tmp_path):
     assert not any("Traceback" in line for line in lines)
 
     out = tmp_path / "twice"
-    proc = _start(_cmd(data, out, "--epochs", "3", "--accum", "16", "--batch-size", "2"))
+    proc = _start(_cmd(data, out, "--epochs", "3", "--accum", "16", "--batch-size", "2"), step_s=0.2)
     _wait_for(proc, "epoch 0  1/")
     proc.send_signal(signal.SIGINT)
     _wait_for(proc, "SIGINT (Ctrl-C): stopping after this step")
@@ -213,7 +220,7 @@ def test_a_sigkilled_run_resumes_at_once_while_its_workers_linger(data, tmp_path
     the run had open: the folder is free all the same, and ``--resume`` goes on at once."""
     out = tmp_path / "run"
     cmd = _cmd(data, out, "--epochs", "1", "--workers", "1", "--save-every", "1")
-    proc = _start(cmd)
+    proc = _start(cmd, step_s=0.3)
     _wait_for(proc, "epoch 0  3/8")
     workers = _children(proc.pid)
     assert workers
@@ -276,7 +283,7 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_names_the_checkpoint_kept(dat
     ``cannot write the checkpoint ([enforce fail at inline_container.cc:672] . unexpected pos ...`` and status 2. The
     write is abandoned; last.pt is still the checkpoint of epoch 0's end, whole."""
     out = tmp_path / "run"
-    proc = _start([*_probe("int-in-save", "2"), *_cmd(data, out, "--epochs", "3")[3:]])
+    proc = _start([*_probe("int-in-save", "2"), *_cmd(data, out, "--epochs", "3")[3:]], step_s=0.3)
     _wait_for(proc, "epoch 1  2/8")
     proc.send_signal(signal.SIGINT)
     code, lines = _finish(proc)
