@@ -166,8 +166,8 @@ def test_the_estimate_is_no_shorter_than_a_small_real_run(tmp_path, model):
     actual, planned = time.monotonic() - t0, lines[0]  # what the run says first
     assert len(results) == (3 if model is None else 5)  # baseline, pillow, synthetic; and each trained end to end
     assert suite.estimate(cfg) == pytest.approx(planned, abs=1.0)
-    # the estimate aims at an idle machine's time: a busy one may take a few times longer, never a tenth
-    assert actual / 4 <= planned <= 10 * actual, (planned, actual)
+    # the estimate aims at an idle machine's time: a busy one may take several times longer, never a tenth
+    assert actual / 8 <= planned <= 10 * actual, (planned, actual)
 
 
 def test_an_image_over_the_pixel_limit_is_left_out_of_the_baseline_and_the_megapixels(tmp_path, monkeypatch):

@@ -247,7 +247,9 @@ def test_a_pass_left_up_to_the_limit_short_goes_on_and_one_left_more_restarts(ph
     it = iter(loader)
     for _ in range(len(loader) - left):
         next(it)
-    time.sleep(0.3)  # the step: the thread makes the next batches
+    deadline = time.monotonic() + 30  # the step: the thread takes the next works, up to its full queue
+    while loader._carry.owed() > _LEFT_OVER + beyond and time.monotonic() < deadline:
+        time.sleep(0.01)
     del it
     loader._ahead.join()
     assert loader._carry.owed() == _LEFT_OVER + beyond
@@ -777,9 +779,11 @@ def test_an_epochs_first_batch_is_not_held_back_by_the_feeds_next_read(photo_sha
     last = loader._ahead._thread  # the last pass's (it may still deliver the batch it made ahead)
     second = iter(loader)
     next(second)
-    time.sleep(0.2)  # the loader's thread goes on
-    now = [event for thread, event in events if thread not in (last, threading.current_thread())]
-    assert now[0] == "delivered 1:0" and "take" in now
+    deadline = time.monotonic() + 30  # the loader's thread goes on to its next take (a busy machine: not at once)
+    while "take" not in (now := [e for thread, e in events if thread not in (last, threading.current_thread())]):
+        assert time.monotonic() < deadline, now
+        time.sleep(0.01)
+    assert now[0] == "delivered 1:0"
     assert len(list(second)) == len(loader) - 1
 
 

@@ -136,7 +136,7 @@ def test_resuming_a_run_whose_last_checkpoint_is_a_fifo_reads_no_settings_from_i
     assert not blocked
 
 
-def test_a_reader_waiting_on_a_fifo_in_flight_is_let_go_once_a_wait_is_long(tmp_path, no_hang):
+def test_a_reader_waiting_on_a_fifo_in_flight_is_let_go_once_a_wait_is_long(tmp_path, no_hang, monkeypatch):
     """dali's pipelines read their paths in their own threads, where a file that became a fifo holds ``open`` until a
     writer comes. While a wait on the pipeline lasts over a second, each fifo among the paths in flight is opened for
     writing and closed: the reader goes on and reads the end. A wait shorter than that, or one that has ended, opens
@@ -157,11 +157,12 @@ def test_a_reader_waiting_on_a_fifo_in_flight_is_let_go_once_a_wait_is_long(tmp_
     read: list[bytes] = []
     reader = threading.Thread(target=lambda: read.append(fifo.read_bytes()), daemon=True)
     reader.start()
+    monkeypatch.setattr(dali_fifos, "AFTER", 3.0)  # seconds of margin for the first check on a busy machine
     flight = dali_fifos.InFlight()
     flight.add(None)  # a batch fed bytes: nothing to look at
     flight.add(rows)
     flight.wait()
-    reader.join(dali_fifos.AFTER * 0.8)
+    reader.join(1.0)
     assert reader.is_alive()  # not yet: a batch may take a while
     reader.join(10)
     flight.done()

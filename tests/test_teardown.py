@@ -43,7 +43,8 @@ def shards(folder, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_dropped_loader_ends_its_workers_without_the_garbage_collector(folder, shards, case):
+def test_a_dropped_loader_ends_its_workers_without_the_garbage_collector(folder, shards, case, monkeypatch):
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 30.0)  # torch's fallback: 30 s, not 5
     backend, kw = CASES[case]
     if backend not in gpupipe.available_backends():
         pytest.skip(f"no {backend}")
@@ -53,9 +54,11 @@ def test_a_dropped_loader_ends_its_workers_without_the_garbage_collector(folder,
     )
 
 
-def test_a_dropped_nvjpeg_loader_ends_its_workers_without_the_garbage_collector(folder):
+def test_a_dropped_nvjpeg_loader_ends_its_workers_without_the_garbage_collector(folder, monkeypatch):
     """nvjpeg's stream too, its decode thread left in the middle of a pass (the loader's device side on the CPU)."""
     from .test_nvjpeg import _CpuNvjpegLoader
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 30.0)
 
     parts = gpupipe.build_loader(folder, "pillow", batch_size=4, num_workers=1, device="cpu", image_size=32).parts
     _ends_with_its_last_reference(lambda: _CpuNvjpegLoader(parts))
@@ -85,7 +88,7 @@ def _ends_with_its_last_reference(make) -> None:
     gc.disable()
     try:
         del it, loader
-        deadline = time.monotonic() + 3  # torch's own wait for a worker that missed the stop is 5 s
+        deadline = time.monotonic() + 20  # torch's own wait for a worker that missed the stop: 30 s here
         while workers & _workers(os.getpid()) and time.monotonic() < deadline:
             time.sleep(0.05)
         left = workers & _workers(os.getpid())

@@ -120,7 +120,7 @@ def test_a_feed_worker_stuck_as_it_begins_is_killed_and_named(shards, monkeypatc
     began = time.monotonic()
     with pytest.raises(GpupipeError, match=r"feed worker \(pid \d+\) did not begin within 1 s") as caught:
         next(iter(loader))
-    assert time.monotonic() - began < 15
+    assert time.monotonic() - began < 30  # not the 60 s a worker's answer may take: the 1 s bound held
     pid = int(str(caught.value).split("pid ")[1].split(")")[0])
     deadline = time.monotonic() + 10
     while pid in _children(os.getpid()) and time.monotonic() < deadline:
