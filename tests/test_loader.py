@@ -493,9 +493,9 @@ def test_repr_says_backend_source_size_batches_workers_and_device(folder):
     loader = gpupipe.build_loader(
         folder, "synthetic", batch_size=5, train=False, image_size=32, num_workers=1, device="cpu"
     )
-    assert (
-        repr(loader)
-        == f"<SyntheticLoader synthetic {str(folder)!r}: 24 images, 5 batches of 5, eval, 1 worker, device cpu>"
+    assert repr(loader) == (
+        f"<SyntheticLoader synthetic {str(folder)!r}: 24 images, 5 batches of 5, eval, no workers, random pixels "
+        "made once, device cpu>"
     )
 
 
