@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -72,6 +73,27 @@ def test_a_forced_second_ctrl_c_is_not_raised_once_the_run_took_it_or_ended():
         os.kill(os.getpid(), signal.SIGINT)
     assert stop.now
     assert not threading.Event().wait(1.5)  # the run ended before: not raised after it
+
+
+def test_a_forced_ctrl_c_on_its_way_as_the_run_ends_is_never_raised_after_it(monkeypatch):
+    """The forcing thread checked that the run had not ended, then signalled: a run ending in between had its own
+    handlers back, and Python's raised the KeyboardInterrupt after the run, wherever the program was by then."""
+    real = signal.pthread_kill
+
+    def preempted(*args):  # the forcing thread, held up between its check and its signal
+        time.sleep(0.5)
+        real(*args)
+
+    monkeypatch.setattr(signal, "pthread_kill", preempted)
+    with contextlib.suppress(KeyboardInterrupt):  # taken as the run ends, or let go: both are the run's
+        with StopSignals(announce=lambda text: None, force_after_s=0.1):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)  # no interrupt point: the run ends while the forced signal is on its way
+    try:
+        threading.Event().wait(1.0)
+    except KeyboardInterrupt:
+        pytest.fail("a KeyboardInterrupt came after the run had ended")
 
 
 class _Slow(Dataset):

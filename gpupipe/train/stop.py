@@ -82,6 +82,7 @@ class StopSignals:
         self.validating = False  # the run validates (its epoch's checkpoint saved): a stop comes when that ends
         self._taken = False  # its KeyboardInterrupt was raised
         self._closed = False
+        self._closing = threading.Lock()  # a forced signal is sent before the handlers go back, or not at all
         self._pid = os.getpid()
         self._old: dict[int, Any] = {}
 
@@ -95,12 +96,15 @@ class StopSignals:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._closed = True  # first: a forced signal still on its way is not raised in here
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
+        try:
+            with self._closing:  # a forced signal sent already is raised here (the acquire runs its handler)
+                self._closed = True  # first: a forced signal still on its way is not raised in here
+        finally:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            for sig, old in self._old.items():
+                signal.signal(sig, old)
+            self._old.clear()
 
     def take(self) -> None:
         """An interrupt point: the second Ctrl-C's ``KeyboardInterrupt``, raised here once."""
@@ -130,8 +134,9 @@ class StopSignals:
         """No interrupt point came within ``force_after_s`` (the main thread waits for a batch that does not come):
         the second Ctrl-C raised wherever it is, as Python's own handler would."""
         time.sleep(self.force_after_s)
-        if not self._taken and not self._closed:
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        with self._closing:  # not between __exit__'s close and its handlers' return: Python's would raise after it
+            if not self._taken and not self._closed:
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     @property
     def requested(self) -> bool:
