@@ -223,7 +223,10 @@ def lowest_omegaconf(tmp_path_factory) -> tuple[str, Path]:
     version = floor if floor.count(".") == 2 else f"{floor}.0"
     target = tmp_path_factory.mktemp("omegaconf")
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(target)]
-    r = subprocess.run([*pip, f"omegaconf=={version}"], capture_output=True, text=True, timeout=300)
+    try:
+        r = subprocess.run([*pip, f"omegaconf=={version}"], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:  # an index that hangs: as much no answer as one that refuses
+        pytest.skip(f"pip did not install omegaconf=={version} within 300 s")
     if r.returncode != 0:
         pytest.skip(f"pip cannot install omegaconf=={version} here: {r.stderr.strip().splitlines()[-1:]}")
     return version, target
