@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from .data.device import DeviceStage
 from .data.loader import DataLoaderSettings, Loader, LoaderParts, OnError
 from .data.sampler import ShardSampler, window_mixing
 from .errors import MissingFileError
-from .recipe import DefaultSize, Recipe
+from .recipe import DefaultSize, Recipe, is_whole
 from .sources.dataset import check_sendable
 from .sources.open import Source, open_source
 from .sources.scan import ImageList
@@ -256,7 +255,7 @@ def _whole(name: str, value: object, optional: bool = True) -> int | None:
     one line naming it otherwise."""
     if value is None and optional:
         return None
-    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+    if is_whole(value):
         return int(value)
     valid = "a whole number" + (" or None" if optional else "")
     raise ValueError(f"{name} must be {valid}, got {value!r} ({type(value).__name__})")
@@ -277,7 +276,7 @@ SEED_LIMIT = 1 << 40  # a seed's magnitude below it: the sampler's generator tak
 
 def _seed(seed: object) -> int:
     """The seed as an int (numpy's integers too: a seed drawn with numpy is one); anything else is one line."""
-    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)) and abs(int(seed)) < SEED_LIMIT:
+    if is_whole(seed) and abs(int(seed)) < SEED_LIMIT:
         return int(seed)
     raise ValueError(f"seed must be a whole number between -2**40 and 2**40, got {seed!r} ({type(seed).__name__})")
 

@@ -13,7 +13,7 @@ import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeGuard, cast
 
 import numpy as np
 
@@ -104,9 +104,14 @@ def size_at(size: Size, epoch: int) -> int:
     return size
 
 
+def is_whole(value: object) -> TypeGuard[numbers.Integral]:
+    """A whole number: an int or numpy's integer, not a bool (``True`` is no size), ``"224"`` or ``224.0``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _side(name: str, value: object) -> int:
     """An image side as an int (numpy's integers too); ``"224"``, ``224.0`` or ``True`` is one line naming it."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+    if is_whole(value):
         return value if isinstance(value, DefaultSize) else int(value)
     raise ValueError(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
 
@@ -120,7 +125,7 @@ def _size(size: object) -> Size:
         if not sides:
             raise ValueError("a per-epoch size list needs at least one size")
         return sides
-    if isinstance(size, numbers.Integral) and not isinstance(size, (bool, np.bool_)):
+    if is_whole(size):
         return _side("size", size)
     raise ValueError(
         f"size must be a whole number, a ResolutionSchedule or a per-epoch list of whole numbers, got {size!r} "
